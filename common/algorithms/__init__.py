@@ -1,0 +1,30 @@
+"""One module per algorithm; `make_algorithm` maps config names to them."""
+
+from fedseq.common.algorithms.base import Algorithm
+from fedseq.common.algorithms.fedavg import FedAvg
+from fedseq.common.algorithms.fedbabu import FedBABU
+from fedseq.common.algorithms.fedper import FedPer
+from fedseq.common.algorithms.fedprox import FedProx
+from fedseq.common.algorithms.fedreg import FedReG
+from fedseq.common.algorithms.fedrep import FedRep
+from fedseq.common.algorithms.fedrod import FedRoD
+from fedseq.common.algorithms.fedseq import FedSeq, FedSeqAnti
+from fedseq.common.algorithms.lgfedavg import LGFedAvg
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.models import ModelSpec
+
+REGISTRY: dict[str, type[Algorithm]] = {
+    cls.name: cls
+    for cls in (FedAvg, FedProx, FedPer, FedRep, LGFedAvg, FedBABU, FedRoD, FedReG, FedSeq, FedSeqAnti)
+}
+
+
+def algorithm_class(name: str) -> type[Algorithm]:
+    return REGISTRY[name]
+
+
+def make_algorithm(cfg: ExperimentConfig, spec: ModelSpec) -> Algorithm:
+    return REGISTRY[cfg.algorithm.name](cfg, spec)
+
+
+__all__ = ["Algorithm", "REGISTRY", "algorithm_class", "make_algorithm"]

@@ -1,0 +1,72 @@
+"""Aggregation: named deltas + weights -> new global blocks, as a streaming weighted sum."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from fedseq.common.models import Weights
+
+
+@dataclass
+class ClientUpdate:
+    """What a client returns: deltas of the shared blocks it trained, and its sample counts."""
+
+    client: int
+    round: int
+    deltas: Weights
+    num_samples: int
+    effective_samples: int | None = None  # FedReG: original rows in the rebalanced set
+    train_flops: int = 0
+    train_seconds: float = 0.0
+    bytes_up: int = 0
+
+
+def block_of(key: str) -> str:
+    return key.split(".", 1)[0]
+
+
+@dataclass
+class WeightedDeltaSum:
+    """Running sum of weight * delta per tensor, and of the weights per tensor.
+
+    Memory is one accumulator per tensor, whatever the number of clients. Each tensor is averaged
+    over the clients that sent it, so a block trained by only some clients is still a proper mean.
+    """
+
+    sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    clients: list[int] = field(default_factory=list)
+
+    def add(self, deltas: Weights, weight_of: dict[str, float], client: int) -> None:
+        """weight_of maps a block name to this client's weight for it."""
+        for k, d in deltas.items():
+            w = float(weight_of[block_of(k)])
+            if not torch.isfinite(d).all():
+                raise ValueError(f"client {client}: delta {k} has NaN or Inf")
+            if k in self.sums:
+                self.sums[k].add_(d, alpha=w)
+            else:
+                self.sums[k] = d.to(torch.float64) * w
+            self.weights[k] = self.weights.get(k, 0.0) + w
+        self.clients.append(client)
+
+    def apply(self, global_weights: Weights) -> Weights:
+        """New global tensors: old + weighted mean delta (tensors nobody sent stay as they are)."""
+        out = dict(global_weights)
+        for k, s in self.sums.items():
+            if self.weights[k] > 0:
+                g = global_weights[k]
+                out[k] = (g.to(torch.float64) + s / self.weights[k]).to(g.dtype)
+        return out
+
+
+def aggregate_weighted(
+    global_weights: Weights, updates: Iterable[tuple[Weights, dict[str, float]]]
+) -> Weights:
+    """Pure helper: (deltas, per-block weights) pairs -> new global weights."""
+    acc = WeightedDeltaSum()
+    for i, (deltas, weight_of) in enumerate(updates):
+        acc.add(deltas, weight_of, i)
+    return acc.apply(global_weights)

@@ -1,0 +1,72 @@
+"""The algorithm interface: pure plan + aggregation-weight logic, no I/O, no clocks."""
+
+from __future__ import annotations
+
+from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
+from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.models import ModelSpec
+
+
+class Algorithm:
+    """Default behaviour is FedAvg: train every block, upload every block, nothing personal."""
+
+    name = "fedavg"
+    two_heads = False  # needs a personal second head (FedRoD, FedReG)
+    #: what the global model is when evaluated, where it is not a trained whole model
+    global_model_note: str | None = None
+
+    def __init__(self, cfg: ExperimentConfig, spec: ModelSpec):
+        self.cfg = cfg
+        self.spec = spec
+
+    # -- what clients do -------------------------------------------------------------------
+    def personal_blocks(self) -> tuple[str, ...]:
+        return ()
+
+    def shared_blocks(self) -> tuple[str, ...]:
+        return tuple(b for b in self.spec.blocks if b not in self.personal_blocks())
+
+    def eval_heads(self) -> tuple[str, ...]:
+        """Heads summed for a client's personalized prediction."""
+        return (self.spec.head,)
+
+    def phases(self, round: int) -> tuple[Phase, ...]:
+        epochs = self.cfg.train.local_epochs
+        return (Phase(epochs, (Objective((self.spec.head,), self.spec.blocks),)),)
+
+    def plan(self, round: int) -> ClientPlan:
+        phases = self.phases(round)
+        trained: dict[str, None] = {}
+        for p in phases:
+            trained.update(dict.fromkeys(p.trainable))
+        personal = self.personal_blocks()
+        t = self.cfg.train
+        return ClientPlan(
+            phases=phases,
+            upload=tuple(b for b in trained if b not in personal),
+            personal=personal,
+            lr=t.lr,
+            momentum=t.momentum,
+            batch_size=t.batch_size,
+            prox_mu=self.prox_mu(),
+            rebalance_threshold=None,
+            class_counts_needed=any(o.loss == "balanced_ce" for p in phases for o in p.objectives),
+        )
+
+    def prox_mu(self) -> float:
+        return 0.0
+
+    def finetune_plan(self) -> ClientPlan | None:
+        """After the last round: every client fine-tunes locally (FedBABU, FedSeq); None = no."""
+        return None
+
+    # -- aggregation -----------------------------------------------------------------------
+    def aggregation_weights(self, update: ClientUpdate) -> dict[str, float]:
+        """Per-block weight of one client's deltas; default: its sample count."""
+        return {block_of(k): float(update.num_samples) for k in update.deltas}
+
+
+def base_only_phase(spec: ModelSpec, trainable_base: tuple[str, ...], epochs: int) -> Phase:
+    """Train some base blocks under a frozen head (FedBABU, FedSeq)."""
+    return Phase(epochs, (Objective((spec.head,), trainable_base),))

@@ -1,0 +1,7 @@
+"""FedAvg (McMahan et al.): every block trained and averaged by sample count."""
+
+from fedseq.common.algorithms.base import Algorithm
+
+
+class FedAvg(Algorithm):
+    name = "fedavg"

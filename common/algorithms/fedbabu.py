@@ -1,0 +1,29 @@
+"""FedBABU (Oh et al.): the head stays at its random init during federation, only the body is
+trained and aggregated; every client fine-tunes the whole model after the last round.
+
+The paper zeroes the head's learning rate (gradient computed, not applied); here the head has
+requires_grad=False, which gives the same weights without computing the head's gradient.
+"""
+
+from fedseq.common.algorithms.base import Algorithm, base_only_phase
+from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
+
+
+class FedBABU(Algorithm):
+    name = "fedbabu"
+    global_model_note = "aggregated base + head frozen at its initial weights (before fine-tuning)"
+
+    def trainable_base(self, round: int) -> tuple[str, ...]:
+        return self.spec.base
+
+    def phases(self, round: int) -> tuple[Phase, ...]:
+        return (base_only_phase(self.spec, self.trainable_base(round), self.cfg.train.local_epochs),)
+
+    def finetune_plan(self) -> ClientPlan | None:
+        epochs = self.cfg.algorithm.finetune_epochs
+        if epochs == 0:
+            return None
+        t = self.cfg.train
+        phase = Phase(epochs, (Objective((self.spec.head,), self.spec.blocks),))
+        return ClientPlan((phase,), upload=(), personal=self.spec.blocks, lr=t.lr,
+                          momentum=t.momentum, batch_size=t.batch_size)

@@ -1,0 +1,11 @@
+"""FedPer (Arivazhagan et al.): the whole model trains locally, the head stays personal."""
+
+from fedseq.common.algorithms.base import Algorithm
+
+
+class FedPer(Algorithm):
+    name = "fedper"
+    global_model_note = "aggregated base + head at its initial weights (heads are personal)"
+
+    def personal_blocks(self) -> tuple[str, ...]:
+        return (self.spec.head,)

@@ -1,0 +1,10 @@
+"""FedProx (Li et al.): FedAvg plus a proximal term mu/2 * ||w - w_global||^2 on trained blocks."""
+
+from fedseq.common.algorithms.base import Algorithm
+
+
+class FedProx(Algorithm):
+    name = "fedprox"
+
+    def prox_mu(self) -> float:
+        return self.cfg.algorithm.mu

@@ -1,0 +1,21 @@
+"""FedRep (Collins et al.): head epochs with the base frozen, then base epochs with the head frozen;
+only the base is shared."""
+
+from fedseq.common.algorithms.base import Algorithm
+from fedseq.common.algorithms.plan import Objective, Phase
+
+
+class FedRep(Algorithm):
+    name = "fedrep"
+    global_model_note = "aggregated base + head at its initial weights (heads are personal)"
+
+    def personal_blocks(self) -> tuple[str, ...]:
+        return (self.spec.head,)
+
+    def phases(self, round: int) -> tuple[Phase, ...]:
+        head = (self.spec.head,)
+        phases = []
+        if self.cfg.algorithm.head_epochs:
+            phases.append(Phase(self.cfg.algorithm.head_epochs, (Objective(head, head),)))
+        phases.append(Phase(self.cfg.train.local_epochs, (Objective(head, self.spec.base),)))
+        return tuple(phases)

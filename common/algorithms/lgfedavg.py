@@ -1,0 +1,11 @@
+"""LG-FedAvg (Liang et al.): local representations (personal base), global head."""
+
+from fedseq.common.algorithms.base import Algorithm
+
+
+class LGFedAvg(Algorithm):
+    name = "lg-fedavg"
+    global_model_note = "base at its initial weights + aggregated head (bases are personal)"
+
+    def personal_blocks(self) -> tuple[str, ...]:
+        return self.spec.base

@@ -1,0 +1,72 @@
+"""What a selected client does in a round: phases of objectives over named blocks.
+
+Plans are plain data: the trainer executes them, the wire can carry them, and tests can read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Loss = Literal["ce", "balanced_ce"]
+DataSource = Literal["local", "rebalanced"]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """One optimizer step per batch: logits = sum of `heads` on the base features, `loss` on them,
+    gradients only for `trainable` blocks (everything else has requires_grad=False).
+
+    reuse_features: take the features and frozen heads' logits of the previous objective on the
+    same batch, detached (FedRoD trains its personal head on the generic pass's features).
+    """
+
+    heads: tuple[str, ...]
+    trainable: tuple[str, ...]
+    loss: Loss = "ce"
+    reuse_features: bool = False
+
+
+@dataclass(frozen=True)
+class Phase:
+    epochs: int
+    objectives: tuple[Objective, ...]
+    data: DataSource = "local"
+
+    @property
+    def trainable(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for o in self.objectives:
+            seen.update(dict.fromkeys(o.trainable))
+        return tuple(seen)
+
+
+@dataclass(frozen=True)
+class ClientPlan:
+    phases: tuple[Phase, ...]
+    upload: tuple[str, ...]  # shared blocks whose deltas go back to the server
+    personal: tuple[str, ...] = ()  # blocks that live with the client, never uploaded
+    lr: float = 0.01
+    momentum: float = 0.0
+    batch_size: int = 20
+    prox_mu: float = 0.0
+    rebalance_threshold: float | None = None  # FedReG: client sample-count threshold C
+    class_counts_needed: bool = False  # balanced softmax needs the client's label counts
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def trainable(self) -> tuple[str, ...]:
+        seen: dict[str, None] = {}
+        for p in self.phases:
+            seen.update(dict.fromkeys(p.trainable))
+        return tuple(seen)
+
+    @property
+    def uses(self) -> tuple[str, ...]:
+        """Every block the client's forward passes touch (what it must hold to train)."""
+        seen: dict[str, None] = {}
+        for p in self.phases:
+            for o in p.objectives:
+                seen.update(dict.fromkeys(o.heads))
+                seen.update(dict.fromkeys(o.trainable))
+        return tuple(seen)

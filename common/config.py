@@ -1,0 +1,151 @@
+"""Experiment configuration: TOML in, pydantic-validated, shared by simulation and deployment."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from fedseq.common.errors import ConfigError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 on Jetson
+    import tomli as tomllib
+
+ALGORITHMS = (
+    "fedavg",
+    "fedprox",
+    "fedper",
+    "fedrep",
+    "lg-fedavg",
+    "fedbabu",
+    "fedrod",
+    "fedreg",
+    "fedseq-vanilla",
+    "fedseq-anti",
+)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    dataset: Literal["mnist", "fmnist", "cifar10", "cifar100"] = "fmnist"
+    root: Path = Path("data")
+    partition: Literal["dirichlet", "shards", "iid"] = "dirichlet"
+    alpha: float = Field(0.1, gt=0)
+    shards_per_client: int = Field(2, ge=1)
+    num_clients: int = Field(30, ge=1)
+    train_fraction: float = Field(0.75, gt=0, lt=1)
+    min_samples: int = Field(40, ge=1, description="Dirichlet: resample until every client has this many")
+
+
+class ModelConfig(_Section):
+    name: Literal["cnn"] = "cnn"
+
+
+class AlgorithmConfig(_Section):
+    name: Literal[ALGORITHMS] = "fedseq-anti"  # type: ignore[valid-type]
+    unfreeze_rounds: list[int] = Field(default_factory=list)
+    finetune_epochs: int = Field(10, ge=0)
+    mu: float = Field(0.001, ge=0, description="FedProx proximal weight")
+    head_epochs: int = Field(1, ge=0, description="FedRep head epochs before the body epochs")
+    rebalance_threshold: Literal["mean", "median", "max"] = "mean"
+
+
+class TrainConfig(_Section):
+    join_ratio: float = Field(0.2, gt=0, le=1)
+    local_epochs: int = Field(5, ge=1)
+    batch_size: int = Field(20, ge=1)
+    lr: float = Field(0.01, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+    eval_every: int = Field(1, ge=1)
+    eval_batch_size: int = Field(2000, ge=1)
+    threads: int | None = Field(None, ge=1, description="torch threads; default: all cores")
+
+
+class ExperimentConfig(_Section):
+    seed: int = 0
+    rounds: int = Field(100, ge=1)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _check_schedule(self) -> ExperimentConfig:
+        t = self.algorithm.unfreeze_rounds
+        if t and (t != sorted(t) or t[0] < 0 or t[-1] >= self.rounds):
+            raise ValueError(
+                f"algorithm.unfreeze_rounds {t} must be ascending rounds in 0..{self.rounds - 1}"
+            )
+        return self
+
+    def clients_per_round(self) -> int:
+        """floor(join_ratio * num_clients), at least one (paper Algorithm 1, line 2)."""
+        return max(1, int(self.train.join_ratio * self.data.num_clients + 1e-9))
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """Split 'dotted.key=value'; the value uses TOML syntax, a bare word is a string."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. --set train.lr=0.005")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def _format_validation(exc: ValidationError, source: str) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "config"
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key (check the spelling; see examples/*.toml for valid keys)"
+    elif err["type"] == "value_error":
+        msg = msg.removeprefix("Value error, ")
+    elif "input" in err and not isinstance(err["input"], dict):
+        msg = f"{msg} (got {err['input']!r})"
+    more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{where}: {msg}; fix it in {source}{more}"
+
+
+def load_config(path: Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read a TOML file (optional), apply --set overrides, validate. Raises ConfigError."""
+    raw: dict[str, Any] = {}
+    source = "the command line"
+    if path is not None:
+        source = str(path)
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(f"config file {path} not found; pass an existing --config FILE") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML ({exc}); fix the file") from exc
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        node = raw
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {k} is not a table")
+        node[keys[-1]] = value
+    if overrides:
+        source += " or its --set override"
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, source)) from exc
+
+
+def dump_config(cfg: ExperimentConfig) -> str:
+    """The resolved config as TOML (what a run directory stores)."""
+    import tomli_w
+
+    data = cfg.model_dump(mode="json", exclude_none=True)
+    return tomli_w.dumps(data)

@@ -1,0 +1,114 @@
+"""Readers for the standard dataset files (no download, no torchvision)."""
+
+from __future__ import annotations
+
+import gzip
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from fedseq.common.errors import DatasetError
+
+IDX_LAYOUT = {
+    "mnist": "MNIST/raw",
+    "fmnist": "FashionMNIST/raw",
+}
+IDX_FILES = {
+    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
+CIFAR_DIRS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+NUM_CLASSES = {"mnist": 10, "fmnist": 10, "cifar10": 10, "cifar100": 100}
+
+
+@dataclass(frozen=True)
+class RawDataset:
+    """Images as uint8 (N, C, H, W) and labels as int64 (N,), train and test concatenated."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    num_classes: int
+    num_train: int  # the first num_train rows are the original training split
+
+
+def parse_idx(buf: bytes, source: str = "IDX data") -> np.ndarray:
+    """Decode one IDX file (big-endian header: 0, 0, type, ndim, dims...)."""
+    if len(buf) < 4 or buf[0] != 0 or buf[1] != 0:
+        raise DatasetError(f"{source}: not an IDX file (bad magic); re-copy the original file")
+    if buf[2] != 0x08:
+        raise DatasetError(f"{source}: IDX type 0x{buf[2]:02x} unsupported (only uint8 0x08)")
+    nd = buf[3]
+    dims = tuple(int(d) for d in np.frombuffer(buf, ">u4", nd, 4))
+    offset = 4 + 4 * nd
+    expected = int(np.prod(dims)) if dims else 0
+    if len(buf) - offset != expected:
+        raise DatasetError(
+            f"{source}: header says {expected} bytes of data, file has {len(buf) - offset}; "
+            "the file is truncated or corrupt, re-copy it"
+        )
+    return np.frombuffer(buf, np.uint8, offset=offset).reshape(dims)
+
+
+def _read_idx_file(folder: Path, stem: str, dataset: str) -> np.ndarray:
+    for path in (folder / f"{stem}.gz", folder / stem):
+        if path.exists():
+            try:
+                data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+            except (OSError, EOFError) as exc:
+                raise DatasetError(f"{path}: cannot decompress ({exc}); re-copy the file") from exc
+            return parse_idx(data, str(path))
+    raise DatasetError(
+        f"missing dataset file {folder / (stem + '.gz')}: put the original {dataset} files "
+        f"under {folder}/ or point data.root at the folder that holds {IDX_LAYOUT[dataset]}"
+    )
+
+
+def read_idx_dataset(root: Path, dataset: str) -> RawDataset:
+    folder = Path(root) / IDX_LAYOUT[dataset]
+    parts = []
+    for split in ("train", "test"):
+        images = _read_idx_file(folder, IDX_FILES[split][0], dataset)
+        labels = _read_idx_file(folder, IDX_FILES[split][1], dataset)
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise DatasetError(
+                f"{folder}: {split} images {images.shape} and labels {labels.shape} do not match"
+            )
+        parts.append((images, labels))
+    images = np.concatenate([p[0] for p in parts])[:, None, :, :]
+    labels = np.concatenate([p[1] for p in parts]).astype(np.int64)
+    return RawDataset(images, labels, NUM_CLASSES[dataset], len(parts[0][0]))
+
+
+def _unpickle(path: Path) -> dict:
+    if not path.exists():
+        raise DatasetError(
+            f"missing dataset file {path}: extract the CIFAR python archive under {path.parent.parent}"
+        )
+    with path.open("rb") as f:
+        # CIFAR ships as pickles; they come from the user's own disk, never from the network.
+        return pickle.load(f, encoding="latin1")  # noqa: S301
+
+
+def read_cifar(root: Path, dataset: str) -> RawDataset:
+    folder = Path(root) / CIFAR_DIRS[dataset]
+    if dataset == "cifar10":
+        names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
+        key = "labels"
+    else:
+        names = ["train", "test"]
+        key = "fine_labels"
+    batches = [_unpickle(folder / n) for n in names]
+    images = np.concatenate([np.asarray(b["data"], np.uint8) for b in batches]).reshape(-1, 3, 32, 32)
+    labels = np.concatenate([np.asarray(b[key], np.int64) for b in batches])
+    num_train = sum(len(b[key]) for b in batches[:-1])
+    return RawDataset(images, labels, NUM_CLASSES[dataset], num_train)
+
+
+def read_dataset(root: Path, dataset: str) -> RawDataset:
+    """Dispatch on the config's dataset name."""
+    if dataset in IDX_LAYOUT:
+        return read_idx_dataset(root, dataset)
+    if dataset in CIFAR_DIRS:
+        return read_cifar(root, dataset)
+    raise DatasetError(f"unknown dataset {dataset!r}; use one of {sorted(NUM_CLASSES)}")

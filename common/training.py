@@ -1,0 +1,192 @@
+"""Executes a client plan on a torch model: the only training loop in fedseq.
+
+It knows blocks, objectives and losses, nothing of algorithms or transports. Frozen blocks have
+requires_grad=False, so no gradient is computed for them and nothing is applied to them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.plan import ClientPlan, Objective
+from fedseq.common.data.federated import ClientShard, FederatedData
+from fedseq.common.data.rebalance import rebalance, simple_augment
+from fedseq.common.models import BlockModel, Weights, get_blocks, set_weights
+from fedseq.common.seeding import torch_rng
+from torch.utils.flop_counter import FlopCounterMode
+
+FlopCache = dict[tuple[Objective, int, int], int]
+
+
+@dataclass
+class TrainStats:
+    num_samples: int
+    effective_samples: int | None
+    flops: int
+    seconds: float
+    batches: int
+    mean_loss: float
+
+
+def _set_trainable(model: BlockModel, trainable: tuple[str, ...]) -> list[torch.nn.Parameter]:
+    params = []
+    for name, module in model.named_children():
+        flag = name in trainable
+        for p in module.parameters():
+            p.requires_grad_(flag)
+            if flag:
+                params.append(p)
+    return params
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor, kind: str, log_prior: torch.Tensor | None):
+    if kind == "balanced_ce":
+        assert log_prior is not None
+        logits = logits + log_prior
+    return F.cross_entropy(logits, y)
+
+
+def train_plan(
+    model: BlockModel,
+    data: FederatedData,
+    shard: ClientShard,
+    plan: ClientPlan,
+    seed: int,
+    round: int,
+    purpose: str = "batches",
+    flop_cache: FlopCache | None = None,
+) -> TrainStats:
+    """Run every phase of `plan` on the client's training rows; updates `model` in place.
+
+    Batch order (and FedReG's rebalancing and augmentation) come from generators derived from
+    (seed, purpose, round, client), so the result does not depend on who runs it.
+    """
+    start = time.perf_counter()
+    g_batch = torch_rng(seed, purpose, round, shard.client)
+    g_aug = torch_rng(seed, "rebalance", round, shard.client)
+    flop_cache = {} if flop_cache is None else flop_cache
+    anchor: dict[str, torch.Tensor] = {}
+    if plan.prox_mu > 0:
+        anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
+    log_prior = None
+    if plan.class_counts_needed:
+        counts = shard.train_class_counts(data.y, data.num_classes).float()
+        log_prior = counts.clamp_min(1e-12).log()[None, :]
+    flops = batches = 0
+    loss_sum = 0.0
+    effective = None
+    for phase_no, phase in enumerate(plan.phases):
+        rows = shard.train
+        augment = None
+        if phase.data == "rebalanced":
+            assert plan.rebalance_threshold is not None, "rebalanced phase needs a threshold"
+            rb = rebalance(shard.train, data.y, plan.rebalance_threshold, g_aug)
+            rows, augment, effective = rb.indices, rb.augment, rb.effective
+        optimizers = []
+        for obj in phase.objectives:
+            params = _set_trainable(model, obj.trainable)
+            optimizers.append(
+                torch.optim.SGD(params, lr=plan.lr, momentum=plan.momentum, foreach=True)
+                if params else None
+            )
+        n = len(rows)
+        for _ in range(phase.epochs):
+            perm = torch.randperm(n, generator=g_batch)
+            for i in range(0, n, plan.batch_size):
+                pick = perm[i : i + plan.batch_size]
+                idx = rows[pick]
+                x = data.x[idx]
+                if augment is not None:
+                    aug = augment[pick]
+                    if aug.any():
+                        x[aug] = simple_augment(x[aug], g_aug)
+                x = x.contiguous(memory_format=torch.channels_last)
+                y = data.y[idx]
+                cache: dict[str, torch.Tensor] = {}
+                for obj_no, (obj, opt) in enumerate(zip(phase.objectives, optimizers, strict=True)):
+                    if opt is None:
+                        continue
+                    key = (obj, len(idx), phase_no * 100 + obj_no)
+                    if len(phase.objectives) > 1:
+                        _set_trainable(model, obj.trainable)
+                    if key not in flop_cache:
+                        with FlopCounterMode(display=False) as counter:
+                            loss = _step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
+                        flop_cache[key] = int(counter.get_total_flops())
+                    else:
+                        loss = _step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
+                    flops += flop_cache[key]
+                    loss_sum += loss
+                batches += 1
+    _set_trainable(model, ())
+    return TrainStats(
+        num_samples=len(shard.train),
+        effective_samples=effective,
+        flops=flops,
+        seconds=time.perf_counter() - start,
+        batches=batches,
+        mean_loss=loss_sum / max(1, batches),
+    )
+
+
+def _step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientPlan, anchor) -> float:
+    if obj.reuse_features and "features" in cache:
+        feats = cache["features"].detach()
+    else:
+        feats = model.features(x)
+        cache["features"] = feats
+    logits = None
+    for h in obj.heads:
+        if obj.reuse_features and h not in obj.trainable and h in cache:
+            part = cache[h].detach()
+        else:
+            part = getattr(model, h)(feats)
+            cache[h] = part
+        logits = part if logits is None else logits + part
+    assert logits is not None
+    loss = _loss(logits, y, obj.loss, log_prior)
+    if plan.prox_mu > 0:
+        prox = sum(
+            (p - anchor[name]).pow(2).sum()
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        )
+        loss = loss + 0.5 * plan.prox_mu * prox
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return float(loss.detach())
+
+
+def run_client_round(
+    model: BlockModel,
+    weights: Weights,
+    plan: ClientPlan,
+    data: FederatedData,
+    shard: ClientShard,
+    seed: int,
+    round: int,
+    purpose: str = "batches",
+    flop_cache: FlopCache | None = None,
+) -> tuple[ClientUpdate, Weights]:
+    """Load the client's weights (global blocks + its personal blocks), train under the plan and
+    return (update with deltas of the uploaded blocks, the client's new personal blocks)."""
+    set_weights(model, weights)
+    before = get_blocks(model, plan.upload)
+    stats = train_plan(model, data, shard, plan, seed, round, purpose, flop_cache)
+    after = get_blocks(model, plan.upload)
+    deltas = {k: after[k] - before[k] for k in after}
+    update = ClientUpdate(
+        client=shard.client,
+        round=round,
+        deltas=deltas,
+        num_samples=stats.num_samples,
+        effective_samples=stats.effective_samples,
+        train_flops=stats.flops,
+        train_seconds=stats.seconds,
+    )
+    return update, get_blocks(model, plan.personal)

@@ -1,0 +1,212 @@
+"""The round loop: select clients, send what they need, aggregate what comes back, evaluate.
+
+Transport-agnostic: it talks to a ClientPool (in-process or MQTT) and a RunDir.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from fedseq.common.algorithms import Algorithm
+from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum, block_of
+from fedseq.common.algorithms.fedreg import FedReG
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.federated import FederatedData
+from fedseq.common.evaluation import EvalReport
+from fedseq.common.models import BlockModel, Weights, count_params, get_blocks
+from fedseq.common.protocol.tensors import frame_size
+from fedseq.common.seeding import numpy_rng
+from fedseq.server.pool import ClientPool
+from fedseq.server.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def select_clients(seed: int, round: int, num_clients: int, per_round: int) -> list[int]:
+    """The round's participants: a pure function of (seed, round)."""
+    rng = numpy_rng(seed, "select", round)
+    return sorted(int(c) for c in rng.choice(num_clients, per_round, replace=False))
+
+
+def check_update(update: ClientUpdate, global_weights: Weights, allowed: set[str]) -> str | None:
+    """Why an update must be rejected, or None. A rejected update never touches the model."""
+    for k, d in update.deltas.items():
+        if block_of(k) not in allowed:
+            return f"tensor {k} is not an uploadable block this round"
+        if k not in global_weights or d.shape != global_weights[k].shape:
+            return f"tensor {k} has shape {tuple(d.shape)}, expected a global tensor's shape"
+        if not torch.isfinite(d).all():
+            return f"tensor {k} contains NaN or Inf"
+    if update.num_samples <= 0:
+        return f"num_samples={update.num_samples} must be positive"
+    return None
+
+
+@dataclass
+class RunResult:
+    global_weights: Weights
+    final: EvalReport
+    rows: list[dict[str, Any]]
+
+
+class Coordinator:
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        algorithm: Algorithm,
+        model: BlockModel,
+        data: FederatedData,
+        pool: ClientPool,
+        run_dir: RunDir | None = None,
+        on_round: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.cfg = cfg
+        self.alg = algorithm
+        self.model = model
+        self.data = data
+        self.pool = pool
+        self.run_dir = run_dir
+        self.on_round = on_round or (lambda row: None)
+        self.global_weights = get_blocks(model, model.spec.blocks)
+        if isinstance(algorithm, FedReG):
+            algorithm.set_train_sizes([len(c.train) for c in data.clients])
+        # Version 0 of every block is the seed-derived initial model, which every client can
+        # build itself; a block is sent to a client only when its version there is stale.
+        self.version = dict.fromkeys(model.spec.blocks, 0)
+        self.client_version = {c.client: dict(self.version) for c in data.clients}
+        self._frame_sizes: dict[tuple[str, int], int] = {}
+
+    def _block_bytes(self, block: str) -> int:
+        key = (block, self.version[block])
+        if key not in self._frame_sizes:
+            self._frame_sizes[key] = frame_size(
+                {k: v for k, v in self.global_weights.items() if block_of(k) == block}
+            )
+        return self._frame_sizes[key]
+
+    def _bytes_down(self, client: int, blocks: list[str]) -> int:
+        total = 0
+        held = self.client_version[client]
+        for b in blocks:
+            if held[b] != self.version[b]:
+                total += self._block_bytes(b)
+                held[b] = self.version[b]
+        return total
+
+    def run_round(self, t: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        per_round = self.cfg.clients_per_round()
+        selected = select_clients(self.cfg.seed, t, self.cfg.data.num_clients, per_round)
+        plan = self.alg.plan(t)
+        needed = [b for b in plan.uses if b not in plan.personal]
+        send = {k: v for k, v in self.global_weights.items() if block_of(k) in needed}
+        bytes_down = sum(self._bytes_down(c, needed) for c in selected)
+        acc = WeightedDeltaSum()
+        reported, rejected, flops, bytes_up = [], [], 0, 0
+        allowed = set(plan.upload)
+        for update in self.pool.train(t, selected, plan, send):
+            if update.round != t or update.client not in selected:
+                log.warning("round %d: ignoring update of client %d for round %d",
+                            t, update.client, update.round)
+                continue
+            reason = check_update(update, self.global_weights, allowed)
+            if reason is None:
+                try:
+                    acc.add(update.deltas, self.alg.aggregation_weights(update), update.client)
+                except ValueError as exc:
+                    reason = str(exc)
+            if reason is not None:
+                log.warning("round %d: rejected update of client %d: %s", t, update.client, reason)
+                rejected.append(update.client)
+                continue
+            reported.append(update.client)
+            flops += update.train_flops
+            bytes_up += update.bytes_up
+        new = acc.apply(self.global_weights)
+        for b in {block_of(k) for k in acc.sums}:
+            self.version[b] += 1
+        self.global_weights = new
+        last = t == self.cfg.rounds - 1
+        report = None
+        if (t + 1) % self.cfg.train.eval_every == 0 or last:
+            report = self.pool.evaluate(self.global_weights, self.alg.eval_heads())
+        row = {
+            "round": t,
+            "phase": "train",
+            "global_acc": report.global_acc if report else None,
+            "personal_acc": report.personal_acc if report else None,
+            "clients": selected,
+            "reported": reported,
+            "failed": sorted(set(selected) - set(reported)),
+            "rejected": rejected,
+            "bytes_down": bytes_down,
+            "bytes_up": bytes_up,
+            "trainable_params": count_params(self.model, plan.trainable),
+            "uploaded_blocks": list(plan.upload),
+            "train_flops": flops,
+            "seconds": round(time.perf_counter() - start, 3),
+        }
+        if self.alg.global_model_note:
+            row["global_model"] = self.alg.global_model_note
+        self._last_report = report
+        return row
+
+    def run(self) -> RunResult:
+        rows = []
+        for t in range(self.cfg.rounds):
+            row = self.run_round(t)
+            rows.append(row)
+            self._emit(row)
+        final = self._last_report
+        assert final is not None
+        ft_plan = self.alg.finetune_plan()
+        if ft_plan is not None:
+            start = time.perf_counter()
+            tuned = self.pool.finetune(ft_plan, self.global_weights, (self.model.spec.head,))
+            final = EvalReport(final.global_correct, final.global_total, tuned.per_client)
+            row = {
+                "round": self.cfg.rounds,
+                "phase": "finetune",
+                "global_acc": final.global_acc,
+                "personal_acc": final.personal_acc,
+                "clients": sorted(tuned.per_client),
+                "finetune_epochs": self.cfg.algorithm.finetune_epochs,
+                "trainable_params": count_params(self.model, ft_plan.trainable),
+                "seconds": round(time.perf_counter() - start, 3),
+            }
+            rows.append(row)
+            self._emit(row)
+        if self.run_dir is not None:
+            self._write_outputs(final)
+        return RunResult(self.global_weights, final, rows)
+
+    def _emit(self, row: dict[str, Any]) -> None:
+        if self.run_dir is not None:
+            self.run_dir.log_round(row)
+        self.on_round(row)
+
+    def _write_outputs(self, final: EvalReport) -> None:
+        assert self.run_dir is not None
+        clients = []
+        for shard in self.data.clients:
+            correct, total = final.per_client.get(shard.client, (0, 0))
+            clients.append({
+                "client": shard.client,
+                "train_samples": len(shard.train),
+                "test_samples": len(shard.test),
+                "correct": correct,
+                "total": total,
+                "accuracy": round(correct / total, 6) if total else "",
+                "classes": int(np.count_nonzero(
+                    shard.train_class_counts(self.data.y, self.data.num_classes).numpy())),
+            })
+        self.run_dir.write_clients(clients)
+        self.run_dir.write_model(self.global_weights, {
+            "algorithm": self.cfg.algorithm.name, "rounds": str(self.cfg.rounds),
+            "seed": str(self.cfg.seed)})

@@ -1,0 +1,88 @@
+"""Client pools: who trains the selected clients. The coordinator's round loop talks only to this
+interface, so the in-process simulation and the MQTT fleet share it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.plan import ClientPlan
+from fedseq.common.data.federated import FederatedData
+from fedseq.common.evaluation import EvalReport, evaluate
+from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
+from fedseq.common.protocol.tensors import frame_size
+from fedseq.common.training import FlopCache, run_client_round
+
+
+class ClientPool(Protocol):
+    def train(
+        self, round: int, clients: list[int], plan: ClientPlan, weights: Weights
+    ) -> Iterator[ClientUpdate]:
+        """Train the selected clients; yields the updates that arrived (failures are missing)."""
+        ...
+
+    def evaluate(self, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport: ...
+
+    def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
+        """Every client fine-tunes from `weights` and reports accuracy on its own test rows."""
+        ...
+
+
+class InProcessPool:
+    """All logical clients in this process; personal blocks kept in memory."""
+
+    def __init__(
+        self, data: FederatedData, model: BlockModel, personal_blocks: tuple[str, ...], seed: int,
+        eval_batch: int = 2000,
+    ):
+        self.data = data
+        self.model = model
+        self.seed = seed
+        self.eval_batch = eval_batch
+        initial = get_blocks(model, personal_blocks)
+        # Personal blocks start from the initial global model, as on a device.
+        self.personal: dict[int, Weights] = {
+            c.client: {k: v.clone() for k, v in initial.items()} for c in data.clients
+        }
+        self.flop_cache: FlopCache = {}
+
+    def train(
+        self, round: int, clients: list[int], plan: ClientPlan, weights: Weights
+    ) -> Iterator[ClientUpdate]:
+        for c in clients:
+            start = {**weights, **self.personal[c]}
+            update, personal = run_client_round(
+                self.model, start, plan, self.data, self.data.clients[c], self.seed, round,
+                flop_cache=self.flop_cache,
+            )
+            self.personal[c] = personal
+            update.bytes_up = sum(
+                frame_size({k: v for k, v in update.deltas.items() if k.split(".", 1)[0] == b})
+                for b in plan.upload
+            )
+            yield update
+
+    def evaluate(self, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
+        return evaluate(self.model, self.data, weights, self.personal, eval_heads,
+                        batch=self.eval_batch)
+
+    def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
+        per_client: dict[int, tuple[int, int]] = {}
+        for shard in self.data.clients:
+            c = shard.client
+            _, tuned = run_client_round(
+                self.model, {**weights, **self.personal[c]}, plan, self.data, shard, self.seed,
+                round=0, purpose="finetune", flop_cache=self.flop_cache,
+            )
+            rep = evaluate(self.model, self.data, tuned, {}, eval_heads, clients=[c],
+                           batch=self.eval_batch, with_global=False)
+            per_client[c] = rep.per_client[c]
+        return EvalReport(None, None, per_client)
+
+
+def make_model(name: str, data: FederatedData, two_heads: bool, seed: int) -> BlockModel:
+    from fedseq.common.seeding import derive_seed
+
+    return build_model(name, data.input_shape, data.num_classes, two_heads,
+                       generator_seed=derive_seed(seed, "init"))
