@@ -40,7 +40,8 @@ class DataConfig(_Section):
     shards_per_client: int = Field(2, ge=1)
     num_clients: int = Field(30, ge=1)
     train_fraction: float = Field(0.75, gt=0, lt=1)
-    min_samples: int = Field(40, ge=1, description="Dirichlet: resample until every client has this many")
+    min_samples: int = Field(40, ge=1, description="Dirichlet: redraw until every client has this many")
+    fraction: float = Field(1.0, gt=0, le=1, description="use a seed-chosen subset (quick runs)")
 
 
 class ModelConfig(_Section):

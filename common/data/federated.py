@@ -16,6 +16,7 @@ from fedseq.common.data.partition import (
     train_test_split,
 )
 from fedseq.common.data.readers import RawDataset, read_dataset
+from fedseq.common.seeding import numpy_rng
 
 
 @dataclass(frozen=True)
@@ -63,10 +64,14 @@ def client_indices(labels: np.ndarray, cfg: DataConfig, seed: int) -> list[np.nd
 def load_federated(cfg: DataConfig, seed: int) -> FederatedData:
     """Read the dataset files and split them over the clients; pure function of (cfg, seed)."""
     raw = _load_raw(str(cfg.root), cfg.dataset)
-    x = torch.from_numpy(raw.images).float().div_(127.5).sub_(1.0)
-    y = torch.from_numpy(raw.labels)
+    images, labels = raw.images, raw.labels
+    if cfg.fraction < 1.0:
+        keep = np.sort(numpy_rng(seed, "subset").permutation(len(labels))[: int(len(labels) * cfg.fraction)])
+        images, labels = images[keep], labels[keep]
+    x = torch.from_numpy(images).float().div_(127.5).sub_(1.0)
+    y = torch.from_numpy(labels)
     shards = []
-    for cid, idx in enumerate(client_indices(raw.labels, cfg, seed)):
+    for cid, idx in enumerate(client_indices(labels, cfg, seed)):
         tr, te = train_test_split(idx, cfg.train_fraction, seed, cid)
         shards.append(ClientShard(cid, torch.from_numpy(tr), torch.from_numpy(te)))
     return FederatedData(x, y, raw.num_classes, tuple(shards))

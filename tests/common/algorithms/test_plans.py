@@ -1,0 +1,73 @@
+"""Which blocks each algorithm trains, uploads and keeps personal."""
+
+import pytest
+
+from fedseq.common.algorithms import REGISTRY, algorithm_class, make_algorithm
+from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.config import load_config
+from fedseq.common.models import build_model
+
+
+def _alg(name):
+    cfg = load_config(None, [f"algorithm.name={name}", "rounds=9"])
+    alg = make_algorithm(cfg, build_model("cnn", (1, 28, 28), 10, algorithm_class(name).two_heads).spec)
+    if name == "fedreg":
+        alg.set_train_sizes([100, 300])
+    return alg
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_personal_blocks_never_uploaded(name):
+    alg = _alg(name)
+    for t in range(9):
+        plan = alg.plan(t)
+        assert not set(plan.upload) & set(plan.personal)
+        assert set(plan.upload) <= set(plan.trainable)
+
+
+@pytest.mark.parametrize(
+    "name, upload, personal",
+    [
+        ("fedavg", ("conv1", "conv2", "fc1", "fc2"), ()),
+        ("fedprox", ("conv1", "conv2", "fc1", "fc2"), ()),
+        ("fedper", ("conv1", "conv2", "fc1"), ("fc2",)),
+        ("fedrep", ("conv1", "conv2", "fc1"), ("fc2",)),
+        ("lg-fedavg", ("fc2",), ("conv1", "conv2", "fc1")),
+        ("fedbabu", ("conv1", "conv2", "fc1"), ()),
+        ("fedrod", ("conv1", "conv2", "fc1", "fc2"), ("fc2_p",)),
+        ("fedreg", ("conv1", "conv2", "fc1", "fc2"), ("fc2_p",)),
+    ],
+)
+def test_upload_and_personal_sets(name, upload, personal):
+    plan = _alg(name).plan(0)
+    assert set(plan.upload) == set(upload) and plan.personal == personal
+
+
+def test_fedrep_head_then_body():
+    plan = _alg("fedrep").plan(0)
+    assert [p.trainable for p in plan.phases] == [("fc2",), ("conv1", "conv2", "fc1")]
+
+
+def test_fedprox_mu():
+    assert _alg("fedprox").plan(0).prox_mu == 0.001 and _alg("fedavg").plan(0).prox_mu == 0
+
+
+def test_fedreg_phases_and_weights():
+    alg = _alg("fedreg")
+    plan = alg.plan(0)
+    p1, p2 = plan.phases
+    assert p1.data == "local" and p1.objectives[0].heads == ("fc2", "fc2_p")
+    assert "fc2" not in p1.trainable and "fc2_p" in p1.trainable
+    assert p2.data == "rebalanced" and p2.trainable == ("conv1", "conv2", "fc1", "fc2")
+    assert plan.rebalance_threshold == 200.0  # mean of the client training sizes
+    up = ClientUpdate(0, 0, {"conv1.weight": None, "fc2.weight": None, "fc2.bias": None},
+                      num_samples=120, effective_samples=45)
+    assert alg.aggregation_weights(up) == {"conv1": 120.0, "fc2": 45.0}
+
+
+def test_fedrod_balanced_generic_and_detached_personal():
+    plan = _alg("fedrod").plan(0)
+    generic, personal = plan.phases[0].objectives
+    assert generic.loss == "balanced_ce" and generic.trainable == ("conv1", "conv2", "fc1", "fc2")
+    assert personal.reuse_features and personal.trainable == ("fc2_p",)
+    assert plan.class_counts_needed

@@ -1,0 +1,72 @@
+from pathlib import Path
+
+import pytest
+
+from fedseq.common.config import dump_config, load_config, parse_override
+from fedseq.common.errors import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("name", ["fmnist-testbed.toml", "mnist-fedseq.toml"])
+def test_examples_validate(name):
+    cfg = load_config(EXAMPLES / name)
+    assert cfg.rounds > 0
+
+
+def test_testbed_example_matches_fedreg_paper():
+    cfg = load_config(EXAMPLES / "fmnist-testbed.toml")
+    assert (cfg.data.dataset, cfg.data.num_clients, cfg.data.alpha) == ("fmnist", 30, 0.1)
+    assert cfg.clients_per_round() == 6
+    t = cfg.train
+    assert (t.local_epochs, t.batch_size, t.lr, t.momentum) == (5, 20, 0.01, 0.9)
+    assert cfg.data.train_fraction == 0.75 and cfg.rounds == 100
+
+
+def test_mnist_example_matches_fedseq_paper():
+    cfg = load_config(EXAMPLES / "mnist-fedseq.toml")
+    assert cfg.clients_per_round() == 10
+    assert cfg.algorithm.unfreeze_rounds == [0, 100, 200]
+    assert (cfg.train.batch_size, cfg.train.lr, cfg.train.local_epochs) == (10, 0.005, 1)
+
+
+def test_override_uses_toml_values_and_bare_strings():
+    assert parse_override("algorithm.unfreeze_rounds=[0,2,4]") == (
+        ["algorithm", "unfreeze_rounds"], [0, 2, 4])
+    assert parse_override("algorithm.name=fedavg") == (["algorithm", "name"], "fedavg")
+    assert parse_override("train.lr=0.5")[1] == 0.5
+    cfg = load_config(None, ["rounds=7", "algorithm.unfreeze_rounds=[0,2,4]"])
+    assert cfg.rounds == 7 and cfg.algorithm.unfreeze_rounds == [0, 2, 4]
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        (["train.lrr=1"], "train.lrr: unknown key"),
+        (["train.lr=-1"], "train.lr: Input should be greater than 0"),
+        (["algorithm.name=fedfoo"], "algorithm.name"),
+        (["rounds=3", "algorithm.unfreeze_rounds=[0,5]"], "unfreeze_rounds"),
+        (["novalue"], "expected dotted.key=value"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_key(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, override)
+    msg = str(info.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rounds = = 3")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+
+
+def test_dump_roundtrip(tmp_path):
+    cfg = load_config(EXAMPLES / "fmnist-testbed.toml")
+    path = tmp_path / "c.toml"
+    path.write_text(dump_config(cfg))
+    assert load_config(path) == cfg

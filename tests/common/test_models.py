@@ -1,0 +1,46 @@
+import torch
+
+from fedseq.common.models import block_keys, build_model, count_params, get_blocks, set_weights
+
+
+def test_cnn_matches_fedseq_table3():
+    m = build_model("cnn", (1, 28, 28), 10)
+    sizes = {k: v.numel() for k, v in m.state_dict().items()}
+    assert sizes == {
+        "conv1.weight": 800, "conv1.bias": 32, "conv2.weight": 51200, "conv2.bias": 64,
+        "fc1.weight": 524288, "fc1.bias": 512, "fc2.weight": 5120, "fc2.bias": 10,
+    }
+    assert sum(sizes.values()) == 582026
+    assert m.spec.base == ("conv1", "conv2", "fc1") and m.spec.head == "fc2"
+    assert block_keys(m, "fc1") == ["fc1.weight", "fc1.bias"]
+    assert count_params(m, ["fc1"]) == 524800  # fc1 alone is 2,099,200 bytes in float32
+
+
+def test_seeded_init_is_reproducible_and_isolated():
+    torch.manual_seed(123)
+    before = torch.rand(1)
+    a = build_model("cnn", (1, 28, 28), 10, generator_seed=7)
+    torch.manual_seed(123)
+    b = build_model("cnn", (1, 28, 28), 10, generator_seed=7)
+    assert torch.rand(1) == before  # global RNG untouched by the seeded build
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(),
+                                                  strict=True))
+
+
+def test_two_heads_and_cifar_shape():
+    m = build_model("cnn", (3, 32, 32), 100, two_heads=True)
+    assert m.spec.heads == ("fc2", "fc2_p")
+    assert m.fc1.in_features == 1600
+    out = m.logits(m.features(torch.zeros(2, 3, 32, 32)), m.spec.heads)
+    assert out.shape == (2, 100)
+
+
+def test_get_set_weights_roundtrip():
+    a = build_model("cnn", (1, 28, 28), 10, generator_seed=1)
+    b = build_model("cnn", (1, 28, 28), 10, generator_seed=2)
+    w = get_blocks(a, ["conv1", "fc2"])
+    assert set(w) == {"conv1.weight", "conv1.bias", "fc2.weight", "fc2.bias"}
+    assert all(v.is_contiguous() for v in w.values())
+    set_weights(b, w)
+    assert torch.equal(b.conv1.weight, a.conv1.weight)
+    assert not torch.equal(b.conv2.weight, a.conv2.weight)
