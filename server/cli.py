@@ -25,7 +25,7 @@ OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Run directory 
 
 
 def _fail(exc: Exception) -> None:
-    err.print(f"[bold red]error:[/] {exc}", highlight=False)
+    print(f"error: {exc}", file=sys.stderr)
     raise typer.Exit(2)
 
 
@@ -73,8 +73,8 @@ def sim(
             progress.stop()
             _fail(exc)
     final = result.rows[-1]
-    err.print(f"final ({final['phase']}): global {_fmt(final['global_acc'])}, "
-              f"personalized {_fmt(final['personal_acc'])} -> {out}", highlight=False)
+    print(f"final ({final['phase']}): global {_fmt(final['global_acc'])}, "
+          f"personalized {_fmt(final['personal_acc'])} -> {out}", file=sys.stderr)
 
 
 def sim_main() -> None:
@@ -87,8 +87,8 @@ server_app = typer.Typer(add_completion=False, help="fedseq coordinator.")
 @server_app.command()
 def start(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = None) -> None:
     """Run an experiment on a device fleet over MQTT (not yet implemented)."""
-    err.print("error: `fedseq-server start` (MQTT deployment) is not implemented yet; "
-              "use `fedseq-sim` to run the same experiment in one process", highlight=False)
+    print("error: `fedseq-server start` (MQTT deployment) is not implemented yet; "
+          "use `fedseq-sim` to run the same experiment in one process", file=sys.stderr)
     raise typer.Exit(2)
 
 

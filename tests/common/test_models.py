@@ -1,5 +1,4 @@
 import torch
-
 from fedseq.common.models import block_keys, build_model, count_params, get_blocks, set_weights
 
 

@@ -1,6 +1,5 @@
 import pytest
 import torch
-
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum, aggregate_weighted
 
 

@@ -1,0 +1,44 @@
+"""The console scripts as a user runs them: real processes, exit codes, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+
+def _run(*args, cwd=None):
+    return subprocess.run(list(args), capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_fedseq_sim_writes_run_dir(tmp_path, data_root):
+    out = tmp_path / "run"
+    r = _run("fedseq-sim", "-q", "--set", f"data.root={str(data_root)!r}", "--set", "data.fraction=0.03",
+             "--set", "data.num_clients=4", "--set", "rounds=2", "--set", "train.local_epochs=1",
+             "--set", "algorithm.name=fedseq-vanilla", "--set", "algorithm.finetune_epochs=1",
+             "--set", "train.join_ratio=0.5", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["phase"] == "finetune"
+    assert {p.name for p in out.iterdir()} >= {"config.toml", "metrics.jsonl", "clients.csv",
+                                                "model.safetensors"}
+    assert "final (finetune)" in r.stderr
+
+
+def test_bad_key_exit_2_one_line(tmp_path):
+    r = _run("fedseq-sim", "--set", "train.lrr=0.1", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and "train.lrr" in lines[0] and "unknown key" in lines[0]
+
+
+def test_missing_dataset_exit_2_names_file(tmp_path):
+    r = _run("fedseq-sim", "-q", "--set", f"data.root={str(tmp_path)!r}", "--out", str(tmp_path / "x"))
+    assert r.returncode == 2
+    assert "train-images-idx3-ubyte.gz" in r.stderr and "data.root" in r.stderr
+    assert len([x for x in r.stderr.splitlines() if x.strip()]) == 1
+
+
+def test_deployment_commands_say_not_implemented():
+    r = _run("fedseq-server", "start")
+    assert r.returncode == 2 and "not implemented" in r.stderr
+    r = _run(sys.executable, "-m", "fedseq.client.cli", "--device", "jetson01")
+    assert r.returncode == 2 and "not implemented" in r.stderr
