@@ -71,10 +71,10 @@ class TrainConfig(_Section):
 class ExperimentConfig(_Section):
     seed: int = 0
     rounds: int = Field(100, ge=1)
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
+    data: DataConfig = Field(default_factory=lambda: DataConfig())
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
+    algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig())
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig())
 
     @model_validator(mode="after")
     def _check_schedule(self) -> ExperimentConfig:

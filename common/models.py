@@ -83,7 +83,7 @@ def build_model(
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
         model = CNN(in_shape, num_classes, two_heads)
-    return model.to(memory_format=torch.channels_last)
+    return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
 
 
 def block_keys(model: BlockModel, block: str) -> list[str]:

@@ -105,4 +105,4 @@ def server_main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(sim_main())
+    sim_main()

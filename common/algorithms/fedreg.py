@@ -20,7 +20,9 @@ from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 
 def threshold_of(train_sizes: list[int], kind: str) -> float:
     sizes = np.asarray(train_sizes, dtype=np.float64)
-    return float({"mean": np.mean, "median": np.median, "max": np.max}[kind](sizes))
+    if kind == "median":
+        return float(np.median(sizes))
+    return float(sizes.max() if kind == "max" else sizes.mean())
 
 
 class FedReG(Algorithm):
