@@ -36,7 +36,7 @@ class EvalReport:
 @torch.inference_mode()
 def features(model: BlockModel, x: torch.Tensor, batch: int) -> torch.Tensor:
     out = [
-        model.features(x[i : i + batch].contiguous(memory_format=torch.channels_last))
+        model.features(x[i : i + batch])
         for i in range(0, len(x), batch)
     ]
     return torch.cat(out) if out else torch.empty(0)

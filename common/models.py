@@ -50,8 +50,9 @@ class CNN(BlockModel):
     """FedAvg/PFLlib CNN: conv5x5(32) pool relu, conv5x5(64) pool relu, fc(512) relu, fc(classes).
 
     582,026 parameters on 28x28x1 with one head (FedSeq paper, Table 3). Pooling comes before the
-    ReLU: the two commute exactly (forward and gradient), and pooling the smaller pre-ReLU tensor
-    in channels-last layout is several times faster on CPU.
+    ReLU: the two commute exactly (forward and gradient). Convolutions run in the default NCHW
+    layout, pooling in channels-last: on CPU, NCHW max-pooling was 4x slower and channels-last
+    convolutions ~20% slower (bench/sim_round.py; notes in docs/design.md).
     """
 
     def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool):
@@ -67,9 +68,13 @@ class CNN(BlockModel):
         self.spec = ModelSpec(("conv1", "conv2", "fc1"), "fc2", "fc2_p" if two_heads else None)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(F.max_pool2d(self.conv1(x), 2))
-        x = F.relu(F.max_pool2d(self.conv2(x), 2))
+        x = F.relu(_pool(self.conv1(x)))
+        x = F.relu(_pool(self.conv2(x)))
         return F.relu(self.fc1(x.flatten(1)))
+
+
+def _pool(x: torch.Tensor) -> torch.Tensor:
+    return F.max_pool2d(x.contiguous(memory_format=torch.channels_last), 2)
 
 
 def build_model(
@@ -83,7 +88,7 @@ def build_model(
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
         model = CNN(in_shape, num_classes, two_heads)
-    return model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
+    return model
 
 
 def block_keys(model: BlockModel, block: str) -> list[str]:

@@ -107,7 +107,6 @@ def train_plan(
                     aug = augment[pick]
                     if aug.any():
                         x[aug] = simple_augment(x[aug], g_aug)
-                x = x.contiguous(memory_format=torch.channels_last)
                 y = data.y[idx]
                 cache: dict[str, torch.Tensor] = {}
                 for obj_no, (obj, opt) in enumerate(zip(phase.objectives, optimizers, strict=True)):
