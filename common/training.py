@@ -21,6 +21,12 @@ from torch.utils.flop_counter import FlopCounterMode
 
 FlopCache = dict[tuple[Objective, int, int], int]
 
+# Overconfident heads on skewed clients drive gradients into denormal floats, which made CPU
+# backward passes up to 4x slower (measured in bench/sim_round.py). Flush-to-zero is a per-thread
+# CPU flag that new threads inherit, so it is set when the trainer is imported, before torch
+# starts its worker threads; values below 1e-38 are all it changes.
+torch.set_flush_denormal(True)
+
 
 @dataclass
 class TrainStats:
@@ -66,9 +72,7 @@ def train_plan(
     (seed, purpose, round, client), so the result does not depend on who runs it.
     """
     start = time.perf_counter()
-    # Overconfident heads on skewed clients drive gradients into denormal floats, which made
-    # CPU backward passes 4x slower (measured); flushing them to zero changes nothing above 1e-38.
-    torch.set_flush_denormal(True)
+    torch.set_flush_denormal(True)  # the calling thread may not be the one that imported us
     g_batch = torch_rng(seed, purpose, round, shard.client)
     g_aug = torch_rng(seed, "rebalance", round, shard.client)
     flop_cache = {} if flop_cache is None else flop_cache
