@@ -44,7 +44,7 @@ def test_override_uses_toml_values_and_bare_strings():
         (["train.lrr=1"], "train.lrr: unknown key"),
         (["train.lr=-1"], "train.lr: Input should be greater than 0"),
         (["algorithm.name=fedfoo"], "algorithm.name"),
-        (["rounds=3", "algorithm.unfreeze_rounds=[0,5]"], "unfreeze_rounds"),
+        (["algorithm.unfreeze_rounds=[5,0,7]"], "unfreeze_rounds"),
         (["novalue"], "expected dotted.key=value"),
     ],
 )
@@ -62,6 +62,11 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("rounds = = 3")
     with pytest.raises(ConfigError, match="invalid TOML"):
         load_config(bad)
+
+
+def test_unfreeze_round_beyond_run_is_allowed():
+    cfg = load_config(None, ["rounds=100", "algorithm.unfreeze_rounds=[0,100,200]"])
+    assert cfg.algorithm.unfreeze_rounds == [0, 100, 200]
 
 
 def test_dump_roundtrip(tmp_path):

@@ -31,6 +31,11 @@ def test_t1_later_than_zero_trains_nothing_before_it():
     assert trainable_blocks(BASE, [2, 3, 4], 2, anti=True) == ("fc1",)
 
 
+def test_blocks_scheduled_after_the_last_round_stay_frozen():
+    alg = _alg("fedseq-vanilla", "rounds=100", "algorithm.unfreeze_rounds=[0,100,200]")
+    assert all(alg.plan(t).trainable == ("conv1",) for t in (0, 50, 99))
+
+
 def test_default_schedule_is_evenly_spaced():
     assert unfreeze_schedule(100, 3, []) == [0, 33, 66]
     assert unfreeze_schedule(300, 3, []) == [0, 100, 200]
