@@ -68,6 +68,22 @@ class TrainConfig(_Section):
     threads: int | None = Field(None, ge=1, description="torch threads; default: all cores")
 
 
+class DeployConfig(_Section):
+    """MQTT deployment (fedseq-server start); ignored by fedseq-sim."""
+
+    host: str = "127.0.0.1"  # embedded broker bind address
+    port: int = Field(1883, ge=0, le=65535)  # embedded broker port (0 = pick a free one)
+    broker: str | None = None  # mqtt://HOST:PORT of an external broker (Mosquitto); none = embedded
+    topic_root: str = Field("fedseq", pattern=r"^[A-Za-z0-9_\-]+$")
+    min_devices: int = Field(1, ge=1)
+    wait_devices_s: float = Field(300, gt=0)
+    round_timeout_s: float = Field(600, gt=0)
+    min_updates: int = Field(1, ge=1)
+    eval_timeout_s: float = Field(600, gt=0)
+    username: str | None = None  # the coordinator's broker account (Mosquitto with a password file)
+    password_file: Path | None = None
+
+
 class ExperimentConfig(_Section):
     seed: int = 0
     rounds: int = Field(100, ge=1)
@@ -75,6 +91,7 @@ class ExperimentConfig(_Section):
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig())
     train: TrainConfig = Field(default_factory=lambda: TrainConfig())
+    deploy: DeployConfig = Field(default_factory=lambda: DeployConfig())
 
     @model_validator(mode="after")
     def _check_schedule(self) -> ExperimentConfig:

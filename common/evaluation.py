@@ -35,17 +35,15 @@ class EvalReport:
 
 @torch.inference_mode()
 def features(model: BlockModel, x: torch.Tensor, batch: int) -> torch.Tensor:
-    out = [
-        model.features(x[i : i + batch])
-        for i in range(0, len(x), batch)
-    ]
+    dev = next(model.parameters()).device
+    out = [model.features(x[i : i + batch].to(dev)).cpu() for i in range(0, len(x), batch)]
     return torch.cat(out) if out else torch.empty(0)
 
 
 def _head_logits(feats: torch.Tensor, heads: tuple[str, ...], weights: Weights) -> torch.Tensor:
     out = None
     for h in heads:
-        part = F.linear(feats, weights[f"{h}.weight"], weights[f"{h}.bias"])
+        part = F.linear(feats, weights[f"{h}.weight"].cpu(), weights[f"{h}.bias"].cpu())
         out = part if out is None else out + part
     assert out is not None
     return out

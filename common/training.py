@@ -79,10 +79,11 @@ def train_plan(
     anchor: dict[str, torch.Tensor] = {}
     if plan.prox_mu > 0:
         anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
+    dev = next(model.parameters()).device
     log_prior = None
     if plan.class_counts_needed:
         counts = shard.train_class_counts(data.y, data.num_classes).float()
-        log_prior = counts.clamp_min(1e-12).log()[None, :]
+        log_prior = counts.clamp_min(1e-12).log()[None, :].to(dev)
     flops = batches = 0
     loss_sum = 0.0
     effective = None
@@ -112,6 +113,8 @@ def train_plan(
                     if aug.any():
                         x[aug] = simple_augment(x[aug], g_aug)
                 y = data.y[idx]
+                if dev.type != "cpu":
+                    x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
                 cache: dict[str, torch.Tensor] = {}
                 for obj_no, (obj, opt) in enumerate(zip(phase.objectives, optimizers, strict=True)):
                     if opt is None:
@@ -196,3 +199,25 @@ def run_client_round(
         train_seconds=stats.seconds,
     )
     return update, get_blocks(model, plan.personal)
+
+
+def finetune_and_score(
+    model: BlockModel,
+    weights: Weights,
+    plan: ClientPlan,
+    data: FederatedData,
+    shard: ClientShard,
+    seed: int,
+    eval_heads: tuple[str, ...],
+    eval_batch: int = 2000,
+    flop_cache: FlopCache | None = None,
+) -> tuple[int, int]:
+    """Fine-tune one client from `weights` (FedBABU/FedSeq's last step) and return its
+    (correct, total) on its own test rows."""
+    from fedseq.common.evaluation import evaluate
+
+    _, tuned = run_client_round(model, weights, plan, data, shard, seed, round=0,
+                                purpose="finetune", flop_cache=flop_cache)
+    rep = evaluate(model, data, tuned, {}, eval_heads, clients=[shard.client], batch=eval_batch,
+                   with_global=False)
+    return rep.per_client[shard.client]

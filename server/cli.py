@@ -85,11 +85,41 @@ server_app = typer.Typer(add_completion=False, help="fedseq coordinator.")
 
 
 @server_app.command()
-def start(config: ConfigOpt = None, set_: SetOpt = None, out: OutOpt = None) -> None:
-    """Run an experiment on a device fleet over MQTT (not yet implemented)."""
-    print("error: `fedseq-server start` (MQTT deployment) is not implemented yet; "
-          "use `fedseq-sim` to run the same experiment in one process", file=sys.stderr)
-    raise typer.Exit(2)
+def start(
+    config: ConfigOpt = None,
+    set_: SetOpt = None,
+    out: OutOpt = None,
+    broker: Annotated[str | None, typer.Option(help="mqtt://HOST:PORT of an external broker; "
+                                                   "default: deploy.broker, else an embedded one")] = None,
+    local_clients: Annotated[int, typer.Option(help="also start N fedseq-client daemons here")] = 0,
+    client_threads: Annotated[int | None, typer.Option(help="torch threads per local client")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+) -> None:
+    """Run an experiment on a device fleet over MQTT and write a run directory."""
+    from fedseq.server.deployment import run_deployment
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(config, set_)
+    except FedseqError as exc:
+        _fail(exc)
+    out = out or _default_out(cfg)
+    try:
+        result = run_deployment(cfg, out, broker, local_clients,
+                                on_round=None if quiet else _print_row,
+                                announce=lambda s: print(s, file=sys.stderr),
+                                client_threads=client_threads)
+    except FedseqError as exc:
+        _fail(exc)
+    final = result.rows[-1]
+    print(f"final ({final['phase']}): global {_fmt(final['global_acc'])}, "
+          f"personalized {_fmt(final['personal_acc'])} -> {out}", file=sys.stderr)
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    print(f"round {row['round']} {row['phase']}: global {_fmt(row['global_acc'])} personal "
+          f"{_fmt(row['personal_acc'])} reported {len(row.get('reported', row['clients']))}/"
+          f"{len(row['clients'])} {row['seconds']:.1f}s", file=sys.stderr)
 
 
 @server_app.command()

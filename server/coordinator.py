@@ -136,6 +136,9 @@ class Coordinator:
         report = None
         if (t + 1) % self.cfg.train.eval_every == 0 or last:
             report = self.pool.evaluate(self.global_weights, self.alg.eval_heads())
+        wire = getattr(self.pool, "round_bytes", None)
+        if wire is not None:  # a real transport counts what really crossed the wire
+            bytes_down, bytes_up = wire()
         row = {
             "round": t,
             "phase": "train",
@@ -143,6 +146,7 @@ class Coordinator:
             "personal_acc": report.personal_acc if report else None,
             "clients": selected,
             "reported": reported,
+            "status": "ok" if reported else "failed",
             "failed": sorted(set(selected) - set(reported)),
             "rejected": rejected,
             "bytes_down": bytes_down,

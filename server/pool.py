@@ -12,7 +12,7 @@ from fedseq.common.data.federated import FederatedData
 from fedseq.common.evaluation import EvalReport, evaluate
 from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
 from fedseq.common.protocol.tensors import frame_size
-from fedseq.common.training import FlopCache, run_client_round
+from fedseq.common.training import FlopCache, finetune_and_score, run_client_round
 
 
 class ClientPool(Protocol):
@@ -68,16 +68,12 @@ class InProcessPool:
                         batch=self.eval_batch)
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
-        per_client: dict[int, tuple[int, int]] = {}
-        for shard in self.data.clients:
-            c = shard.client
-            _, tuned = run_client_round(
-                self.model, {**weights, **self.personal[c]}, plan, self.data, shard, self.seed,
-                round=0, purpose="finetune", flop_cache=self.flop_cache,
-            )
-            rep = evaluate(self.model, self.data, tuned, {}, eval_heads, clients=[c],
-                           batch=self.eval_batch, with_global=False)
-            per_client[c] = rep.per_client[c]
+        per_client = {
+            shard.client: finetune_and_score(
+                self.model, {**weights, **self.personal[shard.client]}, plan, self.data, shard,
+                self.seed, eval_heads, self.eval_batch, self.flop_cache)
+            for shard in self.data.clients
+        }
         return EvalReport(None, None, per_client)
 
 

@@ -70,3 +70,28 @@ class ClientPlan:
                 seen.update(dict.fromkeys(o.heads))
                 seen.update(dict.fromkeys(o.trainable))
         return tuple(seen)
+
+
+def plan_to_dict(plan: ClientPlan) -> dict:
+    """Plain data for the wire (JSON)."""
+    from dataclasses import asdict
+
+    return asdict(plan)
+
+
+def plan_from_dict(d: dict) -> ClientPlan:
+    phases = tuple(
+        Phase(
+            epochs=p["epochs"],
+            data=p["data"],
+            objectives=tuple(
+                Objective(tuple(o["heads"]), tuple(o["trainable"]), o["loss"], o["reuse_features"])
+                for o in p["objectives"]
+            ),
+        )
+        for p in d["phases"]
+    )
+    fields = {k: v for k, v in d.items() if k != "phases"}
+    fields["upload"] = tuple(fields["upload"])
+    fields["personal"] = tuple(fields["personal"])
+    return ClientPlan(phases=phases, **fields)

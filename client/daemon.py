@@ -1,0 +1,301 @@
+"""The device daemon: hosts logical clients, trains them under the coordinator's steps.
+
+Threads: paho's network thread parses messages and updates state under a lock; one worker
+thread executes steps (train / evaluate / finetune). Everything the worker needs is retained on
+the broker (run config, assignment, current step, versioned weights), so after a reconnect or a
+restart the daemon resynchronizes by itself and carries on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from fedseq.client.state import StateStore
+from fedseq.common import __version__
+from fedseq.common.algorithms import algorithm_class
+from fedseq.common.algorithms.plan import plan_from_dict
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.federated import FederatedData, load_federated
+from fedseq.common.errors import FedseqError
+from fedseq.common.evaluation import evaluate
+from fedseq.common.models import BlockModel, Weights, build_model
+from fedseq.common.protocol.frames import Reassembler, unpack_chunk
+from fedseq.common.protocol.link import Link
+from fedseq.common.protocol.messages import (
+    Assignment,
+    Control,
+    DeviceStatus,
+    EvalResult,
+    RunConfig,
+    Step,
+    UpdateHeader,
+    WeightsHeader,
+)
+from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
+from fedseq.common.protocol.topics import Topics
+from fedseq.common.seeding import derive_seed
+from fedseq.common.training import FlopCache, finetune_and_score, run_client_round
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunState:
+    run_id: str
+    cfg: ExperimentConfig
+    clients: list[int] = field(default_factory=list)
+    done: set[int] = field(default_factory=set)  # step seqs finished
+    data: FederatedData | None = None
+    model: BlockModel | None = None
+    flop_cache: FlopCache = field(default_factory=dict)
+
+
+def pick_torch_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise FedseqError("--torch-device cuda: CUDA is not available on this device")
+    return torch.device(choice)
+
+
+class DeviceDaemon:
+    def __init__(
+        self,
+        device: str,
+        broker: str,
+        data_dir: Path | None,
+        state_dir: Path,
+        torch_device: str = "auto",
+        topic_root: str = "fedseq",
+        username: str | None = None,
+        password: str | None = None,
+    ):
+        self.device = device
+        self.data_dir = data_dir
+        self.store = StateStore(state_dir)
+        self.torch_device = pick_torch_device(torch_device)
+        self.topics = Topics(topic_root)
+        t = self.topics
+        self.cond = threading.Condition()
+        self.stopping = threading.Event()
+        self.run: RunState | None = None
+        self.step: Step | None = None
+        # run_id -> block -> (version, tensors); chunks being reassembled
+        self.blocks: dict[str, dict[str, tuple[int, Weights]]] = {}
+        self.partial: dict[tuple[str, str, int], Reassembler] = {}
+        offline = DeviceStatus(device=device, state="offline").encode()
+        self.link = Link(
+            f"fedseq-device-{device}", broker,
+            [t.run_config, t.assignment(device), t.step, t.weights(), t.control],
+            self._on_message, will=(t.device_status(device), offline),
+            username=username, password=password,
+        )
+        self.link.on_connect(self._announce)
+        self.worker = threading.Thread(target=self._work, name="fedseq-worker", daemon=True)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, connect_timeout: float | None = None) -> None:
+        self.worker.start()
+        self.link.start(timeout=connect_timeout)
+
+    def stop(self) -> None:
+        """Publish offline and disconnect (what SIGTERM does)."""
+        self.stopping.set()
+        with self.cond:
+            self.cond.notify_all()
+        if self.link.connected.is_set():
+            self.link.publish(self.topics.device_status(self.device),
+                              DeviceStatus(device=self.device, state="offline"), retain=True,
+                              wait=True)
+        self.link.stop()
+
+    def _announce(self) -> None:
+        mem = 0
+        with contextlib.suppress(ValueError, OSError):
+            mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+        status = DeviceStatus(device=self.device, state="online", package_version=__version__,
+                              torch_device=str(self.torch_device), memory_mb=mem)
+        self.link.publish(self.topics.device_status(self.device), status, retain=True)
+
+    # -- network thread --------------------------------------------------------------------
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        t = self.topics
+        if not payload:
+            return  # a cleared retained message
+        try:
+            if topic == t.run_config:
+                self._on_run_config(RunConfig.decode(payload))
+            elif topic == t.assignment(self.device):
+                self._on_assignment(Assignment.decode(payload))
+            elif topic == t.step:
+                with self.cond:
+                    self.step = Step.decode(payload)
+                    self.cond.notify_all()
+            elif topic.startswith(f"{t.root}/weights/"):
+                self._on_weights_chunk(payload)
+            elif topic == t.control:
+                ctl = Control.decode(payload)
+                log.warning("coordinator: %s %s", ctl.command, ctl.reason)
+                with self.cond:
+                    self.step = None
+        except FedseqError as exc:
+            log.warning("dropped message on %s: %s", topic, exc)
+
+    def _on_run_config(self, rc: RunConfig) -> None:
+        cfg = ExperimentConfig.model_validate(rc.config)
+        if self.data_dir is not None:
+            cfg.data.root = self.data_dir
+        with self.cond:
+            if self.run is None or self.run.run_id != rc.run_id:
+                log.info("run %s: %s on %s", rc.run_id, cfg.algorithm.name, cfg.data.dataset)
+                self.run = RunState(rc.run_id, cfg)
+                for run_id in list(self.blocks):
+                    if run_id != rc.run_id:
+                        del self.blocks[run_id]
+            self.cond.notify_all()
+
+    def _on_assignment(self, a: Assignment) -> None:
+        with self.cond:
+            self._pending_assignment = a
+            self.cond.notify_all()
+
+    def _on_weights_chunk(self, payload: bytes) -> None:
+        head, data = unpack_chunk(payload, WeightsHeader)
+        held = self.blocks.get(head.run_id, {}).get(head.block)
+        if held is not None and held[0] >= head.version:
+            return
+        key = (head.run_id, head.block, head.version)
+        asm = self.partial.setdefault(key, Reassembler(head.size, head.sha256, head.chunks))
+        frame = asm.add(head.chunk, data)
+        if frame is None:
+            return
+        del self.partial[key]
+        tensors = decode_tensors(frame)
+        with self.cond:
+            self.blocks.setdefault(head.run_id, {})[head.block] = (head.version, tensors)
+            self.cond.notify_all()
+
+    # -- worker thread ---------------------------------------------------------------------
+    def _ready(self) -> tuple[RunState, Step] | None:
+        run, step = self.run, self.step
+        a = getattr(self, "_pending_assignment", None)
+        if run is not None and a is not None and a.run_id == run.run_id:
+            run.clients = sorted(a.clients)
+        if run is None or step is None or step.run_id != run.run_id or step.seq in run.done:
+            return None
+        if step.kind not in ("train", "evaluate", "finetune"):
+            return None
+        held = self.blocks.get(run.run_id, {})
+        for block, version in step.versions.items():
+            if block not in held or held[block][0] < version:
+                return None  # weights still arriving
+            if held[block][0] > version:
+                run.done.add(step.seq)  # the coordinator has moved on
+                return None
+        return run, step
+
+    def _work(self) -> None:
+        while not self.stopping.is_set():
+            with self.cond:
+                ready = self._ready()
+                if ready is None:
+                    self.cond.wait(timeout=1.0)
+                    continue
+            run, step = ready
+            try:
+                self._execute(run, step)
+            except FedseqError as exc:
+                log.error("step %d (%s) failed: %s", step.seq, step.kind, exc)
+            except Exception:
+                log.exception("step %d (%s) failed", step.seq, step.kind)
+            run.done.add(step.seq)
+
+    def _prepare(self, run: RunState) -> tuple[FederatedData, BlockModel]:
+        if run.data is None or run.model is None:
+            cfg = run.cfg
+            run.data = load_federated(cfg.data, cfg.seed)
+            two = algorithm_class(cfg.algorithm.name).two_heads
+            run.model = build_model(cfg.model.name, run.data.input_shape, run.data.num_classes, two,
+                                    generator_seed=derive_seed(cfg.seed, "init")
+                                    ).to(self.torch_device)
+        return run.data, run.model
+
+    def _global(self, run: RunState, blocks: list[str]) -> Weights:
+        held = self.blocks[run.run_id]
+        out: Weights = {}
+        for b in blocks:
+            out.update(held[b][1])
+        return out
+
+    def _personal(self, run: RunState, client: int, personal: tuple[str, ...]) -> Weights:
+        stored = self.store.load(run.run_id, client)
+        if stored is not None:
+            return stored
+        return self._global(run, list(personal))  # version 0: the initial model's blocks
+
+    def _stale(self, step: Step) -> bool:
+        cur = self.step
+        return self.stopping.is_set() or cur is None or cur.seq != step.seq
+
+    def _execute(self, run: RunState, step: Step) -> None:
+        data, model = self._prepare(run)
+        mine = [c for c in step.clients if c in run.clients] if step.clients else run.clients
+        if not mine:
+            return
+        plan = plan_from_dict(step.plan) if step.plan else None
+        shared = self._global(run, list(step.versions))
+        t = self.topics
+        if step.kind == "train":
+            assert plan is not None
+            for c in mine:
+                if self._stale(step):
+                    return
+                start = {**shared, **self._personal(run, c, plan.personal)}
+                update, personal = run_client_round(model, start, plan, data, data.clients[c],
+                                                    run.cfg.seed, step.round,
+                                                    flop_cache=run.flop_cache)
+                if plan.personal:
+                    self.store.save(run.run_id, c, personal)
+                frame = encode_tensors(update.deltas)
+
+                meta = dict(run_id=run.run_id, seq=step.seq, round=step.round, client=c,
+                            device=self.device, num_samples=update.num_samples,
+                            effective_samples=update.effective_samples,
+                            train_flops=update.train_flops, train_seconds=update.train_seconds)
+                self.link.publish_frame(lambda i, c=c: t.update(self.device, c, i),
+                                        lambda m=meta, **kw: UpdateHeader(**m, **kw), frame)
+        elif step.kind == "evaluate":
+            alg_personal = self._personal_names(run)
+            personal = {c: self._personal(run, c, alg_personal) for c in mine}
+            rep = evaluate(model, data, shared, personal if alg_personal else {},
+                           tuple(step.eval_heads), clients=mine, with_global=False,
+                           batch=run.cfg.train.eval_batch_size)
+            self._send_eval(run, step, rep.per_client)
+        elif step.kind == "finetune":
+            assert plan is not None
+            alg_personal = self._personal_names(run)
+            results = {}
+            for c in mine:
+                if self._stale(step):
+                    return
+                start = {**shared, **self._personal(run, c, alg_personal)}
+                results[c] = finetune_and_score(model, start, plan, data, data.clients[c],
+                                                run.cfg.seed, tuple(step.eval_heads),
+                                                run.cfg.train.eval_batch_size, run.flop_cache)
+            self._send_eval(run, step, results)
+
+    def _personal_names(self, run: RunState) -> tuple[str, ...]:
+        from fedseq.common.algorithms import make_algorithm
+
+        _, model = self._prepare(run)
+        return make_algorithm(run.cfg, model.spec).personal_blocks()
+
+    def _send_eval(self, run: RunState, step: Step, results: dict[int, tuple[int, int]]) -> None:
+        msg = EvalResult(run_id=run.run_id, seq=step.seq, device=self.device, results=results)
+        self.link.publish(self.topics.evaluation(self.device), msg)

@@ -1,0 +1,108 @@
+"""Wire messages: pydantic models with a protocol version; invalid input is a ProtocolError.
+
+JSON messages carry control; tensor frames (frames.py) carry a JSON header plus raw bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fedseq.common.errors import ProtocolError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+PROTOCOL_VERSION = 1
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    v: Literal[1] = 1  # PROTOCOL_VERSION; a device of another version is rejected loudly
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def decode(cls, payload: bytes):
+        try:
+            return cls.model_validate_json(payload)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"]) or "message"
+            raise ProtocolError(f"invalid {cls.__name__}: {where}: {err['msg']}") from exc
+
+
+class ServerStatus(Message):
+    state: Literal["online", "offline"]
+    run_id: str | None = None
+    broker: str | None = None
+
+
+class DeviceStatus(Message):
+    device: str
+    state: Literal["online", "offline"]
+    package_version: str = ""
+    torch_device: str = "cpu"
+    memory_mb: int = 0
+    slots: int = Field(1, ge=1)
+
+
+class RunConfig(Message):
+    run_id: str
+    config: dict[str, Any]  # ExperimentConfig.model_dump(mode="json"); validated again on receipt
+
+
+class Assignment(Message):
+    run_id: str
+    device: str
+    clients: list[int]
+
+
+class Step(Message):
+    """The coordinator's current step, retained so a reconnecting device resumes from it."""
+
+    run_id: str
+    seq: int = Field(ge=0)  # strictly increasing within a run
+    kind: Literal["train", "evaluate", "finetune", "idle", "stop"]
+    round: int = -1
+    clients: list[int] = Field(default_factory=list)
+    plan: dict[str, Any] | None = None  # ClientPlan as plain data (train, finetune)
+    versions: dict[str, int] = Field(default_factory=dict)  # block -> version the step needs
+    eval_heads: list[str] = Field(default_factory=list)
+
+
+class EvalResult(Message):
+    run_id: str
+    seq: int
+    device: str
+    results: dict[int, tuple[int, int]]  # client -> (correct, total)
+
+
+class Control(Message):
+    run_id: str | None = None
+    command: Literal["abort"]
+    reason: str = ""
+
+
+class WeightsHeader(Message):
+    run_id: str
+    block: str
+    version: int = Field(ge=0)
+    chunk: int = Field(ge=0)
+    chunks: int = Field(ge=1)
+    size: int = Field(ge=0)  # bytes of the whole frame
+    sha256: str
+
+
+class UpdateHeader(Message):
+    run_id: str
+    seq: int
+    round: int
+    client: int
+    device: str
+    num_samples: int
+    effective_samples: int | None = None
+    train_flops: int = 0
+    train_seconds: float = 0.0
+    chunk: int = Field(ge=0)
+    chunks: int = Field(ge=1)
+    size: int = Field(ge=0)
+    sha256: str

@@ -1,0 +1,109 @@
+"""fedseq-server start: the same round loop as fedseq-sim, with devices over MQTT."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedseq.common.algorithms import algorithm_class, make_algorithm
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.federated import load_federated
+from fedseq.common.models import get_blocks
+from fedseq.server.broker import EmbeddedBroker
+from fedseq.server.coordinator import Coordinator, RunResult
+from fedseq.server.mqtt_pool import MqttPool
+from fedseq.server.pool import make_model
+from fedseq.server.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path,
+                        threads: int | None = None) -> list[subprocess.Popen]:
+    """Start n fedseq-client daemons (local01..) as child processes."""
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    procs = []
+    for i in range(1, n + 1):
+        name = f"local{i:02d}"
+        cmd = [sys.executable, "-m", "fedseq.client.cli", "--device", name, "--broker", url,
+               "--data-dir", str(cfg.data.root), "--state-dir", str(state_dir / name),
+               "--topic-root", cfg.deploy.topic_root, "--torch-device", "cpu"]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        procs.append(subprocess.Popen(cmd, env=env))
+    return procs
+
+
+def stop_children(procs: list[subprocess.Popen], timeout: float = 15) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    end = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.1, end - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def run_deployment(
+    cfg: ExperimentConfig,
+    out: Path | None,
+    broker: str | None = None,
+    local_clients: int = 0,
+    on_round: Callable[[dict[str, Any]], None] | None = None,
+    announce: Callable[[str], None] = print,
+    client_threads: int | None = None,
+) -> RunResult:
+    data = load_federated(cfg.data, cfg.seed)
+    model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads, cfg.seed)
+    alg = make_algorithm(cfg, model.spec)
+    url = broker or cfg.deploy.broker
+    embedded = None
+    children: list[subprocess.Popen] = []
+    tmp = None
+    pool = None
+    run_dir = None
+    try:
+        if url is None:
+            embedded = EmbeddedBroker(cfg.deploy.host, cfg.deploy.port)
+            embedded.start()
+            url = embedded.url
+            announce(f"embedded MQTT broker at {url} - start devices with: "
+                     f"fedseq-client --device NAME --broker {url}")
+        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        password = None
+        if cfg.deploy.password_file is not None:
+            password = Path(cfg.deploy.password_file).read_text().strip()
+        pool = MqttPool(cfg, alg, model, data, url, run_id, cfg.deploy.username, password)
+        pool.start()
+        if local_clients:
+            tmp = tempfile.TemporaryDirectory(prefix="fedseq-local-")
+            children = spawn_local_clients(local_clients, url, cfg, Path(tmp.name), client_threads)
+        devices = pool.wait_for_devices(max(cfg.deploy.min_devices, local_clients),
+                                        cfg.deploy.wait_devices_s)
+        announce(f"run {run_id}: {len(devices)} devices ({', '.join(devices)})")
+        pool.begin(devices, get_blocks(model, model.spec.blocks))
+        run_dir = RunDir(out, cfg) if out is not None else None
+        return Coordinator(cfg, alg, model, data, pool, run_dir, on_round).run()
+    finally:
+        if run_dir is not None:
+            run_dir.close()
+        if pool is not None:
+            pool.finish()
+        stop_children(children)
+        if tmp is not None:
+            tmp.cleanup()
+        if embedded is not None:
+            embedded.stop()

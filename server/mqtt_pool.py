@@ -1,0 +1,268 @@
+"""The MQTT client pool: the coordinator's side of the wire.
+
+Per step it publishes the blocks that changed (retained, versioned, chunked), then the step itself
+(retained), and collects what devices send back until everyone answered, the deadline passed, or
+the devices that were still owing went offline (their last will).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fedseq.common.algorithms import Algorithm
+from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
+from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.federated import FederatedData
+from fedseq.common.errors import FedseqError, TransportError
+from fedseq.common.evaluation import EvalReport, evaluate
+from fedseq.common.models import BlockModel, Weights
+from fedseq.common.protocol.frames import Reassembler, unpack_chunk
+from fedseq.common.protocol.link import Link
+from fedseq.common.protocol.messages import (
+    Assignment,
+    DeviceStatus,
+    EvalResult,
+    RunConfig,
+    ServerStatus,
+    Step,
+    UpdateHeader,
+    WeightsHeader,
+)
+from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
+from fedseq.common.protocol.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+def assign_clients(devices: list[str], num_clients: int) -> dict[str, list[int]]:
+    """Balanced and stable: devices sorted by name, clients dealt round-robin."""
+    names = sorted(devices)
+    return {d: [c for c in range(num_clients) if c % len(names) == i] for i, d in enumerate(names)}
+
+
+class MqttPool:
+    def __init__(self, cfg: ExperimentConfig, alg: Algorithm, model: BlockModel,
+                 data: FederatedData, url: str, run_id: str,
+                 username: str | None = None, password: str | None = None):
+        self.cfg = cfg
+        self.alg = alg
+        self.model = model
+        self.data = data
+        self.run_id = run_id
+        self.topics = t = Topics(cfg.deploy.topic_root)
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.online: dict[str, DeviceStatus] = {}
+        self.assignment: dict[str, list[int]] = {}
+        self.owner: dict[int, str] = {}
+        self.published: dict[str, tuple[int, str]] = {}
+        self.seq = 0
+        self.partial: dict[tuple[str, int, int], Reassembler] = {}
+        self._down = self._up = 0
+        will = ServerStatus(state="offline", run_id=run_id).encode()
+        self.link = Link(f"fedseq-server-{run_id}", url,
+                         [t.device_status(), t.update(), t.evaluation()], self._on_message,
+                         will=(t.server_status, will), username=username, password=password)
+
+    # -- set-up ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self.link.start()
+        self.link.publish(self.topics.server_status,
+                          ServerStatus(state="online", run_id=self.run_id, broker=self.link.url),
+                          retain=True)
+
+    def wait_for_devices(self, minimum: int, timeout: float) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while len(self.online) < minimum:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(
+                    f"only {len(self.online)} of deploy.min_devices={minimum} devices came online "
+                    f"within {timeout:.0f} s ({', '.join(sorted(self.online)) or 'none'}); start "
+                    "fedseq-client on the devices with this broker URL, or lower deploy.min_devices"
+                )
+            self._drain(min(left, 0.5))
+        time.sleep(0.5)  # let devices that connect together all announce themselves
+        self._drain(0.01)
+        return sorted(self.online)
+
+    def begin(self, devices: list[str], weights: Weights) -> None:
+        """Publish the run config, the assignment and version 0 of every block."""
+        self.assignment = assign_clients(devices, self.cfg.data.num_clients)
+        self.owner = {c: d for d, cs in self.assignment.items() for c in cs}
+        rc = RunConfig(run_id=self.run_id, config=self.cfg.model_dump(mode="json"))
+        self.link.publish(self.topics.run_config, rc, retain=True)
+        for d, clients in self.assignment.items():
+            self.link.publish(self.topics.assignment(d),
+                              Assignment(run_id=self.run_id, device=d, clients=clients), retain=True)
+        self._sync(weights)
+        log.info("run %s: %d devices, assignment %s", self.run_id, len(devices), self.assignment)
+
+    def finish(self, reason: str = "run finished") -> None:
+        self.seq += 1
+        self.link.publish(self.topics.step, Step(run_id=self.run_id, seq=self.seq, kind="idle"),
+                          retain=True)
+        self.link.publish(self.topics.server_status,
+                          ServerStatus(state="offline", run_id=self.run_id), retain=True, wait=True)
+        self.link.stop()
+
+    # -- network thread --------------------------------------------------------------------
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        t = self.topics
+        if not payload:
+            return
+        try:
+            device = t.device_of(topic)
+            if topic == t.device_status(device):
+                self.events.put(("status", DeviceStatus.decode(payload)))
+            elif topic == t.evaluation(device):
+                res = EvalResult.decode(payload)
+                self._up += len(payload)
+                self.events.put(("eval", res))
+            elif topic.startswith(f"{t.root}/update/"):
+                self._on_update_chunk(device, payload)
+        except FedseqError as exc:
+            log.warning("dropped message on %s: %s", topic, exc)
+
+    def _on_update_chunk(self, device: str, payload: bytes) -> None:
+        head, data = unpack_chunk(payload, UpdateHeader)
+        self._up += len(payload)
+        if head.run_id != self.run_id or head.device != device or self.owner.get(head.client) != device:
+            log.warning("update for client %d from %s does not belong to this run/device", head.client,
+                        device)
+            return
+        key = (device, head.client, head.seq)
+        asm = self.partial.setdefault(key, Reassembler(head.size, head.sha256, head.chunks))
+        frame = asm.add(head.chunk, data)
+        if frame is None:
+            return
+        del self.partial[key]
+        update = ClientUpdate(client=head.client, round=head.round, deltas=decode_tensors(frame),
+                              num_samples=head.num_samples, effective_samples=head.effective_samples,
+                              train_flops=head.train_flops, train_seconds=head.train_seconds,
+                              bytes_up=len(frame))
+        self.events.put(("update", (head.seq, update)))
+
+    # -- coordinator thread ----------------------------------------------------------------
+    def _drain(self, timeout: float) -> list[tuple[str, Any]]:
+        """Apply status events; return the others that arrived within `timeout`."""
+        out: list[tuple[str, Any]] = []
+        try:
+            kind, ev = self.events.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return out
+        while True:
+            if kind == "status":
+                if ev.state == "online":
+                    self.online[ev.device] = ev
+                else:
+                    self.online.pop(ev.device, None)
+                    out.append(("offline", ev.device))
+            else:
+                out.append((kind, ev))
+            try:
+                kind, ev = self.events.get_nowait()
+            except queue.Empty:
+                return out
+
+    def _sync(self, weights: Weights) -> dict[str, int]:
+        """Publish the blocks whose content changed; return {block: version} for all of them."""
+        versions = {}
+        for block in dict.fromkeys(block_of(k) for k in weights):
+            frame = encode_tensors({k: v for k, v in weights.items() if block_of(k) == block})
+            digest = hashlib.sha256(frame).hexdigest()
+            old = self.published.get(block)
+            if old is None or old[1] != digest:
+                version = 0 if old is None else old[0] + 1
+                self.link.publish_frame(
+                    lambda i, b=block: self.topics.weights(b, i),
+                    lambda b=block, v=version, **kw: WeightsHeader(run_id=self.run_id, block=b,
+                                                                   version=v, **kw),
+                    frame, retain=True)
+                self._down += len(frame) * max(1, len(self.online))
+                self.published[block] = (version, digest)
+            versions[block] = self.published[block][0]
+        return versions
+
+    def _publish_step(self, **fields: Any) -> Step:
+        self.seq += 1
+        step = Step(run_id=self.run_id, seq=self.seq, **fields)
+        payload = step.encode()
+        self.link.publish(self.topics.step, payload, retain=True)
+        self._down += len(payload) * max(1, len(self.online))
+        return step
+
+    def round_bytes(self) -> tuple[int, int]:
+        """Bytes to and from devices since the last call (weights fan out to every device)."""
+        down, up = self._down, self._up
+        self._down = self._up = 0
+        return down, up
+
+    def train(self, round: int, clients: list[int], plan: ClientPlan,
+              weights: Weights) -> Iterator[ClientUpdate]:
+        versions = self._sync(weights)
+        step = self._publish_step(kind="train", round=round, clients=clients,
+                                  plan=plan_to_dict(plan), versions=versions)
+        owing = {c for c in clients if self.owner.get(c) in self.online}
+        got: dict[int, ClientUpdate] = {}
+        deadline = time.monotonic() + self.cfg.deploy.round_timeout_s
+        while owing and time.monotonic() < deadline:
+            for kind, ev in self._drain(min(1.0, deadline - time.monotonic())):
+                if kind == "offline":
+                    lost = {c for c in owing if self.owner.get(c) == ev}
+                    if lost:
+                        log.warning("round %d: device %s went offline; clients %s fail", round, ev,
+                                    sorted(lost))
+                    owing -= lost
+                elif kind == "update":
+                    seq, update = ev
+                    if seq != step.seq or update.client not in owing:
+                        log.warning("round %d: ignoring late or duplicate update of client %d "
+                                    "(step %d)", round, update.client, seq)
+                        continue
+                    got[update.client] = update
+                    owing.discard(update.client)
+        if owing:
+            log.warning("round %d: no update from clients %s before the deadline", round, sorted(owing))
+        if len(got) < self.cfg.deploy.min_updates:
+            log.warning("round %d failed: %d updates < deploy.min_updates=%d", round, len(got),
+                        self.cfg.deploy.min_updates)
+            return
+        for c in sorted(got):  # a fixed order makes aggregation independent of arrival order
+            yield got[c]
+
+    def _collect_evals(self, step: Step, timeout: float) -> dict[int, tuple[int, int]]:
+        owing = {d for d, cs in self.assignment.items() if cs and d in self.online}
+        results: dict[int, tuple[int, int]] = {}
+        deadline = time.monotonic() + timeout
+        while owing and time.monotonic() < deadline:
+            for kind, ev in self._drain(min(1.0, deadline - time.monotonic())):
+                if kind == "offline":
+                    owing.discard(ev)
+                elif kind == "eval" and ev.seq == step.seq and ev.device in owing:
+                    mine = set(self.assignment[ev.device])
+                    results.update({c: tuple(r) for c, r in ev.results.items() if c in mine})
+                    owing.discard(ev.device)
+        if owing:
+            log.warning("step %d: no evaluation from %s", step.seq, sorted(owing))
+        return results
+
+    def evaluate(self, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
+        versions = self._sync(weights)
+        step = self._publish_step(kind="evaluate", versions=versions, eval_heads=list(eval_heads))
+        per_client = self._collect_evals(step, self.cfg.deploy.eval_timeout_s)
+        glob = evaluate(self.model, self.data, weights, {}, (self.model.spec.head,),
+                        batch=self.cfg.train.eval_batch_size)
+        return EvalReport(glob.global_correct, glob.global_total, per_client)
+
+    def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
+        versions = self._sync(weights)
+        step = self._publish_step(kind="finetune", plan=plan_to_dict(plan), versions=versions,
+                                  eval_heads=list(eval_heads))
+        per_client = self._collect_evals(step, self.cfg.deploy.round_timeout_s)
+        return EvalReport(None, None, per_client)

@@ -1,0 +1,144 @@
+"""End to end over real brokers: the coordinator and fedseq-client daemons as real processes."""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, quick_config
+from fedseq.server.broker import free_port
+from fedseq.server.deployment import run_deployment, stop_children
+from fedseq.server.simulation import run_simulation
+
+
+def _quiet(_msg: str) -> None:
+    pass
+
+
+@pytest.fixture
+def one_thread():
+    """Devices run one torch thread each; the simulation must too, for bitwise parity."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
+    cfg = quick_config(data_root, "algorithm.name=fedrod", "rounds=2", "train.join_ratio=0.6",
+                       "deploy.port=0")
+    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1, announce=_quiet)
+    sim = run_simulation(cfg, out=None)
+    assert len(dep.rows) == len(sim.rows) == 2
+    for d, s in zip(dep.rows, sim.rows, strict=True):
+        assert d["clients"] == s["clients"] and d["reported"] == d["clients"]
+        assert d["global_acc"] == s["global_acc"] and d["personal_acc"] == s["personal_acc"]
+        assert d["train_flops"] == s["train_flops"]
+    for k, v in sim.global_weights.items():
+        assert torch.equal(dep.global_weights[k], v), k  # bitwise, same threads and order
+    rows = [json.loads(x) for x in (tmp_path / "dep" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["bytes_down"] > 0 and rows[0]["bytes_up"] > 0
+
+
+MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+
+
+@pytest.fixture
+def mosquitto(tmp_path):
+    """Mosquitto from a test copy of the project's broker.conf: loopback, free port, own files."""
+    if not Path(MOSQUITTO).exists():
+        pytest.fail("mosquitto is not installed (apt-get install mosquitto); .ci/run installs it")
+    port = free_port()
+    passwd, acl = tmp_path / "passwd", tmp_path / "acl"
+    users = {"coordinator": "c-secret", "local01": "d1-secret", "local02": "d2-secret"}
+    passwd.touch()
+    for user, pw in users.items():
+        subprocess.run(["mosquitto_passwd", "-b", str(passwd), user, pw], check=True)
+    shutil.copy(ROOT / "deploy" / "mosquitto" / "fedseq.acl", acl)
+    conf = (ROOT / "broker.conf").read_text()
+    conf = re.sub(r"^listener 1883 0\.0\.0\.0$", f"listener {port} 127.0.0.1", conf, flags=re.M)
+    conf = conf.replace("/etc/mosquitto/fedseq.passwd", str(passwd))
+    conf = conf.replace("/etc/mosquitto/fedseq.acl", str(acl))
+    conf = conf.replace("/var/lib/mosquitto/", f"{tmp_path}/")
+    conf = conf.replace("log_dest syslog", "log_dest stderr")
+    conf += f"\nuser {getpass.getuser()}\n"  # as root, mosquitto would drop to a user without access
+    assert f"listener {port} 127.0.0.1" in conf and "allow_anonymous false" in conf
+    (tmp_path / "mosquitto.conf").write_text(conf)
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "mosquitto.conf")],
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    if proc.poll() is not None:
+        pytest.fail(f"mosquitto did not start: {proc.stderr.read()}")
+    for user, pw in users.items():
+        (tmp_path / f"{user}.pw").write_text(pw + "\n")
+    yield port, tmp_path
+    proc.terminate()
+    proc.wait(10)
+
+
+def _device(name, port, tmp_path, data_root):
+    return subprocess.Popen(
+        [sys.executable, "-m", "fedseq.client.cli", "--device", name, "--broker",
+         f"mqtt://127.0.0.1:{port}", "--data-dir", str(data_root), "--state-dir",
+         str(tmp_path / "state" / name), "--username", name, "--password-file",
+         str(tmp_path / f"{name}.pw"), "--threads", "1", "--log-level", "WARNING"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):
+    port, home = mosquitto
+    devices = [_device(n, port, home, data_root) for n in ("local01", "local02")]
+    try:
+        cfg = quick_config(data_root, "algorithm.name=fedseq-vanilla", "rounds=3",
+                           "algorithm.unfreeze_rounds=[0,1,2]", "train.join_ratio=0.6",
+                           "deploy.min_devices=2", "deploy.username=coordinator",
+                           f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=_quiet)
+    finally:
+        stop_children(devices)
+    assert [d.returncode for d in devices] == [0, 0]  # SIGTERM: offline published, exit 0
+    train = [r for r in res.rows if r["phase"] == "train"]
+    assert all(r["reported"] == r["clients"] for r in train)
+    assert res.rows[-1]["phase"] == "finetune" and res.rows[-1]["personal_acc"] > 0.5
+    assert sorted(res.final.per_client) == list(range(5))
+    # personal state of the fine-tuned FedSeq clients is not kept, but every device trained
+    assert train[0]["uploaded_blocks"] == ["conv1"]
+
+
+def test_device_lost_mid_round_fails_fast(data_root, tmp_path, mosquitto):
+    """A device killed while training: its last will ends the round for its clients at once."""
+    port, home = mosquitto
+    d1 = _device("local01", port, home, data_root)
+    d2 = _device("local02", port, home, data_root)
+    killed = []
+
+    def on_round(row):
+        if row["round"] == 0 and not killed:
+            d2.send_signal(signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    try:
+        cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "train.join_ratio=1.0",
+                           "deploy.min_devices=2", "deploy.round_timeout_s=120",
+                           "deploy.username=coordinator",
+                           f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+        start = time.monotonic()
+        res = run_deployment(cfg, None, broker=f"mqtt://127.0.0.1:{port}", announce=_quiet,
+                             on_round=on_round)
+    finally:
+        stop_children([d1, d2])
+    r1 = res.rows[1]
+    assert r1["failed"] and set(r1["failed"]) | set(r1["reported"]) == set(r1["clients"])
+    assert r1["reported"]  # the surviving device's clients were aggregated
+    assert time.monotonic() - start < 100  # did not wait for the 120 s deadline
