@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import torch
+
 from fedseq.common.algorithms import algorithm_class, make_algorithm
 from fedseq.common.config import load_config
 from fedseq.common.data.federated import load_federated

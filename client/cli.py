@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format=f"%(asctime)s {args.device} %(levelname)s %(name)s: %(message)s")
     import torch
+
     from fedseq.client.daemon import DeviceDaemon
     from fedseq.common.errors import FedseqError
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from fedseq.client.state import StateStore
 from fedseq.common import __version__
 from fedseq.common.algorithms import algorithm_class
@@ -176,7 +177,7 @@ class DeviceDaemon:
         if frame is None:
             return
         del self.partial[key]
-        tensors = decode_tensors(frame)
+        tensors = decode_tensors(frame, copy=False)
         with self.cond:
             self.blocks.setdefault(head.run_id, {})[head.block] = (head.version, tensors)
             self.cond.notify_all()

@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
-from fedseq.common.errors import ConfigError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fedseq.common.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.models import BlockModel, Weights, set_weights
 

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from fedseq.common.errors import ConfigError
 from torch import nn
+
+from fedseq.common.errors import ConfigError
 
 Weights = dict[str, torch.Tensor]
 

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, Objective
 from fedseq.common.data.federated import ClientShard, FederatedData
 from fedseq.common.data.rebalance import rebalance, simple_augment
 from fedseq.common.models import BlockModel, Weights, get_blocks, set_weights
 from fedseq.common.seeding import torch_rng
-from torch.utils.flop_counter import FlopCounterMode
 
 FlopCache = dict[tuple[Objective, int, int], int]
 

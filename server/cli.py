@@ -9,10 +9,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from fedseq.common.config import ExperimentConfig, load_config
-from fedseq.common.errors import FedseqError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from fedseq.common.config import ExperimentConfig, load_config
+from fedseq.common.errors import FedseqError
 
 err = Console(stderr=True)
 

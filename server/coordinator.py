@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from fedseq.common.algorithms import Algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum, block_of
 from fedseq.common.algorithms.fedreg import FedReG

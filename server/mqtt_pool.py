@@ -142,7 +142,7 @@ class MqttPool:
         if frame is None:
             return
         del self.partial[key]
-        update = ClientUpdate(client=head.client, round=head.round, deltas=decode_tensors(frame),
+        update = ClientUpdate(client=head.client, round=head.round, deltas=decode_tensors(frame, copy=False),
                               num_samples=head.num_samples, effective_samples=head.effective_samples,
                               train_flops=head.train_flops, train_seconds=head.train_seconds,
                               bytes_up=len(frame))

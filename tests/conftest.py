@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from fedseq.common.config import ExperimentConfig, load_config
 from fedseq.common.data.federated import ClientShard, FederatedData
 

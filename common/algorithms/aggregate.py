@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+
 from fedseq.common.models import Weights
 
 

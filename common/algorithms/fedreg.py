@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+
 from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
 from fedseq.common.algorithms.base import Algorithm
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
 from fedseq.common.config import DataConfig
 from fedseq.common.data.partition import (
     dirichlet_partition,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+
 from fedseq.common.errors import ConfigError
 from fedseq.common.seeding import numpy_rng
 

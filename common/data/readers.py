@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from fedseq.common.errors import DatasetError
 
 IDX_LAYOUT = {

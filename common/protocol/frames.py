@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fedseq.common.errors import ProtocolError
@@ -41,22 +40,29 @@ def unpack_chunk(payload: bytes, header_type: type[H]) -> tuple[H, memoryview]:
     return header, memoryview(payload)[4 + n :]
 
 
-@dataclass
 class Reassembler:
-    """Collects the chunks of one frame; `add` returns the frame once complete and verified."""
+    """Collects the chunks of one frame straight into one preallocated buffer (no per-chunk
+    copies, no join); `add` returns the frame once complete and its sha256 verified."""
 
-    size: int
-    sha256: str
-    chunks: int
-    parts: dict[int, bytes] = field(default_factory=dict)
+    def __init__(self, size: int, sha256: str, chunks: int, chunk_bytes: int = CHUNK_BYTES):
+        if chunks != max(1, -(-size // chunk_bytes)):
+            raise ProtocolError(f"{chunks} chunks cannot hold a {size}-byte frame")
+        self.size = size
+        self.sha256 = sha256
+        self.chunks = chunks
+        self.chunk_bytes = chunk_bytes
+        self.buffer = bytearray(size)
+        self.seen: set[int] = set()
 
-    def add(self, index: int, data: memoryview) -> bytes | None:
-        self.parts[index] = bytes(data)
-        if len(self.parts) < self.chunks:
+    def add(self, index: int, data: memoryview | bytes) -> memoryview | None:
+        start = index * self.chunk_bytes
+        expected = min(self.chunk_bytes, self.size - start)
+        if not 0 <= index < self.chunks or len(data) != expected:
+            raise ProtocolError(f"chunk {index}: {len(data)} bytes, expected {expected}")
+        self.buffer[start : start + expected] = data
+        self.seen.add(index)
+        if len(self.seen) < self.chunks:
             return None
-        frame = b"".join(self.parts[i] for i in range(self.chunks))
-        if len(frame) != self.size:
-            raise ProtocolError(f"frame is {len(frame)} bytes, header says {self.size}")
-        if hashlib.sha256(frame).hexdigest() != self.sha256:
+        if hashlib.sha256(self.buffer).hexdigest() != self.sha256:
             raise ProtocolError("frame sha256 mismatch: a chunk was corrupted or mixed up")
-        return frame
+        return memoryview(self.buffer)

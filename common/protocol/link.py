@@ -3,13 +3,16 @@ reconnects with backoff, subscriptions renewed on every connect, chunked frame p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+import socket
 import threading
 from collections.abc import Callable
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
+
 from fedseq.common.errors import TransportError
 from fedseq.common.protocol.frames import CHUNK_BYTES, pack_chunk, split_frame
 from fedseq.common.protocol.messages import Message
@@ -25,6 +28,13 @@ def parse_broker_url(url: str) -> tuple[str, int]:
     if u.scheme not in ("mqtt", "tcp") or not u.hostname:
         raise TransportError(f"broker URL {url!r} is not mqtt://HOST:PORT")
     return u.hostname, u.port or 1883
+
+
+def _no_delay(client, userdata, sock) -> None:
+    """Disable Nagle: small messages (steps, chunk tails, acks) otherwise wait for delayed ACKs,
+    about 40 ms per exchange on Linux (measured with bench/mqtt_round.py)."""
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class Link:
@@ -53,6 +63,7 @@ class Link:
             c.username_pw_set(username, password)
         if will:
             c.will_set(will[0], will[1], qos=1, retain=True)
+        c.on_socket_open = _no_delay
         c.on_connect = self._connected
         c.on_disconnect = self._disconnected
         c.on_message = self._message

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from fedseq.common.errors import ProtocolError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fedseq.common.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 

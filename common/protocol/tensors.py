@@ -7,13 +7,14 @@ would move.
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 
 import torch
+from safetensors.torch import save as st_save
+
 from fedseq.common.errors import ProtocolError
 from fedseq.common.models import Weights
-from safetensors import SafetensorError
-from safetensors.torch import load as st_load
-from safetensors.torch import save as st_save
 
 
 def encode_tensors(weights: Weights, metadata: dict[str, str] | None = None) -> bytes:
@@ -23,13 +24,42 @@ def encode_tensors(weights: Weights, metadata: dict[str, str] | None = None) -> 
     )
 
 
-def decode_tensors(buf: bytes, expected_sha256: str | None = None) -> Weights:
-    """Parse safetensors bytes; checks the digest when given, rejects non-finite values."""
-    if expected_sha256 is not None and hashlib.sha256(buf).hexdigest() != expected_sha256:
+DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def decode_tensors(
+    buf: bytes | bytearray | memoryview, expected_sha256: str | None = None, copy: bool = True
+) -> Weights:
+    """Parse a safetensors frame, reading straight from `buf`; checks the digest when given and
+    rejects non-finite values. copy=False returns tensors that share `buf`'s memory (for a
+    writable buffer nobody else reuses, e.g. a Reassembler's): no copy and no page faults."""
+    view = memoryview(buf).cast("B")
+    if expected_sha256 is not None and hashlib.sha256(view).hexdigest() != expected_sha256:
         raise ProtocolError("tensor frame sha256 mismatch: the payload was corrupted in transit")
     try:
-        out = st_load(bytes(buf))
-    except (SafetensorError, ValueError) as exc:
+        n = int.from_bytes(view[:8], "little")
+        if len(view) < 8 or 8 + n > len(view):
+            raise ValueError("header length exceeds the frame")
+        header = json.loads(bytes(view[8 : 8 + n]))
+        out = {}
+        data = view[8 + n :]
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = DTYPES[info["dtype"]]
+            shape = [int(s) for s in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+            count = math.prod(shape)
+            if not 0 <= begin <= end <= len(data) or end - begin != count * dtype.itemsize:
+                raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not fit its shape")
+            raw = bytearray(data[begin:end]) if copy else data[begin:end]
+            t = torch.frombuffer(raw, dtype=dtype) if count else torch.empty(0, dtype=dtype)
+            out[name] = t.reshape(shape)
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"tensor frame is not valid safetensors data ({exc})") from exc
     for k, v in out.items():
         if v.is_floating_point() and not torch.isfinite(v).all():

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+
 from fedseq.common.config import dump_config, load_config, parse_override
 from fedseq.common.errors import ConfigError
 

@@ -1,4 +1,5 @@
 import torch
+
 from fedseq.common.models import block_keys, build_model, count_params, get_blocks, set_weights
 
 

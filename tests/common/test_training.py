@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from conftest import synthetic_data
 from fedseq.common.algorithms import REGISTRY, algorithm_class, make_algorithm
 from fedseq.common.config import load_config

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+
 from conftest import synthetic_data
 from fedseq.common.algorithms import algorithm_class, make_algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import ROOT, quick_config
 from fedseq.server.broker import free_port
 from fedseq.server.deployment import run_deployment, stop_children

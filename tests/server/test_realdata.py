@@ -1,6 +1,7 @@
 """Each algorithm on real Fashion-MNIST (5% of it, 5 clients, 3 rounds) must clearly beat chance."""
 
 import pytest
+
 from conftest import quick_config
 from fedseq.common.algorithms import REGISTRY
 from fedseq.server.simulation import run_simulation

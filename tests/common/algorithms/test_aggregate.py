@@ -1,5 +1,6 @@
 import pytest
 import torch
+
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum, aggregate_weighted
 
 

@@ -1,4 +1,5 @@
 import pytest
+
 from fedseq.common.algorithms import make_algorithm
 from fedseq.common.algorithms.fedseq import trainable_blocks, unfreeze_schedule
 from fedseq.common.config import load_config

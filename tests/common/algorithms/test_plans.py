@@ -1,6 +1,7 @@
 """Which blocks each algorithm trains, uploads and keeps personal."""
 
 import pytest
+
 from fedseq.common.algorithms import REGISTRY, algorithm_class, make_algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import load_config

@@ -1,6 +1,7 @@
 import numpy as np
 import pytest
 import torch
+
 from fedseq.common.config import DataConfig
 from fedseq.common.data.federated import load_federated
 from fedseq.common.data.partition import (

@@ -3,6 +3,7 @@ import shutil
 
 import numpy as np
 import pytest
+
 from fedseq.common.data.readers import parse_idx, read_dataset
 from fedseq.common.errors import DatasetError
 

@@ -1,0 +1,84 @@
+import hashlib
+
+import pytest
+import torch
+
+from fedseq.common.errors import ProtocolError
+from fedseq.common.models import build_model, get_blocks
+from fedseq.common.protocol.frames import CHUNK_BYTES, Reassembler, pack_chunk, split_frame, unpack_chunk
+from fedseq.common.protocol.messages import Step, UpdateHeader, WeightsHeader
+from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
+from fedseq.common.protocol.topics import Topics
+
+
+def _chunks(frame: bytes):
+    digest = hashlib.sha256(frame).hexdigest()
+    parts = split_frame(frame)
+    return digest, [
+        pack_chunk(WeightsHeader(run_id="r", block="fc1", version=3, chunk=i, chunks=len(parts),
+                                 size=len(frame), sha256=digest), p)
+        for i, p in enumerate(parts)
+    ]
+
+
+def test_fc1_frame_splits_below_mosquitto_limit_and_reassembles():
+    w = get_blocks(build_model("cnn", (1, 28, 28), 10, generator_seed=0), ["fc1"])
+    frame = encode_tensors(w)
+    assert len(frame) > 2_099_200  # fc1 alone is over Mosquitto 2.1's 2,000,000-byte default
+    digest, msgs = _chunks(frame)
+    assert len(msgs) == 3 and all(len(m) < 2_000_000 for m in msgs)
+    assert all(len(m) <= CHUNK_BYTES + 400 for m in msgs)
+    asm = None
+    out = None
+    for m in reversed(msgs):  # order on the wire does not matter
+        head, data = unpack_chunk(m, WeightsHeader)
+        asm = asm or Reassembler(head.size, head.sha256, head.chunks)
+        out = asm.add(head.chunk, data)
+    assert out == frame
+    back = decode_tensors(out)
+    assert all(torch.equal(back[k], w[k]) for k in w)
+
+
+def test_corrupted_chunk_is_rejected():
+    frame = encode_tensors({"a.w": torch.arange(10.0)})
+    digest, (msg,) = _chunks(frame)
+    bad = bytearray(msg)
+    bad[-1] ^= 0xFF
+    head, data = unpack_chunk(bytes(bad), WeightsHeader)
+    with pytest.raises(ProtocolError, match="sha256"):
+        Reassembler(head.size, head.sha256, head.chunks).add(head.chunk, data)
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x00\x00", b"\x00\x00\x10\x00{}", b"\x00\x00\x00\x02{}",
+                                     b"\x00\x00\x00\x05hello"])
+def test_malformed_chunks_are_protocol_errors(payload):
+    with pytest.raises(ProtocolError):
+        unpack_chunk(payload, UpdateHeader)
+
+
+def test_messages_validate_strictly():
+    s = Step(run_id="r", seq=1, kind="train", round=0, clients=[1, 2])
+    assert Step.decode(s.encode()) == s
+    for bad in (b"not json", b'{"v": 2, "run_id": "r", "seq": 1, "kind": "train"}',
+                b'{"v": 1, "run_id": "r", "seq": 1, "kind": "dance"}',
+                b'{"v": 1, "run_id": "r", "seq": -1, "kind": "train"}',
+                b'{"v": 1, "run_id": "r", "seq": 1, "kind": "train", "extra": 1}'):
+        with pytest.raises(ProtocolError):
+            Step.decode(bad)
+
+
+def test_tensor_frames_reject_garbage_and_nan():
+    with pytest.raises(ProtocolError):
+        decode_tensors(b"garbage")
+    with pytest.raises(ProtocolError, match="NaN"):
+        decode_tensors(encode_tensors({"x": torch.tensor([float("nan")])}))
+    frame = encode_tensors({"x": torch.ones(2)})
+    with pytest.raises(ProtocolError, match="sha256"):
+        decode_tensors(frame, expected_sha256="0" * 64)
+
+
+def test_topics():
+    t = Topics("fedseq")
+    assert t.weights("fc1", 2) == "fedseq/weights/fc1/2"
+    assert t.device_of(t.update("jetson01", 3, 0)) == "jetson01"
+    assert t.device_of(t.device_status("jetson07")) == "jetson07"
