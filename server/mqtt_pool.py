@@ -76,6 +76,24 @@ class MqttPool:
                           ServerStatus(state="online", run_id=self.run_id, broker=self.link.url),
                           retain=True)
 
+    def _await_quorum(self) -> None:
+        """Before a step: after a broker restart or a network drop, devices come back within
+        seconds; wait for deploy.min_devices of the assigned ones instead of failing the step."""
+        assigned = set(self.assignment)
+        self._drain(0.0)
+        if len(assigned & set(self.online)) >= min(self.cfg.deploy.min_devices, len(assigned)):
+            return
+        log.warning("waiting for devices: %d of %d assigned online",
+                    len(assigned & set(self.online)), len(assigned))
+        deadline = time.monotonic() + self.cfg.deploy.wait_devices_s
+        while time.monotonic() < deadline:
+            self._drain(0.5)
+            if len(assigned & set(self.online)) >= min(self.cfg.deploy.min_devices, len(assigned)):
+                time.sleep(0.5)  # let the others that reconnect together announce themselves
+                self._drain(0.0)
+                return
+        log.warning("continuing with %d devices online", len(assigned & set(self.online)))
+
     def wait_for_devices(self, minimum: int, timeout: float) -> list[str]:
         deadline = time.monotonic() + timeout
         while len(self.online) < minimum:
@@ -205,6 +223,7 @@ class MqttPool:
 
     def train(self, round: int, clients: list[int], plan: ClientPlan,
               weights: Weights) -> Iterator[ClientUpdate]:
+        self._await_quorum()
         versions = self._sync(weights)
         step = self._publish_step(kind="train", round=round, clients=clients,
                                   plan=plan_to_dict(plan), versions=versions)
@@ -253,6 +272,7 @@ class MqttPool:
         return results
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
+        self._await_quorum()
         versions = self._sync(weights)
         step = self._publish_step(kind="evaluate", versions=versions, eval_heads=list(eval_heads))
         per_client = self._collect_evals(step, self.cfg.deploy.eval_timeout_s)
@@ -261,6 +281,7 @@ class MqttPool:
         return EvalReport(glob.global_correct, glob.global_total, per_client)
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
+        self._await_quorum()
         versions = self._sync(weights)
         step = self._publish_step(kind="finetune", plan=plan_to_dict(plan), versions=versions,
                                   eval_heads=list(eval_heads))
