@@ -37,8 +37,21 @@ def test_missing_dataset_exit_2_names_file(tmp_path):
     assert len([x for x in r.stderr.splitlines() if x.strip()]) == 1
 
 
-def test_deployment_commands_say_not_implemented():
-    r = _run("fedseq-server", "start")
-    assert r.returncode == 2 and "not implemented" in r.stderr
-    r = _run(sys.executable, "-m", "fedseq.client.cli", "--device", "jetson01")
-    assert r.returncode == 2 and "not implemented" in r.stderr
+def test_server_quick_start_with_local_clients(tmp_path, data_root):
+    """The README's one-machine quick start: embedded broker + N fedseq-client child processes."""
+    out = tmp_path / "dep"
+    r = _run("fedseq-server", "start", "--local-clients", "2", "--client-threads", "1",
+             "--set", f"data.root={str(data_root)!r}", "--set", "data.fraction=0.03",
+             "--set", "data.num_clients=4", "--set", "rounds=2", "--set", "train.local_epochs=1",
+             "--set", "algorithm.name=fedrep", "--set", "train.join_ratio=0.5",
+             "--set", "deploy.port=0", "--out", str(out))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "embedded MQTT broker at mqtt://127.0.0.1:" in r.stderr
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(row["reported"] == row["clients"] for row in rows)
+
+
+def test_client_bad_broker_url_exit_2():
+    r = _run(sys.executable, "-m", "fedseq.client.cli", "--device", "jetson01", "--broker",
+             "http://example:80")
+    assert r.returncode == 2 and "mqtt://HOST:PORT" in r.stderr
