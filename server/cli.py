@@ -25,13 +25,24 @@ SetOpt = Annotated[
 OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Run directory to write.")]
 
 
-def _fail(exc: Exception) -> None:
+def _fail(exc: Exception) -> NoReturn:
     print(f"error: {exc}", file=sys.stderr)
     raise typer.Exit(2)
 
 
 def _default_out(cfg: ExperimentConfig) -> Path:
     return Path("runs") / f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _start(config: Path | None, overrides: list[str] | None, out: Path | None
+           ) -> tuple[ExperimentConfig, Path]:
+    """Logging, the validated config (or a one-line error and exit 2), the run directory."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(config, overrides)
+    except FedseqError as exc:
+        _fail(exc)
+    return cfg, out or _default_out(cfg)
 
 
 def _fmt(v: Any) -> str:
@@ -47,12 +58,7 @@ def sim(
     """Run a federated experiment in one process and write a run directory."""
     from fedseq.server.simulation import run_simulation
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(config, set_)
-    except FedseqError as exc:
-        _fail(exc)
-    out = out or _default_out(cfg)
+    cfg, out = _start(config, set_, out)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=err, disable=quiet,
@@ -99,12 +105,7 @@ def start(
     """Run an experiment on a device fleet over MQTT and write a run directory."""
     from fedseq.server.deployment import run_deployment
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        cfg = load_config(config, set_)
-    except FedseqError as exc:
-        _fail(exc)
-    out = out or _default_out(cfg)
+    cfg, out = _start(config, set_, out)
     try:
         result = run_deployment(cfg, out, broker, local_clients,
                                 on_round=None if quiet else _print_row,

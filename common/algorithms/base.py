@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
-from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
+from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase, ordered_union
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.models import ModelSpec
 
@@ -37,9 +37,7 @@ class Algorithm:
 
     def plan(self, round: int) -> ClientPlan:
         phases = self.phases(round)
-        trained: dict[str, None] = {}
-        for p in phases:
-            trained.update(dict.fromkeys(p.trainable))
+        trained = ordered_union(p.trainable for p in phases)
         personal = self.personal_blocks()
         t = self.cfg.train
         return ClientPlan(

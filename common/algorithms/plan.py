@@ -5,11 +5,20 @@ Plans are plain data: the trainer executes them, the wire can carry them, and te
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Literal
 
 Loss = Literal["ce", "balanced_ce"]
 DataSource = Literal["local", "rebalanced"]
+
+
+def ordered_union(groups: Iterable[Iterable[str]]) -> tuple[str, ...]:
+    """Block names of all groups, each once, in first-seen order."""
+    seen: dict[str, None] = {}
+    for g in groups:
+        seen.update(dict.fromkeys(g))
+    return tuple(seen)
 
 
 @dataclass(frozen=True)
@@ -35,10 +44,7 @@ class Phase:
 
     @property
     def trainable(self) -> tuple[str, ...]:
-        seen: dict[str, None] = {}
-        for o in self.objectives:
-            seen.update(dict.fromkeys(o.trainable))
-        return tuple(seen)
+        return ordered_union(o.trainable for o in self.objectives)
 
 
 @dataclass(frozen=True)
@@ -52,24 +58,17 @@ class ClientPlan:
     prox_mu: float = 0.0
     rebalance_threshold: float | None = None  # FedReG: client sample-count threshold C
     class_counts_needed: bool = False  # balanced softmax needs the client's label counts
-    extra: dict[str, float] = field(default_factory=dict)
 
     @property
     def trainable(self) -> tuple[str, ...]:
-        seen: dict[str, None] = {}
-        for p in self.phases:
-            seen.update(dict.fromkeys(p.trainable))
-        return tuple(seen)
+        return ordered_union(p.trainable for p in self.phases)
 
     @property
     def uses(self) -> tuple[str, ...]:
         """Every block the client's forward passes touch (what it must hold to train)."""
-        seen: dict[str, None] = {}
-        for p in self.phases:
-            for o in p.objectives:
-                seen.update(dict.fromkeys(o.heads))
-                seen.update(dict.fromkeys(o.trainable))
-        return tuple(seen)
+        return ordered_union(
+            (*o.heads, *o.trainable) for p in self.phases for o in p.objectives
+        )
 
 
 def plan_to_dict(plan: ClientPlan) -> dict:
