@@ -11,37 +11,56 @@ from pathlib import Path
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="fedseq-client", description="fedseq device daemon")
-    p.add_argument("--device", required=True, help="this device's name, e.g. jetson01")
-    p.add_argument("--broker", default="mqtt://127.0.0.1:1883", help="mqtt://HOST:PORT")
-    p.add_argument("--data-dir", type=Path, default=None,
+    p = argparse.ArgumentParser(
+        prog="fedseq-client",
+        description="fedseq device daemon; `fedseq-client doctor [...]` checks this device instead. "
+                    "Settings: --config FILE < FEDSEQ_<NAME> environment variables < flags.")
+    p.add_argument("command", nargs="?", choices=["run", "doctor"], default="run")
+    p.add_argument("--config", type=Path, default=None, help="TOML settings, e.g. /etc/fedseq/client.toml")
+    p.add_argument("--device", help="this device's name, e.g. jetson01")
+    p.add_argument("--broker", help="mqtt://HOST:PORT (default mqtt://127.0.0.1:1883)")
+    p.add_argument("--data-dir", type=Path,
                    help="folder holding MNIST/raw, FashionMNIST/raw, ... (default: the run's data.root)")
-    p.add_argument("--state-dir", type=Path, default=Path("fedseq-state"),
-                   help="where personal blocks are kept across restarts")
-    p.add_argument("--torch-device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--topic-root", default="fedseq")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    p.add_argument("--username", default=None)
-    p.add_argument("--password-file", type=Path, default=None)
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--state-dir", type=Path, help="where personal blocks are kept across restarts")
+    p.add_argument("--torch-device", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--topic-root")
+    p.add_argument("--threads", type=int, help="torch CPU threads")
+    p.add_argument("--username")
+    p.add_argument("--password-file", type=Path)
+    p.add_argument("--log-level")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format=f"%(asctime)s {args.device} %(levelname)s %(name)s: %(message)s")
+    from fedseq.client.settings import load_settings
+    from fedseq.common.errors import FedseqError
+
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    try:
+        s = load_settings(args.config, flags)
+    except FedseqError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "doctor":
+        from fedseq.client.doctor import run_doctor
+
+        return run_doctor(s)
+    logging.basicConfig(level=s.log_level.upper(),
+                        format=f"%(asctime)s {s.device} %(levelname)s %(name)s: %(message)s")
     import torch
 
     from fedseq.client.daemon import DeviceDaemon
-    from fedseq.common.errors import FedseqError
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    password = args.password_file.read_text().strip() if args.password_file else None
+    if s.threads:
+        torch.set_num_threads(s.threads)
     try:
-        daemon = DeviceDaemon(args.device, args.broker, args.data_dir, args.state_dir,
-                              args.torch_device, args.topic_root, args.username, password)
+        password = s.password_file.read_text().strip() if s.password_file else None
+        daemon = DeviceDaemon(s.device, s.broker, s.data_dir, s.state_dir, s.torch_device,
+                              s.topic_root, s.username, password)
+    except OSError as exc:
+        print(f"error: password_file {s.password_file}: {exc}", file=sys.stderr)
+        return 2
     except FedseqError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

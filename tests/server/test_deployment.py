@@ -191,3 +191,18 @@ def test_survives_broker_restart(data_root, tmp_path, mosquitto):
     assert restarted
     assert all(r["reported"] == r["clients"] for r in res.rows[1:]), res.rows
     assert len(res.final.per_client) == 5  # every device answered the last evaluation
+
+
+def test_doctor_reports_login_and_data(data_root, tmp_path, mosquitto):
+    port, home, _ = mosquitto
+    base = [sys.executable, "-m", "fedseq.client.cli", "doctor", "--device", "local01",
+            "--broker", f"mqtt://127.0.0.1:{port}", "--data-dir", str(data_root),
+            "--state-dir", str(tmp_path / "st"), "--username", "local01"]
+    good = subprocess.run(base + ["--password-file", str(home / "local01.pw")],
+                          capture_output=True, text=True, timeout=60)
+    assert good.returncode == 0, good.stdout
+    assert "fmnist" in good.stdout and "accepts local01" in good.stdout
+    (tmp_path / "wrong.pw").write_text("nope\n")
+    bad = subprocess.run(base + ["--password-file", str(tmp_path / "wrong.pw")],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "refused the login" in bad.stdout

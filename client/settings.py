@@ -1,0 +1,60 @@
+"""The daemon's settings: a TOML file (/etc/fedseq/client.toml), FEDSEQ_* environment variables
+and command-line flags, in rising precedence."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from fedseq.common.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ClientSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
+    broker: str = "mqtt://127.0.0.1:1883"
+    username: str | None = None
+    password_file: Path | None = None
+    data_dir: Path | None = None
+    state_dir: Path = Path("fedseq-state")
+    torch_device: Literal["auto", "cpu", "cuda"] = "auto"
+    topic_root: str = "fedseq"
+    threads: int | None = Field(None, ge=1)
+    log_level: str = "INFO"
+
+
+def load_settings(config: Path | None, flags: dict[str, Any],
+                  environ: dict[str, str] | None = None) -> ClientSettings:
+    """File < FEDSEQ_<FIELD> environment variables < flags (None flags are ignored)."""
+    values: dict[str, Any] = {}
+    if config is not None:
+        try:
+            values.update(tomllib.loads(Path(config).read_text()))
+        except FileNotFoundError as exc:
+            raise ConfigError(f"client config {config} not found; pass an existing --config") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{config}: invalid TOML ({exc}); fix the file") from exc
+    env = os.environ if environ is None else environ
+    for name in ClientSettings.model_fields:
+        key = f"FEDSEQ_{name.upper()}"
+        if env.get(key):
+            values[name] = env[key]
+    values.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return ClientSettings.model_validate(values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "settings"
+        hint = "set it with --device NAME, FEDSEQ_DEVICE or device = ... in the config file"
+        msg = hint if err["type"] == "missing" else err["msg"]
+        raise ConfigError(f"client setting {where}: {msg}") from exc
