@@ -61,7 +61,7 @@ def main() -> None:
         ft = " (fine-tuned)" if s["finetune"] else ""
         print(f"| {alg} | {s['rounds']} | {pct(s['final_g'])}{mark} / {pct(s['best_g'])}{mark} | "
               f"{pct(s['final_p'])}{ft} / {pct(s['best_p'])} | "
-              f"{'%.2f / %.2f' % paper if paper else '-'} |")
+              f"{f'{paper[0]:.2f} / {paper[1]:.2f}' if paper else '-'} |")
     mnist = [a for a in ORDER if load(root / "mnist" / a)]
     if mnist:
         print("\n| algorithm (MNIST) | rounds | personalized final | FedSeq Table 2, T=100 |")
