@@ -29,7 +29,10 @@ log = logging.getLogger(__name__)
 
 def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path,
                         threads: int | None = None) -> list[subprocess.Popen]:
-    """Start n fedseq-client daemons (local01..) as child processes."""
+    """Start n fedseq-client daemons (local01..) as child processes. By default they share the
+    cores (cores // n torch threads each): oversubscribed OpenMP threads spin and slow every
+    process down several times over."""
+    threads = threads or max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
