@@ -99,7 +99,9 @@ def start(
     broker: Annotated[str | None, typer.Option(help="mqtt://HOST:PORT of an external broker; "
                                                    "default: deploy.broker, else an embedded one")] = None,
     local_clients: Annotated[int, typer.Option(help="also start N fedseq-client daemons here")] = 0,
-    client_threads: Annotated[int | None, typer.Option(help="torch threads per local client (default: cores / N)")] = None,
+    client_threads: Annotated[
+        int | None, typer.Option(help="torch threads per local client (default: cores / N)")
+    ] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Run an experiment on a device fleet over MQTT and write a run directory."""
