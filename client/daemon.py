@@ -87,6 +87,7 @@ class DeviceDaemon:
         self.stopping = threading.Event()
         self.run: RunState | None = None
         self.step: Step | None = None
+        self.assignment: Assignment | None = None  # the latest, applied once its run is known
         # run_id -> block -> (version, tensors); chunks being reassembled
         self.blocks: dict[str, dict[str, tuple[int, Weights]]] = {}
         self.partial: dict[tuple[str, str, int], Reassembler] = {}
@@ -163,7 +164,7 @@ class DeviceDaemon:
 
     def _on_assignment(self, a: Assignment) -> None:
         with self.cond:
-            self._pending_assignment = a
+            self.assignment = a
             self.cond.notify_all()
 
     def _on_weights_chunk(self, payload: bytes) -> None:
@@ -185,7 +186,7 @@ class DeviceDaemon:
     # -- worker thread ---------------------------------------------------------------------
     def _ready(self) -> tuple[RunState, Step] | None:
         run, step = self.run, self.step
-        a = getattr(self, "_pending_assignment", None)
+        a = self.assignment
         if run is not None and a is not None and a.run_id == run.run_id:
             run.clients = sorted(a.clients)
         if run is None or step is None or step.run_id != run.run_id or step.seq in run.done:

@@ -107,7 +107,9 @@ class Coordinator:
         plan = self.alg.plan(t)
         needed = [b for b in plan.uses if b not in plan.personal]
         send = {k: v for k, v in self.global_weights.items() if block_of(k) in needed}
-        bytes_down = sum(self._bytes_down(c, needed) for c in selected)
+        # A real transport counts what crossed the wire; only the in-process pool is estimated.
+        wire = getattr(self.pool, "round_bytes", None)
+        bytes_down = 0 if wire is not None else sum(self._bytes_down(c, needed) for c in selected)
         acc = WeightedDeltaSum()
         reported, rejected, flops, bytes_up = [], [], 0, 0
         allowed = set(plan.upload)
@@ -137,8 +139,7 @@ class Coordinator:
         report = None
         if (t + 1) % self.cfg.train.eval_every == 0 or last:
             report = self.pool.evaluate(self.global_weights, self.alg.eval_heads())
-        wire = getattr(self.pool, "round_bytes", None)
-        if wire is not None:  # a real transport counts what really crossed the wire
+        if wire is not None:
             bytes_down, bytes_up = wire()
         row = {
             "round": t,
