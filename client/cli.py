@@ -26,7 +26,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topic-root")
     p.add_argument("--threads", type=int, help="torch CPU threads")
     p.add_argument("--username")
-    p.add_argument("--password-file", type=Path)
+    p.add_argument("--password-file", type=Path, help="file holding the broker password")
+    p.add_argument("--ca-file", type=Path, help="mqtts://: PEM file of the CA that signed the broker")
+    p.add_argument("--cert-file", type=Path, help="mutual TLS: this device's PEM certificate")
+    p.add_argument("--key-file", type=Path, help="mutual TLS: the certificate's PEM key")
+    p.add_argument("--no-verify-hostname", dest="verify_hostname", action="store_false",
+                   default=None, help="accept a broker certificate that does not name its host")
     p.add_argument("--log-level")
     return p.parse_args(argv)
 
@@ -54,20 +59,32 @@ def main(argv: list[str] | None = None) -> int:
 
     if s.threads:
         torch.set_num_threads(s.threads)
+    from fedseq.common.protocol.link import TlsOptions
+
     try:
         password = s.password_file.read_text().strip() if s.password_file else None
-        daemon = DeviceDaemon(s.device, s.broker, s.data_dir, s.state_dir, s.torch_device,
-                              s.topic_root, s.username, password)
     except OSError as exc:
-        print(f"error: password_file {s.password_file}: {exc}", file=sys.stderr)
-        return 2
-    except FedseqError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: password_file {s.password_file}: {exc.strerror or exc}; fix the path or "
+              "its permissions", file=sys.stderr)
         return 2
     done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    daemon.start(connect_timeout=None)  # keeps retrying in the background until the broker is up
+    try:
+        tls = TlsOptions(s.ca_file, s.cert_file, s.key_file, s.verify_hostname)
+        daemon = DeviceDaemon(s.device, s.broker, s.data_dir, s.state_dir, s.torch_device,
+                              s.topic_root, s.username, password, tls)
+
+        def on_signal(*_: object) -> None:
+            done.set()
+            daemon.link.cancel()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        daemon.start()  # an unreachable broker is retried until it is up; a refused login is not
+    except FedseqError as exc:
+        if done.is_set():
+            return 0
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     done.wait()
     daemon.stop()
     return 0

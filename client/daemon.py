@@ -23,11 +23,12 @@ from fedseq.common.algorithms import algorithm_class
 from fedseq.common.algorithms.plan import plan_from_dict
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData, load_federated
-from fedseq.common.errors import FedseqError
+from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+from fedseq.common.errors import FedseqError, ProtocolError
 from fedseq.common.evaluation import evaluate
-from fedseq.common.models import BlockModel, Weights, build_model
-from fedseq.common.protocol.frames import Reassembler, unpack_chunk
-from fedseq.common.protocol.link import Link
+from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
+from fedseq.common.protocol.frames import FramePool, unpack_chunk
+from fedseq.common.protocol.link import Link, TlsOptions
 from fedseq.common.protocol.messages import (
     Assignment,
     Control,
@@ -55,6 +56,17 @@ class RunState:
     data: FederatedData | None = None
     model: BlockModel | None = None
     flop_cache: FlopCache = field(default_factory=dict)
+    frames: FramePool | None = None  # weights frames being reassembled, bounded by the model
+
+
+def weights_frame_pool(cfg: ExperimentConfig) -> FramePool:
+    """A weights frame holds one block of the run's model: anything larger is refused before it is
+    allocated; partial frames of at most two whole models are kept."""
+    two = algorithm_class(cfg.algorithm.name).two_heads
+    model = build_model(cfg.model.name, INPUT_SHAPES[cfg.data.dataset],
+                        NUM_CLASSES[cfg.data.dataset], two)
+    sizes = [len(encode_tensors(get_blocks(model, [b]))) + 4096 for b in model.spec.blocks]
+    return FramePool(max_frame=max(sizes), per_sender=2 * sum(sizes))
 
 
 def pick_torch_device(choice: str) -> torch.device:
@@ -76,6 +88,7 @@ class DeviceDaemon:
         topic_root: str = "fedseq",
         username: str | None = None,
         password: str | None = None,
+        tls: TlsOptions | None = None,
     ):
         self.device = device
         self.data_dir = data_dir
@@ -87,24 +100,28 @@ class DeviceDaemon:
         self.stopping = threading.Event()
         self.run: RunState | None = None
         self.step: Step | None = None
+        self.next_step: Step | None = None  # a step of a run whose config has not arrived yet
         self.assignment: Assignment | None = None  # the latest, applied once its run is known
         # run_id -> block -> (version, tensors); chunks being reassembled
         self.blocks: dict[str, dict[str, tuple[int, Weights]]] = {}
-        self.partial: dict[tuple[str, str, int], Reassembler] = {}
         offline = DeviceStatus(device=device, state="offline").encode()
         self.link = Link(
             f"fedseq-device-{device}", broker,
             [t.run_config, t.assignment(device), t.step, t.weights(), t.control],
             self._on_message, will=(t.device_status(device), offline),
-            username=username, password=password,
+            username=username, password=password, tls=tls,
         )
         self.link.on_connect(self._announce)
         self.worker = threading.Thread(target=self._work, name="fedseq-worker", daemon=True)
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self, connect_timeout: float | None = None) -> None:
+    def start(self, attempts: int | None = None, refusals: int = 3) -> None:
+        """Connect (retrying an unreachable broker `attempts` times, None = until stopped; a
+        refused login ends it after `refusals` tries), then serve in the background."""
+        log.info("connecting to %s as %s", self.link.url, self.device)
+        self.link.start(attempts=attempts, refusals=refusals)
+        log.info("connected to %s; waiting for a run", self.link.url)
         self.worker.start()
-        self.link.start(timeout=connect_timeout)
 
     def stop(self) -> None:
         """Publish offline and disconnect (what SIGTERM does)."""
@@ -136,18 +153,35 @@ class DeviceDaemon:
             elif topic == t.assignment(self.device):
                 self._on_assignment(Assignment.decode(payload))
             elif topic == t.step:
-                with self.cond:
-                    self.step = Step.decode(payload)
-                    self.cond.notify_all()
+                self._on_step(Step.decode(payload))
             elif topic.startswith(f"{t.root}/weights/"):
                 self._on_weights_chunk(payload)
             elif topic == t.control:
-                ctl = Control.decode(payload)
-                log.warning("coordinator: %s %s", ctl.command, ctl.reason)
-                with self.cond:
-                    self.step = None
+                self._on_control(Control.decode(payload))
         except FedseqError as exc:
             log.warning("dropped message on %s: %s", topic, exc)
+
+    def _current_run(self, run_id: str | None, what: str) -> RunState:
+        """The run a coordinator message must belong to (ProtocolError otherwise)."""
+        run = self.run
+        if run is None or run_id != run.run_id:
+            raise ProtocolError(f"{what} for run {run_id}, but the current run is "
+                                f"{run.run_id if run else 'none yet'}")
+        return run
+
+    def _on_step(self, step: Step) -> None:
+        with self.cond:
+            if self.run is None or step.run_id != self.run.run_id:
+                self.next_step = step  # applied if its run config follows; never aborts this run
+                return
+            self.step = step
+            self.cond.notify_all()
+
+    def _on_control(self, ctl: Control) -> None:
+        self._current_run(ctl.run_id, f"control {ctl.command}")
+        log.warning("coordinator: %s %s", ctl.command, ctl.reason)
+        with self.cond:
+            self.step = None
 
     def _on_run_config(self, rc: RunConfig) -> None:
         cfg = ExperimentConfig.model_validate(rc.config)
@@ -155,32 +189,40 @@ class DeviceDaemon:
             cfg.data.root = self.data_dir
         with self.cond:
             if self.run is None or self.run.run_id != rc.run_id:
-                log.info("run %s: %s on %s", rc.run_id, cfg.algorithm.name, cfg.data.dataset)
-                self.run = RunState(rc.run_id, cfg)
+                log.info("joined run %s: %s on %s", rc.run_id, cfg.algorithm.name, cfg.data.dataset)
+                self.run = RunState(rc.run_id, cfg, frames=weights_frame_pool(cfg))
                 for run_id in list(self.blocks):
                     if run_id != rc.run_id:
                         del self.blocks[run_id]
+                if self.step is not None and self.step.run_id != rc.run_id:
+                    self.step = None
+                if self.next_step is not None and self.next_step.run_id == rc.run_id:
+                    self.step, self.next_step = self.next_step, None
             self.cond.notify_all()
 
     def _on_assignment(self, a: Assignment) -> None:
+        if a.device != self.device:
+            raise ProtocolError(f"assignment names device {a.device!r}, this is {self.device!r}")
         with self.cond:
             self.assignment = a
             self.cond.notify_all()
 
     def _on_weights_chunk(self, payload: bytes) -> None:
         head, data = unpack_chunk(payload, WeightsHeader)
+        run = self._current_run(head.run_id, f"weights {head.block}")
         held = self.blocks.get(head.run_id, {}).get(head.block)
         if held is not None and held[0] >= head.version:
             return
-        key = (head.run_id, head.block, head.version)
-        asm = self.partial.setdefault(key, Reassembler(head.size, head.sha256, head.chunks))
-        frame = asm.add(head.chunk, data)
+        assert run.frames is not None
+        frame = run.frames.add("coordinator", (head.block, head.version), head, data)
         if frame is None:
             return
-        del self.partial[key]
         tensors = decode_tensors(frame, copy=False)
         with self.cond:
+            if self.run is not run:
+                return
             self.blocks.setdefault(head.run_id, {})[head.block] = (head.version, tensors)
+            run.frames.expire(lambda _, tag: tag[0] != head.block or tag[1] > head.version)
             self.cond.notify_all()
 
     # -- worker thread ---------------------------------------------------------------------

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import socket
+import ssl
 import sys
 import tempfile
-import threading
 from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
 
 from fedseq.client.settings import ClientSettings
 
-Check = tuple[bool, str]  # (ok, one line: what was found, and the fix when not ok)
+Check = tuple["bool | None", str]  # (ok, or None for a warning; one line: found, and the fix)
 
 DATASET_FILES = {
     "mnist": [f"MNIST/raw/{n}-idx{d}-ubyte.gz" for n, d in
@@ -66,56 +67,73 @@ def check_state_dir(s: ClientSettings) -> Check:
     return True, f"state_dir {s.state_dir} writable"
 
 
-def check_broker(s: ClientSettings, timeout: float = 5.0) -> Check:
-    import paho.mqtt.client as mqtt
+def _days_left(not_after: datetime) -> float:
+    return (not_after - datetime.now(timezone.utc)).total_seconds() / 86400
 
+
+def _expiry_check(what: str, not_after: datetime, warn_days: float = 30) -> Check:
+    days = _days_left(not_after)
+    if days < 0:
+        return False, f"{what} expired on {not_after:%Y-%m-%d}: issue a new one from your CA"
+    if days < warn_days:
+        return None, f"{what} expires in {days:.0f} days ({not_after:%Y-%m-%d}): renew it soon"
+    return True, f"{what} valid until {not_after:%Y-%m-%d}"
+
+
+def check_own_certificate(s: ClientSettings) -> list[Check]:
+    """This device's TLS client certificate, read from cert_file (needs `cryptography`)."""
+    if s.cert_file is None:
+        return []
+    try:
+        from cryptography import x509
+    except ImportError:
+        return [(None, f"cert_file {s.cert_file}: install `cryptography` to check its expiry")]
+    try:
+        cert = x509.load_pem_x509_certificate(Path(s.cert_file).read_bytes())
+    except (OSError, ValueError) as exc:
+        return [(False, f"cert_file {s.cert_file} unreadable ({exc}): give a PEM certificate")]
+    return [_expiry_check(f"client certificate {s.cert_file}", cert.not_valid_after_utc)]
+
+
+def check_broker(s: ClientSettings) -> list[Check]:
+    """Reach the broker, complete the TLS handshake (mqtts://) and log in, as the daemon would."""
     from fedseq.common.errors import TransportError
-    from fedseq.common.protocol.link import parse_broker_url
+    from fedseq.common.protocol.link import Link, TlsOptions
 
-    try:
-        host, port = parse_broker_url(s.broker)
-    except TransportError as exc:
-        return False, str(exc)
-    try:
-        socket.create_connection((host, port), timeout=timeout).close()
-    except OSError as exc:
-        return False, (f"broker {host}:{port} unreachable ({exc}): check the address, that "
-                       "Mosquitto runs, and the firewall")
     password = None
     if s.password_file is not None:
         try:
             password = s.password_file.read_text().strip()
         except OSError as exc:
-            return False, f"password_file {s.password_file} unreadable ({exc})"
-    result: dict[str, str] = {}
-    done = threading.Event()
-
-    def on_connect(client, userdata, flags, reason_code, properties):
-        result["rc"] = str(reason_code)
-        result["ok"] = "" if reason_code.is_failure else "yes"
-        done.set()
-
-    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fedseq-doctor-{s.device}")
-    if s.username:
-        c.username_pw_set(s.username, password)
-    c.on_connect = on_connect
-    c.connect(host, port, keepalive=10)
-    c.loop_start()
-    done.wait(timeout)
-    c.disconnect()
-    c.loop_stop()
-    if not done.is_set():
-        return False, f"broker {host}:{port} accepted TCP but no MQTT answer: is it an MQTT port?"
-    if not result["ok"]:
-        return False, (f"broker refused the login ({result['rc']}): check username/password_file "
-                       "against the broker's password file (user name = device name)")
-    return True, f"broker {host}:{port} accepts {s.username or 'anonymous'}"
+            return [(False, f"password_file {s.password_file} unreadable ({exc})")]
+    try:
+        link = Link(f"fedseq-doctor-{s.device}", s.broker, [], lambda t, p: None,
+                    username=s.username, password=password,
+                    tls=TlsOptions(s.ca_file, s.cert_file, s.key_file, s.verify_hostname))
+        link.start(attempts=1, refusals=1)
+    except TransportError as exc:
+        return [(False, str(exc))]
+    checks: list[Check] = []
+    try:
+        sock = link.client.socket()
+        peer = sock.getpeercert() if isinstance(sock, ssl.SSLSocket) else None
+        if peer:
+            not_after = datetime.fromtimestamp(ssl.cert_time_to_seconds(str(peer["notAfter"])),
+                                               timezone.utc)
+            checks.append(_expiry_check(f"broker certificate of {link.host}", not_after))
+    finally:
+        link.stop()
+    secure = "TLS, " if link.scheme == "mqtts" else ""
+    checks.insert(0, (True, f"broker {link.host}:{link.port} ({secure}MQTT) accepts "
+                            f"{s.username or 'anonymous'}"))
+    return checks
 
 
 def run_doctor(s: ClientSettings, out: Callable[[str], None] = print) -> int:
-    checks = [check_python(), check_torch(s), check_data(s), check_state_dir(s), check_broker(s)]
+    checks = [check_python(), check_torch(s), check_data(s), check_state_dir(s),
+              *check_own_certificate(s), *check_broker(s)]
     for ok, line in checks:
-        out(f"{'ok  ' if ok else 'FAIL'} {line}")
-    failed = sum(not ok for ok, _ in checks)
+        out(f"{'ok  ' if ok else 'warn' if ok is None else 'FAIL'} {line}")
+    failed = sum(ok is False for ok, _ in checks)
     out("all checks passed" if not failed else f"{failed} check(s) failed")
     return 0 if not failed else 1

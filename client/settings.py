@@ -25,6 +25,10 @@ class ClientSettings(BaseModel):
     broker: str = "mqtt://127.0.0.1:1883"
     username: str | None = None
     password_file: Path | None = None
+    ca_file: Path | None = None  # mqtts://: the CA that signed the broker's certificate
+    cert_file: Path | None = None  # mutual TLS: this device's certificate and key
+    key_file: Path | None = None
+    verify_hostname: bool = True
     data_dir: Path | None = None
     state_dir: Path = Path("fedseq-state")
     torch_device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -49,6 +53,8 @@ def load_settings(config: Path | None, flags: dict[str, Any],
         key = f"FEDSEQ_{name.upper()}"
         if env.get(key):
             values[name] = env[key]
+    if "verify_hostname" in values and isinstance(values["verify_hostname"], str):
+        values["verify_hostname"] = values["verify_hostname"].lower() not in ("0", "false", "no")
     values.update({k: v for k, v in flags.items() if v is not None})
     try:
         return ClientSettings.model_validate(values)

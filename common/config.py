@@ -69,6 +69,17 @@ class TrainConfig(_Section):
     threads: int | None = Field(None, ge=1, description="torch threads; default: all cores")
 
 
+class AggregationConfig(_Section):
+    """How validated updates become the new global model (docs/security.md)."""
+
+    rule: Literal["mean", "clipped-mean", "trimmed-mean", "median"] = "mean"
+    clip_norm: float | None = Field(None, gt=0, description="clipped-mean: absolute L2 bound")
+    clip_factor: float = Field(2.0, gt=0, description="clipped-mean: bound = factor x median norm")
+    trim_ratio: float = Field(0.1, gt=0, lt=0.5, description="trimmed-mean: ceil(ratio*n) per end")
+    outlier_factor: float = Field(5.0, gt=1, description="log updates with norm > factor x median")
+    max_abs_delta: float = Field(1e4, gt=0, description="reject an update with a larger element")
+
+
 class DeployConfig(_Section):
     """MQTT deployment (fedseq-server start); ignored by fedseq-sim."""
 
@@ -83,6 +94,16 @@ class DeployConfig(_Section):
     eval_timeout_s: float = Field(600, gt=0)
     username: str | None = None  # the coordinator's broker account (Mosquitto with a password file)
     password_file: Path | None = None
+    # TLS for an mqtts:// broker: the CA that signed the broker's certificate, optionally this
+    # side's certificate and key (mutual TLS). Hostname verification stays on unless disabled.
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    tls_verify_hostname: bool = True
+    # Embedded broker only: an amqtt password file (`fedseq-server passwd`). Bound to anything but
+    # loopback it refuses anonymous logins unless allow_anonymous is set.
+    broker_password_file: Path | None = None
+    allow_anonymous: bool = False
 
 
 class ExperimentConfig(_Section):
@@ -92,6 +113,7 @@ class ExperimentConfig(_Section):
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig())
     train: TrainConfig = Field(default_factory=lambda: TrainConfig())
+    aggregation: AggregationConfig = Field(default_factory=lambda: AggregationConfig())
     deploy: DeployConfig = Field(default_factory=lambda: DeployConfig())
 
     @model_validator(mode="after")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 import threading
+from pathlib import Path
 
 from fedseq.common.errors import TransportError
 
@@ -18,10 +20,42 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-class EmbeddedBroker:
-    """amqtt on host:port (port 0 = a free one); anonymous, for one-machine runs and tests."""
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 1883):
+
+def hash_password(password: str) -> str:
+    """An argon2 hash for an amqtt password file line `user:hash`."""
+    from pwdlib import PasswordHash
+    from pwdlib.hashers.argon2 import Argon2Hasher
+
+    return PasswordHash((Argon2Hasher(),)).hash(password)
+
+
+class EmbeddedBroker:
+    """amqtt on host:port (port 0 = a free one). On loopback it may be anonymous; bound to any
+    other address it needs a password file (lines `user:argon2-hash`, see `fedseq-server passwd`)
+    unless anonymous logins are explicitly allowed."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 1883, password_file: Path | None = None,
+                 allow_anonymous: bool = False):
+        if password_file is None and not is_loopback(host) and not allow_anonymous:
+            raise TransportError(
+                f"the embedded broker on {host} would accept anyone on the network: give "
+                "deploy.broker_password_file (create it with fedseq-server passwd FILE USER), bind "
+                "it to 127.0.0.1, or set deploy.allow_anonymous = true")
+        if password_file is not None and not Path(password_file).is_file():
+            raise TransportError(f"deploy.broker_password_file {password_file} does not exist; "
+                                 "create it with fedseq-server passwd FILE USER")
+        if password_file is None and not is_loopback(host):
+            log.warning("embedded broker on %s accepts anonymous logins (deploy.allow_anonymous)",
+                        host)
+        self.password_file = password_file
         self.host = host
         self.port = port or free_port(host)
         self._loop = asyncio.new_event_loop()
@@ -39,11 +73,16 @@ class EmbeddedBroker:
             logging.getLogger(name).setLevel(logging.WARNING)
         self._thread.start()
 
+        auth = "amqtt.plugins.authentication."
+        plugins: dict[str, dict] = {f"{auth}AnonymousAuthPlugin":
+                                    {"allow_anonymous": self.password_file is None}}
+        if self.password_file is not None:
+            plugins[f"{auth}FileAuthPlugin"] = {"password_file": str(self.password_file)}
+
         async def boot():
             broker = Broker({
                 "listeners": {"default": {"type": "tcp", "bind": f"{self.host}:{self.port}"}},
-                "plugins": {"amqtt.plugins.authentication.AnonymousAuthPlugin":
-                            {"allow_anonymous": True}},
+                "plugins": plugins,
             })
             await broker.start()
             return broker

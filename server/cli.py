@@ -102,12 +102,33 @@ def start(
     client_threads: Annotated[
         int | None, typer.Option(help="torch threads per local client (default: cores / N)")
     ] = None,
+    username: Annotated[str | None, typer.Option(help="broker login (deploy.username)")] = None,
+    password_file: Annotated[Path | None, typer.Option(
+        help="file holding the broker password (deploy.password_file)")] = None,
+    ca_file: Annotated[Path | None, typer.Option(
+        help="mqtts://: PEM file of the CA that signed the broker (deploy.ca_file)")] = None,
+    cert_file: Annotated[Path | None, typer.Option(
+        help="mutual TLS: this side's PEM certificate (deploy.cert_file)")] = None,
+    key_file: Annotated[Path | None, typer.Option(
+        help="mutual TLS: the certificate's PEM key (deploy.key_file)")] = None,
+    no_verify_hostname: Annotated[bool, typer.Option(
+        "--no-verify-hostname", help="accept a broker certificate that does not name its host")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Run an experiment on a device fleet over MQTT and write a run directory."""
     from fedseq.server.deployment import run_deployment
 
     cfg, out = _start(config, set_, out)
+    flags = {"username": username, "password_file": password_file, "ca_file": ca_file,
+             "cert_file": cert_file, "key_file": key_file}
+    try:
+        for key, value in flags.items():
+            if value is not None:
+                setattr(cfg.deploy, key, value)
+        if no_verify_hostname:
+            cfg.deploy.tls_verify_hostname = False
+    except ValueError as exc:
+        _fail(exc)
     try:
         result = run_deployment(cfg, out, broker, local_clients,
                                 on_round=None if quiet else _print_row,
@@ -124,6 +145,30 @@ def _print_row(row: dict[str, Any]) -> None:
     print(f"round {row['round']} {row['phase']}: global {_fmt(row['global_acc'])} personal "
           f"{_fmt(row['personal_acc'])} reported {len(row.get('reported', row['clients']))}/"
           f"{len(row['clients'])} {row['seconds']:.1f}s", file=sys.stderr)
+
+
+@server_app.command()
+def passwd(
+    file: Annotated[Path, typer.Argument(help="amqtt password file to create or update")],
+    user: Annotated[str, typer.Argument(help="account name (a device's name, or the coordinator's)")],
+    password_file: Annotated[Path | None, typer.Option(
+        help="read the password from this file instead of asking")] = None,
+) -> None:
+    """Add or replace an account in the embedded broker's password file (argon2 hashes)."""
+    from fedseq.server.broker import hash_password
+
+    if ":" in user or not user.strip():
+        _fail(ValueError(f"user name {user!r} must be non-empty and contain no ':'"))
+    try:
+        password = (password_file.read_text().strip() if password_file
+                    else typer.prompt("password", hide_input=True, confirmation_prompt=True))
+        lines = file.read_text().splitlines() if file.exists() else []
+        lines = [ln for ln in lines if ln.split(":", 1)[0] != user] + [f"{user}:{hash_password(password)}"]
+        file.write_text("\n".join(lines) + "\n")
+        file.chmod(0o600)
+    except OSError as exc:
+        _fail(ValueError(f"{exc.filename}: {exc.strerror}"))
+    print(f"{user} written to {file}", file=sys.stderr)
 
 
 @server_app.command()

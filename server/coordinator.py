@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from fedseq.common.algorithms import Algorithm
-from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum, block_of
+from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
 from fedseq.common.algorithms.fedreg import FedReG
+from fedseq.common.algorithms.robust import make_aggregator, update_norm
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.evaluation import EvalReport
@@ -25,6 +25,7 @@ from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.seeding import numpy_rng
 from fedseq.server.pool import ClientPool
 from fedseq.server.rundir import RunDir
+from fedseq.server.validation import round_contract
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +36,12 @@ def select_clients(seed: int, round: int, num_clients: int, per_round: int) -> l
     return sorted(int(c) for c in rng.choice(num_clients, per_round, replace=False))
 
 
-def check_update(update: ClientUpdate, global_weights: Weights, allowed: set[str]) -> str | None:
-    """Why an update must be rejected, or None. A rejected update never touches the model."""
-    for k, d in update.deltas.items():
-        if block_of(k) not in allowed:
-            return f"tensor {k} is not an uploadable block this round"
-        if k not in global_weights or d.shape != global_weights[k].shape:
-            return f"tensor {k} has shape {tuple(d.shape)}, expected a global tensor's shape"
-        if not torch.isfinite(d).all():
-            return f"tensor {k} contains NaN or Inf"
-    if update.num_samples <= 0:
-        return f"num_samples={update.num_samples} must be positive"
-    return None
+def _outliers(norms: dict[int, float], factor: float) -> list[int]:
+    """Clients whose update norm exceeds factor x the round's median norm."""
+    if len(norms) < 3:
+        return []
+    median = float(np.median(list(norms.values())))
+    return sorted(c for c, n in norms.items() if n > factor * median)
 
 
 @dataclass
@@ -110,29 +105,35 @@ class Coordinator:
         # A real transport counts what crossed the wire; only the in-process pool is estimated.
         wire = getattr(self.pool, "round_bytes", None)
         bytes_down = 0 if wire is not None else sum(self._bytes_down(c, needed) for c in selected)
-        acc = WeightedDeltaSum()
-        reported, rejected, flops, bytes_up = [], [], 0, 0
-        allowed = set(plan.upload)
-        for update in self.pool.train(t, selected, plan, send):
-            if update.round != t or update.client not in selected:
-                log.warning("round %d: ignoring update of client %d for round %d",
-                            t, update.client, update.round)
-                continue
-            reason = check_update(update, self.global_weights, allowed)
-            if reason is None:
-                try:
-                    acc.add(update.deltas, self.alg.aggregation_weights(update), update.client)
-                except ValueError as exc:
-                    reason = str(exc)
+        contract = round_contract(t, selected, plan.upload, self.global_weights, self.data,
+                                  plan.rebalance_threshold, self.cfg.aggregation.max_abs_delta)
+        acc = make_aggregator(self.cfg.aggregation)
+        reported, flops, bytes_up = [], 0, 0
+        rejected: dict[int, str] = {}
+        norms: dict[int, float] = {}
+
+        def check(update: ClientUpdate) -> str | None:
+            reason = contract.check(update)
             if reason is not None:
                 log.warning("round %d: rejected update of client %d: %s", t, update.client, reason)
-                rejected.append(update.client)
-                continue
+                rejected[update.client] = reason
+            return reason
+
+        # Pools yield only updates that passed `check`, at most one per client.
+        for update in self.pool.train(t, selected, plan, send, check):
+            rejected.pop(update.client, None)  # a valid update after an invalid one counts
+            acc.add(update.deltas, self.alg.aggregation_weights(update), update.client)
+            norms[update.client] = update_norm(update.deltas)
             reported.append(update.client)
             flops += update.train_flops
             bytes_up += update.bytes_up
+        outliers = _outliers(norms, self.cfg.aggregation.outlier_factor)
+        for c in outliers:
+            log.warning("round %d: update of client %d has norm %.4g, > %g x the round's median %.4g",
+                        t, c, norms[c], self.cfg.aggregation.outlier_factor,
+                        float(np.median(list(norms.values()))))
         new = acc.apply(self.global_weights)
-        for b in {block_of(k) for k in acc.sums}:
+        for b in {block_of(k) for k, v in new.items() if v is not self.global_weights[k]}:
             self.version[b] += 1
         self.global_weights = new
         last = t == self.cfg.rounds - 1
@@ -150,7 +151,8 @@ class Coordinator:
             "reported": reported,
             "status": "ok" if reported else "failed",
             "failed": sorted(set(selected) - set(reported)),
-            "rejected": rejected,
+            "rejected": {str(c): r for c, r in sorted(rejected.items())},
+            "outliers": outliers,
             "bytes_down": bytes_down,
             "bytes_up": bytes_up,
             "trainable_params": count_params(self.model, plan.trainable),

@@ -17,7 +17,9 @@ from typing import Any
 from fedseq.common.algorithms import algorithm_class, make_algorithm
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import load_federated
+from fedseq.common.errors import ConfigError
 from fedseq.common.models import get_blocks
+from fedseq.common.protocol.link import TlsOptions
 from fedseq.server.broker import EmbeddedBroker
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.mqtt_pool import MqttPool
@@ -44,6 +46,15 @@ def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
                "--topic-root", cfg.deploy.topic_root, "--torch-device", "cpu"]
         if threads:
             cmd += ["--threads", str(threads)]
+        d = cfg.deploy
+        if d.username:  # an authenticated embedded broker: local devices use the coordinator's login
+            cmd += ["--username", d.username]
+        for flag, value in (("--password-file", d.password_file), ("--ca-file", d.ca_file),
+                            ("--cert-file", d.cert_file), ("--key-file", d.key_file)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        if not d.tls_verify_hostname:
+            cmd.append("--no-verify-hostname")
         procs.append(subprocess.Popen(cmd, env=env))
     return procs
 
@@ -58,6 +69,16 @@ def stop_children(procs: list[subprocess.Popen], timeout: float = 15) -> None:
             p.wait(max(0.1, end - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
+
+
+def read_password(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"deploy.password_file {path}: {exc.strerror or exc}; fix the path or its "
+                          "permissions") from exc
 
 
 def run_deployment(
@@ -80,16 +101,17 @@ def run_deployment(
     run_dir = None
     try:
         if url is None:
-            embedded = EmbeddedBroker(cfg.deploy.host, cfg.deploy.port)
+            embedded = EmbeddedBroker(cfg.deploy.host, cfg.deploy.port,
+                                      cfg.deploy.broker_password_file, cfg.deploy.allow_anonymous)
             embedded.start()
             url = embedded.url
             announce(f"embedded MQTT broker at {url} - start devices with: "
                      f"fedseq-client --device NAME --broker {url}")
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
-        password = None
-        if cfg.deploy.password_file is not None:
-            password = Path(cfg.deploy.password_file).read_text().strip()
-        pool = MqttPool(cfg, alg, model, data, url, run_id, cfg.deploy.username, password)
+        d = cfg.deploy
+        tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
+        pool = MqttPool(cfg, alg, model, data, url, run_id, d.username, read_password(d.password_file),
+                        tls)
         pool.start()
         if local_clients:
             tmp = tempfile.TemporaryDirectory(prefix="fedseq-local-")

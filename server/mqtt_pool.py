@@ -19,11 +19,11 @@ from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
 from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
-from fedseq.common.errors import FedseqError, TransportError
+from fedseq.common.errors import FedseqError, ProtocolError, TransportError
 from fedseq.common.evaluation import EvalReport, evaluate
 from fedseq.common.models import BlockModel, Weights
-from fedseq.common.protocol.frames import Reassembler, unpack_chunk
-from fedseq.common.protocol.link import Link
+from fedseq.common.protocol.frames import FramePool, unpack_chunk
+from fedseq.common.protocol.link import Link, TlsOptions
 from fedseq.common.protocol.messages import (
     Assignment,
     DeviceStatus,
@@ -36,8 +36,14 @@ from fedseq.common.protocol.messages import (
 )
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
 from fedseq.common.protocol.topics import Topics
+from fedseq.server.pool import UpdateCheck
 
 log = logging.getLogger(__name__)
+
+
+def _same_device(claimed: str, topic_device: str) -> None:
+    if claimed != topic_device:
+        raise ProtocolError(f"body names device {claimed!r} but was sent on {topic_device!r}'s topic")
 
 
 def assign_clients(devices: list[str], num_clients: int) -> dict[str, list[int]]:
@@ -49,7 +55,8 @@ def assign_clients(devices: list[str], num_clients: int) -> dict[str, list[int]]
 class MqttPool:
     def __init__(self, cfg: ExperimentConfig, alg: Algorithm, model: BlockModel,
                  data: FederatedData, url: str, run_id: str,
-                 username: str | None = None, password: str | None = None):
+                 username: str | None = None, password: str | None = None,
+                 tls: TlsOptions | None = None):
         self.cfg = cfg
         self.alg = alg
         self.model = model
@@ -62,16 +69,18 @@ class MqttPool:
         self.owner: dict[int, str] = {}
         self.published: dict[str, tuple[int, str]] = {}
         self.seq = 0
-        self.partial: dict[tuple[str, int, int], Reassembler] = {}
+        self.train_seq = -1  # the step whose updates are being collected; others are late
+        self.frames = FramePool(max_frame=1, per_sender=1)  # sized in begin()
         self._down = self._up = 0
         will = ServerStatus(state="offline", run_id=run_id).encode()
         self.link = Link(f"fedseq-server-{run_id}", url,
                          [t.device_status(), t.update(), t.evaluation()], self._on_message,
-                         will=(t.server_status, will), username=username, password=password)
+                         will=(t.server_status, will), username=username, password=password,
+                         tls=tls)
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
-        self.link.start()
+        self.link.start(attempts=3)
         self.link.publish(self.topics.server_status,
                           ServerStatus(state="online", run_id=self.run_id, broker=self.link.url),
                           retain=True)
@@ -113,6 +122,12 @@ class MqttPool:
         """Publish the run config, the assignment and version 0 of every block."""
         self.assignment = assign_clients(devices, self.cfg.data.num_clients)
         self.owner = {c: d for d, cs in self.assignment.items() for c in cs}
+        # An update frame holds at most every shared block's deltas; one device has at most
+        # (its clients + 1) frames in flight. Bound: that many bytes per assigned device.
+        shared = set(self.alg.shared_blocks())
+        biggest = len(encode_tensors({k: v for k, v in weights.items() if block_of(k) in shared}))
+        per_device = max(len(cs) for cs in self.assignment.values()) + 1
+        self.frames = FramePool(max_frame=biggest + 4096, per_sender=(biggest + 4096) * per_device)
         rc = RunConfig(run_id=self.run_id, config=self.cfg.model_dump(mode="json"))
         self.link.publish(self.topics.run_config, rc, retain=True)
         for d, clients in self.assignment.items():
@@ -122,6 +137,9 @@ class MqttPool:
         log.info("run %s: %d devices, assignment %s", self.run_id, len(devices), self.assignment)
 
     def finish(self, reason: str = "run finished") -> None:
+        if not self.link.connected.is_set():
+            self.link.stop()
+            return
         self.seq += 1
         self.link.publish(self.topics.step, Step(run_id=self.run_id, seq=self.seq, kind="idle"),
                           retain=True)
@@ -131,40 +149,56 @@ class MqttPool:
 
     # -- network thread --------------------------------------------------------------------
     def _on_message(self, topic: str, payload: bytes) -> None:
+        """Network thread: parse and check what can be checked without the round's state. The
+        sender is the device its topic names (the broker's ACL binds topics to logins); a body
+        that claims another device is rejected."""
         t = self.topics
         if not payload:
             return
         try:
-            device = t.device_of(topic)
-            if topic == t.device_status(device):
-                self.events.put(("status", DeviceStatus.decode(payload)))
-            elif topic == t.evaluation(device):
+            parts = topic[len(t.root) + 1:].split("/") if topic.startswith(t.root + "/") else []
+            if len(parts) == 3 and parts[0] == "device" and parts[2] == "status":
+                status = DeviceStatus.decode(payload)
+                _same_device(status.device, parts[1])
+                self.events.put(("status", status))
+            elif len(parts) == 2 and parts[0] == "eval":
                 res = EvalResult.decode(payload)
                 self._up += len(payload)
+                _same_device(res.device, parts[1])
+                if res.run_id != self.run_id:
+                    raise ProtocolError(f"evaluation for run {res.run_id}, this is {self.run_id}")
                 self.events.put(("eval", res))
-            elif topic.startswith(f"{t.root}/update/"):
-                self._on_update_chunk(device, payload)
+            elif len(parts) == 4 and parts[0] == "update":
+                self._on_update_chunk(parts[1], parts[2], parts[3], payload)
+            else:
+                raise ProtocolError("not a topic the coordinator reads")
         except FedseqError as exc:
             log.warning("dropped message on %s: %s", topic, exc)
 
-    def _on_update_chunk(self, device: str, payload: bytes) -> None:
+    def _on_update_chunk(self, device: str, client: str, chunk: str, payload: bytes) -> None:
         head, data = unpack_chunk(payload, UpdateHeader)
         self._up += len(payload)
-        if head.run_id != self.run_id or head.device != device or self.owner.get(head.client) != device:
-            log.warning("update for client %d from %s does not belong to this run/device", head.client,
-                        device)
+        _same_device(head.device, device)
+        if str(head.client) != client or str(head.chunk) != chunk:
+            raise ProtocolError(f"header says client {head.client} chunk {head.chunk}, topic "
+                                f"says {client}/{chunk}")
+        if head.run_id != self.run_id:
+            raise ProtocolError(f"update for run {head.run_id}, this is {self.run_id}")
+        if self.owner.get(head.client) != device:
+            raise ProtocolError(f"client {head.client} is not assigned to {device}")
+        if head.seq != self.train_seq:
+            if head.chunk == 0:
+                log.warning("late update of client %d from %s dropped: step %d, collecting step %d",
+                            head.client, device, head.seq, self.train_seq)
             return
-        key = (device, head.client, head.seq)
-        asm = self.partial.setdefault(key, Reassembler(head.size, head.sha256, head.chunks))
-        frame = asm.add(head.chunk, data)
+        frame = self.frames.add(device, (head.client, head.seq), head, data)
         if frame is None:
             return
-        del self.partial[key]
         update = ClientUpdate(client=head.client, round=head.round, deltas=decode_tensors(frame, copy=False),
                               num_samples=head.num_samples, effective_samples=head.effective_samples,
                               train_flops=head.train_flops, train_seconds=head.train_seconds,
                               bytes_up=len(frame))
-        self.events.put(("update", (head.seq, update)))
+        self.events.put(("update", (device, head.seq, update)))
 
     # -- coordinator thread ----------------------------------------------------------------
     def _drain(self, timeout: float) -> list[tuple[str, Any]]:
@@ -222,11 +256,13 @@ class MqttPool:
         return down, up
 
     def train(self, round: int, clients: list[int], plan: ClientPlan,
-              weights: Weights) -> Iterator[ClientUpdate]:
+              weights: Weights, check: UpdateCheck) -> Iterator[ClientUpdate]:
         self._await_quorum()
         versions = self._sync(weights)
         step = self._publish_step(kind="train", round=round, clients=clients,
                                   plan=plan_to_dict(plan), versions=versions)
+        self.train_seq = step.seq
+        self.frames.expire(lambda sender, tag: tag[1] == step.seq)
         owing = {c for c in clients if self.owner.get(c) in self.online}
         got: dict[int, ClientUpdate] = {}
         deadline = time.monotonic() + self.cfg.deploy.round_timeout_s
@@ -239,13 +275,20 @@ class MqttPool:
                                     sorted(lost))
                     owing -= lost
                 elif kind == "update":
-                    seq, update = ev
-                    if seq != step.seq or update.client not in owing:
-                        log.warning("round %d: ignoring late or duplicate update of client %d "
-                                    "(step %d)", round, update.client, seq)
+                    device, seq, update = ev
+                    if seq != step.seq:
+                        continue  # a frame completed just as the step changed
+                    # Validation comes first: an invalid update never displaces a valid one.
+                    if check(update) is not None:
+                        continue
+                    if update.client in got:
+                        log.info("round %d: duplicate update of client %d from %s ignored", round,
+                                 update.client, device)
                         continue
                     got[update.client] = update
                     owing.discard(update.client)
+        self.train_seq = -1
+        self.frames.expire(lambda sender, tag: False)
         if owing:
             log.warning("round %d: no update from clients %s before the deadline", round, sorted(owing))
         if len(got) < self.cfg.deploy.min_updates:
@@ -264,12 +307,27 @@ class MqttPool:
                 if kind == "offline":
                     owing.discard(ev)
                 elif kind == "eval" and ev.seq == step.seq and ev.device in owing:
-                    mine = set(self.assignment[ev.device])
-                    results.update({c: tuple(r) for c, r in ev.results.items() if c in mine})
+                    reason = self._check_eval(ev)
+                    if reason is not None:
+                        log.warning("step %d: rejected evaluation from %s: %s", step.seq, ev.device,
+                                    reason)
+                        continue
+                    results.update({c: (int(r[0]), int(r[1])) for c, r in ev.results.items()})
                     owing.discard(ev.device)
         if owing:
             log.warning("step %d: no evaluation from %s", step.seq, sorted(owing))
         return results
+
+    def _check_eval(self, ev: EvalResult) -> str | None:
+        """Only the device's own clients, each with its exact test-set size as total."""
+        mine = set(self.assignment.get(ev.device, []))
+        for c, (correct, total) in ev.results.items():
+            if c not in mine:
+                return f"client {c} is not assigned to {ev.device}"
+            expected = len(self.data.clients[c].test)
+            if total != expected or not 0 <= correct <= total:
+                return f"client {c}: {correct}/{total} correct, its test set has {expected} rows"
+        return None
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
         self._await_quorum()

@@ -3,7 +3,7 @@ interface, so the in-process simulation and the MQTT fleet share it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
@@ -14,12 +14,15 @@ from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.training import FlopCache, finetune_and_score, run_client_round
 
+UpdateCheck = Callable[[ClientUpdate], "str | None"]
+
 
 class ClientPool(Protocol):
     def train(
-        self, round: int, clients: list[int], plan: ClientPlan, weights: Weights
+        self, round: int, clients: list[int], plan: ClientPlan, weights: Weights, check: UpdateCheck
     ) -> Iterator[ClientUpdate]:
-        """Train the selected clients; yields the updates that arrived (failures are missing)."""
+        """Train the selected clients; yields at most one update per client, only updates for
+        which `check` returned None (it logs and records the others); failures are missing."""
         ...
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport: ...
@@ -48,7 +51,7 @@ class InProcessPool:
         self.flop_cache: FlopCache = {}
 
     def train(
-        self, round: int, clients: list[int], plan: ClientPlan, weights: Weights
+        self, round: int, clients: list[int], plan: ClientPlan, weights: Weights, check: UpdateCheck
     ) -> Iterator[ClientUpdate]:
         for c in clients:
             start = {**weights, **self.personal[c]}
@@ -61,7 +64,8 @@ class InProcessPool:
                 frame_size({k: v for k, v in update.deltas.items() if k.split(".", 1)[0] == b})
                 for b in plan.upload
             )
-            yield update
+            if check(update) is None:
+                yield update
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
         return evaluate(self.model, self.data, weights, self.personal, eval_heads,

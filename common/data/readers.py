@@ -21,6 +21,9 @@ IDX_FILES = {
 }
 CIFAR_DIRS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
 NUM_CLASSES = {"mnist": 10, "fmnist": 10, "cifar10": 10, "cifar100": 100}
+#: (channels, height, width) of each dataset's images, known without reading the files
+INPUT_SHAPES = {"mnist": (1, 28, 28), "fmnist": (1, 28, 28), "cifar10": (3, 32, 32),
+                "cifar100": (3, 32, 32)}
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fedseq.common.errors import ProtocolError
@@ -42,7 +45,9 @@ def unpack_chunk(payload: bytes, header_type: type[H]) -> tuple[H, memoryview]:
 
 class Reassembler:
     """Collects the chunks of one frame straight into one preallocated buffer (no per-chunk
-    copies, no join); `add` returns the frame once complete and its sha256 verified."""
+    copies, no join); `add` returns the frame once complete and its sha256 verified. A chunk of
+    the wrong length or index is refused without touching the buffer; a repeated index (a QoS 1
+    re-delivery) is ignored."""
 
     def __init__(self, size: int, sha256: str, chunks: int, chunk_bytes: int = CHUNK_BYTES):
         if chunks != max(1, -(-size // chunk_bytes)):
@@ -59,6 +64,8 @@ class Reassembler:
         expected = min(self.chunk_bytes, self.size - start)
         if not 0 <= index < self.chunks or len(data) != expected:
             raise ProtocolError(f"chunk {index}: {len(data)} bytes, expected {expected}")
+        if index in self.seen:
+            return None
         self.buffer[start : start + expected] = data
         self.seen.add(index)
         if len(self.seen) < self.chunks:
@@ -66,3 +73,79 @@ class Reassembler:
         if hashlib.sha256(self.buffer).hexdigest() != self.sha256:
             raise ProtocolError("frame sha256 mismatch: a chunk was corrupted or mixed up")
         return memoryview(self.buffer)
+
+
+@dataclass
+class _Partial:
+    asm: Reassembler
+    sender: str
+    tag: Hashable
+    born: float
+
+
+class FramePool:
+    """Frames being reassembled, from many senders, with bounded memory.
+
+    Chunks are keyed by (sender, tag, size, sha256): chunks of different senders, attempts or
+    digests never share a buffer, so a forged or truncated chunk fails only its own frame. A frame
+    larger than `max_frame` (what the topic can legitimately carry) is refused before any
+    allocation; one sender holds at most `per_sender` bytes of partial frames; partial frames
+    expire after `ttl` seconds or when `expire(keep)` says their step is over. The bound on memory
+    is therefore `per_sender` times the number of senders that can publish on the topic.
+    """
+
+    def __init__(self, max_frame: int, per_sender: int, ttl: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_frame = max_frame
+        self.per_sender = per_sender
+        self.ttl = ttl
+        self.clock = clock
+        self.partial: dict[tuple[str, Hashable, int, str], _Partial] = {}
+
+    def held_bytes(self, sender: str | None = None) -> int:
+        return sum(p.asm.size for p in self.partial.values() if sender in (None, p.sender))
+
+    def add(self, sender: str, tag: Hashable, header: WeightsHeader | UpdateHeader,
+            data: memoryview | bytes) -> memoryview | None:
+        """Add one chunk; the whole frame once complete and verified, else None. Raises
+        ProtocolError for a chunk that cannot belong to a legitimate frame (its frame is dropped
+        only if the chunk proved the frame itself corrupt)."""
+        if header.size > self.max_frame:
+            raise ProtocolError(f"frame of {header.size} bytes exceeds the {self.max_frame} bytes "
+                                "this topic can carry")
+        self._expire_old()
+        key = (sender, tag, header.size, header.sha256)
+        part = self.partial.get(key)
+        if part is None:
+            expected = min(CHUNK_BYTES, header.size - header.chunk * CHUNK_BYTES)
+            if len(data) != expected:  # checked before anything is allocated for the frame
+                raise ProtocolError(f"chunk {header.chunk}: {len(data)} bytes, expected {expected}")
+            if header.chunks == 1:  # the common small frame: no buffer kept between chunks
+                return Reassembler(header.size, header.sha256, 1).add(header.chunk, data)
+            if self.held_bytes(sender) + header.size > self.per_sender:
+                raise ProtocolError(f"{sender} already holds {self.held_bytes(sender)} bytes of "
+                                    f"partial frames (limit {self.per_sender}); chunk dropped")
+            part = _Partial(Reassembler(header.size, header.sha256, header.chunks), sender, tag,
+                            self.clock())
+            self.partial[key] = part
+        try:
+            frame = part.asm.add(header.chunk, data)
+        except ProtocolError:
+            if len(part.asm.seen) == part.asm.chunks:  # complete but corrupt: give it up
+                del self.partial[key]
+            raise
+        if frame is not None:
+            del self.partial[key]
+        return frame
+
+    def expire(self, keep: Callable[[str, Hashable], bool]) -> None:
+        """Drop the partial frames whose (sender, tag) is no longer wanted (their step ended)."""
+        for key, p in list(self.partial.items()):
+            if not keep(p.sender, p.tag):
+                del self.partial[key]
+
+    def _expire_old(self) -> None:
+        now = self.clock()
+        for key, p in list(self.partial.items()):
+            if now - p.born > self.ttl:
+                del self.partial[key]

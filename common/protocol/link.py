@@ -1,5 +1,6 @@
-"""One paho-mqtt connection with the behaviour both sides need on flaky networks: a last will,
-reconnects with backoff, subscriptions renewed on every connect, chunked frame publishing."""
+"""One paho-mqtt connection with the behaviour both sides need on flaky networks: TLS, a last will,
+a first connection that says why it fails, reconnects with backoff, subscriptions renewed on every
+connect, chunked frame publishing."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import contextlib
 import hashlib
 import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
@@ -22,12 +26,86 @@ log = logging.getLogger(__name__)
 Handler = Callable[[str, bytes], None]
 
 
-def parse_broker_url(url: str) -> tuple[str, int]:
-    """mqtt://host:port (port 1883 by default)."""
+@dataclass(frozen=True)
+class TlsOptions:
+    """TLS for an mqtts:// broker: the CA that signed its certificate (None: the system's CAs),
+    optionally this side's certificate and key (mutual TLS)."""
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    verify_hostname: bool = True
+
+
+def parse_broker_url(url: str) -> tuple[str, str, int]:
+    """(scheme, host, port) of mqtt://HOST[:1883] or mqtts://HOST[:8883]."""
     u = urlparse(url if "://" in url else f"mqtt://{url}")
-    if u.scheme not in ("mqtt", "tcp") or not u.hostname:
-        raise TransportError(f"broker URL {url!r} is not mqtt://HOST:PORT")
-    return u.hostname, u.port or 1883
+    scheme = "mqtt" if u.scheme == "tcp" else u.scheme
+    try:
+        port = u.port
+    except ValueError as exc:
+        raise TransportError(f"broker URL {url!r}: {exc}") from exc
+    if scheme not in ("mqtt", "mqtts") or not u.hostname:
+        raise TransportError(f"broker URL {url!r} is not mqtt://HOST:PORT or mqtts://HOST:PORT")
+    return scheme, u.hostname, port or (8883 if scheme == "mqtts" else 1883)
+
+
+def tls_context(tls: TlsOptions) -> ssl.SSLContext:
+    """A client TLS context; a missing or unreadable file is a one-line TransportError."""
+    for what, path in (("ca_file", tls.ca_file), ("cert_file", tls.cert_file),
+                       ("key_file", tls.key_file)):
+        if path is not None and not Path(path).is_file():
+            raise TransportError(f"TLS {what} {path} does not exist; point {what} at a PEM file")
+    if (tls.cert_file is None) != (tls.key_file is None):
+        raise TransportError("TLS needs both cert_file and key_file for a client certificate")
+    try:
+        ctx = ssl.create_default_context(cafile=str(tls.ca_file) if tls.ca_file else None)
+        if tls.cert_file is not None:
+            ctx.load_cert_chain(str(tls.cert_file), str(tls.key_file))
+    except (ssl.SSLError, OSError) as exc:
+        raise TransportError(f"TLS files unusable ({exc}); check that they are PEM and that the key "
+                             "matches the certificate") from exc
+    ctx.check_hostname = tls.verify_hostname
+    return ctx
+
+
+def explain_tls_error(url: str, exc: ssl.SSLError) -> str:
+    """One line: what the TLS handshake said and how to fix it."""
+    text = getattr(exc, "verify_message", None) or getattr(exc, "reason", None) or str(exc)
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        if "expired" in text:
+            fix = "the broker's certificate has expired: issue a new one from your CA"
+        elif "hostname" in text.lower() or "IP address mismatch" in text:
+            fix = ("the broker's certificate does not name this host: connect by a name in its "
+                   "subjectAltName, or reissue it")
+        else:
+            fix = "the broker's certificate is not signed by ca_file: give the CA that signed it"
+        return f"TLS handshake with {url} failed ({text}): {fix}"
+    low = text.lower()
+    if "expired" in low:
+        fix = "the broker rejected this side's certificate as expired: issue a new client certificate"
+    elif "unknown ca" in low or "certificate required" in low or "bad certificate" in low:
+        fix = ("the broker rejected this side's certificate: give cert_file/key_file signed by the "
+               "broker's CA")
+    elif "wrong version" in low or "record layer" in low:
+        fix = "the port does not speak TLS: use mqtt:// for a plain listener or the TLS port (8883)"
+    else:
+        fix = "check ca_file, cert_file and key_file against the broker's TLS listener"
+    return f"TLS handshake with {url} failed ({text}): {fix}"
+
+
+def explain_refusal(url: str, reason: object, username: str | None) -> str:
+    """One line for a CONNACK refusal."""
+    text = str(reason)
+    if "user name or password" in text.lower() or "not authorized" in text.lower():
+        who = f"user {username!r}" if username else "an anonymous login"
+        return (f"broker {url} refused {who} ({text}): check the user name and password file "
+                "against the broker's password file (device accounts are named after the device)")
+    return f"broker {url} refused the connection ({text})"
+
+
+class LoginRefused(TransportError):
+    """The broker answered, and said no: retrying with the same credentials will not help."""
 
 
 def _no_delay(client, userdata, sock) -> None:
@@ -47,18 +125,28 @@ class Link:
         will: tuple[str, bytes] | None = None,
         username: str | None = None,
         password: str | None = None,
+        tls: TlsOptions | None = None,
     ):
-        self.host, self.port = parse_broker_url(url)
+        self.scheme, self.host, self.port = parse_broker_url(url)
         self.url = url
+        self.username = username
         self.subscriptions = subscriptions
         self.connected = threading.Event()
         self.bytes_out = 0
         self.bytes_in = 0
         self._on_message = on_message
+        self._connack = threading.Event()
+        self._refusal: str | None = None
+        self._stopping = threading.Event()
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True)
         c.max_queued_messages_set(0)
         c.max_inflight_messages_set(100)
         c.reconnect_delay_set(min_delay=1, max_delay=30)
+        if self.scheme == "mqtts":
+            c.tls_set_context(tls_context(tls or TlsOptions()))
+        elif tls is not None and (tls.ca_file or tls.cert_file):
+            raise TransportError(f"TLS files given but the broker URL {url} is plain mqtt://; "
+                                 "use mqtts://HOST:8883")
         if username:
             c.username_pw_set(username, password)
         if will:
@@ -69,41 +157,94 @@ class Link:
         c.on_message = self._message
         self.client = c
         self._connect_hooks: list[Callable[[], None]] = []
+        self._was_connected = False
 
     def on_connect(self, hook: Callable[[], None]) -> None:
         """Run after every (re)connect, after the subscriptions are renewed."""
         self._connect_hooks.append(hook)
 
-    def start(self, timeout: float | None = 10.0) -> None:
+    def start(self, attempts: int | None = 1, refusals: int = 1) -> None:
+        """Connect (TCP, TLS handshake, MQTT login), then keep the connection in the background.
+
+        An unreachable broker is retried with backoff, a line per attempt, `attempts` times in all
+        (None: until stop()); a refused login `refusals` times. Every failure that ends the
+        attempts is a TransportError with its cause and fix (LoginRefused for a refused login);
+        a TLS verification error is final at once: retrying cannot fix a certificate."""
+        delay, tries, refused = 1.0, 0, 0
+        while not self._stopping.is_set():
+            tries += 1
+            problem = self._try_connect()
+            if problem is None:
+                return
+            if self._refusal is not None:
+                refused += 1
+                if refused >= refusals:
+                    raise LoginRefused(problem)
+            elif attempts is not None and tries >= attempts:
+                raise TransportError(problem)
+            log.warning("%s; retrying in %.0f s (attempt %d)", problem, delay, tries)
+            self._stopping.wait(delay)
+            delay = min(2 * delay, 30.0)
+        raise TransportError(f"stopped before connecting to {self.url}")
+
+    def _try_connect(self) -> str | None:
+        """One attempt; None when connected, else what went wrong (one line)."""
+        self._connack.clear()
+        self._refusal = None
         try:
-            self.client.connect_async(self.host, self.port, keepalive=30)
+            self.client.connect(self.host, self.port, keepalive=30)
+        except ssl.SSLError as exc:
+            raise TransportError(explain_tls_error(self.url, exc)) from exc
         except OSError as exc:
-            raise TransportError(f"cannot reach broker {self.url}: {exc}") from exc
+            cause = exc.strerror or str(exc) or type(exc).__name__
+            return (f"cannot reach broker {self.url} ({cause}): check that it runs and that host "
+                    "and port are right")
         self.client.loop_start()
-        if timeout is not None and not self.connected.wait(timeout):
+        if not self._connack.wait(15):
             self.client.loop_stop()
-            raise TransportError(
-                f"no connection to broker {self.url} within {timeout:.0f} s; check that it runs "
-                "and that host, port and credentials are right"
-            )
+            with contextlib.suppress(Exception):
+                self.client.disconnect()
+            return f"broker {self.url} accepted TCP but sent no MQTT answer in 15 s: is it an MQTT port?"
+        if self._refusal is not None:
+            self.client.loop_stop()
+            with contextlib.suppress(Exception):
+                self.client.disconnect()
+            return self._refusal
+        return None
+
+    def cancel(self) -> None:
+        """Give up connecting (start() raises); an established connection stays up."""
+        self._stopping.set()
 
     def stop(self) -> None:
-        self.client.disconnect()
+        self._stopping.set()
+        with contextlib.suppress(Exception):
+            self.client.disconnect()
         self.client.loop_stop()
 
     def _connected(self, client, userdata, flags, reason_code, properties) -> None:
         if reason_code.is_failure:
-            log.error("broker %s refused the connection: %s", self.url, reason_code)
+            msg = explain_refusal(self.url, reason_code, self.username)
+            if self._connack.is_set():  # a reconnect refused: say so once per refusal
+                log.error("%s", msg)
+            self._refusal = msg
+            self._connack.set()
             return
+        self._refusal = None
         for topic in self.subscriptions:
             client.subscribe(topic, qos=1)
         self.connected.set()
+        self._connack.set()
+        if self._was_connected:
+            log.info("reconnected to broker %s", self.url)
+        self._was_connected = True
         for hook in self._connect_hooks:
             hook()
 
     def _disconnected(self, client, userdata, flags, reason_code, properties) -> None:
+        was = self.connected.is_set()
         self.connected.clear()
-        if reason_code.is_failure:
+        if was and reason_code.is_failure and not self._stopping.is_set():
             log.warning("lost broker %s (%s); reconnecting", self.url, reason_code)
 
     def _message(self, client, userdata, msg) -> None:

@@ -14,7 +14,7 @@ def test_garbage_is_dropped_and_daemon_stays_up(tmp_path, caplog):
     broker.start()
     daemon = DeviceDaemon("dev01", broker.url, None, tmp_path, "cpu")
     try:
-        daemon.start(connect_timeout=10)
+        daemon.start(attempts=3)
         t = Topics()
         pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="evil")
         pub.connect("127.0.0.1", broker.port)

@@ -205,4 +205,5 @@ def test_doctor_reports_login_and_data(data_root, tmp_path, mosquitto):
     (tmp_path / "wrong.pw").write_text("nope\n")
     bad = subprocess.run(base + ["--password-file", str(tmp_path / "wrong.pw")],
                          capture_output=True, text=True, timeout=60)
-    assert bad.returncode == 1 and "refused the login" in bad.stdout
+    assert bad.returncode == 1 and "refused user 'local01'" in bad.stdout, bad.stdout
+    assert "Traceback" not in bad.stdout + bad.stderr

@@ -1,0 +1,75 @@
+"""What a valid client update of one round looks like, checked before anything counts.
+
+The coordinator knows each client's training-set size from the partition (and, for FedReG, the
+exact number of original rows in its rebalanced set), which tensors the round's plan uploads, and
+their dtypes and shapes; an update that disagrees with any of it is rejected with a reason and
+never touches the model or displaces a valid update.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
+from fedseq.common.data.federated import FederatedData
+from fedseq.common.data.rebalance import effective_count, per_class_target
+from fedseq.common.models import Weights
+
+
+@dataclass(frozen=True)
+class RoundContract:
+    round: int
+    selected: frozenset[int]
+    reference: Weights  # the global tensors of the uploadable blocks: names, dtypes, shapes
+    num_samples: dict[int, int]  # client -> training rows
+    effective_samples: dict[int, int] | None  # FedReG: client -> original rows when rebalanced
+    max_abs_delta: float
+
+    def check(self, update: ClientUpdate) -> str | None:
+        """Why `update` must be rejected, or None."""
+        c = update.client
+        if update.round != self.round:
+            return f"update is for round {update.round}, this is round {self.round}"
+        if c not in self.selected:
+            return f"client {c} is not selected in round {self.round}"
+        if update.num_samples != self.num_samples.get(c):
+            return (f"num_samples={update.num_samples}, but client {c} has "
+                    f"{self.num_samples.get(c)} training rows")
+        if self.effective_samples is not None and (
+                update.effective_samples != self.effective_samples.get(c)):
+            return (f"effective_samples={update.effective_samples}, but client {c}'s rebalanced "
+                    f"set holds {self.effective_samples.get(c)} original rows")
+        got, want = set(update.deltas), set(self.reference)
+        if got != want:
+            extra, missing = sorted(got - want), sorted(want - got)
+            return (f"tensors {extra or ''}{' are not uploadable this round' if extra else ''}"
+                    f"{'; ' if extra and missing else ''}{f'missing {missing}' if missing else ''}")
+        for k, d in update.deltas.items():
+            ref = self.reference[k]
+            if d.dtype != ref.dtype or d.shape != ref.shape:
+                return (f"tensor {k} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
+                        f"expected {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}")
+            if not torch.isfinite(d).all():
+                return f"tensor {k} contains NaN or Inf"
+            if d.numel() and float(d.abs().max()) > self.max_abs_delta:
+                return (f"tensor {k} has an element of magnitude {float(d.abs().max()):.3g} > "
+                        f"aggregation.max_abs_delta={self.max_abs_delta:g}")
+        return None
+
+
+def round_contract(round: int, selected: list[int], upload: tuple[str, ...], global_weights: Weights,
+                   data: FederatedData, rebalance_threshold: float | None,
+                   max_abs_delta: float) -> RoundContract:
+    """The contract of one round, from the plan and what the coordinator knows of the clients."""
+    reference = {k: v for k, v in global_weights.items() if block_of(k) in upload}
+    samples = {c: len(data.clients[c].train) for c in selected}
+    effective = None
+    if rebalance_threshold is not None:
+        effective = {}
+        for c in selected:
+            counts = data.clients[c].train_class_counts(data.y, data.num_classes)
+            q = per_class_target(rebalance_threshold, int((counts > 0).sum()))
+            effective[c] = effective_count(counts, q)
+    return RoundContract(round, frozenset(selected), reference, samples, effective, max_abs_delta)
