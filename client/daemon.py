@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from pydantic import ValidationError
 
 from fedseq.client.state import StateStore
 from fedseq.common import __version__
@@ -184,7 +185,12 @@ class DeviceDaemon:
             self.step = None
 
     def _on_run_config(self, rc: RunConfig) -> None:
-        cfg = ExperimentConfig.model_validate(rc.config)
+        try:
+            cfg = ExperimentConfig.model_validate(rc.config)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise ProtocolError(f"run config {rc.run_id}: {where}: {err['msg']}") from exc
         if self.data_dir is not None:
             cfg.data.root = self.data_dir
         with self.cond:

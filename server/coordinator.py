@@ -119,9 +119,9 @@ class Coordinator:
                 rejected[update.client] = reason
             return reason
 
-        # Pools yield only updates that passed `check`, at most one per client.
+        # Pools yield only updates that passed `check`, at most one per client; `rejected` keeps
+        # every refusal, also of a client whose valid update came later and counted.
         for update in self.pool.train(t, selected, plan, send, check):
-            rejected.pop(update.client, None)  # a valid update after an invalid one counts
             acc.add(update.deltas, self.alg.aggregation_weights(update), update.client)
             norms[update.client] = update_norm(update.deltas)
             reported.append(update.client)

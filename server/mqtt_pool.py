@@ -259,10 +259,10 @@ class MqttPool:
               weights: Weights, check: UpdateCheck) -> Iterator[ClientUpdate]:
         self._await_quorum()
         versions = self._sync(weights)
+        self.train_seq = self.seq + 1  # before the step goes out: its updates may come fast
+        self.frames.expire(lambda sender, tag: tag[1] == self.train_seq)
         step = self._publish_step(kind="train", round=round, clients=clients,
                                   plan=plan_to_dict(plan), versions=versions)
-        self.train_seq = step.seq
-        self.frames.expire(lambda sender, tag: tag[1] == step.seq)
         owing = {c for c in clients if self.owner.get(c) in self.online}
         got: dict[int, ClientUpdate] = {}
         deadline = time.monotonic() + self.cfg.deploy.round_timeout_s

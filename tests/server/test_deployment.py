@@ -2,37 +2,22 @@
 
 from __future__ import annotations
 
-import getpass
 import json
-import os
-import re
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import pytest
 import torch
 
-from conftest import ROOT, quick_config
-from fedseq.server.broker import free_port
+from conftest import device_process as _device
+from conftest import quick_config
 from fedseq.server.deployment import run_deployment, stop_children
 from fedseq.server.simulation import run_simulation
 
 
 def _quiet(_msg: str) -> None:
     pass
-
-
-@pytest.fixture
-def one_thread():
-    """Devices run one torch thread each; the simulation must too, for bitwise parity."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
@@ -49,59 +34,6 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
         assert torch.equal(dep.global_weights[k], v), k  # bitwise, same threads and order
     rows = [json.loads(x) for x in (tmp_path / "dep" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["bytes_down"] > 0 and rows[0]["bytes_up"] > 0
-
-
-MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
-
-
-@pytest.fixture
-def mosquitto(tmp_path):
-    """Mosquitto from a test copy of the project's broker.conf: loopback, free port, own files."""
-    if not Path(MOSQUITTO).exists():
-        pytest.fail("mosquitto is not installed (apt-get install mosquitto); .ci/run installs it")
-    port = free_port()
-    passwd, acl = tmp_path / "passwd", tmp_path / "acl"
-    users = {"coordinator": "c-secret", "local01": "d1-secret", "local02": "d2-secret"}
-    passwd.touch()
-    for user, pw in users.items():
-        subprocess.run(["mosquitto_passwd", "-b", str(passwd), user, pw], check=True)
-    shutil.copy(ROOT / "deploy" / "mosquitto" / "fedseq.acl", acl)
-    conf = (ROOT / "broker.conf").read_text()
-    conf = re.sub(r"^listener 1883 0\.0\.0\.0$", f"listener {port} 127.0.0.1", conf, flags=re.M)
-    conf = conf.replace("/etc/mosquitto/fedseq.passwd", str(passwd))
-    conf = conf.replace("/etc/mosquitto/fedseq.acl", str(acl))
-    conf = conf.replace("/var/lib/mosquitto/", f"{tmp_path}/")
-    conf = conf.replace("log_dest syslog", "log_dest stderr")
-    conf += f"\nuser {getpass.getuser()}\n"  # as root, mosquitto would drop to a user without access
-    assert f"listener {port} 127.0.0.1" in conf and "allow_anonymous false" in conf
-    (tmp_path / "mosquitto.conf").write_text(conf)
-    proc = subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "mosquitto.conf")],
-                            stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)
-    if proc.poll() is not None:
-        pytest.fail(f"mosquitto did not start: {proc.stderr.read()}")
-    for user, pw in users.items():
-        (tmp_path / f"{user}.pw").write_text(pw + "\n")
-    procs = [proc]
-
-    def restart():
-        procs[-1].terminate()  # SIGTERM: mosquitto saves its retained messages
-        procs[-1].wait(10)
-        time.sleep(1.0)
-        procs.append(subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "mosquitto.conf")]))
-
-    yield port, tmp_path, restart
-    procs[-1].terminate()
-    procs[-1].wait(10)
-
-
-def _device(name, port, tmp_path, data_root):
-    return subprocess.Popen(
-        [sys.executable, "-m", "fedseq.client.cli", "--device", name, "--broker",
-         f"mqtt://127.0.0.1:{port}", "--data-dir", str(data_root), "--state-dir",
-         str(tmp_path / "state" / name), "--username", name, "--password-file",
-         str(tmp_path / f"{name}.pw"), "--threads", "1", "--log-level", "WARNING"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):

@@ -1,0 +1,89 @@
+"""Robust aggregation: one Byzantine update among honest ones moves the model by at most the rule's
+bound (hand-checkable tensors)."""
+
+import pytest
+import torch
+
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum
+from fedseq.common.algorithms.robust import ClippedMean, CoordinateWise, make_aggregator, update_norm
+from fedseq.common.config import AggregationConfig
+
+G = {"a.w": torch.zeros(4), "b.w": torch.zeros(2, 2)}
+HONEST = [
+    {"a.w": torch.tensor([0.1, 0.2, 0.0, -0.1]), "b.w": torch.full((2, 2), 0.05)},
+    {"a.w": torch.tensor([0.2, 0.1, 0.1, -0.2]), "b.w": torch.full((2, 2), 0.02)},
+    {"a.w": torch.tensor([0.0, 0.3, 0.1, 0.0]), "b.w": torch.full((2, 2), -0.01)},
+    {"a.w": torch.tensor([0.1, 0.1, -0.1, -0.1]), "b.w": torch.full((2, 2), 0.00)},
+]
+EVIL = {"a.w": torch.full((4,), -1e3), "b.w": torch.full((2, 2), 1e3)}
+
+
+def _run(agg, updates, weight=1.0):
+    for i, d in enumerate(updates):
+        agg.add(d, {"a": weight, "b": weight}, i)
+    return agg.apply(G)
+
+
+def _distance(x, y):
+    return update_norm({k: x[k] - y[k] for k in x})
+
+
+def test_update_norm_is_l2_over_all_tensors():
+    assert update_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}) == pytest.approx(5.0)
+
+
+def test_mean_is_moved_arbitrarily_by_one_byzantine_update():
+    clean = _run(WeightedDeltaSum(), HONEST)
+    dirty = _run(WeightedDeltaSum(), HONEST + [EVIL])
+    assert _distance(clean, dirty) > 100
+
+
+@pytest.mark.parametrize("clip_norm", [0.5, None])
+def test_clipped_mean_bounds_one_byzantine_update(clip_norm):
+    agg = ClippedMean(clip_norm=clip_norm, clip_factor=2.0)
+    dirty = _run(agg, HONEST + [EVIL])
+    honest_clipped = _run(ClippedMean(clip_norm=agg.bound), HONEST)
+    # with five equal weights, the evil update contributes at most bound / 5 ...
+    n = len(HONEST) + 1
+    evil_share = _distance(dirty, _run(ClippedMean(clip_norm=agg.bound), HONEST + [
+        {k: torch.zeros_like(v) for k, v in EVIL.items()}]))
+    assert evil_share <= agg.bound / n * (1 + 1e-6)
+    # ... and the honest ones are only re-weighted (4/5 of their clipped mean)
+    four_fifths = {k: v * (len(HONEST) / n) for k, v in honest_clipped.items()}
+    assert _distance(dirty, four_fifths) <= agg.bound / n * (1 + 1e-6)
+    if clip_norm is None:  # 2 x the median of the five norms
+        norms = sorted(update_norm(d) for d in HONEST + [EVIL])
+        assert agg.bound == pytest.approx(2.0 * norms[2])
+
+
+def test_clipping_leaves_small_updates_exact():
+    plain = _run(WeightedDeltaSum(), HONEST)
+    clipped = _run(ClippedMean(clip_norm=10.0), HONEST)
+    assert all(torch.allclose(plain[k], clipped[k]) for k in plain)
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed-mean"])
+def test_coordinate_wise_rules_stay_in_the_honest_range(rule):
+    agg = make_aggregator(AggregationConfig(rule=rule, trim_ratio=0.2))
+    dirty = _run(agg, HONEST + [EVIL])
+    for k in G:
+        stack = torch.stack([d[k] for d in HONEST])
+        lo, hi = stack.min(0).values, stack.max(0).values
+        assert (dirty[k] >= lo - 1e-7).all() and (dirty[k] <= hi + 1e-7).all(), (rule, k)
+
+
+def test_median_and_trimmed_mean_by_hand():
+    ups = [{"a.w": torch.tensor([v])} for v in (1.0, 2.0, 3.0, 10.0)]
+    g = {"a.w": torch.zeros(1)}
+    med = CoordinateWise(None)
+    trim = CoordinateWise(0.25)  # ceil(0.25 * 4) = 1 per end -> mean(2, 3)
+    for i, u in enumerate(ups):
+        med.add(u, {"a": 1.0}, i)
+        trim.add(u, {"a": 1.0}, i)
+    assert float(med.apply(g)["a.w"]) == pytest.approx(2.5)
+    assert float(trim.apply(g)["a.w"]) == pytest.approx(2.5)
+    assert trim.trimmed(4) == 1
+
+
+def test_mean_rule_is_the_exact_weighted_sum():
+    assert isinstance(make_aggregator(AggregationConfig()), WeightedDeltaSum)

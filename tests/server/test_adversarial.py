@@ -1,0 +1,320 @@
+"""Adversarial end-to-end suite on real brokers and real daemon processes.
+
+Mosquitto runs with the project's broker.conf, password file and ACL; the attacker holds device
+local02's login (the broker's ACL lets it write only local02's topics). The embedded amqtt broker is
+open, so there the attacker is a fuzzer that can write every topic. Every test proves that the run
+completes and that the final global weights equal a clean simulation's with the same config and
+seed, bitwise (the deployment/simulation parity makes that a clean run's result).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+
+import paho.mqtt.client as mqtt
+import torch
+
+from conftest import device_process, quick_config
+from fedseq.common.algorithms import algorithm_class
+from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+from fedseq.common.models import build_model, get_blocks
+from fedseq.common.protocol.frames import pack_chunk, split_frame
+from fedseq.common.protocol.messages import (
+    Control,
+    DeviceStatus,
+    EvalResult,
+    RunConfig,
+    Step,
+    UpdateHeader,
+    WeightsHeader,
+)
+from fedseq.common.protocol.tensors import encode_tensors
+from fedseq.common.protocol.topics import Topics
+from fedseq.server.deployment import run_deployment, stop_children
+from fedseq.server.simulation import run_simulation
+
+T = Topics()
+
+
+class Attacker:
+    """A paho client that watches the coordinator's steps and calls `on_step(attacker, step)`."""
+
+    def __init__(self, port: int, on_step, username: str | None = None, password: str | None = None):
+        self.on_step = on_step
+        self.steps: list[Step] = []
+        self.run_id: str | None = None
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"attacker-{time.monotonic_ns()}")
+        if username:
+            c.username_pw_set(username, password)
+        c.on_connect = lambda cl, u, f, rc, p: cl.subscribe([(T.step, 1), (T.run_config, 1)])
+        c.on_message = self._message
+        c.connect("127.0.0.1", port)
+        c.loop_start()
+        self.client = c
+
+    def _message(self, client, userdata, msg):
+        if not msg.payload:
+            return
+        try:
+            if msg.topic == T.run_config:
+                self.run_id = RunConfig.decode(msg.payload).run_id
+                return
+            step = Step.decode(msg.payload)
+        except Exception:
+            return
+        if step.run_id != self.run_id or any(s.seq == step.seq for s in self.steps):
+            return
+        self.steps.append(step)
+        self.on_step(self, step)
+
+    def publish(self, topic: str, payload: bytes, retain: bool = False) -> None:
+        self.client.publish(topic, payload, qos=1, retain=retain)
+
+    def forged_update(self, step: Step, client: int, device: str, deltas, num_samples: int,
+                      **head) -> None:
+        frame = encode_tensors(deltas)
+        parts = split_frame(frame)  # under the broker's packet limit, as an honest device does
+        for i, part in enumerate(parts):
+            meta = dict(run_id=self.run_id, seq=step.seq, round=step.round, client=client,
+                        device=device, num_samples=num_samples, chunk=i, chunks=len(parts),
+                        size=len(frame), sha256=hashlib.sha256(frame).hexdigest())
+            meta.update(head)
+            self.publish(T.update(device, client, i), pack_chunk(UpdateHeader(**meta), part))
+
+    def stop(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+def _upload_shapes(cfg, step: Step):
+    """The tensors an honest client of this step uploads (the attacker knows the public model)."""
+    two = algorithm_class(cfg.algorithm.name).two_heads
+    model = build_model(cfg.model.name, INPUT_SHAPES[cfg.data.dataset], NUM_CLASSES[cfg.data.dataset],
+                        two)
+    return get_blocks(model, list(step.plan["upload"]))
+
+
+def _assert_clean(cfg, result):
+    sim = run_simulation(cfg, out=None)
+    assert len(result.rows) == len(sim.rows)
+    for d, s in zip(result.rows, sim.rows, strict=True):
+        assert d.get("reported", d["clients"]) == d["clients"], d
+        assert d["global_acc"] == s["global_acc"] and d["personal_acc"] == s["personal_acc"]
+    for k, v in sim.global_weights.items():
+        assert torch.equal(result.global_weights[k], v), k
+
+
+def _mosquitto_run(data_root, tmp_path, mosquitto, on_step, *overrides):
+    port, home, _ = mosquitto
+    cfg = quick_config(data_root, "rounds=2", "train.join_ratio=0.6", "deploy.min_devices=2",
+                       "deploy.round_timeout_s=120", "deploy.eval_timeout_s=120",
+                       "deploy.username=coordinator",
+                       f"deploy.password_file={str(home / 'coordinator.pw')!r}", *overrides)
+    devices = [device_process(n, port, home, data_root) for n in ("local01", "local02")]
+    attacker = Attacker(port, on_step, "local02", (home / "local02.pw").read_text().strip())
+    try:
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=lambda s: None)
+    finally:
+        attacker.stop()
+        stop_children(devices)
+    return cfg, res, attacker
+
+
+def _theirs(step: Step, n_devices: int = 2, index: int = 1) -> list[int]:
+    """Clients of local02 (round-robin assignment over sorted device names) in this step."""
+    return [c for c in step.clients if c % n_devices == index]
+
+
+def _rejections(tmp_path) -> list[dict]:
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [r.get("rejected", {}) for r in rows]
+
+
+def test_poisoned_sample_counts_are_rejected(data_root, tmp_path, mosquitto, one_thread):
+    """num_samples = 10**12 with delta = -w (observed to zero the model) counts for nothing."""
+    def attack(att, step):
+        if step.kind == "train":
+            for c in _theirs(step):
+                w = _upload_shapes(cfg_holder[0], step)
+                att.forged_update(step, c, "local02", {k: -v for k, v in w.items()}, 10**12)
+
+    cfg_holder = [quick_config(data_root)]
+    cfg, res, att = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg")
+    assert [s.kind for s in att.steps].count("train") == 2
+    _assert_clean(cfg, res)
+    reasons = [r for rej in _rejections(tmp_path) for r in rej.values()]
+    assert reasons and all("num_samples=1000000000000" in r for r in reasons)
+
+
+def test_wrong_dtypes_and_huge_values_are_rejected(data_root, tmp_path, mosquitto, one_thread):
+    def attack(att, step):
+        if step.kind != "train":
+            return
+        w = _upload_shapes(cfg_holder[0], step)
+        for c in _theirs(step):
+            n = len(loaded[0].clients[c].train)
+            att.forged_update(step, c, "local02", {k: v.double() for k, v in w.items()}, n)
+            att.forged_update(step, c, "local02",
+                              {k: torch.full(v.shape, 10**15, dtype=torch.int64) for k, v in w.items()}, n)
+            att.forged_update(step, c, "local02", {k: torch.full_like(v, 1e30) for k, v in w.items()}, n)
+
+    from fedseq.common.data.federated import load_federated
+
+    cfg_holder = [quick_config(data_root, "algorithm.name=fedrod")]
+    loaded = [load_federated(cfg_holder[0].data, cfg_holder[0].seed)]
+    cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedrod")
+    _assert_clean(cfg, res)
+    reasons = [r for rej in _rejections(tmp_path) for r in rej.values()]
+    assert reasons, "the forged updates were never seen"
+
+
+def test_invalid_update_never_displaces_the_valid_one(data_root, tmp_path, mosquitto, one_thread):
+    """A wrong shape and a zero count arrive first; the client's honest update still counts."""
+    def attack(att, step):
+        if step.kind == "train":
+            for c in _theirs(step):
+                att.forged_update(step, c, "local02", {"conv1.weight": torch.zeros(3)}, 0)
+
+    cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack,
+                                 "algorithm.name=fedseq-vanilla", "algorithm.unfreeze_rounds=[0,1,2]")
+    _assert_clean(cfg, res)
+    rej = _rejections(tmp_path)
+    train = [r for r in res.rows if r["phase"] == "train"]
+    for row, rejected in zip(train, rej, strict=False):
+        # rejected first, then the same client's valid update was aggregated
+        assert {int(c) for c in rejected} == set(_theirs_row(row)), (row, rejected)
+        assert set(_theirs_row(row)) <= set(row["reported"])
+
+
+def _theirs_row(row) -> list[int]:
+    return [c for c in row["clients"] if c % 2 == 1]
+
+
+def test_spoofed_device_fields_are_rejected(data_root, tmp_path, mosquitto, one_thread):
+    """local02's login claims to be local01: offline status, and evaluation results."""
+    def attack(att, step):
+        att.publish(T.device_status("local02"),
+                    DeviceStatus(device="local01", state="offline").encode())
+        if step.kind == "evaluate":
+            fake = EvalResult(run_id=att.run_id, seq=step.seq, device="local01",
+                              results={0: (0, 1), 2: (0, 1), 4: (0, 1)})
+            att.publish(T.evaluation("local02"), fake.encode())
+
+    cfg, res, att = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedper")
+    assert any(s.kind == "evaluate" for s in att.steps)
+    _assert_clean(cfg, res)
+    sim = run_simulation(cfg, out=None)
+    assert res.final.per_client == sim.final.per_client
+
+
+def test_truncated_and_oversized_chunks(data_root, tmp_path, mosquitto, one_thread):
+    """A ~250-byte chunk on the honest frame's topic and a header declaring a 1 GiB frame: both
+    refused before anything is allocated; the honest frames complete."""
+    import resource
+
+    def attack(att, step):
+        if step.kind != "train":
+            return
+        for c in _theirs(step):
+            for chunk, size, chunks in ((1, 2_300_000, 3), (0, 1 << 30, 1024)):
+                head = UpdateHeader(run_id=att.run_id, seq=step.seq, round=step.round, client=c,
+                                    device="local02", num_samples=1, chunk=chunk, chunks=chunks,
+                                    size=size, sha256="0" * 64)
+                att.publish(T.update("local02", c, chunk), pack_chunk(head, b"x" * 250))
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg")
+    grown_mb = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    _assert_clean(cfg, res)
+    assert grown_mb < 512, f"coordinator peak memory grew {grown_mb:.0f} MB"
+
+
+def _amqtt_run(data_root, tmp_path, before_devices, on_step, *overrides):
+    """A deployment on the embedded (open) broker; `before_devices(port)` runs once the broker is
+    up, before the local devices start."""
+    cfg = quick_config(data_root, "rounds=2", "train.join_ratio=0.6", "deploy.port=0",
+                       "deploy.round_timeout_s=120", "deploy.eval_timeout_s=120", *overrides)
+    holder: list[Attacker] = []
+
+    def announce(line: str) -> None:
+        m = re.search(r"mqtt://127\.0\.0\.1:(\d+)", line)
+        if m and not holder:
+            port = int(m.group(1))
+            before_devices(port)
+            holder.append(Attacker(port, on_step))
+
+    try:
+        res = run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
+                             announce=announce)
+    finally:
+        for a in holder:
+            a.stop()
+    return cfg, res, holder[0]
+
+
+def _publish_all(port: int, items, retain: bool) -> None:
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fuzzer-{time.monotonic_ns()}")
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    for topic, payload in items:
+        c.publish(topic, payload, qos=1, retain=retain).wait_for_publish(10)
+    c.loop_stop()
+    c.disconnect()
+
+
+def _junk(run_id: str = "r") -> list[tuple[str, bytes]]:
+    """Garbage for every topic either side subscribes to."""
+    big = WeightsHeader(run_id=run_id, block="fc1", version=7, chunk=0, chunks=1024, size=1 << 30,
+                        sha256="0" * 64)
+    short = WeightsHeader(run_id=run_id, block="conv1", version=9, chunk=1, chunks=2,
+                          size=2 * (1 << 20), sha256="0" * 64)
+    return [
+        (T.server_status, b"\xff\x00"), (T.run_config, b"{not json"),
+        (T.run_config, b'{"v": 1, "run_id": "x", "config": {"rounds": -5}}'),
+        (T.assignment("local01"), b"[]"),
+        (T.assignment("local01"), b'{"v": 1, "run_id": "x", "device": "local02", "clients": [0]}'),
+        (T.step, b'{"v": 1, "kind": "explode"}'), (T.step, b'{"v": 2}'),
+        (T.weights("fc1", 0), pack_chunk(big, b"x" * 300)),
+        (T.weights("conv1", 1), pack_chunk(short, b"y" * 250)),
+        (T.weights("conv1", 0), b"\x00\x00\x00\x09garbage"), (T.control, b"[]"),
+        (T.device_status("local01"), b'{"v": 1, "device": "local01", "state": "maybe"}'),
+        (T.update("local01", 0, 0), b"\x00\x00\x10\x00"), (T.update("x", "y", "z"), b"junk"),
+        (T.evaluation("local01"), b'{"v": 1}'), (f"{T.root}/eval/local01/extra", b"1"),
+    ]
+
+
+def test_retained_and_live_junk_on_every_topic(data_root, tmp_path, one_thread):
+    def attack(att, step):
+        if step.kind in ("train", "evaluate"):
+            _publish_all(att_port[0], _junk(att.run_id), retain=False)
+
+    att_port: list[int] = []
+
+    def before(port):
+        att_port.append(port)
+        _publish_all(port, _junk(), retain=True)  # waiting for every device that (re)connects
+
+    cfg, res, _ = _amqtt_run(data_root, tmp_path, before, attack, "algorithm.name=fedrod")
+    _assert_clean(cfg, res)
+
+
+def test_foreign_run_ids_are_ignored(data_root, tmp_path, one_thread):
+    """An abort and a step of another run, published while the devices train, change nothing."""
+    fired = threading.Event()
+
+    def attack(att, step):
+        if step.kind == "train" and not fired.is_set():
+            fired.set()
+            other = "19700101-000000-abcdef"
+            att.publish(T.control, Control(run_id=other, command="abort", reason="x").encode())
+            att.publish(T.control, Control(command="abort").encode())
+            att.publish(T.step, Step(run_id=other, seq=step.seq + 1, kind="idle").encode())
+
+    cfg, res, _ = _amqtt_run(data_root, tmp_path, lambda port: None, attack, "algorithm.name=fedavg")
+    assert fired.is_set()
+    _assert_clean(cfg, res)

@@ -1,0 +1,55 @@
+"""The round contract: every class of invalid update is rejected with a reason."""
+
+import pytest
+import torch
+
+from conftest import synthetic_data
+from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.server.validation import round_contract
+
+W = {"conv1.weight": torch.zeros(2, 1, 3, 3), "conv1.bias": torch.zeros(2), "fc2.weight": torch.zeros(4, 2)}
+
+
+def _contract(threshold=None):
+    data = synthetic_data()
+    return data, round_contract(3, [0, 2], ("conv1",), W, data, threshold, max_abs_delta=100.0)
+
+
+def _good(data, client=0):
+    return ClientUpdate(client, 3, {"conv1.weight": torch.full((2, 1, 3, 3), 0.01),
+                                    "conv1.bias": torch.zeros(2)}, len(data.clients[client].train))
+
+
+def test_valid_update_passes():
+    data, c = _contract()
+    assert c.check(_good(data)) is None
+
+
+@pytest.mark.parametrize("mutate, words", [
+    (lambda u: setattr(u, "num_samples", 10**12), "num_samples=1000000000000"),
+    (lambda u: setattr(u, "num_samples", 0), "training rows"),
+    (lambda u: setattr(u, "client", 1), "not selected"),
+    (lambda u: setattr(u, "round", 2), "round 2"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.zeros(2, dtype=torch.float64)}), "float64"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.zeros(2, dtype=torch.int64)}), "int64"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.zeros(3)}), "expected float32[2]"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([1e30, 0.0])}), "max_abs_delta"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([float("inf"), 0.0])}), "NaN or Inf"),
+    (lambda u: u.deltas.update({"fc2.weight": torch.zeros(4, 2)}), "not uploadable"),
+    (lambda u: u.deltas.pop("conv1.bias"), "missing"),
+])
+def test_invalid_updates_are_rejected(mutate, words):
+    data, c = _contract()
+    u = _good(data)
+    mutate(u)
+    reason = c.check(u)
+    assert reason is not None and words in reason, reason
+
+
+def test_fedreg_effective_count_must_be_exact():
+    data, c = _contract(threshold=30.0)
+    u = _good(data)
+    u.effective_samples = c.effective_samples[0]
+    assert c.check(u) is None
+    u.effective_samples += 1
+    assert "effective_samples" in c.check(u)
