@@ -118,3 +118,53 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def make_pki(folder: Path) -> dict[str, Path]:
+    """A CA, a broker certificate for 127.0.0.1/localhost, a device certificate, an expired device
+    certificate and an unrelated CA, as PEM files (generated with `cryptography`)."""
+    import datetime as dt
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = dt.datetime.now(dt.timezone.utc)
+    out: dict[str, Path] = {}
+
+    def key_pem(key):
+        return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                 serialization.NoEncryption())
+
+    def write(name, cert, key=None):
+        out[name] = folder / f"{name}.crt"
+        out[name].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        if key is not None:
+            out[f"{name}_key"] = folder / f"{name}.key"
+            out[f"{name}_key"].write_bytes(key_pem(key))
+
+    def issue(cn, issuer_name, issuer_key, ca=False, days=(-1, 365), san=None):
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = (x509.CertificateBuilder()
+             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+             .issuer_name(issuer_name or x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)]))
+             .public_key(key.public_key()).serial_number(x509.random_serial_number())
+             .not_valid_before(now + dt.timedelta(days=days[0]))
+             .not_valid_after(now + dt.timedelta(days=days[1]))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            b = b.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return b.sign(issuer_key or key, hashes.SHA256()), key
+
+    ca, ca_key = issue("fedseq test CA", None, None, ca=True)
+    write("ca", ca, ca_key)
+    other, other_key = issue("some other CA", None, None, ca=True)
+    write("other_ca", other, other_key)
+    san = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+    write("server", *issue("broker", ca.subject, ca_key, san=san))
+    write("device", *issue("local01", ca.subject, ca_key))
+    write("coordinator", *issue("coordinator", ca.subject, ca_key))
+    write("expired", *issue("local01", ca.subject, ca_key, days=(-30, -1)))
+    return out

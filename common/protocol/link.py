@@ -137,6 +137,7 @@ class Link:
         self._on_message = on_message
         self._connack = threading.Event()
         self._refusal: str | None = None
+        self._closed: str | None = None
         self._stopping = threading.Event()
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, clean_session=True)
         c.max_queued_messages_set(0)
@@ -190,13 +191,16 @@ class Link:
     def _try_connect(self) -> str | None:
         """One attempt; None when connected, else what went wrong (one line)."""
         self._connack.clear()
-        self._refusal = None
+        self._refusal = self._closed = None
         try:
             self.client.connect(self.host, self.port, keepalive=30)
         except ssl.SSLError as exc:
             raise TransportError(explain_tls_error(self.url, exc)) from exc
         except OSError as exc:
             cause = exc.strerror or str(exc) or type(exc).__name__
+            if self.scheme == "mqtts" and isinstance(exc, ConnectionResetError):
+                return (f"broker {self.url} reset the TLS handshake ({cause}): the port probably "
+                        "does not speak TLS; use mqtt:// for a plain listener or the TLS port (8883)")
             return (f"cannot reach broker {self.url} ({cause}): check that it runs and that host "
                     "and port are right")
         self.client.loop_start()
@@ -205,6 +209,11 @@ class Link:
             with contextlib.suppress(Exception):
                 self.client.disconnect()
             return f"broker {self.url} accepted TCP but sent no MQTT answer in 15 s: is it an MQTT port?"
+        if self._closed is not None:
+            self.client.loop_stop()
+            if self.scheme == "mqtts":  # a certificate problem: retrying cannot fix it
+                raise TransportError(self._closed)
+            return self._closed
         if self._refusal is not None:
             self.client.loop_stop()
             with contextlib.suppress(Exception):
@@ -242,6 +251,16 @@ class Link:
             hook()
 
     def _disconnected(self, client, userdata, flags, reason_code, properties) -> None:
+        if not self._connack.is_set():  # closed before answering the login
+            if self.scheme == "mqtts":
+                self._closed = (
+                    f"broker {self.url} closed the TLS connection without answering: it rejected "
+                    "this side's certificate (expired, not signed by the broker's CA, or missing "
+                    "where the listener requires one); check cert_file and key_file")
+            else:
+                self._closed = f"broker {self.url} closed the connection without answering ({reason_code})"
+            self._connack.set()
+            return
         was = self.connected.is_set()
         self.connected.clear()
         if was and reason_code.is_failure and not self._stopping.is_set():
