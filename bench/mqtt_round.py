@@ -29,9 +29,9 @@ TIMES: list[tuple[float, float]] = []  # (exchange wall s, slowest client traini
 
 
 class TimedPool(MqttPool):
-    def train(self, round, clients, plan, weights):
+    def train(self, round, clients, plan, weights, check):
         start = time.perf_counter()
-        updates = list(super().train(round, clients, plan, weights))
+        updates = list(super().train(round, clients, plan, weights, check))
         wall = time.perf_counter() - start
         TIMES.append((wall, max((u.train_seconds for u in updates), default=0.0)))
         yield from updates

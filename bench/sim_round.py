@@ -31,9 +31,9 @@ class TimedPool(InProcessPool):
     eval_s = 0.0
     steps = 0
 
-    def train(self, round, clients, plan, weights):
+    def train(self, round, clients, plan, weights, check):
         t = time.perf_counter()
-        for u in super().train(round, clients, plan, weights):
+        for u in super().train(round, clients, plan, weights, check):
             self.train_s += time.perf_counter() - t
             yield u
             t = time.perf_counter()

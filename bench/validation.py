@@ -1,0 +1,85 @@
+"""The coordinator's serial cost for one 2.3 MB FedAvg update of the CNN (Fashion-MNIST testbed):
+reassembly of its chunks, sha256, decode, validation against the round's contract, and the
+aggregation step, each timed separately over many updates. Target for validation: under 5 ms.
+
+    python bench/validation.py [--updates 60] [--rule mean]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import time
+
+import torch
+
+from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.robust import make_aggregator
+from fedseq.common.config import AggregationConfig
+from fedseq.common.data.federated import ClientShard, FederatedData
+from fedseq.common.models import build_model, get_blocks
+from fedseq.common.protocol.frames import FramePool, split_frame
+from fedseq.common.protocol.messages import UpdateHeader
+from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
+from fedseq.server.validation import round_contract
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--updates", type=int, default=60)
+    ap.add_argument("--rule", default="mean", choices=["mean", "clipped-mean", "trimmed-mean", "median"])
+    args = ap.parse_args()
+    torch.set_num_threads(1)  # the coordinator's network/round thread is one thread
+    model = build_model("cnn", (1, 28, 28), 10, generator_seed=0)
+    blocks = model.spec.blocks
+    weights = get_blocks(model, blocks)
+    n_train = 1500
+    data = FederatedData(torch.zeros(1, 1, 28, 28), torch.zeros(n_train, dtype=torch.int64), 10,
+                         (ClientShard(0, torch.arange(n_train), torch.arange(0)),))
+    contract = round_contract(0, [0], blocks, weights, data, None, 1e4)
+    g = torch.Generator().manual_seed(0)
+    deltas = {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in weights.items()}
+    frame = encode_tensors(deltas)
+    digest = hashlib.sha256(frame).hexdigest()
+    parts = [bytes(p) for p in split_frame(frame)]
+    heads = [UpdateHeader(run_id="r", seq=1, round=0, client=0, device="d", num_samples=n_train,
+                          chunk=i, chunks=len(parts), size=len(frame), sha256=digest)
+             for i in range(len(parts))]
+    times: dict[str, list[float]] = {"reassemble+sha256": [], "decode": [], "validate": [],
+                                     "aggregate": []}
+    agg = make_aggregator(AggregationConfig(rule=args.rule))
+    pool = FramePool(max_frame=len(frame) + 4096, per_sender=4 * len(frame))
+    for i in range(args.updates):
+        t0 = time.perf_counter()
+        for h, p in zip(heads, parts, strict=True):
+            out = pool.add("d", (0, i), h, p)
+        t1 = time.perf_counter()
+        assert out is not None
+        tensors = decode_tensors(out, copy=False)
+        t2 = time.perf_counter()
+        update = ClientUpdate(0, 0, tensors, n_train)
+        assert contract.check(update) is None
+        t3 = time.perf_counter()
+        agg.add(tensors, {b: float(n_train) for b in blocks}, i)
+        t4 = time.perf_counter()
+        for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+            times[k].append(v * 1000)
+    t5 = time.perf_counter()
+    agg.apply(weights)
+    apply_ms = (time.perf_counter() - t5) * 1000
+    print(f"update frame: {len(frame):,} bytes in {len(parts)} chunks; {args.updates} updates; "
+          f"rule {args.rule}; 1 thread")
+    total = 0.0
+    for k, v in times.items():
+        med = statistics.median(v)
+        total += med
+        print(f"  {k:<18} median {med:6.2f} ms   p90 {sorted(v)[int(0.9 * len(v))]:6.2f} ms")
+    print(f"  {'total per update':<18} median {total:6.2f} ms")
+    print(f"  apply after the last update: {apply_ms:.2f} ms (once per round)")
+    print(f"validation: {statistics.median(times['validate']):.2f} ms per update, target < 5 ms: "
+          f"{'met' if statistics.median(times['validate']) < 5 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()

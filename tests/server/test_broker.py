@@ -1,0 +1,55 @@
+"""The embedded broker's safe defaults and the login errors both sides print."""
+
+import subprocess
+import sys
+
+import pytest
+
+from fedseq.common.errors import TransportError
+from fedseq.common.protocol.link import Link, LoginRefused
+from fedseq.server.broker import EmbeddedBroker
+
+SERVER = "from fedseq.server.cli import server_main; server_main()"
+
+
+def test_refuses_an_open_network_listener_without_authentication():
+    with pytest.raises(TransportError, match="broker_password_file"):
+        EmbeddedBroker("0.0.0.0", 0)
+    EmbeddedBroker("0.0.0.0", 0, allow_anonymous=True)  # explicitly allowed: constructed
+
+
+def _passwd(tmp_path, user, password):
+    pw = tmp_path / f"{user}.pw"
+    pw.write_text(password + "\n")
+    res = subprocess.run([sys.executable, "-c", SERVER, "passwd", str(tmp_path / "users"),
+                          user, "--password-file", str(pw)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    return pw
+
+
+def test_password_file_logins(tmp_path, caplog):
+    _passwd(tmp_path, "coordinator", "old")
+    _passwd(tmp_path, "coordinator", "c-secret")  # replaces the line
+    _passwd(tmp_path, "dev01", "d-secret")
+    lines = (tmp_path / "users").read_text().splitlines()
+    assert [ln.split(":")[0] for ln in lines] == ["coordinator", "dev01"]
+    assert all(ln.split(":", 1)[1].startswith("$argon2") for ln in lines)
+    broker = EmbeddedBroker("127.0.0.1", 0, password_file=tmp_path / "users")
+    broker.start()
+    try:
+        ok = Link("t-ok", broker.url, [], lambda t, p: None, username="dev01", password="d-secret")
+        ok.start(attempts=1)
+        ok.stop()
+        for user, pw in (("dev01", "wrong"), (None, None)):
+            bad = Link("t-bad", broker.url, [], lambda t, p: None, username=user, password=pw)
+            with pytest.raises(LoginRefused, match="refused") as exc:
+                bad.start(attempts=1)
+            assert "\n" not in str(exc.value)
+        assert not any("lost broker" in r.message for r in caplog.records)
+    finally:
+        broker.stop()
+
+
+def test_missing_password_file_is_one_line(tmp_path):
+    with pytest.raises(TransportError, match="fedseq-server passwd"):
+        EmbeddedBroker("127.0.0.1", 0, password_file=tmp_path / "nope")
