@@ -53,3 +53,21 @@ def test_password_file_logins(tmp_path, caplog):
 def test_missing_password_file_is_one_line(tmp_path):
     with pytest.raises(TransportError, match="fedseq-server passwd"):
         EmbeddedBroker("127.0.0.1", 0, password_file=tmp_path / "nope")
+
+
+def test_daemon_with_a_wrong_password_exits_with_one_line(tmp_path):
+    _passwd(tmp_path, "dev01", "d-secret")
+    broker = EmbeddedBroker("127.0.0.1", 0, password_file=tmp_path / "users")
+    broker.start()
+    (tmp_path / "wrong.pw").write_text("nope\n")
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "fedseq.client.cli", "--device", "dev01", "--broker", broker.url,
+             "--state-dir", str(tmp_path / "st"), "--username", "dev01", "--password-file",
+             str(tmp_path / "wrong.pw")], capture_output=True, text=True, timeout=120)
+    finally:
+        broker.stop()
+    assert res.returncode == 2
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "refused user 'dev01'" in errors[0], res.stderr
+    assert "Traceback" not in res.stderr and "lost broker" not in res.stderr
