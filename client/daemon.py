@@ -102,6 +102,7 @@ class DeviceDaemon:
         self.run: RunState | None = None
         self.step: Step | None = None
         self.next_step: Step | None = None  # a step of a run whose config has not arrived yet
+        self.last_error: tuple[str | None, int | None, str] = (None, None, "")
         self.assignment: Assignment | None = None  # the latest, applied once its run is known
         # run_id -> block -> (version, tensors); chunks being reassembled
         self.blocks: dict[str, dict[str, tuple[int, Weights]]] = {}
@@ -139,8 +140,10 @@ class DeviceDaemon:
         mem = 0
         with contextlib.suppress(ValueError, OSError):
             mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+        run_id, seq, error = self.last_error
         status = DeviceStatus(device=self.device, state="online", package_version=__version__,
-                              torch_device=str(self.torch_device), memory_mb=mem)
+                              torch_device=str(self.torch_device), memory_mb=mem, error=error,
+                              error_seq=seq, error_run_id=run_id)
         self.link.publish(self.topics.device_status(self.device), status, retain=True)
 
     # -- network thread --------------------------------------------------------------------
@@ -258,13 +261,22 @@ class DeviceDaemon:
                     self.cond.wait(timeout=1.0)
                     continue
             run, step = ready
+            log.info("step %d: %s%s", step.seq, step.kind,
+                     f" round {step.round}" if step.kind == "train" else "")
             try:
                 self._execute(run, step)
             except FedseqError as exc:
                 log.error("step %d (%s) failed: %s", step.seq, step.kind, exc)
-            except Exception:
+                self._report_failure(run, step, str(exc))
+            except Exception as exc:
                 log.exception("step %d (%s) failed", step.seq, step.kind)
+                self._report_failure(run, step, f"{type(exc).__name__}: {exc}")
             run.done.add(step.seq)
+
+    def _report_failure(self, run: RunState, step: Step, reason: str) -> None:
+        """Tell the coordinator at once that this step cannot be executed here, and why."""
+        self.last_error = (run.run_id, step.seq, reason.splitlines()[0][:2000] if reason else "")
+        self._announce()
 
     def _prepare(self, run: RunState) -> tuple[FederatedData, BlockModel]:
         if run.data is None or run.model is None:

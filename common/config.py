@@ -84,7 +84,8 @@ class DeployConfig(_Section):
     """MQTT deployment (fedseq-server start); ignored by fedseq-sim."""
 
     host: str = "127.0.0.1"  # embedded broker bind address
-    port: int = Field(1883, ge=0, le=65535)  # embedded broker port (0 = pick a free one)
+    # embedded broker port (0 = a free one); not 1883, where a system Mosquitto usually listens
+    port: int = Field(18830, ge=0, le=65535)
     broker: str | None = None  # mqtt://HOST:PORT of an external broker (Mosquitto); none = embedded
     topic_root: str = Field("fedseq", pattern=r"^[A-Za-z0-9_\-]+$")
     min_devices: int = Field(1, ge=1)

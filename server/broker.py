@@ -42,7 +42,7 @@ class EmbeddedBroker:
     other address it needs a password file (lines `user:argon2-hash`, see `fedseq-server passwd`)
     unless anonymous logins are explicitly allowed."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 1883, password_file: Path | None = None,
+    def __init__(self, host: str = "127.0.0.1", port: int = 18830, password_file: Path | None = None,
                  allow_anonymous: bool = False):
         if password_file is None and not is_loopback(host) and not allow_anonymous:
             raise TransportError(
@@ -69,8 +69,9 @@ class EmbeddedBroker:
     def start(self) -> None:
         from amqtt.broker import Broker
 
-        for name in ("amqtt", "transitions"):
-            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet = [logging.getLogger(n) for n in ("amqtt", "transitions")]
+        for lg in quiet:  # a port in use is our one-line error, not amqtt's traceback
+            lg.setLevel(logging.CRITICAL)
         self._thread.start()
 
         auth = "amqtt.plugins.authentication."
@@ -90,10 +91,14 @@ class EmbeddedBroker:
         try:
             self._broker = asyncio.run_coroutine_threadsafe(boot(), self._loop).result(15)
         except Exception as exc:
+            cause = "the port is in use" if isinstance(exc, OSError) or "in use" in str(exc) else exc
+            self._loop.call_soon_threadsafe(self._loop.stop)
             raise TransportError(
-                f"cannot start the embedded broker on {self.host}:{self.port} ({exc}); "
-                "pick another deploy.port or pass --broker mqtt://HOST:PORT"
+                f"cannot start the embedded broker on {self.host}:{self.port} ({cause}); "
+                "pick another deploy.port (0 = any free one) or pass --broker mqtt://HOST:PORT"
             ) from exc
+        for lg in quiet:
+            lg.setLevel(logging.WARNING)
 
     def stop(self) -> None:
         if self._broker is not None:

@@ -90,9 +90,6 @@ def run_deployment(
     announce: Callable[[str], None] = print,
     client_threads: int | None = None,
 ) -> RunResult:
-    data = load_federated(cfg.data, cfg.seed)
-    model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads, cfg.seed)
-    alg = make_algorithm(cfg, model.spec)
     url = broker or cfg.deploy.broker
     embedded = None
     children: list[subprocess.Popen] = []
@@ -110,9 +107,14 @@ def run_deployment(
         run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         d = cfg.deploy
         tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
-        pool = MqttPool(cfg, alg, model, data, url, run_id, d.username, read_password(d.password_file),
-                        tls)
+        # The broker first: a wrong address or password is said before minutes of data loading.
+        pool = MqttPool(cfg, url, run_id, d.username, read_password(d.password_file), tls)
         pool.start()
+        data = load_federated(cfg.data, cfg.seed)
+        model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads,
+                           cfg.seed)
+        alg = make_algorithm(cfg, model.spec)
+        pool.bind(alg, model, data)
         if local_clients:
             tmp = tempfile.TemporaryDirectory(prefix="fedseq-local-")
             children = spawn_local_clients(local_clients, url, cfg, Path(tmp.name), client_threads)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -53,14 +54,17 @@ def assign_clients(devices: list[str], num_clients: int) -> dict[str, list[int]]
 
 
 class MqttPool:
-    def __init__(self, cfg: ExperimentConfig, alg: Algorithm, model: BlockModel,
-                 data: FederatedData, url: str, run_id: str,
+    """Connects first (start), so a broker problem is known before the dataset is loaded; the
+    run's algorithm, model and data are bound afterwards (bind)."""
+
+    alg: Algorithm
+    model: BlockModel
+    data: FederatedData
+
+    def __init__(self, cfg: ExperimentConfig, url: str, run_id: str,
                  username: str | None = None, password: str | None = None,
                  tls: TlsOptions | None = None):
         self.cfg = cfg
-        self.alg = alg
-        self.model = model
-        self.data = data
         self.run_id = run_id
         self.topics = t = Topics(cfg.deploy.topic_root)
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -68,22 +72,58 @@ class MqttPool:
         self.assignment: dict[str, list[int]] = {}
         self.owner: dict[int, str] = {}
         self.published: dict[str, tuple[int, str]] = {}
+        self.failures: dict[str, str] = {}  # device -> the last reason it gave for a failed step
         self.seq = 0
         self.train_seq = -1  # the step whose updates are being collected; others are late
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized in begin()
         self._down = self._up = 0
+        # What the broker must hold for a device to (re)join; re-published on every reconnect,
+        # because the broker's retained messages are only a cache (it may lose them).
+        self._state_lock = threading.Lock()
+        self._retained: dict[str, bytes] = {}
+        self._weight_frames: dict[str, tuple[int, bytes]] = {}
         will = ServerStatus(state="offline", run_id=run_id).encode()
         self.link = Link(f"fedseq-server-{run_id}", url,
                          [t.device_status(), t.update(), t.evaluation()], self._on_message,
                          will=(t.server_status, will), username=username, password=password,
                          tls=tls)
+        self.link.on_connect(self._republish)
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
         self.link.start(attempts=3)
-        self.link.publish(self.topics.server_status,
-                          ServerStatus(state="online", run_id=self.run_id, broker=self.link.url),
-                          retain=True)
+
+    def bind(self, alg: Algorithm, model: BlockModel, data: FederatedData) -> None:
+        self.alg, self.model, self.data = alg, model, data
+
+    def _retain(self, topic: str, payload: bytes) -> None:
+        with self._state_lock:
+            self._retained[topic] = payload
+        self.link.publish(topic, payload, retain=True)
+
+    def _republish(self) -> None:
+        """Network thread, after every (re)connect: server status, run config, assignments, the
+        current version of every block and the current step, all retained."""
+        status = ServerStatus(state="online", run_id=self.run_id, broker=self.link.url).encode()
+        self.link.publish(self.topics.server_status, status, retain=True)
+        with self._state_lock:
+            retained = dict(self._retained)
+            frames = dict(self._weight_frames)
+        for topic, payload in retained.items():
+            if topic != self.topics.step:
+                self.link.publish(topic, payload, retain=True)
+        for block, (version, frame) in frames.items():
+            self._publish_block(block, version, frame)
+        if self.topics.step in retained:  # last: a device acts on it once it holds the weights
+            self.link.publish(self.topics.step, retained[self.topics.step], retain=True)
+        if retained:
+            log.info("re-published the run's state (%d blocks) after connecting", len(frames))
+
+    def _publish_block(self, block: str, version: int, frame: bytes) -> None:
+        self.link.publish_frame(
+            lambda i: self.topics.weights(block, i),
+            lambda **kw: WeightsHeader(run_id=self.run_id, block=block, version=version, **kw),
+            frame, retain=True)
 
     def _await_quorum(self) -> None:
         """Before a step: after a broker restart or a network drop, devices come back within
@@ -129,23 +169,28 @@ class MqttPool:
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
         self.frames = FramePool(max_frame=biggest + 4096, per_sender=(biggest + 4096) * per_device)
         rc = RunConfig(run_id=self.run_id, config=self.cfg.model_dump(mode="json"))
-        self.link.publish(self.topics.run_config, rc, retain=True)
+        self._retain(self.topics.run_config, rc.encode())
         for d, clients in self.assignment.items():
-            self.link.publish(self.topics.assignment(d),
-                              Assignment(run_id=self.run_id, device=d, clients=clients), retain=True)
+            self._retain(self.topics.assignment(d),
+                         Assignment(run_id=self.run_id, device=d, clients=clients).encode())
         self._sync(weights)
         log.info("run %s: %d devices, assignment %s", self.run_id, len(devices), self.assignment)
 
     def finish(self, reason: str = "run finished") -> None:
-        if not self.link.connected.is_set():
+        """Say idle and offline if still connected, then disconnect; never raises (it runs in a
+        `finally` and must not mask the error that ended the run)."""
+        try:
+            if self.link.connected.is_set():
+                self.seq += 1
+                self._retain(self.topics.step,
+                             Step(run_id=self.run_id, seq=self.seq, kind="idle").encode())
+                self.link.publish(self.topics.server_status,
+                                  ServerStatus(state="offline", run_id=self.run_id), retain=True,
+                                  wait=True)
+        except Exception as exc:  # best effort on the way out
+            log.warning("could not say goodbye to the broker: %s", exc)
+        finally:
             self.link.stop()
-            return
-        self.seq += 1
-        self.link.publish(self.topics.step, Step(run_id=self.run_id, seq=self.seq, kind="idle"),
-                          retain=True)
-        self.link.publish(self.topics.server_status,
-                          ServerStatus(state="offline", run_id=self.run_id), retain=True, wait=True)
-        self.link.stop()
 
     # -- network thread --------------------------------------------------------------------
     def _on_message(self, topic: str, payload: bytes) -> None:
@@ -211,7 +256,12 @@ class MqttPool:
         while True:
             if kind == "status":
                 if ev.state == "online":
+                    known = self.online.get(ev.device)
                     self.online[ev.device] = ev
+                    fresh = known is None or (known.error_seq, known.error) != (ev.error_seq, ev.error)
+                    if ev.error and ev.error_run_id == self.run_id and fresh:
+                        self.failures[ev.device] = ev.error
+                        out.append(("failed", (ev.device, ev.error_seq, ev.error)))
                 else:
                     self.online.pop(ev.device, None)
                     out.append(("offline", ev.device))
@@ -231,11 +281,9 @@ class MqttPool:
             old = self.published.get(block)
             if old is None or old[1] != digest:
                 version = 0 if old is None else old[0] + 1
-                self.link.publish_frame(
-                    lambda i, b=block: self.topics.weights(b, i),
-                    lambda b=block, v=version, **kw: WeightsHeader(run_id=self.run_id, block=b,
-                                                                   version=v, **kw),
-                    frame, retain=True)
+                with self._state_lock:
+                    self._weight_frames[block] = (version, frame)
+                self._publish_block(block, version, frame)
                 self._down += len(frame) * max(1, len(self.online))
                 self.published[block] = (version, digest)
             versions[block] = self.published[block][0]
@@ -245,7 +293,7 @@ class MqttPool:
         self.seq += 1
         step = Step(run_id=self.run_id, seq=self.seq, **fields)
         payload = step.encode()
-        self.link.publish(self.topics.step, payload, retain=True)
+        self._retain(self.topics.step, payload)
         self._down += len(payload) * max(1, len(self.online))
         return step
 
@@ -265,6 +313,7 @@ class MqttPool:
                                   plan=plan_to_dict(plan), versions=versions)
         owing = {c for c in clients if self.owner.get(c) in self.online}
         got: dict[int, ClientUpdate] = {}
+        failed_devices: dict[str, str] = {}
         deadline = time.monotonic() + self.cfg.deploy.round_timeout_s
         while owing and time.monotonic() < deadline:
             for kind, ev in self._drain(min(1.0, deadline - time.monotonic())):
@@ -274,6 +323,13 @@ class MqttPool:
                         log.warning("round %d: device %s went offline; clients %s fail", round, ev,
                                     sorted(lost))
                     owing -= lost
+                elif kind == "failed" and ev[1] == step.seq:
+                    device, _, reason = ev
+                    lost = {c for c in owing if self.owner.get(c) == device}
+                    log.warning("round %d: %s cannot train (%s); clients %s fail", round, device,
+                                reason, sorted(lost))
+                    owing -= lost
+                    failed_devices[device] = reason
                 elif kind == "update":
                     device, seq, update = ev
                     if seq != step.seq:
@@ -291,6 +347,11 @@ class MqttPool:
         self.frames.expire(lambda sender, tag: False)
         if owing:
             log.warning("round %d: no update from clients %s before the deadline", round, sorted(owing))
+        owners = {self.owner.get(c) for c in clients}
+        if not got and failed_devices and owners <= set(failed_devices):
+            raise TransportError("no device can train: " + "; ".join(
+                f"{d}: {r}" for d, r in sorted(failed_devices.items())) + " (fix it on the devices, "
+                "check with fedseq-client doctor, then start the run again)")
         if len(got) < self.cfg.deploy.min_updates:
             log.warning("round %d failed: %d updates < deploy.min_updates=%d", round, len(got),
                         self.cfg.deploy.min_updates)
@@ -306,6 +367,9 @@ class MqttPool:
             for kind, ev in self._drain(min(1.0, deadline - time.monotonic())):
                 if kind == "offline":
                     owing.discard(ev)
+                elif kind == "failed" and ev[1] == step.seq:
+                    log.warning("step %d: %s cannot evaluate (%s)", step.seq, ev[0], ev[2])
+                    owing.discard(ev[0])
                 elif kind == "eval" and ev.seq == step.seq and ev.device in owing:
                     reason = self._check_eval(ev)
                     if reason is not None:

@@ -91,9 +91,15 @@ def mosquitto(tmp_path):
         (tmp_path / f"{user}.pw").write_text(pw + "\n")
     procs = [proc]
 
-    def restart():
-        procs[-1].terminate()  # SIGTERM: mosquitto saves its retained messages
-        procs[-1].wait(10)
+    def restart(lose_everything: bool = False):
+        if lose_everything:  # kill -9 and no persistence file: the broker forgets every message
+            procs[-1].kill()
+            procs[-1].wait(10)
+            for db in tmp_path.glob("*.db"):
+                db.unlink()
+        else:
+            procs[-1].terminate()  # SIGTERM: mosquitto saves its retained messages
+            procs[-1].wait(10)
         time.sleep(1.0)
         procs.append(subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "mosquitto.conf")]))
 

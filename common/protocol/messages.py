@@ -44,6 +44,11 @@ class DeviceStatus(Message):
     torch_device: str = "cpu"
     memory_mb: int = 0
     slots: int = Field(1, ge=1)
+    # The last step this device could not execute, and why (missing data, out of memory, CUDA
+    # error, ...); the coordinator fails the device's clients in that step at once.
+    error: str = Field("", max_length=2000)
+    error_seq: int | None = None
+    error_run_id: str | None = None
 
 
 class RunConfig(Message):

@@ -55,3 +55,32 @@ def test_client_bad_broker_url_exit_2():
     r = _run(sys.executable, "-m", "fedseq.client.cli", "--device", "jetson01", "--broker",
              "http://example:80")
     assert r.returncode == 2 and "mqtt://HOST:PORT" in r.stderr
+
+
+def _server(*extra):
+    return _run("fedseq-server", "start", "-q", *extra)
+
+
+def test_server_tries_the_broker_before_the_dataset(tmp_path):
+    from fedseq.server.broker import free_port
+
+    r = _server("--broker", f"mqtt://127.0.0.1:{free_port()}", "--set",
+                f"data.root={str(tmp_path / 'no-data')!r}")
+    assert r.returncode == 2
+    lines = [x for x in r.stderr.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "cannot reach broker" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_server_password_file_and_port_in_use_are_one_line(tmp_path, data_root):
+    import socket
+
+    r = _server("--set", "deploy.password_file='/nonexistent/coordinator.pw'",
+                "--set", "deploy.port=0")
+    assert r.returncode == 2 and "deploy.password_file /nonexistent/coordinator.pw" in r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        r = _server("--set", f"deploy.port={s.getsockname()[1]}")
+    assert r.returncode == 2 and "the port is in use" in r.stderr
+    assert len([x for x in r.stderr.splitlines() if x.strip()]) == 1, r.stderr

@@ -12,6 +12,7 @@ import torch
 
 from conftest import device_process as _device
 from conftest import quick_config
+from fedseq.server.broker import free_port
 from fedseq.server.deployment import run_deployment, stop_children
 from fedseq.server.simulation import run_simulation
 
@@ -139,3 +140,55 @@ def test_doctor_reports_login_and_data(data_root, tmp_path, mosquitto):
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 1 and "refused user 'local01'" in bad.stdout, bad.stdout
     assert "Traceback" not in bad.stdout + bad.stderr
+
+
+def test_broker_loses_everything_then_a_device_reboots(data_root, tmp_path, mosquitto):
+    """Mosquitto killed -9 without its persistence file after round 0, and local02 rebooted after
+    that: the coordinator re-publishes run config, assignments, weights and step on reconnect, so
+    the rebooted device rejoins and later rounds have every client."""
+    port, home, restart_broker = mosquitto
+    devices = [_device(n, port, home, data_root) for n in ("local01", "local02")]
+    events = []
+
+    def on_round(row):
+        if row["round"] == 0 and not events:
+            stop_children([devices[1]])
+            restart_broker(lose_everything=True)
+            devices.append(_device("local02", port, home, data_root))  # boots after the loss
+            events.append(time.monotonic())
+
+    try:
+        cfg = quick_config(data_root, "algorithm.name=fedper", "rounds=3", "train.join_ratio=1.0",
+                           "deploy.min_devices=2", "deploy.round_timeout_s=120",
+                           "deploy.eval_timeout_s=120", "deploy.username=coordinator",
+                           f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+        res = run_deployment(cfg, None, broker=f"mqtt://127.0.0.1:{port}", announce=_quiet,
+                             on_round=on_round)
+    finally:
+        stop_children(devices)
+    assert events
+    assert all(r["reported"] == r["clients"] for r in res.rows[1:]), res.rows
+    assert len(res.final.per_client) == 5
+
+
+def test_device_without_its_dataset_is_known_at_once(data_root, tmp_path):
+    """A daemon with a wrong data dir reports why; with nobody able to train the coordinator stops
+    with one line naming the device and the cause, exit 2, long before its deadlines."""
+    port = free_port()
+    dev = subprocess.Popen([sys.executable, "-m", "fedseq.client.cli", "--device", "dev01",
+                            "--broker", f"mqtt://127.0.0.1:{port}", "--data-dir", str(tmp_path),
+                            "--state-dir", str(tmp_path / "st"), "--threads", "1"])
+    start = time.monotonic()
+    try:
+        r = subprocess.run(
+            ["fedseq-server", "start", "-q", "--set", f"data.root={str(data_root)!r}",
+             "--set", "data.fraction=0.03", "--set", "data.num_clients=4", "--set", "rounds=2",
+             "--set", f"deploy.port={port}", "--set", "deploy.round_timeout_s=600"],
+            capture_output=True, text=True, timeout=300)
+    finally:
+        stop_children([dev])
+    assert time.monotonic() - start < 120
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no device can train: dev01:") and "data.root" in last, last
+    assert "Traceback" not in r.stderr
