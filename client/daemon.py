@@ -295,8 +295,9 @@ class DeviceDaemon:
             out.update(held[b][1])
         return out
 
-    def _personal(self, run: RunState, client: int, personal: tuple[str, ...]) -> Weights:
-        stored = self.store.load(run.run_id, client)
+    def _personal(self, run: RunState, client: int, personal: tuple[str, ...],
+                  before: int | None = None) -> Weights:
+        stored = self.store.load(run.run_id, client, before)
         if stored is not None:
             return stored
         return self._global(run, list(personal))  # version 0: the initial model's blocks
@@ -318,12 +319,12 @@ class DeviceDaemon:
             for c in mine:
                 if self._stale(step):
                     return
-                start = {**shared, **self._personal(run, c, plan.personal)}
+                start = {**shared, **self._personal(run, c, plan.personal, before=step.round)}
                 update, personal = run_client_round(model, start, plan, data, data.clients[c],
                                                     run.cfg.seed, step.round,
                                                     flop_cache=run.flop_cache)
                 if plan.personal:
-                    self.store.save(run.run_id, c, personal)
+                    self.store.save(run.run_id, c, personal, step.round)
                 frame = encode_tensors(update.deltas)
 
                 meta = dict(run_id=run.run_id, seq=step.seq, round=step.round, client=c,

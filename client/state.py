@@ -15,22 +15,39 @@ class StateStore:
     def __init__(self, root: Path):
         self.root = Path(root)
 
-    def _path(self, run_id: str, client: int) -> Path:
+    def _dir(self, run_id: str) -> Path:
         if not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
             raise ProtocolError(f"run id {run_id!r} is not a safe file name")
-        return self.root / run_id / f"client-{client:04d}.safetensors"
+        return self.root / run_id
 
-    def load(self, run_id: str, client: int) -> Weights | None:
-        path = self._path(run_id, client)
-        return decode_tensors(path.read_bytes()) if path.exists() else None
+    def _rounds(self, run_id: str, client: int) -> dict[int, Path]:
+        folder = self._dir(run_id)
+        out = {}
+        for path in folder.glob(f"client-{client:04d}-r*.safetensors") if folder.is_dir() else ():
+            m = re.fullmatch(r"client-\d+-r(\d+)\.safetensors", path.name)
+            if m:
+                out[int(m.group(1))] = path
+        return out
 
-    def save(self, run_id: str, client: int, weights: Weights) -> None:
-        """Write to a temporary file and rename: a crash never leaves a half-written state."""
-        path = self._path(run_id, client)
-        path.parent.mkdir(parents=True, exist_ok=True)
+    def load(self, run_id: str, client: int, before: int | None = None) -> Weights | None:
+        """The newest saved state, or the newest saved in a round < `before`: a round that is run
+        again (a resumed coordinator, a restarted daemon) starts from the same state as the first
+        time."""
+        held = {r: p for r, p in self._rounds(run_id, client).items() if before is None or r < before}
+        return decode_tensors(held[max(held)].read_bytes()) if held else None
+
+    def save(self, run_id: str, client: int, weights: Weights, round: int = 0) -> None:
+        """Write to a temporary file and rename: a crash never leaves a half-written state. The
+        two newest rounds are kept."""
+        folder = self._dir(run_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"client-{client:04d}-r{round:06d}.safetensors"
         tmp = path.with_suffix(".tmp")
         with tmp.open("wb") as f:
             f.write(encode_tensors(weights))
             f.flush()
             os.fsync(f.fileno())
         tmp.replace(path)
+        for r, old in sorted(self._rounds(run_id, client).items())[:-2]:
+            if r != round:
+                old.unlink(missing_ok=True)

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from fedseq.common.config import ExperimentConfig, load_config
-from fedseq.common.errors import FedseqError
+from fedseq.common.errors import ConfigError, FedseqError
 
 err = Console(stderr=True)
 
@@ -30,19 +30,43 @@ def _fail(exc: Exception) -> NoReturn:
     raise typer.Exit(2)
 
 
+def _interrupted(out: Path) -> NoReturn:
+    print(f"interrupted: {out} keeps every complete round; continue with --resume {out}",
+          file=sys.stderr)
+    raise typer.Exit(130)
+
+
 def _default_out(cfg: ExperimentConfig) -> Path:
     return Path("runs") / f"{cfg.algorithm.name}-{cfg.data.dataset}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _start(config: Path | None, overrides: list[str] | None, out: Path | None
-           ) -> tuple[ExperimentConfig, Path]:
-    """Logging, the validated config (or a one-line error and exit 2), the run directory."""
+ResumeOpt = Annotated[Path | None, typer.Option(
+    help="Continue this run directory after its last complete round (its config.toml; --set "
+         "may still override e.g. deploy.* keys).")]
+OverwriteOpt = Annotated[bool, typer.Option(
+    "--overwrite", help="Replace the files of an existing, non-empty --out.")]
+
+
+def _start(config: Path | None, overrides: list[str] | None, out: Path | None,
+           resume: Path | None = None, overwrite: bool = False
+           ) -> tuple[ExperimentConfig, Path, str, dict[str, Any]]:
+    """Logging, the validated config (or a one-line error and exit 2), the run directory, its
+    mode (new, overwrite, resume) and what status.json records about the command."""
+    from fedseq.common import __version__
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if resume is not None and (config is not None or out is not None or overwrite):
+        _fail(ValueError("--resume RUN_DIR takes its config and output folder from RUN_DIR; "
+                         "drop --config, --out and --overwrite"))
     try:
-        cfg = load_config(config, overrides)
+        if resume is not None and not (resume / "config.toml").is_file():
+            raise ConfigError(f"--resume {resume}: no config.toml there; is it a run directory?")
+        cfg = load_config(resume / "config.toml" if resume else config, overrides)
     except FedseqError as exc:
         _fail(exc)
-    return cfg, out or _default_out(cfg)
+    mode = "resume" if resume else "overwrite" if overwrite else "new"
+    info = {"package_version": __version__, "command": " ".join(sys.argv)}
+    return cfg, resume or out or _default_out(cfg), mode, info
 
 
 def _fmt(v: Any) -> str:
@@ -53,12 +77,14 @@ def sim(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     out: OutOpt = None,
+    resume: ResumeOpt = None,
+    overwrite: OverwriteOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Run a federated experiment in one process and write a run directory."""
     from fedseq.server.simulation import run_simulation
 
-    cfg, out = _start(config, set_, out)
+    cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=err, disable=quiet,
@@ -75,10 +101,13 @@ def sim(
                 progress.update(task, status=status + " | fine-tuning")
 
         try:
-            result = run_simulation(cfg, out, on_round)
+            result = run_simulation(cfg, out, on_round, mode, info)
         except FedseqError as exc:
             progress.stop()
             _fail(exc)
+        except KeyboardInterrupt:
+            progress.stop()
+            _interrupted(out)
     final = result.rows[-1]
     print(f"final ({final['phase']}): global {_fmt(final['global_acc'])}, "
           f"personalized {_fmt(final['personal_acc'])} -> {out}", file=sys.stderr)
@@ -113,12 +142,14 @@ def start(
         help="mutual TLS: the certificate's PEM key (deploy.key_file)")] = None,
     no_verify_hostname: Annotated[bool, typer.Option(
         "--no-verify-hostname", help="accept a broker certificate that does not name its host")] = False,
+    resume: ResumeOpt = None,
+    overwrite: OverwriteOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Run an experiment on a device fleet over MQTT and write a run directory."""
     from fedseq.server.deployment import run_deployment
 
-    cfg, out = _start(config, set_, out)
+    cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
     flags = {"username": username, "password_file": password_file, "ca_file": ca_file,
              "cert_file": cert_file, "key_file": key_file}
     try:
@@ -133,9 +164,11 @@ def start(
         result = run_deployment(cfg, out, broker, local_clients,
                                 on_round=None if quiet else _print_row,
                                 announce=lambda s: print(s, file=sys.stderr),
-                                client_threads=client_threads)
+                                client_threads=client_threads, mode=mode, info=info)
     except FedseqError as exc:
         _fail(exc)
+    except KeyboardInterrupt:
+        _interrupted(out)
     final = result.rows[-1]
     print(f"final ({final['phase']}): global {_fmt(final['global_acc'])}, "
           f"personalized {_fmt(final['personal_acc'])} -> {out}", file=sys.stderr)

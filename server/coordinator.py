@@ -23,6 +23,7 @@ from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import BlockModel, Weights, count_params, get_blocks
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.seeding import numpy_rng
+from fedseq.server.checkpoint import Checkpoint, save_checkpoint
 from fedseq.server.pool import ClientPool
 from fedseq.server.rundir import RunDir
 from fedseq.server.validation import round_contract
@@ -77,6 +78,7 @@ class Coordinator:
         self.version = dict.fromkeys(model.spec.blocks, 0)
         self.client_version = {c.client: dict(self.version) for c in data.clients}
         self._frame_sizes: dict[tuple[str, int], int] = {}
+        self._last_report: EvalReport | None = None
 
     def _block_bytes(self, block: str) -> int:
         key = (block, self.version[block])
@@ -165,12 +167,15 @@ class Coordinator:
         self._last_report = report
         return row
 
-    def run(self) -> RunResult:
+    def run(self, resume: Checkpoint | None = None) -> RunResult:
         rows = []
-        for t in range(self.cfg.rounds):
+        first = self._restore(resume) if resume is not None else 0
+        for t in range(first, self.cfg.rounds):
             row = self.run_round(t)
             rows.append(row)
             self._emit(row)
+            if self.run_dir is not None:
+                save_checkpoint(self.run_dir.path, self._checkpoint(t + 1))
         final = self._last_report
         assert final is not None
         ft_plan = self.alg.finetune_plan()
@@ -193,6 +198,35 @@ class Coordinator:
         if self.run_dir is not None:
             self._write_outputs(final)
         return RunResult(self.global_weights, final, rows)
+
+    def _checkpoint(self, next_round: int) -> Checkpoint:
+        rep = self._last_report
+        state: dict[str, Any] = {
+            "version": self.version,
+            "client_version": {str(c): v for c, v in self.client_version.items()},
+            "last_report": None if rep is None else [
+                rep.global_correct, rep.global_total,
+                {str(c): list(r) for c, r in rep.per_client.items()}],
+        }
+        pool_state = getattr(self.pool, "checkpoint_state", None)
+        if pool_state is not None:
+            state["pool"] = pool_state()
+        personal = getattr(self.pool, "personal", {})
+        return Checkpoint(next_round, self.global_weights, state, personal)
+
+    def _restore(self, ckpt: Checkpoint) -> int:
+        """Continue after the checkpoint's last complete round; returns the next round."""
+        self.global_weights = {k: ckpt.global_weights[k].to(v.dtype) for k, v in
+                               self.global_weights.items()}
+        self.version = {b: int(v) for b, v in ckpt.state["version"].items()}
+        self.client_version = {int(c): v for c, v in ckpt.state["client_version"].items()}
+        rep = ckpt.state.get("last_report")
+        if rep is not None:
+            self._last_report = EvalReport(rep[0], rep[1],
+                                           {int(c): (r[0], r[1]) for c, r in rep[2].items()})
+        if ckpt.personal and hasattr(self.pool, "personal"):
+            self.pool.personal.update(ckpt.personal)
+        return ckpt.next_round
 
     def _emit(self, row: dict[str, Any]) -> None:
         if self.run_dir is not None:

@@ -21,10 +21,11 @@ from fedseq.common.errors import ConfigError
 from fedseq.common.models import get_blocks
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.server.broker import EmbeddedBroker
+from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.mqtt_pool import MqttPool
 from fedseq.server.pool import make_model
-from fedseq.server.rundir import RunDir
+from fedseq.server.rundir import RunDir, recorded
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,12 @@ def run_deployment(
     on_round: Callable[[dict[str, Any]], None] | None = None,
     announce: Callable[[str], None] = print,
     client_threads: int | None = None,
+    mode: str = "new",
+    info: dict[str, Any] | None = None,
 ) -> RunResult:
+    """mode "resume" continues `out` after its checkpoint's last complete round, under the same
+    run id (devices keep their personal state) and the same assignment."""
+    ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     url = broker or cfg.deploy.broker
     embedded = None
     children: list[subprocess.Popen] = []
@@ -104,7 +110,11 @@ def run_deployment(
             url = embedded.url
             announce(f"embedded MQTT broker at {url} - start devices with: "
                      f"fedseq-client --device NAME --broker {url}")
-        run_id = time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        pool_state = ckpt.state.get("pool") if ckpt is not None else None
+        if ckpt is not None and pool_state is None:
+            raise ConfigError(f"--resume {out}: that run was simulated; resume it with fedseq-sim")
+        run_id = (pool_state["run_id"] if pool_state
+                  else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
         d = cfg.deploy
         tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
         # The broker first: a wrong address or password is said before minutes of data loading.
@@ -120,13 +130,17 @@ def run_deployment(
             children = spawn_local_clients(local_clients, url, cfg, Path(tmp.name), client_threads)
         devices = pool.wait_for_devices(max(cfg.deploy.min_devices, local_clients),
                                         cfg.deploy.wait_devices_s)
-        announce(f"run {run_id}: {len(devices)} devices ({', '.join(devices)})")
-        pool.begin(devices, get_blocks(model, model.spec.blocks))
-        run_dir = RunDir(out, cfg) if out is not None else None
-        return Coordinator(cfg, alg, model, data, pool, run_dir, on_round).run()
+        announce(f"run {run_id}: {len(devices)} devices ({', '.join(devices)})"
+                 + (f", resumed at round {ckpt.next_round}" if ckpt else ""))
+        if pool_state:
+            pool.restore(pool_state)
+        pool.begin(devices, ckpt.global_weights if ckpt else get_blocks(model, model.spec.blocks))
+        if out is not None:
+            run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0,
+                             {**(info or {}), "run_id": run_id})
+        with recorded(run_dir):
+            return Coordinator(cfg, alg, model, data, pool, run_dir, on_round).run(ckpt)
     finally:
-        if run_dir is not None:
-            run_dir.close()
         if pool is not None:
             pool.finish()
         stop_children(children)

@@ -42,6 +42,9 @@ from fedseq.server.pool import UpdateCheck
 log = logging.getLogger(__name__)
 
 
+RESUME_SEQ_GAP = 1000
+
+
 def _same_device(claimed: str, topic_device: str) -> None:
     if claimed != topic_device:
         raise ProtocolError(f"body names device {claimed!r} but was sent on {topic_device!r}'s topic")
@@ -158,9 +161,23 @@ class MqttPool:
         self._drain(0.01)
         return sorted(self.online)
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "seq": self.seq, "assignment": self.assignment,
+                "published": {b: list(v) for b, v in self.published.items()}}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """A resumed run: same block versions and assignment as before. Step numbers jump 1000
+        past the checkpoint's: the crashed coordinator may have published a step or two after its
+        last checkpoint, and devices skip a step number they have already executed."""
+        self.seq = int(state["seq"]) + RESUME_SEQ_GAP
+        self.assignment = {d: list(cs) for d, cs in state["assignment"].items()}
+        self.published = {b: (int(v[0]), str(v[1])) for b, v in state["published"].items()}
+
     def begin(self, devices: list[str], weights: Weights) -> None:
-        """Publish the run config, the assignment and version 0 of every block."""
-        self.assignment = assign_clients(devices, self.cfg.data.num_clients)
+        """Publish the run config, the assignment and the current version of every block."""
+        resumed = bool(self.assignment)
+        if not resumed:
+            self.assignment = assign_clients(devices, self.cfg.data.num_clients)
         self.owner = {c: d for d, cs in self.assignment.items() for c in cs}
         # An update frame holds at most every shared block's deltas; one device has at most
         # (its clients + 1) frames in flight. Bound: that many bytes per assigned device.
@@ -173,7 +190,7 @@ class MqttPool:
         for d, clients in self.assignment.items():
             self._retain(self.topics.assignment(d),
                          Assignment(run_id=self.run_id, device=d, clients=clients).encode())
-        self._sync(weights)
+        self._sync(weights, force=resumed)
         log.info("run %s: %d devices, assignment %s", self.run_id, len(devices), self.assignment)
 
     def finish(self, reason: str = "run finished") -> None:
@@ -272,15 +289,16 @@ class MqttPool:
             except queue.Empty:
                 return out
 
-    def _sync(self, weights: Weights) -> dict[str, int]:
-        """Publish the blocks whose content changed; return {block: version} for all of them."""
+    def _sync(self, weights: Weights, force: bool = False) -> dict[str, int]:
+        """Publish the blocks whose content changed (all of them with force, same versions where
+        unchanged); return {block: version} for all of them."""
         versions = {}
         for block in dict.fromkeys(block_of(k) for k in weights):
             frame = encode_tensors({k: v for k, v in weights.items() if block_of(k) == block})
             digest = hashlib.sha256(frame).hexdigest()
             old = self.published.get(block)
-            if old is None or old[1] != digest:
-                version = 0 if old is None else old[0] + 1
+            if old is None or old[1] != digest or force:
+                version = 0 if old is None else old[0] + (old[1] != digest)
                 with self._state_lock:
                     self._weight_frames[block] = (version, frame)
                 self._publish_block(block, version, frame)

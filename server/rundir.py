@@ -5,20 +5,51 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from fedseq.common.config import ExperimentConfig, dump_config
+from fedseq.common.errors import ConfigError
 from fedseq.common.models import Weights
 from fedseq.common.protocol.tensors import encode_tensors
 
 
 class RunDir:
-    def __init__(self, path: Path, cfg: ExperimentConfig):
+    """`mode`: "new" refuses a non-empty folder (nothing is ever silently overwritten),
+    "overwrite" replaces a previous run's files, "resume" keeps its rows before `resume_round`."""
+
+    def __init__(self, path: Path, cfg: ExperimentConfig, mode: str = "new",
+                 resume_round: int = 0, info: dict[str, Any] | None = None):
         self.path = Path(path)
+        if mode == "new" and self.path.exists() and any(self.path.iterdir()):
+            raise ConfigError(f"--out {self.path} exists and is not empty: pass --resume {self.path} "
+                              "to continue that run, or --overwrite to replace it")
         self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / "config.toml").write_text(dump_config(cfg))
-        self._metrics = (self.path / "metrics.jsonl").open("w")
+        self.info = dict(info or {})
+        metrics = self.path / "metrics.jsonl"
+        if mode == "resume":
+            kept = [ln for ln in (metrics.read_text().splitlines() if metrics.exists() else [])
+                    if ln.strip() and json.loads(ln).get("phase") == "train"
+                    and json.loads(ln)["round"] < resume_round]
+            metrics.write_text("".join(ln + "\n" for ln in kept))
+            self._metrics = metrics.open("a")
+        else:
+            for name in ("checkpoint.safetensors", "clients.csv", "model.safetensors"):
+                (self.path / name).unlink(missing_ok=True)
+            (self.path / "config.toml").write_text(dump_config(cfg))
+            self._metrics = metrics.open("w")
+        self.set_status("running")
+
+    def set_status(self, state: str, reason: str = "") -> None:
+        """status.json: running, finished, interrupted or failed (with the reason)."""
+        body = {"state": state, "reason": reason, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **self.info}
+        tmp = self.path / "status.json.tmp"
+        tmp.write_text(json.dumps(body, indent=1) + "\n")
+        tmp.replace(self.path / "status.json")
 
     def log_round(self, row: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
@@ -36,3 +67,25 @@ class RunDir:
 
     def close(self) -> None:
         self._metrics.close()
+
+
+@contextmanager
+def recorded(run_dir: RunDir | None) -> Iterator[None]:
+    """Close the run directory with its final state: finished, interrupted (Ctrl-C, SIGTERM) or
+    failed (with the one-line reason)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        if run_dir is not None:
+            run_dir.set_status("interrupted", "stopped by the operator; continue with --resume")
+        raise
+    except BaseException as exc:
+        if run_dir is not None:
+            run_dir.set_status("failed", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        raise
+    else:
+        if run_dir is not None:
+            run_dir.set_status("finished")
+    finally:
+        if run_dir is not None:
+            run_dir.close()

@@ -11,26 +11,30 @@ import torch
 from fedseq.common.algorithms import algorithm_class, make_algorithm
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import load_federated
+from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.pool import InProcessPool, make_model
-from fedseq.server.rundir import RunDir
+from fedseq.server.rundir import RunDir, recorded
 
 
 def run_simulation(
     cfg: ExperimentConfig,
     out: Path | None,
     on_round: Callable[[dict[str, Any]], None] | None = None,
+    mode: str = "new",
+    info: dict[str, Any] | None = None,
 ) -> RunResult:
-    """Load data, build the seed-derived model, run all rounds (and fine-tuning) in-process."""
+    """Load data, build the seed-derived model, run all rounds (and fine-tuning) in-process.
+    mode "resume" continues `out` after its checkpoint's last complete round."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     data = load_federated(cfg.data, cfg.seed)
     model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads, cfg.seed)
     alg = make_algorithm(cfg, model.spec)
     pool = InProcessPool(data, model, alg.personal_blocks(), cfg.seed, cfg.train.eval_batch_size)
-    run_dir = RunDir(out, cfg) if out is not None else None
-    try:
-        return Coordinator(cfg, alg, model, data, pool, run_dir, on_round).run()
-    finally:
-        if run_dir is not None:
-            run_dir.close()
+    run_dir = None
+    if out is not None:
+        run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0, info)
+    with recorded(run_dir):
+        return Coordinator(cfg, alg, model, data, pool, run_dir, on_round).run(ckpt)

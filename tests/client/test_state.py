@@ -17,3 +17,13 @@ def test_personal_blocks_survive_a_new_store(tmp_path):
 def test_unsafe_run_id_rejected(tmp_path):
     with pytest.raises(ProtocolError):
         StateStore(tmp_path).save("../../etc", 1, {"x": torch.ones(1)})
+
+
+def test_a_round_run_again_starts_from_the_state_before_it(tmp_path):
+    st = StateStore(tmp_path)
+    for r in range(4):
+        st.save("run-1", 3, {"h": torch.full((2,), float(r))}, round=r)
+    assert float(st.load("run-1", 3)["h"][0]) == 3.0
+    assert float(st.load("run-1", 3, before=3)["h"][0]) == 2.0
+    assert st.load("run-1", 3, before=2) is None  # only the two newest rounds are kept
+    assert len(list((tmp_path / "run-1").iterdir())) == 2

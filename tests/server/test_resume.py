@@ -1,0 +1,127 @@
+"""Checkpoint and resume: an interrupted run continued with --resume ends bitwise where an
+uninterrupted one does, in simulation and in deployment (the coordinator SIGKILLed)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import device_process, quick_config
+from fedseq.common.protocol.tensors import decode_tensors
+from fedseq.server.deployment import stop_children
+from fedseq.server.simulation import run_simulation
+
+
+def _rows(run):
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _status(run):
+    return json.loads((run / "status.json").read_text())["state"]
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "fedper"])
+def test_simulation_resume_is_bitwise(data_root, tmp_path, algorithm):
+    cfg = quick_config(data_root, f"algorithm.name={algorithm}", "rounds=3", "train.join_ratio=0.6")
+    full = run_simulation(cfg, tmp_path / "full")
+
+    def stop_after_round_1(row):
+        if row["round"] == 1:
+            raise KeyboardInterrupt
+
+    part = tmp_path / "part"
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(cfg, part, stop_after_round_1)
+    assert _status(part) == "interrupted" and not (part / "model.safetensors").exists()
+    resumed = run_simulation(cfg, part, mode="resume")
+    for k, v in full.global_weights.items():
+        assert torch.equal(resumed.global_weights[k], v), k
+    a, b = _rows(tmp_path / "full"), _rows(part)
+    assert [r["round"] for r in b] == [0, 1, 2]
+    assert [(r["global_acc"], r["personal_acc"]) for r in a] == [
+        (r["global_acc"], r["personal_acc"]) for r in b]
+    assert _status(part) == "finished" and _status(tmp_path / "full") == "finished"
+
+
+def test_existing_out_is_refused_without_resume_or_overwrite(data_root, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("precious\n")
+    base = ["fedseq-sim", "-q", "--set", f"data.root={str(data_root)!r}", "--set",
+            "data.fraction=0.03", "--set", "data.num_clients=4", "--set", "rounds=1",
+            "--set", "train.local_epochs=1"]
+    r = subprocess.run(base + ["--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--resume" in r.stderr and "--overwrite" in r.stderr
+    assert (out / "metrics.jsonl").read_text() == "precious\n"
+    r = subprocess.run(base + ["--out", str(out), "--overwrite"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert _status(out) == "finished" and _rows(out)[0]["round"] == 0
+    r = subprocess.run(["fedseq-sim", "--resume", str(tmp_path / "nothing")], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2 and "config.toml" in r.stderr
+
+
+def test_deployment_resume_after_sigkill_is_bitwise(data_root, tmp_path, mosquitto, one_thread):
+    """fedseq-server is SIGKILLed once round 1 is recorded; the same command with --resume ends
+    with the uninterrupted simulation's weights, and the devices (kept up) reuse their personal
+    heads under the same run id."""
+    port, home, _ = mosquitto
+    devices = [device_process(n, port, home, data_root) for n in ("local01", "local02")]
+    out = tmp_path / "run"
+    cred = ["--set", "deploy.username=coordinator",
+            "--set", f"deploy.password_file={str(home / 'coordinator.pw')!r}"]
+    over = ["algorithm.name=fedper", "rounds=4", "train.join_ratio=0.6", "deploy.min_devices=2",
+            "deploy.round_timeout_s=120", "deploy.eval_timeout_s=120"]
+    cfg = quick_config(data_root, *over)
+    quick = ["data.root", "data.dataset", "data.fraction", "data.num_clients", "data.alpha",
+             "data.min_samples", "train.local_epochs", "train.batch_size", "algorithm.finetune_epochs"]
+    sets = []
+    for key in quick:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        sets += ["--set", f"{key}={str(value)!r}" if isinstance(value, str) or key == "data.root"
+                 else f"{key}={value}"]
+    for o in over:
+        sets += ["--set", o]
+    url = f"mqtt://127.0.0.1:{port}"
+    try:
+        server = subprocess.Popen(["fedseq-server", "start", "-q", "--broker", url, "--out",
+                                   str(out), *sets, *cred])
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and server.poll() is None:
+            if (out / "metrics.jsonl").exists() and len(_rows(out)) >= 2:
+                break
+            time.sleep(0.2)
+        server.send_signal(signal.SIGKILL)
+        server.wait(30)
+        assert len(_rows(out)) in (2, 3), "the coordinator was not killed mid-run"
+        assert _status(out) == "running"  # what a crash leaves behind
+        r = subprocess.run(["fedseq-server", "start", "-q", "--broker", url, "--resume", str(out)],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        stop_children(devices)
+    rows = _rows(out)
+    assert [x["round"] for x in rows] == [0, 1, 2, 3]
+    assert all(x["reported"] == x["clients"] for x in rows)
+    assert _status(out) == "finished"
+    sim = run_simulation(cfg, None)
+    saved = decode_tensors((out / "model.safetensors").read_bytes())
+    for k, v in sim.global_weights.items():
+        assert torch.equal(saved[k], v), k
+    run_id = json.loads((out / "status.json").read_text())["run_id"]
+    assert (home / "state" / "local01" / run_id).is_dir()  # personal heads, same run id
+
+
+def test_sim_cli_resume_flags_conflict(tmp_path):
+    r = subprocess.run([sys.executable, "-c", "from fedseq.server.cli import sim_main; sim_main()",
+                        "--resume", str(tmp_path), "--out", str(tmp_path / "x")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--resume RUN_DIR takes" in r.stderr
