@@ -9,9 +9,11 @@ restart the daemon resynchronizes by itself and carries on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from fedseq.common.protocol.messages import (
     DeviceStatus,
     EvalResult,
     RunConfig,
+    ServerStatus,
     Step,
     UpdateHeader,
     WeightsHeader,
@@ -103,17 +106,23 @@ class DeviceDaemon:
         self.step: Step | None = None
         self.next_step: Step | None = None  # a step of a run whose config has not arrived yet
         self.last_error: tuple[str | None, int | None, str] = (None, None, "")
+        # What this device sent for the current step, sent again whenever it or the coordinator
+        # reconnects: a message published while the other side was away is otherwise lost, and
+        # the round would wait for its deadline. Duplicates are harmless (the coordinator keeps
+        # the first valid update per client).
+        self.outbox: dict[str, tuple[int, Callable[[], None]]] = {}
         self.assignment: Assignment | None = None  # the latest, applied once its run is known
         # run_id -> block -> (version, tensors); chunks being reassembled
         self.blocks: dict[str, dict[str, tuple[int, Weights]]] = {}
         offline = DeviceStatus(device=device, state="offline").encode()
         self.link = Link(
             f"fedseq-device-{device}", broker,
-            [t.run_config, t.assignment(device), t.step, t.weights(), t.control],
+            [t.run_config, t.assignment(device), t.step, t.weights(), t.control, t.server_status],
             self._on_message, will=(t.device_status(device), offline),
             username=username, password=password, tls=tls,
         )
         self.link.on_connect(self._announce)
+        self.link.on_connect(lambda: self._resend("reconnected"))
         self.worker = threading.Thread(target=self._work, name="fedseq-worker", daemon=True)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -162,6 +171,10 @@ class DeviceDaemon:
                 self._on_weights_chunk(payload)
             elif topic == t.control:
                 self._on_control(Control.decode(payload))
+            elif topic == t.server_status:
+                status = ServerStatus.decode(payload)
+                if status.state == "online" and self.run is not None and status.run_id == self.run.run_id:
+                    self._resend("coordinator (re)connected")
         except FedseqError as exc:
             log.warning("dropped message on %s: %s", topic, exc)
 
@@ -313,7 +326,6 @@ class DeviceDaemon:
             return
         plan = plan_from_dict(step.plan) if step.plan else None
         shared = self._global(run, list(step.versions))
-        t = self.topics
         if step.kind == "train":
             assert plan is not None
             for c in mine:
@@ -331,8 +343,7 @@ class DeviceDaemon:
                             device=self.device, num_samples=update.num_samples,
                             effective_samples=update.effective_samples,
                             train_flops=update.train_flops, train_seconds=update.train_seconds)
-                self.link.publish_frame(lambda i, c=c: t.update(self.device, c, i),
-                                        lambda m=meta, **kw: UpdateHeader(**m, **kw), frame)
+                self._send(f"update/{c}", step.seq, functools.partial(self._publish_update, c, meta, frame))
         elif step.kind == "evaluate":
             alg_personal = self._personal_names(run)
             personal = {c: self._personal(run, c, alg_personal) for c in mine}
@@ -361,4 +372,25 @@ class DeviceDaemon:
 
     def _send_eval(self, run: RunState, step: Step, results: dict[int, tuple[int, int]]) -> None:
         msg = EvalResult(run_id=run.run_id, seq=step.seq, device=self.device, results=results)
-        self.link.publish(self.topics.evaluation(self.device), msg)
+        self._send("eval", step.seq, lambda: self.link.publish(self.topics.evaluation(self.device), msg))
+
+    def _publish_update(self, client: int, meta: dict, frame: bytes) -> None:
+        self.link.publish_frame(lambda i: self.topics.update(self.device, client, i),
+                                lambda **kw: UpdateHeader(**meta, **kw), frame)
+
+    def _send(self, key: str, seq: int, publish: Callable[[], None]) -> None:
+        with self.cond:
+            for k, (s, _) in list(self.outbox.items()):
+                if s != seq:
+                    del self.outbox[k]  # an older step's: the coordinator has moved on
+            self.outbox[key] = (seq, publish)
+        publish()
+
+    def _resend(self, why: str) -> None:
+        with self.cond:
+            step = self.step
+            pending = [p for s, p in self.outbox.values() if step is not None and s == step.seq]
+        if pending:
+            log.info("%s: sending the current step's %d results again", why, len(pending))
+        for publish in pending:
+            publish()

@@ -192,3 +192,46 @@ def test_device_without_its_dataset_is_known_at_once(data_root, tmp_path):
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("error: no device can train: dev01:") and "data.root" in last, last
     assert "Traceback" not in r.stderr
+
+
+def test_broker_killed_while_devices_train(data_root, tmp_path, mosquitto):
+    """Mosquitto killed -9 (losing everything) right after round 1's step: the updates finished
+    while the coordinator was away are sent again when it is back, so the round completes in
+    seconds, not at its 120 s deadline."""
+    import threading
+
+    import paho.mqtt.client as mqtt
+
+    from fedseq.common.protocol.messages import Step
+
+    port, home, restart_broker = mosquitto
+    devices = [_device(n, port, home, data_root) for n in ("local01", "local02")]
+    killed = []
+
+    def on_step(client, userdata, msg):
+        if msg.payload and not killed:
+            step = Step.decode(msg.payload)
+            if step.kind == "train" and step.round == 1:
+                killed.append(True)
+                threading.Thread(target=restart_broker, args=(True,)).start()
+
+    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
+    watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
+    watcher.on_message = on_step
+    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe("fedseq/step", qos=1)
+    watcher.connect("127.0.0.1", port)
+    watcher.loop_start()
+    try:
+        cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.join_ratio=1.0",
+                           "deploy.min_devices=2", "deploy.round_timeout_s=120",
+                           "deploy.eval_timeout_s=120", "deploy.username=coordinator",
+                           f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+        res = run_deployment(cfg, None, broker=f"mqtt://127.0.0.1:{port}", announce=_quiet)
+    finally:
+        watcher.loop_stop()
+        stop_children(devices)
+    assert killed
+    r1 = res.rows[1]
+    assert r1["reported"] == r1["clients"], r1
+    assert r1["seconds"] < 60, r1["seconds"]
+    assert all(r["reported"] == r["clients"] for r in res.rows)
