@@ -15,24 +15,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="fedseq-client",
         description="fedseq device daemon; `fedseq-client doctor [...]` checks this device instead. "
                     "Settings: --config FILE < FEDSEQ_<NAME> environment variables < flags.")
-    p.add_argument("command", nargs="?", choices=["run", "doctor"], default="run")
+    from fedseq.common import __version__
+
+    p.add_argument("--version", action="version", version=__version__)
+    p.add_argument("command", nargs="?", choices=["run", "doctor"], default="run",
+                   help="run the daemon (default) or check this device")
     p.add_argument("--config", type=Path, default=None, help="TOML settings, e.g. /etc/fedseq/client.toml")
     p.add_argument("--device", help="this device's name, e.g. jetson01")
     p.add_argument("--broker", help="mqtt://HOST:PORT (default mqtt://127.0.0.1:1883)")
     p.add_argument("--data-dir", type=Path,
                    help="folder holding MNIST/raw, FashionMNIST/raw, ... (default: the run's data.root)")
     p.add_argument("--state-dir", type=Path, help="where personal blocks are kept across restarts")
-    p.add_argument("--torch-device", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--topic-root")
+    p.add_argument("--torch-device", choices=["auto", "cpu", "cuda"],
+                   help="where to train (default auto: CUDA when available)")
+    p.add_argument("--topic-root", help="MQTT topic root (default fedseq)")
     p.add_argument("--threads", type=int, help="torch CPU threads")
-    p.add_argument("--username")
+    p.add_argument("--username", help="broker login (default: none; usually the device name)")
     p.add_argument("--password-file", type=Path, help="file holding the broker password")
     p.add_argument("--ca-file", type=Path, help="mqtts://: PEM file of the CA that signed the broker")
     p.add_argument("--cert-file", type=Path, help="mutual TLS: this device's PEM certificate")
     p.add_argument("--key-file", type=Path, help="mutual TLS: the certificate's PEM key")
     p.add_argument("--no-verify-hostname", dest="verify_hostname", action="store_false",
                    default=None, help="accept a broker certificate that does not name its host")
-    p.add_argument("--log-level")
+    p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
     return p.parse_args(argv)
 
 

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,7 @@ class DeviceDaemon:
         self.step: Step | None = None
         self.next_step: Step | None = None  # a step of a run whose config has not arrived yet
         self.last_error: tuple[str | None, int | None, str] = (None, None, "")
+        self._online_since = 0.0
         # What this device sent for the current step, sent again whenever it or the coordinator
         # reconnects: a message published while the other side was away is otherwise lost, and
         # the round would wait for its deadline. Duplicates are harmless (the coordinator keeps
@@ -121,7 +123,7 @@ class DeviceDaemon:
             self._on_message, will=(t.device_status(device), offline),
             username=username, password=password, tls=tls,
         )
-        self.link.on_connect(self._announce)
+        self.link.on_connect(self._connected)
         self.link.on_connect(lambda: self._resend("reconnected"))
         self.worker = threading.Thread(target=self._work, name="fedseq-worker", daemon=True)
 
@@ -145,6 +147,10 @@ class DeviceDaemon:
                               wait=True)
         self.link.stop()
 
+    def _connected(self) -> None:
+        self._online_since = time.time()
+        self._announce()
+
     def _announce(self) -> None:
         mem = 0
         with contextlib.suppress(ValueError, OSError):
@@ -152,7 +158,7 @@ class DeviceDaemon:
         run_id, seq, error = self.last_error
         status = DeviceStatus(device=self.device, state="online", package_version=__version__,
                               torch_device=str(self.torch_device), memory_mb=mem, error=error,
-                              error_seq=seq, error_run_id=run_id)
+                              error_seq=seq, error_run_id=run_id, since=self._online_since)
         self.link.publish(self.topics.device_status(self.device), status, retain=True)
 
     # -- network thread --------------------------------------------------------------------

@@ -80,6 +80,7 @@ def sim(
     resume: ResumeOpt = None,
     overwrite: OverwriteOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
+    version: VersionOpt = False,
 ) -> None:
     """Run a federated experiment in one process and write a run directory."""
     from fedseq.server.simulation import run_simulation
@@ -202,6 +203,64 @@ def passwd(
     except OSError as exc:
         _fail(ValueError(f"{exc.filename}: {exc.strerror}"))
     print(f"{user} written to {file}", file=sys.stderr)
+
+
+@server_app.command()
+def status(
+    broker: Annotated[str | None, typer.Option(
+        help="mqtt://HOST:PORT or mqtts://HOST:PORT (default: deploy.broker of --config)")] = None,
+    config: ConfigOpt = None,
+    username: Annotated[str | None, typer.Option(help="broker login (deploy.username)")] = None,
+    password_file: Annotated[Path | None, typer.Option(
+        help="file holding the broker password (deploy.password_file)")] = None,
+    ca_file: Annotated[Path | None, typer.Option(
+        help="mqtts://: PEM file of the CA that signed the broker (deploy.ca_file)")] = None,
+    cert_file: Annotated[Path | None, typer.Option(
+        help="mutual TLS: this side's PEM certificate (deploy.cert_file)")] = None,
+    key_file: Annotated[Path | None, typer.Option(
+        help="mutual TLS: the certificate's PEM key (deploy.key_file)")] = None,
+    no_verify_hostname: Annotated[bool, typer.Option(
+        "--no-verify-hostname", help="accept a broker certificate that does not name its host")] = False,
+    wait: Annotated[float, typer.Option(help="seconds to collect the broker's retained state")] = 2.0,
+) -> None:
+    """Show the fleet as the broker knows it: coordinator, run, current step and every device
+    (online or offline, since when, versions, torch device, memory, last error)."""
+    from fedseq.common.protocol.link import TlsOptions
+    from fedseq.server.deployment import read_password
+    from fedseq.server.status import format_fleet, read_fleet
+
+    cfg, _, _, _ = _start(config, None, Path("unused"))
+    d = cfg.deploy
+    url = broker or d.broker
+    if url is None:
+        _fail(ValueError("no broker: pass --broker mqtt://HOST:PORT or a --config with deploy.broker"))
+    try:
+        tls = TlsOptions(ca_file or d.ca_file, cert_file or d.cert_file, key_file or d.key_file,
+                         d.tls_verify_hostname and not no_verify_hostname)
+        view = read_fleet(url, d.topic_root, username or d.username,
+                          read_password(password_file or d.password_file), tls, wait)
+    except FedseqError as exc:
+        _fail(exc)
+    for line in format_fleet(view, url):
+        print(line)
+
+
+def _version_flag(value: bool) -> None:
+    if value:
+        from fedseq.common import __version__
+
+        print(__version__)
+        raise typer.Exit()
+
+
+VersionOpt = Annotated[bool, typer.Option("--version", callback=_version_flag, is_eager=True,
+                                          help="Print the package version and exit.")]
+
+
+@server_app.callback()
+def _server_options(version: VersionOpt = False) -> None:
+    """fedseq coordinator: start a run on a device fleet, see the fleet, manage embedded-broker
+    accounts."""
 
 
 @server_app.command()

@@ -49,6 +49,7 @@ class DeviceStatus(Message):
     error: str = Field("", max_length=2000)
     error_seq: int | None = None
     error_run_id: str | None = None
+    since: float = 0.0  # Unix time this state began (online: when the daemon connected)
 
 
 class RunConfig(Message):

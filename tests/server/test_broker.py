@@ -71,3 +71,45 @@ def test_daemon_with_a_wrong_password_exits_with_one_line(tmp_path):
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and "refused user 'dev01'" in errors[0], res.stderr
     assert "Traceback" not in res.stderr and "lost broker" not in res.stderr
+
+
+def test_status_command_shows_the_fleet(tmp_path):
+    import paho.mqtt.client as mqtt
+
+    from fedseq.client.daemon import DeviceDaemon
+    from fedseq.common.protocol.messages import DeviceStatus
+
+    broker = EmbeddedBroker("127.0.0.1", 0)
+    broker.start()
+    daemon = DeviceDaemon("dev01", broker.url, None, tmp_path, "cpu")
+    try:
+        daemon.start(attempts=3)
+        pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="dev02")
+        pub.connect("127.0.0.1", broker.port)
+        pub.loop_start()
+        failed = DeviceStatus(device="dev02", state="offline", error="dataset file missing",
+                              error_seq=4, error_run_id="r1")
+        pub.publish("fedseq/device/dev02/status", failed.encode(), qos=1, retain=True).wait_for_publish(10)
+        pub.loop_stop()
+        r = subprocess.run([sys.executable, "-c", SERVER, "status", "--broker", broker.url,
+                            "--wait", "1.5"], capture_output=True, text=True, timeout=120)
+    finally:
+        daemon.stop()
+        broker.stop()
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "coordinator never seen" in out and "1 of 2 devices online" in out, out
+    dev01 = next(ln for ln in out.splitlines() if ln.startswith("dev01"))
+    assert "online" in dev01 and "0.1.0" in dev01 and "v1" in dev01 and "cpu" in dev01
+    dev02 = next(ln for ln in out.splitlines() if ln.startswith("dev02"))
+    assert "offline" in dev02 and "step 4: dataset file missing" in dev02
+
+
+def test_version_flags():
+    from fedseq.common import __version__
+
+    for cmd in (["-c", SERVER, "--version"],
+                ["-c", "from fedseq.server.cli import sim_main; sim_main()", "--version"],
+                ["-m", "fedseq.client.cli", "--version"]):
+        r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and r.stdout.strip() == __version__, (cmd, r.stdout, r.stderr)

@@ -1,0 +1,102 @@
+"""fedseq-server status: what the broker knows about the coordinator, the run and every device.
+
+Everything shown is retained on the broker (server status, run config, current step, each
+device's status with its last reported error), so it works before a run, during one and after.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from fedseq.common.errors import ProtocolError
+from fedseq.common.protocol.link import Link, TlsOptions
+from fedseq.common.protocol.messages import DeviceStatus, RunConfig, ServerStatus, Step
+from fedseq.common.protocol.topics import Topics
+
+
+@dataclass
+class FleetView:
+    server: ServerStatus | None = None
+    run: RunConfig | None = None
+    step: Step | None = None
+    devices: dict[str, DeviceStatus] = field(default_factory=dict)
+    invalid: list[str] = field(default_factory=list)
+
+
+def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None,
+               password: str | None = None, tls: TlsOptions | None = None,
+               wait: float = 2.0) -> FleetView:
+    """Subscribe, collect the retained messages for `wait` seconds, disconnect."""
+    t = Topics(topic_root)
+    view = FleetView()
+    lock = threading.Lock()
+
+    def on_message(topic: str, payload: bytes) -> None:
+        if not payload:
+            return
+        try:
+            with lock:
+                if topic == t.server_status:
+                    view.server = ServerStatus.decode(payload)
+                elif topic == t.run_config:
+                    view.run = RunConfig.decode(payload)
+                elif topic == t.step:
+                    view.step = Step.decode(payload)
+                else:
+                    status = DeviceStatus.decode(payload)
+                    if topic == t.device_status(status.device):
+                        view.devices[status.device] = status
+        except ProtocolError as exc:
+            view.invalid.append(f"{topic}: {exc}")
+
+    link = Link(f"fedseq-status-{time.monotonic_ns()}", url,
+                [t.server_status, t.run_config, t.step, t.device_status()], on_message,
+                username=username, password=password, tls=tls)
+    link.start(attempts=1)
+    try:
+        time.sleep(wait)
+    finally:
+        link.stop()
+    return view
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+def format_fleet(view: FleetView, url: str) -> list[str]:
+    """The lines `fedseq-server status` prints."""
+    s = view.server
+    lines = [f"broker {url}: coordinator {s.state if s else 'never seen'}"
+             + (f", run {s.run_id}" if s and s.run_id else "")]
+    if view.run is not None:
+        c = view.run.config
+        lines.append(f"run {view.run.run_id}: {c.get('algorithm', {}).get('name')} on "
+                     f"{c.get('data', {}).get('dataset')}, {c.get('rounds')} rounds")
+    if view.step is not None:
+        st = view.step
+        where = f", round {st.round}" if st.kind == "train" else ""
+        lines.append(f"current step {st.seq}: {st.kind}{where}"
+                     + (f", {len(st.clients)} clients" if st.clients else ""))
+    if not view.devices:
+        lines.append("no device has ever connected to this broker under this topic root")
+    header = ("device", "state", "since", "version", "protocol", "torch", "memory", "last error")
+    rows = [header]
+    for name, d in sorted(view.devices.items()):
+        error = "-"
+        if d.error:
+            error = d.error if len(d.error) <= 80 else d.error[:77] + "..."
+            error = f"step {d.error_seq}: {error}"
+        rows.append((name, d.state, _when(d.since) if d.state == "online" else "-",
+                     d.package_version or "-", f"v{d.v}", d.torch_device,
+                     f"{d.memory_mb} MB" if d.memory_mb else "-", error))
+    if view.devices:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+        for r in rows:
+            lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[-1])
+        online = sum(d.state == "online" for d in view.devices.values())
+        lines.append(f"{online} of {len(view.devices)} devices online")
+    lines += [f"invalid retained message on {m}" for m in view.invalid]
+    return lines
