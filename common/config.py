@@ -90,7 +90,13 @@ class DeployConfig(_Section):
     topic_root: str = Field("fedseq", pattern=r"^[A-Za-z0-9_\-]+$")
     min_devices: int = Field(1, ge=1)
     wait_devices_s: float = Field(300, gt=0)
-    round_timeout_s: float = Field(600, gt=0)
+    # Round deadline: fixed when set; else factor x the slowest device's recent pace (seconds
+    # per client x its clients this round), within [min, max]; max until every device was measured.
+    round_timeout_s: float | None = Field(None, gt=0)
+    round_timeout_factor: float = Field(3.0, gt=1)
+    round_timeout_min_s: float = Field(60, gt=0)
+    round_timeout_max_s: float = Field(1800, gt=0)
+    finetune_timeout_s: float = Field(3600, gt=0)  # every client fine-tunes: its own deadline
     min_updates: int = Field(1, ge=1)
     eval_timeout_s: float = Field(600, gt=0)
     username: str | None = None  # the coordinator's broker account (Mosquitto with a password file)

@@ -164,6 +164,11 @@ class Coordinator:
         }
         if self.alg.global_model_note:
             row["global_model"] = self.alg.global_model_note
+        info = getattr(self.pool, "round_info", None)
+        if info:  # the MQTT pool's record: deadline, who reported, device failures, quorum
+            row.update(info)
+            if "quorum_failed" in info:
+                row["status"] = "failed"
         self._last_report = report
         return row
 

@@ -76,7 +76,10 @@ class MqttPool:
         self.owner: dict[int, str] = {}
         self.published: dict[str, tuple[int, str]] = {}
         self.failures: dict[str, str] = {}  # device -> the last reason it gave for a failed step
+        self.pace: dict[str, float] = {}  # device -> seconds per client in its last full round
+        self.round_info: dict[str, Any] = {}  # what the coordinator adds to the round's row
         self.seq = 0
+        self.late = 0
         self.train_seq = -1  # the step whose updates are being collected; others are late
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized in begin()
         self._down = self._up = 0
@@ -250,6 +253,7 @@ class MqttPool:
             raise ProtocolError(f"client {head.client} is not assigned to {device}")
         if head.seq != self.train_seq:
             if head.chunk == 0:
+                self.late += 1
                 log.warning("late update of client %d from %s dropped: step %d, collecting step %d",
                             head.client, device, head.seq, self.train_seq)
             return
@@ -332,7 +336,12 @@ class MqttPool:
         owing = {c for c in clients if self.owner.get(c) in self.online}
         got: dict[int, ClientUpdate] = {}
         failed_devices: dict[str, str] = {}
-        deadline = time.monotonic() + self.cfg.deploy.round_timeout_s
+        reporters: dict[int, str] = {}
+        late_before = self.late
+        timeout = self.round_deadline(clients)
+        started = time.monotonic()
+        deadline = started + timeout
+        last_arrival: dict[str, float] = {}
         while owing and time.monotonic() < deadline:
             for kind, ev in self._drain(min(1.0, deadline - time.monotonic())):
                 if kind == "offline":
@@ -360,9 +369,21 @@ class MqttPool:
                                  update.client, device)
                         continue
                     got[update.client] = update
+                    reporters[update.client] = device
+                    last_arrival[device] = time.monotonic()
                     owing.discard(update.client)
         self.train_seq = -1
         self.frames.expire(lambda sender, tag: False)
+        for device, at in last_arrival.items():
+            mine = [c for c in clients if self.owner.get(c) == device]
+            if all(c in got for c in mine):
+                self.pace[device] = (at - started) / len(mine)
+        self.round_info = {
+            "deadline_s": float(f"{timeout:.1f}"),
+            "reporters": {str(c): d for c, d in sorted(reporters.items())},
+            "device_failures": failed_devices,
+            "late_updates": self.late - late_before,
+        }
         if owing:
             log.warning("round %d: no update from clients %s before the deadline", round, sorted(owing))
         owners = {self.owner.get(c) for c in clients}
@@ -371,11 +392,28 @@ class MqttPool:
                 f"{d}: {r}" for d, r in sorted(failed_devices.items())) + " (fix it on the devices, "
                 "check with fedseq-client doctor, then start the run again)")
         if len(got) < self.cfg.deploy.min_updates:
-            log.warning("round %d failed: %d updates < deploy.min_updates=%d", round, len(got),
-                        self.cfg.deploy.min_updates)
+            reason = f"{len(got)} valid updates < deploy.min_updates={self.cfg.deploy.min_updates}"
+            log.warning("round %d failed: %s", round, reason)
+            self.round_info.update(quorum_failed=reason, received=sorted(got))
             return
         for c in sorted(got):  # a fixed order makes aggregation independent of arrival order
             yield got[c]
+
+    def round_deadline(self, clients: list[int]) -> float:
+        """deploy.round_timeout_s if set, else factor x the slowest device's recent pace times
+        its clients this round, clamped to [min, max] (max while a device is unmeasured)."""
+        d = self.cfg.deploy
+        if d.round_timeout_s is not None:
+            return d.round_timeout_s
+        load: dict[str, int] = {}
+        for c in clients:
+            owner = self.owner.get(c)
+            if owner is not None:
+                load[owner] = load.get(owner, 0) + 1
+        if not load or any(dev not in self.pace for dev in load):
+            return d.round_timeout_max_s
+        slowest = max(self.pace[dev] * n for dev, n in load.items())
+        return min(max(d.round_timeout_factor * slowest, d.round_timeout_min_s), d.round_timeout_max_s)
 
     def _collect_evals(self, step: Step, timeout: float) -> dict[int, tuple[int, int]]:
         owing = {d for d, cs in self.assignment.items() if cs and d in self.online}
@@ -425,5 +463,5 @@ class MqttPool:
         versions = self._sync(weights)
         step = self._publish_step(kind="finetune", plan=plan_to_dict(plan), versions=versions,
                                   eval_heads=list(eval_heads))
-        per_client = self._collect_evals(step, self.cfg.deploy.round_timeout_s)
+        per_client = self._collect_evals(step, self.cfg.deploy.finetune_timeout_s)
         return EvalReport(None, None, per_client)

@@ -318,3 +318,36 @@ def test_foreign_run_ids_are_ignored(data_root, tmp_path, one_thread):
     cfg, res, _ = _amqtt_run(data_root, tmp_path, lambda port: None, attack, "algorithm.name=fedavg")
     assert fired.is_set()
     _assert_clean(cfg, res)
+
+
+def test_clipped_mean_bounds_a_valid_byzantine_update(data_root, tmp_path, mosquitto, one_thread):
+    """A device account sends, first, a *valid* update for its own client (right count, dtype and
+    shape, within max_abs_delta) that pushes the model far away: validation cannot refuse it and it
+    counts instead of the honest one. With clipped-mean the run ends within the rule's bound of
+    the clean run: each replaced update moves the mean by at most (its weight / W) x 2 x bound."""
+    from fedseq.common.algorithms.robust import update_norm
+    from fedseq.common.data.federated import load_federated
+
+    bound = 0.5
+    base = quick_config(data_root)
+    data = load_federated(base.data, base.seed)
+    forged: list[int] = []
+
+    def attack(att, step):
+        if step.kind == "train":
+            w = _upload_shapes(base, step)
+            for c in _theirs(step):
+                att.forged_update(step, c, "local02", {k: torch.full_like(v, -5.0) for k, v in w.items()},
+                                  len(data.clients[c].train))
+                forged.append(c)
+
+    cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg",
+                                 "rounds=1", "aggregation.rule='clipped-mean'",
+                                 f"aggregation.clip_norm={bound}")
+    assert forged and res.rows[0]["reported"] == res.rows[0]["clients"]
+    sim = run_simulation(cfg, out=None)
+    moved = update_norm({k: res.global_weights[k].double() - v.double()
+                         for k, v in sim.global_weights.items()})
+    total = sum(len(data.clients[c].train) for c in res.rows[0]["clients"])
+    allowed = sum(len(data.clients[c].train) for c in forged) / total * 2 * bound
+    assert 0 < moved <= allowed * (1 + 1e-6), (moved, allowed)

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _run(*args, cwd=None):
@@ -58,7 +59,10 @@ def test_client_bad_broker_url_exit_2():
 
 
 def _server(*extra):
-    return _run("fedseq-server", "start", "-q", *extra)
+    import tempfile
+
+    out = Path(tempfile.mkdtemp()) / "run"  # never the working directory's runs/
+    return _run("fedseq-server", "start", "-q", "--out", str(out), *extra)
 
 
 def test_server_tries_the_broker_before_the_dataset(tmp_path):

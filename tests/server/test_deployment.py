@@ -56,6 +56,10 @@ def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):
     assert sorted(res.final.per_client) == list(range(5))
     # personal state of the fine-tuned FedSeq clients is not kept, but every device trained
     assert train[0]["uploaded_blocks"] == ["conv1"]
+    for r in train:  # the record names who reported, and the deadline each round had
+        assert set(r["reporters"].values()) <= {"local01", "local02"}
+        assert sorted(int(c) for c in r["reporters"]) == r["reported"]
+        assert r["deadline_s"] > 0 and r["device_failures"] == {} and r["late_updates"] == 0
 
 
 def test_device_lost_mid_round_fails_fast(data_root, tmp_path, mosquitto):
@@ -183,7 +187,8 @@ def test_device_without_its_dataset_is_known_at_once(data_root, tmp_path):
         r = subprocess.run(
             ["fedseq-server", "start", "-q", "--set", f"data.root={str(data_root)!r}",
              "--set", "data.fraction=0.03", "--set", "data.num_clients=4", "--set", "rounds=2",
-             "--set", f"deploy.port={port}", "--set", "deploy.round_timeout_s=600"],
+             "--set", f"deploy.port={port}", "--set", "deploy.round_timeout_s=600",
+             "--out", str(tmp_path / "run")],
             capture_output=True, text=True, timeout=300)
     finally:
         stop_children([dev])
