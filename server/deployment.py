@@ -44,7 +44,8 @@ def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
         name = f"local{i:02d}"
         cmd = [sys.executable, "-m", "fedseq.client.cli", "--device", name, "--broker", url,
                "--data-dir", str(cfg.data.root), "--state-dir", str(state_dir / name),
-               "--topic-root", cfg.deploy.topic_root, "--torch-device", "cpu"]
+               "--topic-root", cfg.deploy.topic_root, "--torch-device", "cpu",
+               "--log-level", "WARNING"]  # their progress is the coordinator's to show
         if threads:
             cmd += ["--threads", str(threads)]
         d = cfg.deploy
@@ -137,7 +138,7 @@ def run_deployment(
         pool.begin(devices, ckpt.global_weights if ckpt else get_blocks(model, model.spec.blocks))
         if out is not None:
             run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0,
-                             {**(info or {}), "run_id": run_id})
+                             {"run_id": run_id, **(info or {})})
         with recorded(run_dir):
             return Coordinator(cfg, alg, model, data, pool, run_dir, on_round).run(ckpt)
     finally:

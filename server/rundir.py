@@ -17,6 +17,19 @@ from fedseq.common.models import Weights
 from fedseq.common.protocol.tensors import encode_tensors
 
 
+def resolved_paths(cfg: ExperimentConfig) -> ExperimentConfig:
+    """The config with absolute file paths, so the run directory means the same from anywhere
+    (and --resume works from another working directory)."""
+    out = cfg.model_copy(deep=True)
+    out.data.root = Path(out.data.root).resolve()
+    d = out.deploy
+    for key in ("password_file", "ca_file", "cert_file", "key_file", "broker_password_file"):
+        value = getattr(d, key)
+        if value is not None:
+            setattr(d, key, Path(value).resolve())
+    return out
+
+
 class RunDir:
     """`mode`: "new" refuses a non-empty folder (nothing is ever silently overwritten),
     "overwrite" replaces a previous run's files, "resume" keeps its rows before `resume_round`."""
@@ -39,7 +52,8 @@ class RunDir:
         else:
             for name in ("checkpoint.safetensors", "clients.csv", "model.safetensors"):
                 (self.path / name).unlink(missing_ok=True)
-            (self.path / "config.toml").write_text(dump_config(cfg))
+            header = "".join(f"# {k}: {v}\n" for k, v in self.info.items())
+            (self.path / "config.toml").write_text(header + dump_config(resolved_paths(cfg)))
             self._metrics = metrics.open("w")
         self.set_status("running")
 
