@@ -144,7 +144,7 @@ class DeviceDaemon:
         if self.link.connected.is_set():
             self.link.publish(self.topics.device_status(self.device),
                               DeviceStatus(device=self.device, state="offline"), retain=True,
-                              wait=True)
+                              wait=True, timeout=3.0)  # a broker that is gone must not hold us
         self.link.stop()
 
     def _connected(self) -> None:

@@ -274,12 +274,13 @@ class Link:
             log.exception("dropped message on %s", msg.topic)
 
     def publish(self, topic: str, payload: bytes | Message, retain: bool = False,
-                wait: bool = False) -> None:
+                wait: bool = False, timeout: float = 30.0) -> None:
         data = payload.encode() if isinstance(payload, Message) else payload
         info = self.client.publish(topic, data, qos=1, retain=retain)
         self.bytes_out += len(data)
         if wait:
-            info.wait_for_publish(30)
+            with contextlib.suppress(RuntimeError, ValueError):  # not connected: nothing to wait for
+                info.wait_for_publish(timeout)
 
     def publish_frame(self, topic_of: Callable[[int], str], header_of: Callable[..., Message],
                       frame: bytes, retain: bool = False) -> None:
