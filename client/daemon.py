@@ -368,6 +368,12 @@ class DeviceDaemon:
                 results[c] = finetune_and_score(model, start, plan, data, data.clients[c],
                                                 run.cfg.seed, tuple(step.eval_heads),
                                                 run.cfg.train.eval_batch_size, run.flop_cache)
+                log.info("step %d: fine-tuned client %d (%d of %d)", step.seq, c, len(results),
+                         len(mine))
+                if len(results) < len(mine):  # progress for the operator; the final result follows
+                    partial = EvalResult(run_id=run.run_id, seq=step.seq, device=self.device,
+                                         results=dict(results), final=False)
+                    self.link.publish(self.topics.evaluation(self.device), partial)
             self._send_eval(run, step, results)
 
     def _personal_names(self, run: RunState) -> tuple[str, ...]:

@@ -94,15 +94,23 @@ def sim(
         task = progress.add_task(cfg.algorithm.name, total=cfg.rounds, status="loading data")
 
         def on_round(row: dict[str, Any]) -> None:
-            status = (f"{row['phase']} global {_fmt(row['global_acc'])} "
-                      f"personal {_fmt(row['personal_acc'])} {row['seconds']:.1f}s")
+            status = (f"{row['phase']} global{'*' if row.get('global_model') else ''} "
+                      f"{_fmt(row['global_acc'])} personal {_fmt(row['personal_acc'])} "
+                      f"{row['seconds']:.1f}s")
             progress.update(task, advance=1 if row["phase"] == "train" else 0, status=status)
+            if row.get("global_model") and not noted:
+                noted.append(True)
+                progress.console.print(f"note: global* = {row['global_model']}")
             if row["round"] == cfg.rounds - 1 and cfg.algorithm.name in ("fedbabu", "fedseq-vanilla",
                                                                          "fedseq-anti"):
                 progress.update(task, status=status + " | fine-tuning")
 
+        def on_progress(done: int, total: int) -> None:
+            progress.update(task, status=f"fine-tuning: {done}/{total} clients")
+
+        noted: list[bool] = []
         try:
-            result = run_simulation(cfg, out, on_round, mode, info)
+            result = run_simulation(cfg, out, on_round, mode, info, on_progress)
         except FedseqError as exc:
             progress.stop()
             _fail(exc)
@@ -165,7 +173,8 @@ def start(
         result = run_deployment(cfg, out, broker, local_clients,
                                 on_round=None if quiet else _print_row,
                                 announce=lambda s: print(s, file=sys.stderr),
-                                client_threads=client_threads, mode=mode, info=info)
+                                client_threads=client_threads, mode=mode, info=info,
+                                on_progress=None if quiet else _print_progress)
     except FedseqError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -175,8 +184,23 @@ def start(
           f"personalized {_fmt(final['personal_acc'])} -> {out}", file=sys.stderr)
 
 
+_shown: dict[str, Any] = {}
+
+
+def _print_progress(done: int, total: int) -> None:
+    """Fine-tuning progress, about every tenth of the clients."""
+    step = max(1, total // 10)
+    if done == total or done // step != _shown.get("progress", -1):
+        _shown["progress"] = done // step
+        print(f"fine-tuning: {done}/{total} clients", file=sys.stderr)
+
+
 def _print_row(row: dict[str, Any]) -> None:
-    print(f"round {row['round']} {row['phase']}: global {_fmt(row['global_acc'])} personal "
+    if row.get("global_model") and not _shown.get("note"):
+        _shown["note"] = True
+        print(f"note: global* = {row['global_model']}", file=sys.stderr)
+    star = "*" if row.get("global_model") else ""
+    print(f"round {row['round']} {row['phase']}: global{star} {_fmt(row['global_acc'])} personal "
           f"{_fmt(row['personal_acc'])} reported {len(row.get('reported', row['clients']))}/"
           f"{len(row['clients'])} {row['seconds']:.1f}s", file=sys.stderr)
 

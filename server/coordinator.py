@@ -62,6 +62,7 @@ class Coordinator:
         pool: ClientPool,
         run_dir: RunDir | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
     ):
         self.cfg = cfg
         self.alg = algorithm
@@ -70,6 +71,7 @@ class Coordinator:
         self.pool = pool
         self.run_dir = run_dir
         self.on_round = on_round or (lambda row: None)
+        self.on_progress = on_progress or (lambda done, total: None)  # fine-tuning: clients done
         self.global_weights = get_blocks(model, model.spec.blocks)
         if isinstance(algorithm, FedReG):
             algorithm.set_train_sizes([len(c.train) for c in data.clients])
@@ -186,6 +188,8 @@ class Coordinator:
         ft_plan = self.alg.finetune_plan()
         if ft_plan is not None:
             start = time.perf_counter()
+            if hasattr(self.pool, "progress"):
+                self.pool.progress = self.on_progress
             tuned = self.pool.finetune(ft_plan, self.global_weights, (self.model.spec.head,))
             final = EvalReport(final.global_correct, final.global_total, tuned.per_client)
             row = {

@@ -93,6 +93,7 @@ def run_deployment(
     client_threads: int | None = None,
     mode: str = "new",
     info: dict[str, Any] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> RunResult:
     """mode "resume" continues `out` after its checkpoint's last complete round, under the same
     run id (devices keep their personal state) and the same assignment."""
@@ -140,7 +141,7 @@ def run_deployment(
             run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0,
                              {"run_id": run_id, **(info or {})})
         with recorded(run_dir):
-            return Coordinator(cfg, alg, model, data, pool, run_dir, on_round).run(ckpt)
+            return Coordinator(cfg, alg, model, data, pool, run_dir, on_round, on_progress).run(ckpt)
     finally:
         if pool is not None:
             pool.finish()

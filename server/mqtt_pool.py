@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fedseq.common.algorithms import Algorithm
@@ -78,6 +78,8 @@ class MqttPool:
         self.failures: dict[str, str] = {}  # device -> the last reason it gave for a failed step
         self.pace: dict[str, float] = {}  # device -> seconds per client in its last full round
         self.round_info: dict[str, Any] = {}  # what the coordinator adds to the round's row
+        #: called with (clients done, clients in all) while devices report (fine-tuning progress)
+        self.progress: Callable[[int, int], None] = lambda done, total: None
         self.seq = 0
         self.late = 0
         self.train_seq = -1  # the step whose updates are being collected; others are late
@@ -418,6 +420,8 @@ class MqttPool:
     def _collect_evals(self, step: Step, timeout: float) -> dict[int, tuple[int, int]]:
         owing = {d for d, cs in self.assignment.items() if cs and d in self.online}
         results: dict[int, tuple[int, int]] = {}
+        progress: dict[str, int] = {}
+        total = sum(len(self.assignment[d]) for d in owing)
         deadline = time.monotonic() + timeout
         while owing and time.monotonic() < deadline:
             for kind, ev in self._drain(min(1.0, deadline - time.monotonic())):
@@ -432,8 +436,14 @@ class MqttPool:
                         log.warning("step %d: rejected evaluation from %s: %s", step.seq, ev.device,
                                     reason)
                         continue
+                    if not ev.final:  # fine-tuning progress: counted, replaced by the final one
+                        progress[ev.device] = len(ev.results)
+                        self.progress(sum(progress.values()) + len(results), total)
+                        continue
                     results.update({c: (int(r[0]), int(r[1])) for c, r in ev.results.items()})
+                    progress.pop(ev.device, None)
                     owing.discard(ev.device)
+                    self.progress(sum(progress.values()) + len(results), total)
         if owing:
             log.warning("step %d: no evaluation from %s", step.seq, sorted(owing))
         return results

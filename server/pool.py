@@ -49,6 +49,8 @@ class InProcessPool:
             c.client: {k: v.clone() for k, v in initial.items()} for c in data.clients
         }
         self.flop_cache: FlopCache = {}
+        #: called with (clients done, clients in all) while fine-tuning
+        self.progress: Callable[[int, int], None] = lambda done, total: None
 
     def train(
         self, round: int, clients: list[int], plan: ClientPlan, weights: Weights, check: UpdateCheck
@@ -72,12 +74,12 @@ class InProcessPool:
                         batch=self.eval_batch)
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
-        per_client = {
-            shard.client: finetune_and_score(
+        per_client = {}
+        for shard in self.data.clients:
+            per_client[shard.client] = finetune_and_score(
                 self.model, {**weights, **self.personal[shard.client]}, plan, self.data, shard,
                 self.seed, eval_heads, self.eval_batch, self.flop_cache)
-            for shard in self.data.clients
-        }
+            self.progress(len(per_client), len(self.data.clients))
         return EvalReport(None, None, per_client)
 
 

@@ -23,6 +23,7 @@ def run_simulation(
     on_round: Callable[[dict[str, Any]], None] | None = None,
     mode: str = "new",
     info: dict[str, Any] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> RunResult:
     """Load data, build the seed-derived model, run all rounds (and fine-tuning) in-process.
     mode "resume" continues `out` after its checkpoint's last complete round."""
@@ -37,4 +38,4 @@ def run_simulation(
     if out is not None:
         run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0, info)
     with recorded(run_dir):
-        return Coordinator(cfg, alg, model, data, pool, run_dir, on_round).run(ckpt)
+        return Coordinator(cfg, alg, model, data, pool, run_dir, on_round, on_progress).run(ckpt)

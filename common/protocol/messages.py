@@ -81,6 +81,7 @@ class EvalResult(Message):
     seq: int
     device: str
     results: dict[int, tuple[int, int]]  # client -> (correct, total)
+    final: bool = True  # False: progress during fine-tuning (the clients done so far)
 
 
 class Control(Message):

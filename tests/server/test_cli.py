@@ -88,3 +88,28 @@ def test_server_password_file_and_port_in_use_are_one_line(tmp_path, data_root):
         r = _server("--set", f"deploy.port={s.getsockname()[1]}")
     assert r.returncode == 2 and "the port is in use" in r.stderr
     assert len([x for x in r.stderr.splitlines() if x.strip()]) == 1, r.stderr
+
+
+def test_fine_tuning_progress_and_global_note_in_both_clis(tmp_path, data_root):
+    common = ["--set", f"data.root={str(data_root)!r}", "--set", "data.fraction=0.03",
+              "--set", "data.num_clients=4", "--set", "rounds=1", "--set", "train.local_epochs=1",
+              "--set", "algorithm.name=fedbabu", "--set", "algorithm.finetune_epochs=1",
+              "--set", "train.join_ratio=0.5"]
+    r = _run("fedseq-server", "start", "--local-clients", "2", "--client-threads", "1",
+             "--set", "deploy.port=0", "--out", str(tmp_path / "dep"), *common)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "fine-tuning: 4/4 clients" in r.stderr, r.stderr[-2000:]
+    assert "note: global* = aggregated base + head frozen at its initial weights" in r.stderr
+    r = _run("fedseq-sim", "--out", str(tmp_path / "sim"), *common)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "note: global* = aggregated base" in r.stderr
+
+
+def test_simulation_reports_fine_tuning_progress(data_root):
+    from conftest import quick_config
+    from fedseq.server.simulation import run_simulation
+
+    seen = []
+    cfg = quick_config(data_root, "algorithm.name=fedseq-anti", "rounds=1")
+    run_simulation(cfg, None, on_progress=lambda done, total: seen.append((done, total)))
+    assert seen == [(i, 5) for i in range(1, 6)]
