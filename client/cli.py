@@ -84,6 +84,13 @@ def main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
+        fatal: list[str] = []
+
+        def on_fatal(msg: str) -> None:
+            fatal.append(msg)
+            done.set()
+
+        daemon.link.on_fatal(on_fatal)
         daemon.start()  # an unreachable broker is retried until it is up; a refused login is not
     except FedseqError as exc:
         if done.is_set():
@@ -92,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     done.wait()
     daemon.stop()
+    if fatal:  # the broker stopped accepting this device: fail, so systemd shows it
+        print(f"error: {fatal[0]}", file=sys.stderr)
+        return 2
     return 0
 
 

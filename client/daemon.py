@@ -34,6 +34,7 @@ from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
 from fedseq.common.protocol.link import Link, TlsOptions
 from fedseq.common.protocol.messages import (
+    PROTOCOL_VERSION,
     Assignment,
     Control,
     DeviceStatus,
@@ -43,6 +44,7 @@ from fedseq.common.protocol.messages import (
     Step,
     UpdateHeader,
     WeightsHeader,
+    version_mismatch,
 )
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
 from fedseq.common.protocol.topics import Topics
@@ -183,6 +185,14 @@ class DeviceDaemon:
                     self._resend("coordinator (re)connected")
         except FedseqError as exc:
             log.warning("dropped message on %s: %s", topic, exc)
+            other = version_mismatch(payload) if topic in (t.run_config, t.step) else None
+            if other is not None and other[1] is not None:
+                reason = (f"protocol mismatch: the coordinator speaks v{other[0]}, this device "
+                          f"v{PROTOCOL_VERSION} (fedseq {__version__}); install the same fedseq "
+                          "version on both sides")
+                log.error("%s", reason)
+                self.last_error = (other[1], -1, reason)  # -1: no step of this run can run here
+                self._announce()
 
     def _current_run(self, run_id: str | None, what: str) -> RunState:
         """The run a coordinator message must belong to (ProtocolError otherwise)."""

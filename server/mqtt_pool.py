@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from fedseq.common import __version__
 from fedseq.common.algorithms import Algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
 from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
@@ -26,6 +27,7 @@ from fedseq.common.models import BlockModel, Weights
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
 from fedseq.common.protocol.link import Link, TlsOptions
 from fedseq.common.protocol.messages import (
+    PROTOCOL_VERSION,
     Assignment,
     DeviceStatus,
     EvalResult,
@@ -34,6 +36,7 @@ from fedseq.common.protocol.messages import (
     Step,
     UpdateHeader,
     WeightsHeader,
+    version_mismatch,
 )
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
 from fedseq.common.protocol.topics import Topics
@@ -76,6 +79,7 @@ class MqttPool:
         self.owner: dict[int, str] = {}
         self.published: dict[str, tuple[int, str]] = {}
         self.failures: dict[str, str] = {}  # device -> the last reason it gave for a failed step
+        self.incompatible: dict[str, str] = {}  # device -> why it cannot run any step of this run
         self.pace: dict[str, float] = {}  # device -> seconds per client in its last full round
         self.round_info: dict[str, Any] = {}  # what the coordinator adds to the round's row
         #: called with (clients done, clients in all) while devices report (fine-tuning progress)
@@ -184,6 +188,11 @@ class MqttPool:
         if not resumed:
             self.assignment = assign_clients(devices, self.cfg.data.num_clients)
         self.owner = {c: d for d, cs in self.assignment.items() for c in cs}
+        for d in devices:
+            theirs = self.online[d].package_version if d in self.online else ""
+            if theirs and theirs != __version__:
+                log.warning("%s runs fedseq %s, this coordinator %s: results may differ; install the "
+                            "same version everywhere", d, theirs, __version__)
         # An update frame holds at most every shared block's deltas; one device has at most
         # (its clients + 1) frames in flight. Bound: that many bytes per assigned device.
         shared = set(self.alg.shared_blocks())
@@ -240,7 +249,10 @@ class MqttPool:
             else:
                 raise ProtocolError("not a topic the coordinator reads")
         except FedseqError as exc:
-            log.warning("dropped message on %s: %s", topic, exc)
+            other = version_mismatch(payload)
+            hint = (f" (it speaks protocol v{other[0]}, this coordinator v{PROTOCOL_VERSION}: install "
+                    "the same fedseq version on both sides)") if other else ""
+            log.warning("dropped message on %s: %s%s", topic, exc, hint)
 
     def _on_update_chunk(self, device: str, client: str, chunk: str, payload: bytes) -> None:
         head, data = unpack_chunk(payload, UpdateHeader)
@@ -284,6 +296,8 @@ class MqttPool:
                     fresh = known is None or (known.error_seq, known.error) != (ev.error_seq, ev.error)
                     if ev.error and ev.error_run_id == self.run_id and fresh:
                         self.failures[ev.device] = ev.error
+                        if ev.error_seq == -1:  # it cannot run any step of this run
+                            self.incompatible[ev.device] = ev.error
                         out.append(("failed", (ev.device, ev.error_seq, ev.error)))
                 else:
                     self.online.pop(ev.device, None)
@@ -335,9 +349,14 @@ class MqttPool:
         self.frames.expire(lambda sender, tag: tag[1] == self.train_seq)
         step = self._publish_step(kind="train", round=round, clients=clients,
                                   plan=plan_to_dict(plan), versions=versions)
-        owing = {c for c in clients if self.owner.get(c) in self.online}
-        got: dict[int, ClientUpdate] = {}
         failed_devices: dict[str, str] = {}
+        for device, reason in self.incompatible.items():
+            if any(self.owner.get(c) == device for c in clients):
+                failed_devices[device] = reason
+                log.warning("round %d: %s cannot train (%s)", round, device, reason)
+        owing = {c for c in clients if self.owner.get(c) in self.online
+                 and self.owner.get(c) not in failed_devices}
+        got: dict[int, ClientUpdate] = {}
         reporters: dict[int, str] = {}
         late_before = self.late
         timeout = self.round_deadline(clients)
@@ -352,7 +371,7 @@ class MqttPool:
                         log.warning("round %d: device %s went offline; clients %s fail", round, ev,
                                     sorted(lost))
                     owing -= lost
-                elif kind == "failed" and ev[1] == step.seq:
+                elif kind == "failed" and ev[1] in (step.seq, -1):
                     device, _, reason = ev
                     lost = {c for c in owing if self.owner.get(c) == device}
                     log.warning("round %d: %s cannot train (%s); clients %s fail", round, device,
@@ -418,7 +437,8 @@ class MqttPool:
         return min(max(d.round_timeout_factor * slowest, d.round_timeout_min_s), d.round_timeout_max_s)
 
     def _collect_evals(self, step: Step, timeout: float) -> dict[int, tuple[int, int]]:
-        owing = {d for d, cs in self.assignment.items() if cs and d in self.online}
+        owing = {d for d, cs in self.assignment.items()
+                 if cs and d in self.online and d not in self.incompatible}
         results: dict[int, tuple[int, int]] = {}
         progress: dict[str, int] = {}
         total = sum(len(self.assignment[d]) for d in owing)
@@ -427,7 +447,7 @@ class MqttPool:
             for kind, ev in self._drain(min(1.0, deadline - time.monotonic())):
                 if kind == "offline":
                     owing.discard(ev)
-                elif kind == "failed" and ev[1] == step.seq:
+                elif kind == "failed" and ev[1] in (step.seq, -1):
                     log.warning("step %d: %s cannot evaluate (%s)", step.seq, ev[0], ev[2])
                     owing.discard(ev[0])
                 elif kind == "eval" and ev.seq == step.seq and ev.device in owing:

@@ -158,11 +158,17 @@ class Link:
         c.on_message = self._message
         self.client = c
         self._connect_hooks: list[Callable[[], None]] = []
+        self._fatal_hooks: list[Callable[[str], None]] = []
+        self._refused_in_a_row = 0
         self._was_connected = False
 
     def on_connect(self, hook: Callable[[], None]) -> None:
         """Run after every (re)connect, after the subscriptions are renewed."""
         self._connect_hooks.append(hook)
+
+    def on_fatal(self, hook: Callable[[str], None]) -> None:
+        """Run when the broker has refused three reconnects in a row (credentials revoked)."""
+        self._fatal_hooks.append(hook)
 
     def start(self, attempts: int | None = 1, refusals: int = 1) -> None:
         """Connect (TCP, TLS handshake, MQTT login), then keep the connection in the background.
@@ -236,10 +242,15 @@ class Link:
             msg = explain_refusal(self.url, reason_code, self.username)
             if self._connack.is_set():  # a reconnect refused: say so once per refusal
                 log.error("%s", msg)
+                self._refused_in_a_row += 1
+                if self._refused_in_a_row >= 3:
+                    for fatal in self._fatal_hooks:
+                        fatal(msg)
             self._refusal = msg
             self._connack.set()
             return
         self._refusal = None
+        self._refused_in_a_row = 0
         for topic in self.subscriptions:
             client.subscribe(topic, qos=1)
         self.connected.set()

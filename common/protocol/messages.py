@@ -14,6 +14,21 @@ from fedseq.common.errors import ProtocolError
 PROTOCOL_VERSION = 1
 
 
+def version_mismatch(payload: bytes) -> tuple[int, str | None] | None:
+    """(the other side's protocol version, its run id) when `payload` is JSON of another protocol
+    version; None otherwise. Lets either side say *why* it cannot read the other."""
+    import json
+
+    try:
+        raw = json.loads(payload)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if isinstance(raw, dict) and isinstance(raw.get("v"), int) and raw["v"] != PROTOCOL_VERSION:
+        run_id = raw.get("run_id")
+        return raw["v"], run_id if isinstance(run_id, str) else None
+    return None
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     v: Literal[1] = 1  # PROTOCOL_VERSION; a device of another version is rejected loudly

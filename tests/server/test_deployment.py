@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import device_process as _device
@@ -240,3 +241,48 @@ def test_broker_killed_while_devices_train(data_root, tmp_path, mosquitto):
     assert r1["reported"] == r1["clients"], r1
     assert r1["seconds"] < 60, r1["seconds"]
     assert all(r["reported"] == r["clients"] for r in res.rows)
+
+
+def test_revoked_login_ends_the_daemon_with_exit_2(data_root, tmp_path, mosquitto):
+    """The broker stops accepting a running device (its password changed): after three refused
+    reconnects the daemon exits 2 with one line, so systemd shows the unit failed."""
+    port, home, restart_broker = mosquitto
+    dev = _device("local01", port, home, data_root)
+    time.sleep(3)  # connected and waiting for a run
+    subprocess.run(["mosquitto_passwd", "-b", str(home / "passwd"), "local01", "changed"], check=True)
+    restart_broker()
+    try:
+        dev.wait(90)
+    finally:
+        stop_children([dev])
+    assert dev.returncode == 2
+
+
+def test_protocol_mismatch_is_reported_by_the_device(data_root, tmp_path):
+    """A step of another protocol version for the current run (as a newer coordinator would send):
+    the device says why it cannot follow, and with nobody able to train the run stops with it."""
+    import re as _re
+
+    import paho.mqtt.client as mqtt
+
+    from fedseq.common.errors import TransportError
+
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "deploy.port=0",
+                       "deploy.round_timeout_s=120")
+    fired = []
+
+    def announce(line):
+        m = _re.search(r"run (\S+): ", line)
+        url = _re.search(r"mqtt://127\.0\.0\.1:(\d+)", line)
+        if url:
+            fired.append(int(url.group(1)))
+        if m and fired:
+            c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="newer")
+            c.connect("127.0.0.1", fired[0])
+            c.loop_start()
+            c.publish("fedseq/step", ('{"v": 2, "run_id": "%s", "seq": 1, "kind": "train"}'
+                                      % m.group(1)).encode(), qos=1).wait_for_publish(10)
+            c.loop_stop()
+
+    with pytest.raises(TransportError, match="no device can train: local01: protocol mismatch"):
+        run_deployment(cfg, None, local_clients=1, client_threads=1, announce=announce)
