@@ -280,8 +280,8 @@ def test_protocol_mismatch_is_reported_by_the_device(data_root, tmp_path):
             c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="newer")
             c.connect("127.0.0.1", fired[0])
             c.loop_start()
-            c.publish("fedseq/step", ('{"v": 2, "run_id": "%s", "seq": 1, "kind": "train"}'
-                                      % m.group(1)).encode(), qos=1).wait_for_publish(10)
+            newer = {"v": 2, "run_id": m.group(1), "seq": 1, "kind": "train"}
+            c.publish("fedseq/step", json.dumps(newer).encode(), qos=1).wait_for_publish(10)
             c.loop_stop()
 
     with pytest.raises(TransportError, match="no device can train: local01: protocol mismatch"):
