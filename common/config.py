@@ -66,7 +66,10 @@ class TrainConfig(_Section):
     momentum: float = Field(0.9, ge=0, lt=1)
     eval_every: int = Field(1, ge=1)
     eval_batch_size: int = Field(2000, ge=1)
-    threads: int | None = Field(None, ge=1, description="torch threads; default: all cores")
+    threads: int | None = Field(
+        None, ge=1, description="torch threads; default: the cores not busy at start (1-min load "
+                                "average), recorded in the run directory; set it for bitwise "
+                                "reproducibility across machines and loads")
 
 
 class AggregationConfig(_Section):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,20 @@ from fedseq.server.pool import InProcessPool, make_model
 from fedseq.server.rundir import RunDir, recorded
 
 
+def default_threads(cores: int | None = None, load: float | None = None) -> int:
+    """The cores not already busy when the run starts: all of them on an idle machine, fewer
+    beside other work. Measured on 2 cores (a FedAvg testbed round, `bench/sim_round.py`): idle,
+    2 threads 16.2 s, 1 thread 25.2 s; beside one busy process, 2 threads > 200 s (OpenMP threads
+    spin waiting for a preempted peer), 1 thread 33.4 s."""
+    cores = cores or os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            load = 0.0
+    return max(1, min(cores, cores - round(load)))
+
+
 def run_simulation(
     cfg: ExperimentConfig,
     out: Path | None,
@@ -27,8 +42,9 @@ def run_simulation(
 ) -> RunResult:
     """Load data, build the seed-derived model, run all rounds (and fine-tuning) in-process.
     mode "resume" continues `out` after its checkpoint's last complete round."""
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
+    threads = cfg.train.threads or default_threads()
+    torch.set_num_threads(threads)
+    info = {**(info or {}), "threads": threads}
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     data = load_federated(cfg.data, cfg.seed)
     model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads, cfg.seed)

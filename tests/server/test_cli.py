@@ -113,3 +113,12 @@ def test_simulation_reports_fine_tuning_progress(data_root):
     cfg = quick_config(data_root, "algorithm.name=fedseq-anti", "rounds=1")
     run_simulation(cfg, None, on_progress=lambda done, total: seen.append((done, total)))
     assert seen == [(i, 5) for i in range(1, 6)]
+
+
+def test_default_threads_leave_busy_cores_alone():
+    from fedseq.server.simulation import default_threads
+
+    assert default_threads(cores=2, load=0.1) == 2
+    assert default_threads(cores=2, load=1.2) == 1
+    assert default_threads(cores=2, load=9.0) == 1
+    assert default_threads(cores=16, load=3.6) == 12
