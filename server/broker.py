@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import logging
 import socket
@@ -101,10 +102,27 @@ class EmbeddedBroker:
             lg.setLevel(logging.WARNING)
 
     def stop(self) -> None:
+        """Shut amqtt down, cancel what it left running and collect it now: coroutines finalized
+        later, on a stopped loop, raise 'Event loop is closed' from the garbage collector at
+        arbitrary moments of the host process."""
         if self._broker is not None:
             try:
                 asyncio.run_coroutine_threadsafe(self._broker.shutdown(), self._loop).result(10)
             except Exception:  # shutting down anyway
                 log.debug("amqtt shutdown raised", exc_info=True)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=5)
+
+        async def cancel_the_rest() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(cancel_the_rest(), self._loop).result(10)
+            except Exception:
+                log.debug("cancelling amqtt's tasks raised", exc_info=True)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        self._broker = None
+        gc.collect()
