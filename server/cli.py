@@ -25,6 +25,20 @@ SetOpt = Annotated[
 OutOpt = Annotated[Path | None, typer.Option("--out", "-o", help="Run directory to write.")]
 
 
+# Credentials and TLS, the same flags as fedseq-client's.
+UsernameOpt = Annotated[str | None, typer.Option(help="broker login (deploy.username)")]
+PasswordFileOpt = Annotated[Path | None, typer.Option(
+    help="file holding the broker password (deploy.password_file)")]
+CaFileOpt = Annotated[Path | None, typer.Option(
+    help="mqtts://: PEM file of the CA that signed the broker (deploy.ca_file)")]
+CertFileOpt = Annotated[Path | None, typer.Option(
+    help="mutual TLS: this side's PEM certificate (deploy.cert_file)")]
+KeyFileOpt = Annotated[Path | None, typer.Option(
+    help="mutual TLS: the certificate's PEM key (deploy.key_file)")]
+NoVerifyOpt = Annotated[bool, typer.Option(
+    "--no-verify-hostname", help="accept a broker certificate that does not name its host")]
+
+
 def _fail(exc: Exception) -> NoReturn:
     print(f"error: {exc}", file=sys.stderr)
     raise typer.Exit(2)
@@ -146,17 +160,12 @@ def start(
     client_threads: Annotated[
         int | None, typer.Option(help="torch threads per local client (default: cores / N)")
     ] = None,
-    username: Annotated[str | None, typer.Option(help="broker login (deploy.username)")] = None,
-    password_file: Annotated[Path | None, typer.Option(
-        help="file holding the broker password (deploy.password_file)")] = None,
-    ca_file: Annotated[Path | None, typer.Option(
-        help="mqtts://: PEM file of the CA that signed the broker (deploy.ca_file)")] = None,
-    cert_file: Annotated[Path | None, typer.Option(
-        help="mutual TLS: this side's PEM certificate (deploy.cert_file)")] = None,
-    key_file: Annotated[Path | None, typer.Option(
-        help="mutual TLS: the certificate's PEM key (deploy.key_file)")] = None,
-    no_verify_hostname: Annotated[bool, typer.Option(
-        "--no-verify-hostname", help="accept a broker certificate that does not name its host")] = False,
+    username: UsernameOpt = None,
+    password_file: PasswordFileOpt = None,
+    ca_file: CaFileOpt = None,
+    cert_file: CertFileOpt = None,
+    key_file: KeyFileOpt = None,
+    no_verify_hostname: NoVerifyOpt = False,
     resume: ResumeOpt = None,
     overwrite: OverwriteOpt = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
@@ -240,17 +249,12 @@ def status(
     broker: Annotated[str | None, typer.Option(
         help="mqtt://HOST:PORT or mqtts://HOST:PORT (default: deploy.broker of --config)")] = None,
     config: ConfigOpt = None,
-    username: Annotated[str | None, typer.Option(help="broker login (deploy.username)")] = None,
-    password_file: Annotated[Path | None, typer.Option(
-        help="file holding the broker password (deploy.password_file)")] = None,
-    ca_file: Annotated[Path | None, typer.Option(
-        help="mqtts://: PEM file of the CA that signed the broker (deploy.ca_file)")] = None,
-    cert_file: Annotated[Path | None, typer.Option(
-        help="mutual TLS: this side's PEM certificate (deploy.cert_file)")] = None,
-    key_file: Annotated[Path | None, typer.Option(
-        help="mutual TLS: the certificate's PEM key (deploy.key_file)")] = None,
-    no_verify_hostname: Annotated[bool, typer.Option(
-        "--no-verify-hostname", help="accept a broker certificate that does not name its host")] = False,
+    username: UsernameOpt = None,
+    password_file: PasswordFileOpt = None,
+    ca_file: CaFileOpt = None,
+    cert_file: CertFileOpt = None,
+    key_file: KeyFileOpt = None,
+    no_verify_hostname: NoVerifyOpt = False,
     wait: Annotated[float, typer.Option(help="seconds to collect the broker's retained state")] = 2.0,
 ) -> None:
     """Show the fleet as the broker knows it: coordinator, run, current step and every device
