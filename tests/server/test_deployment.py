@@ -22,6 +22,19 @@ def _quiet(_msg: str) -> None:
     pass
 
 
+def _step_watcher(port, home, on_step):
+    """A paho client on the coordinator's login that calls on_step for every step message."""
+    import paho.mqtt.client as mqtt
+
+    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
+    watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
+    watcher.on_message = on_step
+    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe("fedseq/step", qos=1)
+    watcher.connect("127.0.0.1", port)
+    watcher.loop_start()
+    return watcher
+
+
 def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
     cfg = quick_config(data_root, "algorithm.name=fedrod", "rounds=2", "train.join_ratio=0.6",
                        "deploy.port=0")
@@ -66,7 +79,6 @@ def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):
 def test_device_lost_mid_round_fails_fast(data_root, tmp_path, mosquitto):
     """A device killed right after round 1's step is out: its last will ends the round for its
     clients at once, the other device's updates are aggregated."""
-    import paho.mqtt.client as mqtt
 
     from fedseq.common.protocol.messages import Step
 
@@ -82,12 +94,7 @@ def test_device_lost_mid_round_fails_fast(data_root, tmp_path, mosquitto):
                 d2.send_signal(signal.SIGKILL)
                 killed.append(time.monotonic())
 
-    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
-    watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
-    watcher.on_message = on_step
-    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe("fedseq/step", qos=1)
-    watcher.connect("127.0.0.1", port)
-    watcher.loop_start()
+    watcher = _step_watcher(port, home, on_step)
     try:
         cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.join_ratio=1.0",
                            "deploy.min_devices=2", "deploy.round_timeout_s=120",
@@ -206,8 +213,6 @@ def test_broker_killed_while_devices_train(data_root, tmp_path, mosquitto):
     seconds, not at its 120 s deadline."""
     import threading
 
-    import paho.mqtt.client as mqtt
-
     from fedseq.common.protocol.messages import Step
 
     port, home, restart_broker = mosquitto
@@ -221,12 +226,7 @@ def test_broker_killed_while_devices_train(data_root, tmp_path, mosquitto):
                 killed.append(True)
                 threading.Thread(target=restart_broker, args=(True,)).start()
 
-    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
-    watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
-    watcher.on_message = on_step
-    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe("fedseq/step", qos=1)
-    watcher.connect("127.0.0.1", port)
-    watcher.loop_start()
+    watcher = _step_watcher(port, home, on_step)
     try:
         cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.join_ratio=1.0",
                            "deploy.min_devices=2", "deploy.round_timeout_s=120",
