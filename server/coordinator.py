@@ -37,12 +37,12 @@ def select_clients(seed: int, round: int, num_clients: int, per_round: int) -> l
     return sorted(int(c) for c in rng.choice(num_clients, per_round, replace=False))
 
 
-def _outliers(norms: dict[int, float], factor: float) -> list[int]:
-    """Clients whose update norm exceeds factor x the round's median norm."""
+def _outliers(norms: dict[int, float], factor: float) -> tuple[list[int], float]:
+    """Clients whose update norm exceeds factor x the round's median norm, and that median."""
     if len(norms) < 3:
-        return []
+        return [], 0.0
     median = float(np.median(list(norms.values())))
-    return sorted(c for c, n in norms.items() if n > factor * median)
+    return sorted(c for c, n in norms.items() if n > factor * median), median
 
 
 @dataclass
@@ -131,11 +131,10 @@ class Coordinator:
             reported.append(update.client)
             flops += update.train_flops
             bytes_up += update.bytes_up
-        outliers = _outliers(norms, self.cfg.aggregation.outlier_factor)
+        outliers, median = _outliers(norms, self.cfg.aggregation.outlier_factor)
         for c in outliers:
             log.warning("round %d: update of client %d has norm %.4g, > %g x the round's median %.4g",
-                        t, c, norms[c], self.cfg.aggregation.outlier_factor,
-                        float(np.median(list(norms.values()))))
+                        t, c, norms[c], self.cfg.aggregation.outlier_factor, median)
         new = acc.apply(self.global_weights)
         for b in {block_of(k) for k, v in new.items() if v is not self.global_weights[k]}:
             self.version[b] += 1

@@ -32,11 +32,14 @@ DTYPES = {
 
 
 def decode_tensors(
-    buf: bytes | bytearray | memoryview, expected_sha256: str | None = None, copy: bool = True
+    buf: bytes | bytearray | memoryview, expected_sha256: str | None = None, copy: bool = True,
+    check_finite: bool = True,
 ) -> Weights:
     """Parse a safetensors frame, reading straight from `buf`; checks the digest when given and
     rejects non-finite values. copy=False returns tensors that share `buf`'s memory (for a
-    writable buffer nobody else reuses, e.g. a Reassembler's): no copy and no page faults."""
+    writable buffer nobody else reuses, e.g. a Reassembler's): no copy and no page faults.
+    check_finite=False leaves the NaN/Inf check to a caller that validates values anyway (the
+    coordinator's round contract), so it is not done twice on the hot path."""
     view = memoryview(buf).cast("B")
     if expected_sha256 is not None and hashlib.sha256(view).hexdigest() != expected_sha256:
         raise ProtocolError("tensor frame sha256 mismatch: the payload was corrupted in transit")
@@ -61,7 +64,7 @@ def decode_tensors(
             out[name] = t.reshape(shape)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"tensor frame is not valid safetensors data ({exc})") from exc
-    for k, v in out.items():
+    for k, v in out.items() if check_finite else ():
         if v.is_floating_point() and not torch.isfinite(v).all():
             raise ProtocolError(f"tensor {k!r} contains NaN or Inf")
     return out
