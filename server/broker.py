@@ -105,6 +105,8 @@ class EmbeddedBroker:
         """Shut amqtt down, cancel what it left running and collect it now: coroutines finalized
         later, on a stopped loop, raise 'Event loop is closed' from the garbage collector at
         arbitrary moments of the host process."""
+        for name in ("amqtt", "transitions"):  # its tasks' cancellation is not an error to print
+            logging.getLogger(name).setLevel(logging.CRITICAL)
         if self._broker is not None:
             try:
                 asyncio.run_coroutine_threadsafe(self._broker.shutdown(), self._loop).result(10)
