@@ -46,7 +46,8 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
-    name: Literal["cnn"] = "cnn"
+    # cnn: the FedSeq paper's (FedAvg/PFLlib) CNN; convnet: FedReG's (FedDyn/FedRoD) ConvNet
+    name: Literal["cnn", "convnet"] = "cnn"
 
 
 class AlgorithmConfig(_Section):

@@ -21,6 +21,7 @@ def test_testbed_example_matches_fedreg_paper():
     t = cfg.train
     assert (t.local_epochs, t.batch_size, t.lr, t.momentum) == (5, 20, 0.01, 0.9)
     assert cfg.data.train_fraction == 0.75 and cfg.rounds == 100
+    assert cfg.model.name == "convnet"  # FedReG sections 4.1 and 5
 
 
 def test_mnist_example_matches_fedseq_paper():

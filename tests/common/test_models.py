@@ -16,6 +16,36 @@ def test_cnn_matches_fedseq_table3():
     assert count_params(m, ["fc1"]) == 524800  # fc1 alone is 2,099,200 bytes in float32
 
 
+def test_convnet_is_feddyn_fedrod_convnet():
+    # FedReG section 4.1: two conv layers, a pooling layer after each, three fully connected layers.
+    m = build_model("convnet", (1, 28, 28), 10)
+    sizes = {k: tuple(v.shape) for k, v in m.state_dict().items()}
+    assert sizes == {
+        "conv1.weight": (64, 1, 5, 5), "conv1.bias": (64,), "conv2.weight": (64, 64, 5, 5),
+        "conv2.bias": (64,), "fc1.weight": (384, 1024), "fc1.bias": (384,),
+        "fc2.weight": (192, 384), "fc2.bias": (192,), "fc3.weight": (10, 192), "fc3.bias": (10,),
+    }
+    assert count_params(m, m.spec.blocks) == 573578
+    assert m.spec.base == ("conv1", "conv2", "fc1", "fc2") and m.spec.head == "fc3"
+    # pooling before the ReLU is the reference's relu-then-pool exactly
+    x = torch.randn(3, 1, 28, 28)
+    ref = torch.nn.functional.max_pool2d(torch.relu(m.conv2(torch.nn.functional.max_pool2d(
+        torch.relu(m.conv1(x)), 2))), 2).flatten(1)
+    ref = torch.relu(m.fc2(torch.relu(m.fc1(ref))))
+    assert torch.allclose(m.features(x), ref, atol=1e-6)
+    two = build_model("convnet", (3, 32, 32), 100, two_heads=True)
+    assert two.spec.heads == ("fc3", "fc3_p") and two.fc1.in_features == 1600
+
+
+def test_unknown_model_is_a_config_error():
+    import pytest
+
+    from fedseq.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="convnet"):
+        build_model("resnet", (1, 28, 28), 10)
+
+
 def test_seeded_init_is_reproducible_and_isolated():
     torch.manual_seed(123)
     before = torch.rand(1)
