@@ -57,6 +57,12 @@ class AlgorithmConfig(_Section):
     mu: float = Field(0.001, ge=0, description="FedProx proximal weight")
     head_epochs: int = Field(1, ge=0, description="FedRep head epochs before the body epochs")
     rebalance_threshold: Literal["mean", "median", "max"] = "mean"
+    # FedReG's local procedure (docs/design.md, "FedReG"): passes over the original and over the
+    # rebalanced set per round ("epochs": train.local_epochs each, section 4.1; "one": one each,
+    # as Algorithm 1 is written), and whether the rebalanced set is built once per client
+    # (Algorithm 3, an input of Algorithm 1) or rebuilt with fresh augmentations every round.
+    fedreg_passes: Literal["epochs", "one"] = "epochs"
+    fedreg_rebalance: Literal["once", "every-round"] = "once"
 
 
 class TrainConfig(_Section):

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, Objective
 from fedseq.common.data.federated import ClientShard, FederatedData
-from fedseq.common.data.rebalance import rebalance, simple_augment
+from fedseq.common.data.rebalance import Rebalanced, rebalance, simple_augment
 from fedseq.common.models import BlockModel, Weights, get_blocks, set_weights
 from fedseq.common.seeding import torch_rng
 
@@ -89,12 +89,17 @@ def train_plan(
     loss_sum = 0.0
     effective = None
     for phase_no, phase in enumerate(plan.phases):
-        rows = shard.train
+        rows, xs, ys = shard.train, data.x, data.y
         augment = None
         if phase.data == "rebalanced":
             assert plan.rebalance_threshold is not None, "rebalanced phase needs a threshold"
-            rb = rebalance(shard.train, data.y, plan.rebalance_threshold, g_aug)
-            rows, augment, effective = rb.indices, rb.augment, rb.effective
+            if plan.rebalance_once:
+                rb, xs = fixed_rebalanced(data, shard, plan.rebalance_threshold, seed)
+                rows, ys = torch.arange(len(xs)), data.y[rb.indices]
+            else:
+                rb = rebalance(shard.train, data.y, plan.rebalance_threshold, g_aug)
+                rows, augment = rb.indices, rb.augment
+            effective = rb.effective
         optimizers = []
         for obj in phase.objectives:
             params = _set_trainable(model, obj.trainable)
@@ -108,12 +113,12 @@ def train_plan(
             for i in range(0, n, plan.batch_size):
                 pick = perm[i : i + plan.batch_size]
                 idx = rows[pick]
-                x = data.x[idx]
+                x = xs[idx]
                 if augment is not None:
                     aug = augment[pick]
                     if aug.any():
                         x[aug] = simple_augment(x[aug], g_aug)
-                y = data.y[idx]
+                y = ys[idx]
                 if dev.type != "cpu":
                     x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
                 cache: dict[str, torch.Tensor] = {}
@@ -141,6 +146,20 @@ def train_plan(
         batches=batches,
         mean_loss=loss_sum / max(1, batches),
     )
+
+
+def fixed_rebalanced(
+    data: FederatedData, shard: ClientShard, threshold: float, seed: int
+) -> tuple[Rebalanced, torch.Tensor]:
+    """FedReG's rebalanced set as Algorithm 3 builds it, once per client: the rows and their images,
+    augmented ones generated once. A pure function of (seed, client): recomputing it each round
+    (a few ms) is the same set, and a device needs no state for it."""
+    g = torch_rng(seed, "rebalance-once", shard.client)
+    rb = rebalance(shard.train, data.y, threshold, g)
+    xs = data.x[rb.indices]
+    if rb.augment.any():
+        xs[rb.augment] = simple_augment(xs[rb.augment], g)
+    return rb, xs
 
 
 def _step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientPlan, anchor) -> float:

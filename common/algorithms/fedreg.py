@@ -6,6 +6,13 @@ class brought to Q = C / #classes rows by subsampling or augmentation): base + g
 on the global head's logits. Base and global head are uploaded; the server weights the base by the
 original sample count d_k and the global head by the effective count (original rows in the
 rebalanced set, eq. 6). C is the mean (or median / max) client training-set size.
+
+Local procedure: by default `train.local_epochs` passes over each set (the paper's shared setting,
+section 4.1: 5 local epochs for every algorithm), the original set's passes first, then the
+rebalanced set's (Algorithm 1's two loops in that order), and the rebalanced set is built once per
+client (Algorithm 3 is an input of Algorithm 1). `algorithm.fedreg_passes = "one"` runs Algorithm
+1 literally (one pass each); `algorithm.fedreg_rebalance = "every-round"` re-draws the set and its
+augmentations every round (what fedseq did before 0.2).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ class FedReG(Algorithm):
 
     def phases(self, round: int) -> tuple[Phase, ...]:
         s = self.spec
-        e = self.cfg.train.local_epochs
+        e = self.cfg.train.local_epochs if self.cfg.algorithm.fedreg_passes == "epochs" else 1
         local = Objective(s.heads, s.base + self.personal_blocks())
         balanced = Objective((s.head,), s.base + (s.head,))
         return (Phase(e, (local,)), Phase(e, (balanced,), data="rebalanced"))
@@ -51,7 +58,8 @@ class FedReG(Algorithm):
     def plan(self, round: int) -> ClientPlan:
         if self.threshold is None:
             raise RuntimeError("FedReG needs set_train_sizes() before planning")
-        return replace(super().plan(round), rebalance_threshold=self.threshold)
+        once = self.cfg.algorithm.fedreg_rebalance == "once"
+        return replace(super().plan(round), rebalance_threshold=self.threshold, rebalance_once=once)
 
     def aggregation_weights(self, update: ClientUpdate) -> dict[str, float]:
         if update.effective_samples is None:

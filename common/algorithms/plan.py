@@ -57,6 +57,9 @@ class ClientPlan:
     batch_size: int = 20
     prox_mu: float = 0.0
     rebalance_threshold: float | None = None  # FedReG: client sample-count threshold C
+    # FedReG: the rebalanced set (augmented rows included) is built once per client, a function
+    # of (seed, client) only (its Algorithm 3); False rebuilds and re-augments it every round
+    rebalance_once: bool = True
     class_counts_needed: bool = False  # balanced softmax needs the client's label counts
 
     @property
