@@ -358,7 +358,9 @@ class DeviceDaemon:
                 meta = dict(run_id=run.run_id, seq=step.seq, round=step.round, client=c,
                             device=self.device, num_samples=update.num_samples,
                             effective_samples=update.effective_samples,
-                            train_flops=update.train_flops, train_seconds=update.train_seconds)
+                            train_flops=update.train_flops, train_seconds=update.train_seconds,
+                            local_correct=update.local_score[0] if update.local_score else None,
+                            local_total=update.local_score[1] if update.local_score else None)
                 self._send(f"update/{c}", step.seq, functools.partial(self._publish_update, c, meta, frame))
         elif step.kind == "evaluate":
             alg_personal = self._personal_names(run)

@@ -7,7 +7,7 @@ requires_grad=False, so no gradient is computed for them and nothing is applied 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -207,6 +207,7 @@ def run_client_round(
     set_weights(model, weights)
     before = get_blocks(model, plan.upload)
     stats = train_plan(model, data, shard, plan, seed, round, purpose, flop_cache)
+    score = score_local(model, data, shard, plan.score_heads) if plan.score_heads else None
     after = get_blocks(model, plan.upload)
     deltas = {k: after[k] - before[k] for k in after}
     update = ClientUpdate(
@@ -217,8 +218,22 @@ def run_client_round(
         effective_samples=stats.effective_samples,
         train_flops=stats.flops,
         train_seconds=stats.seconds,
+        local_score=score,
     )
     return update, get_blocks(model, plan.personal)
+
+
+@torch.no_grad()
+def score_local(model: BlockModel, data: FederatedData, shard: ClientShard, heads: tuple[str, ...],
+                batch: int = 2000) -> tuple[int, int]:
+    """(correct, total) of the model as it is on the client's own test rows, `heads` summed."""
+    dev = next(model.parameters()).device
+    correct = 0
+    for i in range(0, len(shard.test), batch):
+        rows = shard.test[i : i + batch]
+        logits = model.logits(model.features(data.x[rows].to(dev)), heads)
+        correct += int((logits.argmax(1).cpu() == data.y[rows]).sum())
+    return correct, len(shard.test)
 
 
 def finetune_and_score(
@@ -236,6 +251,7 @@ def finetune_and_score(
     (correct, total) on its own test rows."""
     from fedseq.common.evaluation import evaluate
 
+    plan = replace(plan, score_heads=())  # scored below, with the evaluation's code
     _, tuned = run_client_round(model, weights, plan, data, shard, seed, round=0,
                                 purpose="finetune", flop_cache=flop_cache)
     rep = evaluate(model, data, tuned, {}, eval_heads, clients=[shard.client], batch=eval_batch,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,13 @@ def _outliers(norms: dict[int, float], factor: float) -> tuple[list[int], float]
         return [], 0.0
     median = float(np.median(list(norms.values())))
     return sorted(c for c, n in norms.items() if n > factor * median), median
+
+
+def _acc(scores: Iterable[tuple[int, int]]) -> float | None:
+    """sum correct / sum total, or None when there is nothing to score."""
+    pairs = list(scores)
+    total = sum(t for _, t in pairs)
+    return sum(c for c, _ in pairs) / total if total else None
 
 
 @dataclass
@@ -81,6 +88,8 @@ class Coordinator:
         self.client_version = {c.client: dict(self.version) for c in data.clients}
         self._frame_sizes: dict[tuple[str, int], int] = {}
         self._last_report: EvalReport | None = None
+        # client -> (correct, total) of its most recent locally trained model (FedReG's testbed)
+        self.local_scores: dict[int, tuple[int, int]] = {}
 
     def _block_bytes(self, block: str) -> int:
         key = (block, self.version[block])
@@ -113,6 +122,7 @@ class Coordinator:
                                   plan.rebalance_threshold, self.cfg.aggregation.max_abs_delta)
         acc = make_aggregator(self.cfg.aggregation)
         reported, flops, bytes_up = [], 0, 0
+        fresh: dict[int, tuple[int, int]] = {}
         rejected: dict[int, str] = {}
         norms: dict[int, float] = {}
 
@@ -129,6 +139,8 @@ class Coordinator:
             acc.add(update.deltas, self.alg.aggregation_weights(update), update.client)
             norms[update.client] = update_norm(update.deltas)
             reported.append(update.client)
+            if update.local_score is not None:
+                fresh[update.client] = update.local_score
             flops += update.train_flops
             bytes_up += update.bytes_up
         outliers, median = _outliers(norms, self.cfg.aggregation.outlier_factor)
@@ -139,6 +151,7 @@ class Coordinator:
         for b in {block_of(k) for k, v in new.items() if v is not self.global_weights[k]}:
             self.version[b] += 1
         self.global_weights = new
+        self.local_scores.update(fresh)
         last = t == self.cfg.rounds - 1
         report = None
         if (t + 1) % self.cfg.train.eval_every == 0 or last:
@@ -150,6 +163,8 @@ class Coordinator:
             "phase": "train",
             "global_acc": report.global_acc if report else None,
             "personal_acc": report.personal_acc if report else None,
+            "local_acc": self._local_acc(report) if report else None,
+            "round_local_acc": _acc(fresh.values()),
             "clients": selected,
             "reported": reported,
             "status": "ok" if reported else "failed",
@@ -172,6 +187,11 @@ class Coordinator:
                 row["status"] = "failed"
         self._last_report = report
         return row
+
+    def _local_acc(self, report: EvalReport) -> float | None:
+        """FedReG's testbed personalized accuracy: every client's most recent locally trained
+        model on its own test rows; a client that has not trained yet holds what it was sent."""
+        return _acc(self.local_scores.get(c, r) for c, r in report.per_client.items())
 
     def run(self, resume: Checkpoint | None = None) -> RunResult:
         rows = []
@@ -196,6 +216,7 @@ class Coordinator:
                 "phase": "finetune",
                 "global_acc": final.global_acc,
                 "personal_acc": final.personal_acc,
+                "local_acc": final.personal_acc,  # the fine-tuned models are the local ones
                 "clients": sorted(tuned.per_client),
                 "finetune_epochs": self.cfg.algorithm.finetune_epochs,
                 "trainable_params": count_params(self.model, ft_plan.trainable),
@@ -212,6 +233,7 @@ class Coordinator:
         state: dict[str, Any] = {
             "version": self.version,
             "client_version": {str(c): v for c, v in self.client_version.items()},
+            "local_scores": {str(c): list(r) for c, r in self.local_scores.items()},
             "last_report": None if rep is None else [
                 rep.global_correct, rep.global_total,
                 {str(c): list(r) for c, r in rep.per_client.items()}],
@@ -228,6 +250,8 @@ class Coordinator:
                                self.global_weights.items()}
         self.version = {b: int(v) for b, v in ckpt.state["version"].items()}
         self.client_version = {int(c): v for c, v in ckpt.state["client_version"].items()}
+        self.local_scores = {int(c): (r[0], r[1])
+                             for c, r in ckpt.state.get("local_scores", {}).items()}
         rep = ckpt.state.get("last_report")
         if rep is not None:
             self._last_report = EvalReport(rep[0], rep[1],

@@ -26,6 +26,7 @@ class RoundContract:
     num_samples: dict[int, int]  # client -> training rows
     effective_samples: dict[int, int] | None  # FedReG: client -> original rows when rebalanced
     max_abs_delta: float
+    test_samples: dict[int, int] | None = None  # client -> test rows (its local score's total)
 
     def check(self, update: ClientUpdate) -> str | None:
         """Why `update` must be rejected, or None."""
@@ -41,6 +42,11 @@ class RoundContract:
                 update.effective_samples != self.effective_samples.get(c)):
             return (f"effective_samples={update.effective_samples}, but client {c}'s rebalanced "
                     f"set holds {self.effective_samples.get(c)} original rows")
+        if update.local_score is not None and self.test_samples is not None:
+            correct, total = update.local_score
+            if total != self.test_samples.get(c) or not 0 <= correct <= total:
+                return (f"local score {correct}/{total}, but client {c} has "
+                        f"{self.test_samples.get(c)} test rows")
         got, want = set(update.deltas), set(self.reference)
         if got != want:
             extra, missing = sorted(got - want), sorted(want - got)
@@ -74,4 +80,6 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
             counts = data.clients[c].train_class_counts(data.y, data.num_classes)
             q = per_class_target(rebalance_threshold, int((counts > 0).sum()))
             effective[c] = effective_count(counts, q)
-    return RoundContract(round, frozenset(selected), reference, samples, effective, max_abs_delta)
+    tests = {c: len(data.clients[c].test) for c in selected}
+    return RoundContract(round, frozenset(selected), reference, samples, effective, max_abs_delta,
+                         tests)

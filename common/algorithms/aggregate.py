@@ -22,6 +22,9 @@ class ClientUpdate:
     train_flops: int = 0
     train_seconds: float = 0.0
     bytes_up: int = 0
+    # (correct, total) of the client's model right after its local training, on its own test
+    # rows: what FedReG's testbed scores as personalized accuracy (docs/results.md)
+    local_score: tuple[int, int] | None = None
 
 
 def block_of(key: str) -> str:

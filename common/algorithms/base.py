@@ -50,6 +50,7 @@ class Algorithm:
             prox_mu=self.prox_mu(),
             rebalance_threshold=None,
             class_counts_needed=any(o.loss == "balanced_ce" for p in phases for o in p.objectives),
+            score_heads=self.eval_heads(),
         )
 
     def prox_mu(self) -> float:

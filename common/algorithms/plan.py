@@ -61,6 +61,9 @@ class ClientPlan:
     # of (seed, client) only (its Algorithm 3); False rebuilds and re-augments it every round
     rebalance_once: bool = True
     class_counts_needed: bool = False  # balanced softmax needs the client's label counts
+    # after training, score the local model on the client's test rows with these heads summed
+    # (the testbed's "locally trained model" accuracy); () = no score
+    score_heads: tuple[str, ...] = ()
 
     @property
     def trainable(self) -> tuple[str, ...]:
@@ -96,4 +99,5 @@ def plan_from_dict(d: dict) -> ClientPlan:
     fields = {k: v for k, v in d.items() if k != "phases"}
     fields["upload"] = tuple(fields["upload"])
     fields["personal"] = tuple(fields["personal"])
+    fields["score_heads"] = tuple(fields.get("score_heads", ()))
     return ClientPlan(phases=phases, **fields)

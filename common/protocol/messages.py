@@ -125,6 +125,8 @@ class UpdateHeader(Message):
     effective_samples: int | None = None
     train_flops: int = 0
     train_seconds: float = 0.0
+    local_correct: int | None = None  # the trained model on the client's test rows
+    local_total: int | None = None
     chunk: int = Field(ge=0)
     chunks: int = Field(ge=1)
     size: int = Field(ge=0)

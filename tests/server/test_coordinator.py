@@ -127,3 +127,37 @@ def test_late_update_ignored():
     coord, _ = _coord("fedavg", pool_cls=LatePool)
     row = coord.run_round(1)
     assert len(row["reported"]) == 2
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedper"])
+def test_local_acc_scores_each_clients_last_locally_trained_model(name):
+    """FedReG's testbed definition, recomputed by hand: every client's most recent locally
+    trained model on its own test rows; a client not trained yet holds the global model."""
+    from fedseq.common.evaluation import evaluate
+    from fedseq.common.training import run_client_round
+
+    coord, model = _coord(name, "rounds=3", "train.join_ratio=0.34")
+    data, alg = coord.data, coord.alg
+    ref_model = build_model("cnn", (1, 28, 28), 4, False, generator_seed=1)
+    personal = {c.client: get_blocks(ref_model, alg.personal_blocks()) for c in data.clients}
+    last: dict[int, tuple[int, int]] = {}
+    for t in range(3):
+        global_w = dict(coord.global_weights)
+        row = coord.run_round(t)
+        fresh = {}
+        for c in row["clients"]:
+            _, personal[c] = run_client_round(ref_model, {**global_w, **personal[c]}, alg.plan(t),
+                                              data, data.clients[c], 0, t)
+            test = data.clients[c].test
+            with torch.no_grad():
+                pred = ref_model.logits(ref_model.features(data.x[test]), alg.eval_heads()).argmax(1)
+            fresh[c] = (int((pred == data.y[test]).sum()), len(test))
+        last.update(fresh)
+        assert row["round_local_acc"] == pytest.approx(
+            sum(a for a, _ in fresh.values()) / sum(b for _, b in fresh.values()))
+        rep = evaluate(ref_model, data, coord.global_weights, personal, alg.eval_heads())
+        assert row["personal_acc"] == pytest.approx(rep.personal_acc)
+        scores = [last.get(c, r) for c, r in rep.per_client.items()]
+        assert row["local_acc"] == pytest.approx(sum(a for a, _ in scores) / sum(b for _, b in scores))
+        if t == 0:
+            assert len(last) < len(data.clients)  # some clients still hold the global model

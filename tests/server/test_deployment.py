@@ -44,6 +44,9 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
     for d, s in zip(dep.rows, sim.rows, strict=True):
         assert d["clients"] == s["clients"] and d["reported"] == d["clients"]
         assert d["global_acc"] == s["global_acc"] and d["personal_acc"] == s["personal_acc"]
+        # the testbed's local-model accuracy travels in the update headers
+        assert d["local_acc"] == s["local_acc"] and d["round_local_acc"] == s["round_local_acc"]
+        assert s["round_local_acc"] is not None
         assert d["train_flops"] == s["train_flops"]
     for k, v in sim.global_weights.items():
         assert torch.equal(dep.global_weights[k], v), k  # bitwise, same threads and order

@@ -23,6 +23,9 @@ def _good(data, client=0):
 def test_valid_update_passes():
     data, c = _contract()
     assert c.check(_good(data)) is None
+    u = _good(data)
+    u.local_score = (1, len(data.clients[0].test))
+    assert c.check(u) is None
 
 
 @pytest.mark.parametrize("mutate, words", [
@@ -37,6 +40,8 @@ def test_valid_update_passes():
     (lambda u: u.deltas.update({"conv1.bias": torch.tensor([float("inf"), 0.0])}), "NaN or Inf"),
     (lambda u: u.deltas.update({"fc2.weight": torch.zeros(4, 2)}), "not uploadable"),
     (lambda u: u.deltas.pop("conv1.bias"), "missing"),
+    (lambda u: setattr(u, "local_score", (5, 10**6)), "local score"),
+    (lambda u: setattr(u, "local_score", (-1, 0)), "local score"),
 ])
 def test_invalid_updates_are_rejected(mutate, words):
     data, c = _contract()
