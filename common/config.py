@@ -73,6 +73,9 @@ class TrainConfig(_Section):
     momentum: float = Field(0.9, ge=0, lt=1)
     eval_every: int = Field(1, ge=1)
     eval_batch_size: int = Field(2000, ge=1)
+    # fedseq-sim: where the model, batches and the dataset's images live ("cuda", "cuda:1", or
+    # "auto" = cuda when available). Results differ from CPU runs in the last bits (kernels).
+    device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$")
     threads: int | None = Field(
         None, ge=1, description="torch threads; default: the cores not busy at start (1-min load "
                                 "average), recorded in the run directory; set it for bitwise "

@@ -128,10 +128,11 @@ def block_keys(model: BlockModel, block: str) -> list[str]:
 
 
 def get_blocks(model: BlockModel, blocks: tuple[str, ...] | list[str]) -> Weights:
-    """Detached contiguous copies of the named blocks' tensors, keyed by state_dict name."""
+    """Detached contiguous host copies of the named blocks' tensors, keyed by state_dict name
+    (whatever device the model is on: updates, personal state and frames live on the host)."""
     wanted = set(blocks)
     return {
-        k: v.detach().clone(memory_format=torch.contiguous_format)
+        k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
         for k, v in model.state_dict().items()
         if k.split(".", 1)[0] in wanted
     }

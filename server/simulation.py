@@ -12,6 +12,7 @@ import torch
 from fedseq.common.algorithms import algorithm_class, make_algorithm
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import load_federated
+from fedseq.common.errors import ConfigError
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.pool import InProcessPool, make_model
@@ -32,6 +33,23 @@ def default_threads(cores: int | None = None, load: float | None = None) -> int:
     return max(1, min(cores, cores - round(load)))
 
 
+def sim_device(choice: str) -> torch.device:
+    """train.device as a torch device; a CUDA choice without CUDA is a one-line ConfigError."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice.startswith("cuda"):
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(f"train.device={choice!r}, but torch {torch.__version__} ({build}) "
+                              f"sees no GPU; use train.device='cpu' or install a CUDA torch "
+                              f"(README, Set up)")
+        index = int(choice.split(":")[1]) if ":" in choice else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"train.device={choice!r}, but this machine has "
+                              f"{torch.cuda.device_count()} GPU(s); use cuda:0")
+    return torch.device(choice)
+
+
 def run_simulation(
     cfg: ExperimentConfig,
     out: Path | None,
@@ -45,11 +63,14 @@ def run_simulation(
     threads = cfg.train.threads or default_threads()
     torch.set_num_threads(threads)
     info = {**(info or {}), "threads": threads}
+    device = sim_device(cfg.train.device)
+    info["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     data = load_federated(cfg.data, cfg.seed)
     model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads, cfg.seed)
     alg = make_algorithm(cfg, model.spec)
-    pool = InProcessPool(data, model, alg.personal_blocks(), cfg.seed, cfg.train.eval_batch_size)
+    pool = InProcessPool(data, model, alg.personal_blocks(), cfg.seed, cfg.train.eval_batch_size,
+                         device)
     run_dir = None
     if out is not None:
         run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0, info)

@@ -65,6 +65,6 @@ def simple_augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
     theta = torch.stack(
         [torch.stack([cos * flip, -sin, tx], 1), torch.stack([sin * flip, cos, ty], 1)], 1
-    )
+    ).to(x.device)
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
     return F.grid_sample(x, grid, padding_mode="border", align_corners=False)
