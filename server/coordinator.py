@@ -45,6 +45,10 @@ def _outliers(norms: dict[int, float], factor: float) -> tuple[list[int], float]
     return sorted(c for c, n in norms.items() if n > factor * median), median
 
 
+class RunPaused(KeyboardInterrupt):
+    """A run stopped on purpose after a checkpoint (bench/advance_runs.py): resumable."""
+
+
 def _acc(scores: Iterable[tuple[int, int]]) -> float | None:
     """sum correct / sum total, or None when there is nothing to score."""
     pairs = list(scores)
@@ -80,6 +84,8 @@ class Coordinator:
         self.on_round = on_round or (lambda row: None)
         self.on_progress = on_progress or (lambda done, total: None)  # fine-tuning: clients done
         self.global_weights = get_blocks(model, model.spec.blocks)
+        #: stop (resumably, after its checkpoint) once this many rounds are complete
+        self.pause_after: int | None = None
         if isinstance(algorithm, FedReG):
             algorithm.set_train_sizes([len(c.train) for c in data.clients])
         # Version 0 of every block is the seed-derived initial model, which every client can
@@ -202,6 +208,8 @@ class Coordinator:
             self._emit(row)
             if self.run_dir is not None:
                 save_checkpoint(self.run_dir.path, self._checkpoint(t + 1))
+            if self.pause_after is not None and t + 1 >= self.pause_after and t + 1 < self.cfg.rounds:
+                raise RunPaused(f"paused after round {t} (resume to continue)")
         final = self._last_report
         assert final is not None
         ft_plan = self.alg.finetune_plan()

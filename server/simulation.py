@@ -57,6 +57,7 @@ def run_simulation(
     mode: str = "new",
     info: dict[str, Any] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    pause_after: int | None = None,
 ) -> RunResult:
     """Load data, build the seed-derived model, run all rounds (and fine-tuning) in-process.
     mode "resume" continues `out` after its checkpoint's last complete round."""
@@ -74,5 +75,7 @@ def run_simulation(
     run_dir = None
     if out is not None:
         run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0, info)
+    coordinator = Coordinator(cfg, alg, model, data, pool, run_dir, on_round, on_progress)
+    coordinator.pause_after = pause_after
     with recorded(run_dir):
-        return Coordinator(cfg, alg, model, data, pool, run_dir, on_round, on_progress).run(ckpt)
+        return coordinator.run(ckpt)

@@ -1,0 +1,69 @@
+"""Advance several long runs in turn, a few rounds each, so they progress level and can be left
+and continued at any time (every round is checkpointed; a later call resumes each run).
+
+    python bench/advance_runs.py --config examples/fmnist-testbed.toml --out runs/testbed \\
+        --step 5 --until 100 --threads 1 fedavg fedbabu fedreg fedseq-vanilla fedseq-anti
+
+Each run is `OUT/<algorithm>/`, a normal fedseq-sim run directory with rounds = --until (so its
+schedule, e.g. FedSeq's t_k, is the full run's). Fine-tuning happens when a run reaches --until.
+Extra `--set KEY=VALUE` apply to every run. Stop with Ctrl-C; call again to continue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+from fedseq.common.config import load_config
+from fedseq.server.coordinator import RunPaused
+from fedseq.server.simulation import run_simulation
+
+
+def rounds_done(out: Path) -> int:
+    metrics = out / "metrics.jsonl"
+    if not metrics.exists():
+        return 0
+    rows = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    return sum(1 for r in rows if r.get("phase") == "train")
+
+
+def finished(out: Path) -> bool:
+    status = out / "status.json"
+    return status.exists() and json.loads(status.read_text()).get("state") == "finished"
+
+
+def advance(config: Path, out: Path, alg: str, until: int, step: int, sets: list[str],
+            threads: int) -> None:
+    cfg = load_config(config, [*sets, f"algorithm.name={alg}", f"rounds={until}",
+                               f"train.threads={threads}"])
+    start = rounds_done(out)
+    mode = "resume" if (out / "checkpoint.safetensors").exists() else "overwrite"
+    with contextlib.suppress(RunPaused):
+        run_simulation(cfg, out, mode=mode, info={"command": " ".join(sys.argv)},
+                       pause_after=start + step)
+    print(f"{alg}: {rounds_done(out)}/{until} rounds", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--config", type=Path, required=True)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--until", type=int, default=100)
+    ap.add_argument("--step", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("algorithms", nargs="+")
+    a = ap.parse_args()
+    while True:
+        todo = [alg for alg in a.algorithms if not finished(a.out / alg)]
+        if not todo:
+            break
+        for alg in todo:
+            advance(a.config, a.out / alg, alg, a.until, a.step, a.sets, a.threads)
+
+
+if __name__ == "__main__":
+    main()
