@@ -24,7 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", help="this device's name, e.g. jetson01")
     p.add_argument("--broker", help="mqtt://HOST:PORT (default mqtt://127.0.0.1:1883)")
     p.add_argument("--data-dir", type=Path,
-                   help="folder holding MNIST/raw, FashionMNIST/raw, ... (default: the run's data.root)")
+                   help="this device's data root, holding MNIST/raw, FashionMNIST/raw, ... "
+                        "(default: $FEDSEQ_DATA, else ~/.local/share/fedseq/data)")
     p.add_argument("--state-dir", type=Path, help="where personal blocks are kept across restarts")
     p.add_argument("--torch-device", choices=["auto", "cpu", "cuda"],
                    help="where to train (default auto: CUDA when available)")

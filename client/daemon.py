@@ -89,7 +89,7 @@ class DeviceDaemon:
         self,
         device: str,
         broker: str,
-        data_dir: Path | None,
+        data_dir: Path,
         state_dir: Path,
         torch_device: str = "auto",
         topic_root: str = "fedseq",
@@ -223,8 +223,7 @@ class DeviceDaemon:
             err = exc.errors()[0]
             where = ".".join(str(x) for x in err["loc"])
             raise ProtocolError(f"run config {rc.run_id}: {where}: {err['msg']}") from exc
-        if self.data_dir is not None:
-            cfg.data.root = self.data_dir
+        cfg.data.root = self.data_dir  # this device's files, never the coordinator's path
         with self.cond:
             if self.run is None or self.run.run_id != rc.run_id:
                 log.info("joined run %s: %s on %s", rc.run_id, cfg.algorithm.name, cfg.data.dataset)

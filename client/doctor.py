@@ -13,16 +13,6 @@ from fedseq.client.settings import ClientSettings
 
 Check = tuple["bool | None", str]  # (ok, or None for a warning; one line: found, and the fix)
 
-DATASET_FILES = {
-    "mnist": [f"MNIST/raw/{n}-idx{d}-ubyte.gz" for n, d in
-              (("train-images", 3), ("train-labels", 1), ("t10k-images", 3), ("t10k-labels", 1))],
-    "fmnist": [f"FashionMNIST/raw/{n}-idx{d}-ubyte.gz" for n, d in
-               (("train-images", 3), ("train-labels", 1), ("t10k-images", 3), ("t10k-labels", 1))],
-    "cifar10": ["cifar-10-batches-py/data_batch_1", "cifar-10-batches-py/test_batch"],
-    "cifar100": ["cifar-100-python/train", "cifar-100-python/test"],
-}
-
-
 def check_python() -> Check:
     ok = sys.version_info >= (3, 10)
     v = ".".join(map(str, sys.version_info[:3]))
@@ -45,16 +35,27 @@ def check_torch(s: ClientSettings) -> Check:
 
 
 def check_data(s: ClientSettings) -> Check:
-    if s.data_dir is None:
-        return True, "data_dir not set: the run's data.root is used as given by the coordinator"
+    """Every dataset under data_dir, checked by content: md5 of each original file (CIFAR: its
+    extracted folder), so a truncated or corrupt copy is found here, not in round 0."""
+    from fedseq.common.data.store import DATASETS, verify
+
     if not s.data_dir.is_dir():
-        return False, f"data_dir {s.data_dir} does not exist: copy the dataset files there"
-    present = [name for name, files in DATASET_FILES.items()
-               if all((s.data_dir / f).exists() for f in files)]
+        return False, (f"data_dir {s.data_dir} does not exist: run `fedseq data download fmnist "
+                       f"--root {s.data_dir}` (or --from DIR offline), or set data_dir")
+    present, broken = [], []
+    for name in DATASETS:
+        problems = verify(s.data_dir, name)
+        if not problems:
+            present.append(name)
+        elif len(problems) < len(DATASETS[name].files) or any("md5" in p or "bytes" in p
+                                                                for p in problems):
+            broken.append(problems[0])
+    if broken:
+        return False, f"{broken[0]}: re-run `fedseq data download` for it with --root {s.data_dir}"
     if not present:
-        return False, (f"no complete dataset under {s.data_dir}: copy e.g. FashionMNIST/raw/*.gz "
-                       "(the four original IDX files)")
-    return True, f"datasets under {s.data_dir}: {', '.join(present)}"
+        return False, (f"no dataset under {s.data_dir}: run `fedseq data download fmnist --root "
+                       f"{s.data_dir}` (or --from DIR with the original files)")
+    return True, f"datasets under {s.data_dir}, md5 ok: {', '.join(present)}"
 
 
 def check_state_dir(s: ClientSettings) -> Check:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -29,7 +30,8 @@ class ClientSettings(BaseModel):
     cert_file: Path | None = None  # mutual TLS: this device's certificate and key
     key_file: Path | None = None
     verify_hostname: bool = True
-    data_dir: Path | None = None
+    # this device's data root, whatever the coordinator's is ($FEDSEQ_DATA or the default)
+    data_dir: Path = Field(default_factory=default_data_root)
     state_dir: Path = Path("fedseq-state")
     torch_device: Literal["auto", "cpu", "cuda"] = "auto"
     topic_root: str = "fedseq"

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -35,7 +36,9 @@ class _Section(BaseModel):
 
 class DataConfig(_Section):
     dataset: Literal["mnist", "fmnist", "cifar10", "cifar100"] = "fmnist"
-    root: Path = Path("data")
+    # the folder holding MNIST/raw, FashionMNIST/raw, cifar-10-batches-py, ...; default: the one
+    # data root of every command ($FEDSEQ_DATA, else ~/.local/share/fedseq/data; `fedseq data`)
+    root: Path = Field(default_factory=default_data_root)
     partition: Literal["dirichlet", "shards", "iid"] = "dirichlet"
     alpha: float = Field(0.1, gt=0)
     shards_per_client: int = Field(2, ge=1)

@@ -1,0 +1,224 @@
+"""Where datasets live and how they get there: the data root, the files each dataset needs with
+their md5 sums (torchvision's), download from the official mirrors with fallbacks and resume, and
+import from a folder a user already has. Standard library only, so a device can use it too.
+
+The layout under the data root is torchvision's: MNIST/raw/*.gz, FashionMNIST/raw/*.gz,
+cifar-10-batches-py/, cifar-100-python/ (the CIFAR archives are extracted after their check).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import os
+import shutil
+import tarfile
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fedseq.common.errors import DatasetError
+
+CHUNK = 1 << 16
+
+
+def default_data_root() -> Path:
+    """One default for every command: $FEDSEQ_DATA, else $XDG_DATA_HOME/fedseq/data, else
+    ~/.local/share/fedseq/data. A config's data.root (a device's data_dir) overrides it."""
+    env = os.environ.get("FEDSEQ_DATA")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_DATA_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "fedseq" / "data"
+
+
+@dataclass(frozen=True)
+class DataFile:
+    name: str
+    md5: str
+    size: int
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    folder: str  # where the files go, under the data root
+    files: tuple[DataFile, ...]
+    mirrors: tuple[str, ...]  # base URLs, tried in order
+    extract: str | None = None  # a tar.gz whose content goes into the data root after its check
+
+
+DATASETS: dict[str, DatasetSpec] = {
+    "mnist": DatasetSpec(
+        "MNIST/raw",
+        (DataFile("train-images-idx3-ubyte.gz", "f68b3c2dcbeaaa9fbdd348bbdeb94873", 9912422),
+         DataFile("train-labels-idx1-ubyte.gz", "d53e105ee54ea40749a09fcbcd1e9432", 28881),
+         DataFile("t10k-images-idx3-ubyte.gz", "9fb629c4189551a2d022fa330f9573f3", 1648877),
+         DataFile("t10k-labels-idx1-ubyte.gz", "ec29112dd5afa0611ce80d1b7f02629c", 4542)),
+        ("https://ossci-datasets.s3.amazonaws.com/mnist/",
+         "https://storage.googleapis.com/cvdf-datasets/mnist/",
+         "http://yann.lecun.com/exdb/mnist/"),
+    ),
+    "fmnist": DatasetSpec(
+        "FashionMNIST/raw",
+        (DataFile("train-images-idx3-ubyte.gz", "8d4fb7e6c68d591d4c3dfef9ec88bf0d", 26421880),
+         DataFile("train-labels-idx1-ubyte.gz", "25c81989df183df01b3e8a0aad5dffbe", 29515),
+         DataFile("t10k-images-idx3-ubyte.gz", "bef4ecab320f06d8554ea6380940ec79", 4422102),
+         DataFile("t10k-labels-idx1-ubyte.gz", "bb300cfdad3c16e7a12a480ee83cd310", 5148)),
+        ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
+         "https://github.com/zalandoresearch/fashion-mnist/raw/master/data/fashion/"),
+    ),
+    "cifar10": DatasetSpec(
+        "", (DataFile("cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a", 170498071),),
+        ("https://www.cs.toronto.edu/~kriz/",), extract="cifar-10-python.tar.gz",
+    ),
+    "cifar100": DatasetSpec(
+        "", (DataFile("cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85", 169001437),),
+        ("https://www.cs.toronto.edu/~kriz/",), extract="cifar-100-python.tar.gz",
+    ),
+}
+EXTRACTED = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+
+Progress = Callable[[str, int, int], None]  # (file name, bytes so far, bytes in all)
+
+
+def spec_of(dataset: str) -> DatasetSpec:
+    if dataset not in DATASETS:
+        raise DatasetError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)}")
+    return DATASETS[dataset]
+
+
+def md5_of(path: Path) -> str:
+    h = hashlib.md5(usedforsecurity=False)
+    with path.open("rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def check_file(path: Path, want: DataFile) -> str | None:
+    """Why `path` is not the expected file, or None."""
+    if not path.exists():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    if size != want.size:
+        return f"{path} has {size:,} bytes, the original has {want.size:,} (truncated or another file)"
+    got = md5_of(path)
+    if got != want.md5:
+        return f"{path} has md5 {got}, the original {want.md5} (corrupt or another file)"
+    return None
+
+
+def verify(root: Path, dataset: str) -> list[str]:
+    """Problems with a dataset under `root` (empty: every file is byte-identical to the original).
+    CIFAR is checked by its extracted folder, whose archive is not kept."""
+    spec = spec_of(dataset)
+    if spec.extract is not None:
+        folder = Path(root) / EXTRACTED[dataset]
+        return [] if folder.is_dir() and any(folder.iterdir()) else [f"{folder} is missing"]
+    return [p for f in spec.files if (p := check_file(Path(root) / spec.folder / f.name, f))]
+
+
+def _fetch(url: str, dest: Path, want: DataFile, progress: Progress | None, timeout: float) -> None:
+    """Download `url` into dest + '.part', continuing a partial file with an HTTP Range request;
+    the finished file replaces dest only after its size and md5 match."""
+    part = dest.with_name(dest.name + ".part")
+    have = part.stat().st_size if part.exists() else 0
+    if have > want.size:
+        part.unlink()
+        have = 0
+    if have < want.size:
+        req = urllib.request.Request(url, headers={"User-Agent": "fedseq"})
+        if have:
+            req.add_header("Range", f"bytes={have}-")
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            if have and resp.status != 206:  # the server ignored the range: start again
+                have = 0
+            with part.open("ab" if have else "wb") as out:
+                while block := resp.read(CHUNK):
+                    out.write(block)
+                    have += len(block)
+                    if progress:
+                        progress(want.name, have, want.size)
+    if 0 < part.stat().st_size < want.size:  # broken off: kept, the next try continues it
+        raise DatasetError(f"{url}: the transfer broke off after {part.stat().st_size:,} of "
+                           f"{want.size:,} bytes")
+    problem = check_file(part, want)
+    if problem is not None:
+        part.unlink(missing_ok=True)  # a bad whole file is never kept: the next try starts clean
+        raise DatasetError(problem.replace(str(part), url))
+    part.replace(dest)
+
+
+def download(dataset: str, root: Path, mirrors: tuple[str, ...] | None = None,
+             progress: Progress | None = None, timeout: float = 60.0,
+             log: Callable[[str], None] = lambda msg: None) -> Path:
+    """Fetch every missing or bad file of `dataset` into `root`, trying each mirror in turn; a
+    partial download is resumed. Returns the dataset's folder. Raises DatasetError (one line)."""
+    spec = spec_of(dataset)
+    folder = Path(root) / spec.folder
+    if spec.extract is not None and not verify(root, dataset):
+        log(f"{Path(root) / EXTRACTED[dataset]}: present")
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in spec.files:
+        dest = folder / f.name
+        if dest.exists() and check_file(dest, f) is None:
+            log(f"{dest}: present, md5 ok")
+            continue
+        errors = []
+        for base in mirrors or spec.mirrors:
+            url = base.rstrip("/") + "/" + f.name
+            try:
+                _fetch(url, dest, f, progress, timeout)
+                log(f"{dest}: downloaded from {base}, md5 ok")
+                break
+            except (urllib.error.URLError, OSError, http.client.HTTPException, DatasetError) as exc:
+                reason = getattr(exc, "reason", None) or exc
+                errors.append(f"{url}: {reason}")
+                log(f"{url}: {reason}; trying the next mirror")
+        else:
+            raise DatasetError(f"could not download {f.name} ({'; '.join(errors)}); check the "
+                               f"network or fetch the files elsewhere and use --from DIR")
+    _extract(spec, root)
+    return folder
+
+
+def import_from(dataset: str, source: Path, root: Path, log: Callable[[str], None] = lambda m: None
+                ) -> Path:
+    """Copy a dataset's original files from `source` (the files themselves, or a data root with
+    the standard layout) into `root`, each checked against its md5 first."""
+    spec = spec_of(dataset)
+    folder = Path(root) / spec.folder
+    folder.mkdir(parents=True, exist_ok=True)
+    source = Path(source)
+    for f in spec.files:
+        candidates = [source / f.name, source / spec.folder / f.name]
+        found = next((p for p in candidates if p.exists()), None)
+        if found is None:
+            raise DatasetError(f"{f.name} is not in {source} (nor in {source / spec.folder}); "
+                               f"point --from at the folder holding the original files")
+        problem = check_file(found, f)
+        if problem is not None:
+            raise DatasetError(f"{problem}; not imported")
+        dest = folder / f.name
+        if dest.resolve() != found.resolve():
+            tmp = dest.with_name(dest.name + ".part")
+            shutil.copyfile(found, tmp)
+            tmp.replace(dest)
+        log(f"{dest}: imported from {found}, md5 ok")
+    _extract(spec, root)
+    return folder
+
+
+def _extract(spec: DatasetSpec, root: Path) -> None:
+    if spec.extract is None:
+        return
+    archive = Path(root) / spec.folder / spec.extract
+    with tarfile.open(archive, "r:gz") as tar:
+        if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: no paths outside root
+            tar.extractall(Path(root), filter="data")
+        else:  # pragma: no cover - older Python on a device
+            tar.extractall(Path(root))  # noqa: S202 - a checksum-verified original archive
+    archive.unlink()
