@@ -130,16 +130,40 @@ def sim(
 
         noted: list[bool] = []
         try:
-            result = run_simulation(cfg, out, on_round, mode, info, on_progress)
+            run_simulation(cfg, out, on_round, mode, info, on_progress)
         except FedseqError as exc:
             progress.stop()
             _fail(exc)
         except KeyboardInterrupt:
             progress.stop()
             _interrupted(out)
-    final = result.rows[-1]
-    print(f"final ({final['phase']}): global {_fmt(final['global_acc'])}, "
-          f"personalized {_fmt(final['personal_acc'])} -> {out}", file=sys.stderr)
+    _summary(out)
+
+
+def _summary(out: Path) -> None:
+    """The run in a few lines, from its run directory (a resumed run's earlier rounds included)."""
+    from fedseq.server.report import load_run, summarize
+
+    run = load_run(out)
+    s = summarize(run)
+    rows = run.train_rows
+
+    def acc(name: str) -> str:
+        final, best = s[f"{name} final"], s[f"{name} best"]
+        return "-" if final is None else f"final {final:.2f}%, best {best:.2f}%"
+
+    failed = sum(len(r.get("failed", [])) for r in rows)
+    rejected = sum(len(r.get("rejected", {})) for r in rows)
+    ft = " + fine-tuning" if s["finetuned"] else ""
+    star = " (head/base at init: see the global_model note)" if s["global model"] != "trained" else ""
+    print(f"run finished: {s['algorithm']} on {s['dataset']} ({s['model']}), {s['rounds']} rounds"
+          f"{ft}, {s['wall s']:.0f} s\n"
+          f"  global{star}: {acc('G')}\n"
+          f"  personalized: {acc('P')}\n"
+          f"  local model (FedReG testbed): {acc('L')}\n"
+          f"  moved {s['MB moved']:.1f} MB, trained {s['train TFLOP']:.2f} TFLOP; "
+          f"missing updates: {failed}, rejected: {rejected}\n"
+          f"  -> {out}   (figures and tables: fedseq report {out})", file=sys.stderr)
 
 
 def sim_main() -> None:
@@ -185,7 +209,7 @@ def start(
     except ValueError as exc:
         _fail(exc)
     try:
-        result = run_deployment(cfg, out, broker, local_clients,
+        run_deployment(cfg, out, broker, local_clients,
                                 on_round=None if quiet else _print_row,
                                 announce=lambda s: print(s, file=sys.stderr),
                                 client_threads=client_threads, mode=mode, info=info,
@@ -194,9 +218,7 @@ def start(
         _fail(exc)
     except KeyboardInterrupt:
         _interrupted(out)
-    final = result.rows[-1]
-    print(f"final ({final['phase']}): global {_fmt(final['global_acc'])}, "
-          f"personalized {_fmt(final['personal_acc'])} -> {out}", file=sys.stderr)
+    _summary(out)
 
 
 _shown: dict[str, Any] = {}

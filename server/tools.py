@@ -105,6 +105,30 @@ def where() -> None:
     print(_root(None))
 
 
+@app.command("report")
+def report_cmd(
+    runs: Annotated[list[Path], typer.Argument(help="run directories (fedseq-sim/server --out)")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="folder for the figures and tables")
+                   ] = Path("report"),
+    paper: Annotated[str | None, typer.Option(
+        help="print a paper's numbers beside ours: fedreg-table6, fedseq-table2-mnist")] = None,
+    label: Annotated[list[str] | None, typer.Option(help="a name per run (default: its folder)")
+                     ] = None,
+    no_figures: Annotated[bool, typer.Option("--no-figures", help="tables only")] = False,
+) -> None:
+    """Figures (accuracy per round, per-client accuracy, bytes and FLOPs against accuracy,
+    seconds per round) and a Markdown/CSV summary of one or more runs."""
+    from fedseq.server.report import report
+
+    try:
+        _, figures = report(runs, out, paper, not no_figures, label)
+    except FedseqError as exc:
+        _fail(exc)
+    print((out / "summary.md").read_text(), end="")
+    print(f"wrote {out / 'summary.md'}, {out / 'summary.csv'}"
+          + "".join(f", {f}" for f in figures))
+
+
 def main() -> None:
     app()
 

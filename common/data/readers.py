@@ -63,8 +63,9 @@ def _read_idx_file(folder: Path, stem: str, dataset: str) -> np.ndarray:
                 raise DatasetError(f"{path}: cannot decompress ({exc}); re-copy the file") from exc
             return parse_idx(data, str(path))
     raise DatasetError(
-        f"missing dataset file {folder / (stem + '.gz')}: put the original {dataset} files "
-        f"under {folder}/ or point data.root at the folder that holds {IDX_LAYOUT[dataset]}"
+        f"missing dataset file {folder / (stem + '.gz')}: run `fedseq data download {dataset} "
+        f"--root {folder.parent.parent}` (or --from DIR offline), or point data.root at the "
+        f"folder that holds {IDX_LAYOUT[dataset]}"
     )
 
 
@@ -87,7 +88,9 @@ def read_idx_dataset(root: Path, dataset: str) -> RawDataset:
 def _unpickle(path: Path) -> dict:
     if not path.exists():
         raise DatasetError(
-            f"missing dataset file {path}: extract the CIFAR python archive under {path.parent.parent}"
+            f"missing dataset file {path}: run `fedseq data download "
+            f"{'cifar10' if 'cifar-10-' in path.parent.name else 'cifar100'} --root "
+            f"{path.parent.parent}` (or --from DIR with the python archive)"
         )
     with path.open("rb") as f:
         # CIFAR ships as pickles; they come from the user's own disk, never from the network.

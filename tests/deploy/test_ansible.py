@@ -36,7 +36,10 @@ def _play(prefix, wheel, port, data_root):
          "-e", f"fedseq_client_wheel={wheel}", "-e", "fedseq_client_device=ansible01",
          "-e", f"fedseq_client_broker_url=mqtt://127.0.0.1:{port}",
          "-e", f"fedseq_client_dataset_src={data_root / 'FashionMNIST'}",
-         "-e", "fedseq_client_threads=1", "-e", "fedseq_client_torch_device=cpu"],
+         "-e", "fedseq_client_threads=1", "-e", "fedseq_client_torch_device=cpu",
+         # torch and the other dependencies come from the environment running the tests (a venv
+         # in CI), as a device's come from JetPack's system packages
+         "-e", f"fedseq_client_site_from={sys.executable}"],
         cwd=ANSIBLE, capture_output=True, text=True, timeout=600,
         env={**os.environ, "ANSIBLE_NOCOLOR": "1"})
 

@@ -21,7 +21,9 @@ def test_fedseq_sim_writes_run_dir(tmp_path, data_root):
     assert rows[-1]["phase"] == "finetune"
     assert {p.name for p in out.iterdir()} >= {"config.toml", "metrics.jsonl", "clients.csv",
                                                 "model.safetensors"}
-    assert "final (finetune)" in r.stderr
+    # the closing summary
+    assert "run finished: fedseq-vanilla on fmnist (cnn), 2 rounds + fine-tuning" in r.stderr
+    assert "personalized: final" in r.stderr and f"fedseq report {out}" in r.stderr
 
 
 def test_bad_key_exit_2_one_line(tmp_path):
@@ -35,6 +37,7 @@ def test_missing_dataset_exit_2_names_file(tmp_path):
     r = _run("fedseq-sim", "-q", "--set", f"data.root={str(tmp_path)!r}", "--out", str(tmp_path / "x"))
     assert r.returncode == 2
     assert "train-images-idx3-ubyte.gz" in r.stderr and "data.root" in r.stderr
+    assert "fedseq data download fmnist" in r.stderr
     assert len([x for x in r.stderr.splitlines() if x.strip()]) == 1
 
 
@@ -50,6 +53,7 @@ def test_server_quick_start_with_local_clients(tmp_path, data_root):
     assert "embedded MQTT broker at mqtt://127.0.0.1:" in r.stderr
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(row["reported"] == row["clients"] for row in rows)
+    assert "run finished: fedrep on fmnist (cnn), 2 rounds" in r.stderr
 
 
 def test_client_bad_broker_url_exit_2():

@@ -1,0 +1,58 @@
+"""fedseq report on short real runs: figures exist and are images, the tables hold the runs'
+numbers, a paper's table sits beside them, bad input is one line."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import quick_config
+from fedseq.server.simulation import run_simulation
+
+pytest.importorskip("matplotlib")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory, data_root):
+    root = tmp_path_factory.mktemp("runs")
+    for name in ("fedavg", "fedbabu"):
+        run_simulation(quick_config(data_root, f"algorithm.name={name}", "rounds=3",
+                                    "train.threads=1"), root / name)
+    return root
+
+
+def _report(*args):
+    return subprocess.run([sys.executable, "-m", "fedseq.server.tools", "report", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_report_writes_figures_and_tables(two_runs, tmp_path):
+    out = tmp_path / "rep"
+    r = _report(str(two_runs / "fedavg"), str(two_runs / "fedbabu"), "--out", str(out),
+                "--paper", "fedreg-table6")
+    assert r.returncode == 0, r.stderr
+    for name in ("accuracy.png", "clients.png", "cost.png", "seconds.png"):
+        blob = (out / name).read_bytes()
+        assert blob.startswith(PNG) and len(blob) > 10_000, name
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [r["algorithm"] for r in rows] == ["fedavg", "fedbabu"]
+    metrics = [json.loads(x) for x in (two_runs / "fedbabu" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["finetuned"] == "True" and rows[1]["rounds"] == "3"
+    assert float(rows[1]["P final"]) == round(100 * metrics[-1]["personal_acc"], 2)
+    fedavg = [json.loads(x) for x in (two_runs / "fedavg" / "metrics.jsonl").read_text().splitlines()]
+    assert float(rows[0]["G best"]) == round(100 * max(m["global_acc"] for m in fedavg), 2)
+    assert rows[0]["paper G"] == "82.13" and rows[1]["paper P"] == "97.76"
+    md = (out / "summary.md").read_text()
+    assert "| fedavg | fedavg | fmnist | cnn | 3 |" in md and "FedReG Table 6" in md
+    assert md in r.stdout
+
+
+def test_report_bad_input_is_one_line(tmp_path, two_runs):
+    r = _report(str(tmp_path), "--out", str(tmp_path / "rep"))
+    assert r.returncode == 2 and "not a run directory" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = _report(str(two_runs / "fedavg"), "--paper", "nature2030", "--out", str(tmp_path / "rep"))
+    assert r.returncode == 2 and "fedreg-table6" in r.stderr
