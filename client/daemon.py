@@ -61,6 +61,7 @@ class RunState:
     clients: list[int] = field(default_factory=list)
     done: set[int] = field(default_factory=set)  # step seqs finished
     data: FederatedData | None = None
+    data_clients: list[int] | None = None  # whose rows `data` holds
     model: BlockModel | None = None
     flop_cache: FlopCache = field(default_factory=dict)
     frames: FramePool | None = None  # weights frames being reassembled, bounded by the model
@@ -307,9 +308,13 @@ class DeviceDaemon:
         self._announce()
 
     def _prepare(self, run: RunState) -> tuple[FederatedData, BlockModel]:
-        if run.data is None or run.model is None:
-            cfg = run.cfg
-            run.data = load_federated(cfg.data, cfg.seed)
+        cfg = run.cfg
+        if run.data is None or run.data_clients != run.clients:
+            # only this device's clients' rows, as uint8 (a Nano has 4 GB for CPU and GPU)
+            run.data = None
+            run.data = load_federated(cfg.data, cfg.seed, only=run.clients)
+            run.data_clients = list(run.clients)
+        if run.model is None:
             two = algorithm_class(cfg.algorithm.name).two_heads
             run.model = build_model(cfg.model.name, run.data.input_shape, run.data.num_classes, two,
                                     generator_seed=derive_seed(cfg.seed, "init")

@@ -72,7 +72,7 @@ def evaluate(
     g_correct = g_total = 0
     if shared_feats:
         rows = torch.cat([data.clients[c].test for c in clients])
-        feats = features(model, data.x[rows], batch)
+        feats = features(model, data.images(rows), batch)
         y = data.y[rows]
         if with_global:
             pred = _head_logits(feats, (spec.head,), global_weights).argmax(1)
@@ -84,7 +84,7 @@ def evaluate(
         w = {**global_weights, **personal.get(c, {})}
         if personal_base:
             set_weights(model, personal.get(c, {}))
-            f_c = features(model, data.x[test], batch)
+            f_c = features(model, data.images(test), batch)
             set_weights(model, {k: v for k, v in global_weights.items() if k in personal.get(c, {})})
         else:
             f_c = feats[offset : offset + n]

@@ -89,13 +89,13 @@ def train_plan(
     loss_sum = 0.0
     effective = None
     for phase_no, phase in enumerate(plan.phases):
-        rows, xs, ys = shard.train, data.x, data.y
+        rows, images, ys = shard.train, data.images, data.y
         augment = None
         if phase.data == "rebalanced":
             assert plan.rebalance_threshold is not None, "rebalanced phase needs a threshold"
             if plan.rebalance_once:
                 rb, xs = fixed_rebalanced(data, shard, plan.rebalance_threshold, seed)
-                rows, ys = torch.arange(len(xs)), data.y[rb.indices]
+                rows, images, ys = torch.arange(len(xs)), xs.__getitem__, data.y[rb.indices]
             else:
                 rb = rebalance(shard.train, data.y, plan.rebalance_threshold, g_aug)
                 rows, augment = rb.indices, rb.augment
@@ -113,7 +113,7 @@ def train_plan(
             for i in range(0, n, plan.batch_size):
                 pick = perm[i : i + plan.batch_size]
                 idx = rows[pick]
-                x = xs[idx]
+                x = images(idx)
                 if augment is not None:
                     aug = augment[pick]
                     if aug.any():
@@ -156,7 +156,7 @@ def fixed_rebalanced(
     (a few ms) is the same set, and a device needs no state for it."""
     g = torch_rng(seed, "rebalance-once", shard.client)
     rb = rebalance(shard.train, data.y, threshold, g)
-    xs = data.x[rb.indices]
+    xs = data.images(rb.indices)
     if rb.augment.any():
         xs[rb.augment] = simple_augment(xs[rb.augment], g)
     return rb, xs
@@ -231,7 +231,7 @@ def score_local(model: BlockModel, data: FederatedData, shard: ClientShard, head
     correct = 0
     for i in range(0, len(shard.test), batch):
         rows = shard.test[i : i + batch]
-        logits = model.logits(model.features(data.x[rows].to(dev)), heads)
+        logits = model.logits(model.features(data.images(rows).to(dev)), heads)
         correct += int((logits.argmax(1).cpu() == data.y[rows]).sum())
     return correct, len(shard.test)
 

@@ -69,9 +69,13 @@ def _read_idx_file(folder: Path, stem: str, dataset: str) -> np.ndarray:
     )
 
 
-def read_idx_dataset(root: Path, dataset: str) -> RawDataset:
+def read_idx_dataset(root: Path, dataset: str, rows: np.ndarray | None = None) -> RawDataset:
+    """Both splits, train first. With `rows` (sorted indices into that order) only those images
+    are kept, one file at a time, so a device never holds the whole dataset; the labels are
+    always all of them (the partition needs them)."""
     folder = Path(root) / IDX_LAYOUT[dataset]
     parts = []
+    offset = 0
     for split in ("train", "test"):
         images = _read_idx_file(folder, IDX_FILES[split][0], dataset)
         labels = _read_idx_file(folder, IDX_FILES[split][1], dataset)
@@ -79,10 +83,14 @@ def read_idx_dataset(root: Path, dataset: str) -> RawDataset:
             raise DatasetError(
                 f"{folder}: {split} images {images.shape} and labels {labels.shape} do not match"
             )
+        if rows is not None:
+            local = rows[(rows >= offset) & (rows < offset + len(labels))] - offset
+            images = images[local]  # a copy: the decompressed file is released
+        offset += len(labels)
         parts.append((images, labels))
     images = np.concatenate([p[0] for p in parts])[:, None, :, :]
     labels = np.concatenate([p[1] for p in parts]).astype(np.int64)
-    return RawDataset(images, labels, NUM_CLASSES[dataset], len(parts[0][0]))
+    return RawDataset(images, labels, NUM_CLASSES[dataset], len(parts[0][1]))
 
 
 def _unpickle(path: Path) -> dict:
@@ -112,10 +120,13 @@ def read_cifar(root: Path, dataset: str) -> RawDataset:
     return RawDataset(images, labels, NUM_CLASSES[dataset], num_train)
 
 
-def read_dataset(root: Path, dataset: str) -> RawDataset:
-    """Dispatch on the config's dataset name."""
+def read_dataset(root: Path, dataset: str, rows: np.ndarray | None = None) -> RawDataset:
+    """Dispatch on the config's dataset name; `rows`: keep only these images (labels: all)."""
     if dataset in IDX_LAYOUT:
-        return read_idx_dataset(root, dataset)
+        return read_idx_dataset(root, dataset, rows)
     if dataset in CIFAR_DIRS:
-        return read_cifar(root, dataset)
+        raw = read_cifar(root, dataset)
+        if rows is None:
+            return raw
+        return RawDataset(raw.images[rows], raw.labels, raw.num_classes, raw.num_train)
     raise DatasetError(f"unknown dataset {dataset!r}; use one of {sorted(NUM_CLASSES)}")

@@ -150,7 +150,7 @@ def test_local_acc_scores_each_clients_last_locally_trained_model(name):
                                               data, data.clients[c], 0, t)
             test = data.clients[c].test
             with torch.no_grad():
-                pred = ref_model.logits(ref_model.features(data.x[test]), alg.eval_heads()).argmax(1)
+                pred = ref_model.logits(ref_model.features(data.images(test)), alg.eval_heads()).argmax(1)
             fresh[c] = (int((pred == data.y[test]).sum()), len(test))
         last.update(fresh)
         assert row["round_local_acc"] == pytest.approx(
