@@ -49,7 +49,7 @@ from fedseq.common.protocol.messages import (
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
 from fedseq.common.protocol.topics import Topics
 from fedseq.common.seeding import derive_seed
-from fedseq.common.training import FlopCache, finetune_and_score, run_client_round
+from fedseq.common.training import finetune_and_score, run_client_round
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,6 @@ class RunState:
     data: FederatedData | None = None
     data_clients: list[int] | None = None  # whose rows `data` holds
     model: BlockModel | None = None
-    flop_cache: FlopCache = field(default_factory=dict)
     frames: FramePool | None = None  # weights frames being reassembled, bounded by the model
 
 
@@ -353,8 +352,7 @@ class DeviceDaemon:
                     return
                 start = {**shared, **self._personal(run, c, plan.personal, before=step.round)}
                 update, personal = run_client_round(model, start, plan, data, data.clients[c],
-                                                    run.cfg.seed, step.round,
-                                                    flop_cache=run.flop_cache)
+                                                    run.cfg.seed, step.round)
                 if plan.personal:
                     self.store.save(run.run_id, c, personal, step.round)
                 frame = encode_tensors(update.deltas)
@@ -362,7 +360,7 @@ class DeviceDaemon:
                 meta = dict(run_id=run.run_id, seq=step.seq, round=step.round, client=c,
                             device=self.device, num_samples=update.num_samples,
                             effective_samples=update.effective_samples,
-                            train_flops=update.train_flops, train_seconds=update.train_seconds,
+                            train_seconds=update.train_seconds,
                             local_correct=update.local_score[0] if update.local_score else None,
                             local_total=update.local_score[1] if update.local_score else None)
                 self._send(f"update/{c}", step.seq, functools.partial(self._publish_update, c, meta, frame))
@@ -383,7 +381,7 @@ class DeviceDaemon:
                 start = {**shared, **self._personal(run, c, alg_personal)}
                 results[c] = finetune_and_score(model, start, plan, data, data.clients[c],
                                                 run.cfg.seed, tuple(step.eval_heads),
-                                                run.cfg.train.eval_batch_size, run.flop_cache)
+                                                run.cfg.train.eval_batch_size)
                 log.info("step %d: fine-tuned client %d (%d of %d)", step.seq, c, len(results),
                          len(mine))
                 if len(results) < len(mine):  # progress for the operator; the final result follows

@@ -58,7 +58,7 @@ def evaluate(
     personal: dict[int, Weights],
     eval_heads: tuple[str, ...],
     clients: list[int] | None = None,
-    batch: int = 2000,
+    batch: int = 128,
     with_global: bool = True,
 ) -> EvalReport:
     """Global model on the union of the clients' test rows, and each client's model (global

@@ -11,7 +11,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, Objective
@@ -19,8 +18,6 @@ from fedseq.common.data.federated import ClientShard, FederatedData
 from fedseq.common.data.rebalance import Rebalanced, rebalance, simple_augment
 from fedseq.common.models import BlockModel, Weights, get_blocks, set_weights
 from fedseq.common.seeding import torch_rng
-
-FlopCache = dict[tuple[Objective, int, int], int]
 
 # Overconfident heads on skewed clients drive gradients into denormal floats, which made CPU
 # backward passes up to 4x slower (measured in bench/sim_round.py). Flush-to-zero is a per-thread
@@ -33,10 +30,49 @@ torch.set_flush_denormal(True)
 class TrainStats:
     num_samples: int
     effective_samples: int | None
-    flops: int
     seconds: float
     batches: int
     mean_loss: float
+
+
+class Sgd:
+    """SGD with momentum, step for step and bit for bit what torch.optim.SGD(foreach=True) does
+    (no dampening, weight decay or Nesterov; tests/common/test_training.py compares them).
+    Constructing a torch.optim optimizer imports torch._dynamo and sympy: 830 modules, ~55 MB
+    resident on a device that has 4 GB for everything; this imports nothing."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float, momentum: float):
+        self.params = params
+        self.lr = lr
+        self.momentum = momentum
+        self.buffers: list[torch.Tensor | None] = [None] * len(params)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        idx = [i for i, p in enumerate(self.params) if p.grad is not None]
+        params: list[torch.Tensor] = [self.params[i] for i in idx]
+        grads = [p.grad for p in params if p.grad is not None]
+        if self.momentum != 0:
+            if all(self.buffers[i] is not None for i in idx):
+                bufs = [b for i in idx if (b := self.buffers[i]) is not None]
+                torch._foreach_mul_(bufs, self.momentum)
+                torch._foreach_add_(bufs, grads, alpha=1)
+            else:
+                bufs = []
+                for i, g in zip(idx, grads, strict=True):
+                    buf = self.buffers[i]
+                    if buf is None:
+                        buf = self.buffers[i] = torch.clone(g).detach()
+                    else:
+                        buf.mul_(self.momentum).add_(g, alpha=1)
+                    bufs.append(buf)
+            grads = bufs
+        if params:
+            torch._foreach_add_(params, grads, alpha=-self.lr)
 
 
 def _set_trainable(model: BlockModel, trainable: tuple[str, ...]) -> list[torch.nn.Parameter]:
@@ -65,7 +101,6 @@ def train_plan(
     seed: int,
     round: int,
     purpose: str = "batches",
-    flop_cache: FlopCache | None = None,
 ) -> TrainStats:
     """Run every phase of `plan` on the client's training rows; updates `model` in place.
 
@@ -76,7 +111,6 @@ def train_plan(
     torch.set_flush_denormal(True)  # the calling thread may not be the one that imported us
     g_batch = torch_rng(seed, purpose, round, shard.client)
     g_aug = torch_rng(seed, "rebalance", round, shard.client)
-    flop_cache = {} if flop_cache is None else flop_cache
     anchor: dict[str, torch.Tensor] = {}
     if plan.prox_mu > 0:
         anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -85,10 +119,10 @@ def train_plan(
     if plan.class_counts_needed:
         counts = shard.train_class_counts(data.y, data.num_classes).float()
         log_prior = counts.clamp_min(1e-12).log()[None, :].to(dev)
-    flops = batches = 0
+    batches = 0
     loss_sum = 0.0
     effective = None
-    for phase_no, phase in enumerate(plan.phases):
+    for phase in plan.phases:
         rows, images, ys = shard.train, data.images, data.y
         augment = None
         if phase.data == "rebalanced":
@@ -104,7 +138,7 @@ def train_plan(
         for obj in phase.objectives:
             params = _set_trainable(model, obj.trainable)
             optimizers.append(
-                torch.optim.SGD(params, lr=plan.lr, momentum=plan.momentum, foreach=True)
+                Sgd(params, lr=plan.lr, momentum=plan.momentum)
                 if params else None
             )
         n = len(rows)
@@ -122,26 +156,17 @@ def train_plan(
                 if dev.type != "cpu":
                     x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
                 cache: dict[str, torch.Tensor] = {}
-                for obj_no, (obj, opt) in enumerate(zip(phase.objectives, optimizers, strict=True)):
+                for obj, opt in zip(phase.objectives, optimizers, strict=True):
                     if opt is None:
                         continue
-                    key = (obj, len(idx), phase_no * 100 + obj_no)
                     if len(phase.objectives) > 1:
                         _set_trainable(model, obj.trainable)
-                    if key not in flop_cache:
-                        with FlopCounterMode(display=False) as counter:
-                            loss = _step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
-                        flop_cache[key] = int(counter.get_total_flops())
-                    else:
-                        loss = _step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
-                    flops += flop_cache[key]
-                    loss_sum += loss
+                    loss_sum += _step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
                 batches += 1
     _set_trainable(model, ())
     return TrainStats(
         num_samples=len(shard.train),
         effective_samples=effective,
-        flops=flops,
         seconds=time.perf_counter() - start,
         batches=batches,
         mean_loss=loss_sum / max(1, batches),
@@ -185,7 +210,7 @@ def _step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientPlan, 
             if p.requires_grad
         )
         loss = loss + 0.5 * plan.prox_mu * prox
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()
     loss.backward()
     opt.step()
     return float(loss.detach())
@@ -200,13 +225,12 @@ def run_client_round(
     seed: int,
     round: int,
     purpose: str = "batches",
-    flop_cache: FlopCache | None = None,
 ) -> tuple[ClientUpdate, Weights]:
     """Load the client's weights (global blocks + its personal blocks), train under the plan and
     return (update with deltas of the uploaded blocks, the client's new personal blocks)."""
     set_weights(model, weights)
     before = get_blocks(model, plan.upload)
-    stats = train_plan(model, data, shard, plan, seed, round, purpose, flop_cache)
+    stats = train_plan(model, data, shard, plan, seed, round, purpose)
     score = score_local(model, data, shard, plan.score_heads) if plan.score_heads else None
     after = get_blocks(model, plan.upload)
     deltas = {k: after[k] - before[k] for k in after}
@@ -216,7 +240,6 @@ def run_client_round(
         deltas=deltas,
         num_samples=stats.num_samples,
         effective_samples=stats.effective_samples,
-        train_flops=stats.flops,
         train_seconds=stats.seconds,
         local_score=score,
     )
@@ -225,7 +248,7 @@ def run_client_round(
 
 @torch.no_grad()
 def score_local(model: BlockModel, data: FederatedData, shard: ClientShard, heads: tuple[str, ...],
-                batch: int = 2000) -> tuple[int, int]:
+                batch: int = 128) -> tuple[int, int]:
     """(correct, total) of the model as it is on the client's own test rows, `heads` summed."""
     dev = next(model.parameters()).device
     correct = 0
@@ -244,8 +267,7 @@ def finetune_and_score(
     shard: ClientShard,
     seed: int,
     eval_heads: tuple[str, ...],
-    eval_batch: int = 2000,
-    flop_cache: FlopCache | None = None,
+    eval_batch: int = 128,
 ) -> tuple[int, int]:
     """Fine-tune one client from `weights` (FedBABU/FedSeq's last step) and return its
     (correct, total) on its own test rows."""
@@ -253,7 +275,7 @@ def finetune_and_score(
 
     plan = replace(plan, score_heads=())  # scored below, with the evaluation's code
     _, tuned = run_client_round(model, weights, plan, data, shard, seed, round=0,
-                                purpose="finetune", flop_cache=flop_cache)
+                                purpose="finetune")
     rep = evaluate(model, data, tuned, {}, eval_heads, clients=[shard.client], batch=eval_batch,
                    with_global=False)
     return rep.per_client[shard.client]

@@ -20,6 +20,7 @@ from fedseq.common.algorithms.robust import make_aggregator, update_norm
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.evaluation import EvalReport
+from fedseq.common.flops import FlopCache, plan_flops
 from fedseq.common.models import BlockModel, Weights, count_params, get_blocks
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.seeding import numpy_rng
@@ -96,6 +97,7 @@ class Coordinator:
         self._last_report: EvalReport | None = None
         # client -> (correct, total) of its most recent locally trained model (FedReG's testbed)
         self.local_scores: dict[int, tuple[int, int]] = {}
+        self.flop_cache: FlopCache = {}
 
     def _block_bytes(self, block: str) -> int:
         key = (block, self.version[block])
@@ -147,7 +149,8 @@ class Coordinator:
             reported.append(update.client)
             if update.local_score is not None:
                 fresh[update.client] = update.local_score
-            flops += update.train_flops
+            flops += plan_flops(self.model, plan, self.data, self.data.clients[update.client],
+                                self.flop_cache)
             bytes_up += update.bytes_up
         outliers, median = _outliers(norms, self.cfg.aggregation.outlier_factor)
         for c in outliers:

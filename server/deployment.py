@@ -37,6 +37,7 @@ def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
     process down several times over."""
     threads = threads or max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ)
+    env.setdefault("MALLOC_ARENA_MAX", "2")  # as the systemd unit: less memory per daemon
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     procs = []
@@ -122,7 +123,8 @@ def run_deployment(
         # The broker first: a wrong address or password is said before minutes of data loading.
         pool = MqttPool(cfg, url, run_id, d.username, read_password(d.password_file), tls)
         pool.start()
-        data = load_federated(cfg.data, cfg.seed)
+        # the coordinator's global evaluation reads the test rows and nothing else
+        data = load_federated(cfg.data, cfg.seed, test_images_only=True)
         model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads,
                            cfg.seed)
         alg = make_algorithm(cfg, model.spec)

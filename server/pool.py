@@ -16,7 +16,7 @@ from fedseq.common.data.federated import FederatedData
 from fedseq.common.evaluation import EvalReport, evaluate
 from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
 from fedseq.common.protocol.tensors import frame_size
-from fedseq.common.training import FlopCache, finetune_and_score, run_client_round
+from fedseq.common.training import finetune_and_score, run_client_round
 
 UpdateCheck = Callable[[ClientUpdate], "str | None"]
 
@@ -41,7 +41,7 @@ class InProcessPool:
 
     def __init__(
         self, data: FederatedData, model: BlockModel, personal_blocks: tuple[str, ...], seed: int,
-        eval_batch: int = 2000, device: torch.device | None = None,
+        eval_batch: int = 128, device: torch.device | None = None,
     ):
         if device is not None and device.type != "cpu":
             # the pool trains a copy on the accelerator, with the images there too (70,000 28x28
@@ -57,7 +57,6 @@ class InProcessPool:
         self.personal: dict[int, Weights] = {
             c.client: {k: v.clone() for k, v in initial.items()} for c in data.clients
         }
-        self.flop_cache: FlopCache = {}
         #: called with (clients done, clients in all) while fine-tuning
         self.progress: Callable[[int, int], None] = lambda done, total: None
 
@@ -67,9 +66,7 @@ class InProcessPool:
         for c in clients:
             start = {**weights, **self.personal[c]}
             update, personal = run_client_round(
-                self.model, start, plan, self.data, self.data.clients[c], self.seed, round,
-                flop_cache=self.flop_cache,
-            )
+                self.model, start, plan, self.data, self.data.clients[c], self.seed, round)
             self.personal[c] = personal
             update.bytes_up = sum(
                 frame_size({k: v for k, v in update.deltas.items() if k.split(".", 1)[0] == b})
@@ -87,7 +84,7 @@ class InProcessPool:
         for shard in self.data.clients:
             per_client[shard.client] = finetune_and_score(
                 self.model, {**weights, **self.personal[shard.client]}, plan, self.data, shard,
-                self.seed, eval_heads, self.eval_batch, self.flop_cache)
+                self.seed, eval_heads, self.eval_batch)
             self.progress(len(per_client), len(self.data.clients))
         return EvalReport(None, None, per_client)
 

@@ -17,6 +17,7 @@ from fedseq.common.data.partition import (
     train_test_split,
 )
 from fedseq.common.data.readers import RawDataset, read_dataset
+from fedseq.common.errors import DatasetError
 from fedseq.common.seeding import numpy_rng
 
 
@@ -34,14 +35,16 @@ class ClientShard:
 
 @dataclass(frozen=True)
 class FederatedData:
-    """Images as stored in the files (uint8, scaled to [-1, 1] per batch by `images`) or already
-    float; labels; each client's row indices. A device's copy holds only its own clients' rows
-    (the others' shards are empty)."""
+    """Every client's row indices and labels, and the images of the rows this process needs:
+    uint8 as in the files (scaled to [-1, 1] per batch by `images`) or already float. A device
+    holds its own clients' rows, the coordinator the test rows; `pos` maps a dataset row to its
+    row in `x` (-1: not held), None when `x` holds every row."""
 
-    x: torch.Tensor  # uint8 (N, C, H, W) as in the files, or float32
-    y: torch.Tensor  # int64 (N,)
+    x: torch.Tensor  # uint8 (M, C, H, W) as in the files, or float32
+    y: torch.Tensor  # int64 (N,): every row's label
     num_classes: int
     clients: tuple[ClientShard, ...]
+    pos: torch.Tensor | None = None  # int64 (N,)
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -49,8 +52,14 @@ class FederatedData:
         return int(c), int(h), int(w)
 
     def images(self, rows: torch.Tensor) -> torch.Tensor:
-        """float32 images of `rows`, in [-1, 1]: the same values, bit for bit, as scaling the
-        whole dataset once (the scaling is elementwise)."""
+        """float32 images of dataset `rows`, in [-1, 1]: the same values, bit for bit, as scaling
+        the whole dataset once (the scaling is elementwise)."""
+        if self.pos is not None:
+            at = self.pos[rows]
+            if len(at) and int(at.min()) < 0:
+                raise DatasetError("a row this process does not hold was asked for: the dataset "
+                                   "was loaded for other clients (a bug; please report it)")
+            rows = at.to(self.x.device)
         x = self.x[rows]
         return x if x.is_floating_point() else x.float().div_(127.5).sub_(1.0)
 
@@ -81,39 +90,37 @@ def client_indices(labels: np.ndarray, cfg: DataConfig, seed: int) -> list[np.nd
     return iid_partition(len(labels), cfg.num_clients, seed)
 
 
-def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None) -> FederatedData:
+def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None,
+                   test_images_only: bool = False) -> FederatedData:
     """Read the dataset files and split them over the clients; pure function of (cfg, seed).
 
-    `only`: keep the images of these clients alone (a device): the partition still comes from
-    every label, the other clients' shards are empty, and row indices are remapped to the kept
-    rows, so every client's batches are the same images as in the full copy."""
+    The partition always comes from every label. `only`: keep the images of these clients alone
+    (a device); `test_images_only`: keep only the test rows' images (the coordinator, whose global
+    evaluation reads nothing else). Rows not kept are never materialized: the files are read one
+    at a time and only the wanted rows copied out."""
     root = str(cfg.root)
-    if only is None:
+    lean = only is not None or test_images_only
+    if not lean:
         raw = _load_raw(root, cfg.dataset)
-        labels, num_classes = raw.labels, raw.num_classes
-    else:  # labels alone first (small); images after the partition says which rows are ours
+    else:  # labels first (small); images after the partition says which rows are needed
         raw = read_dataset(Path(root), cfg.dataset, rows=np.empty(0, np.int64))
-        labels, num_classes = raw.labels, raw.num_classes
+    labels, num_classes = raw.labels, raw.num_classes
     keep = None
     if cfg.fraction < 1.0:
         keep = np.sort(numpy_rng(seed, "subset").permutation(len(labels))[: int(len(labels) * cfg.fraction)])
         labels = labels[keep]
     splits = [train_test_split(idx, cfg.train_fraction, seed, cid)
               for cid, idx in enumerate(client_indices(labels, cfg, seed))]
-    if only is None:
+    shards = tuple(ClientShard(c, torch.from_numpy(tr), torch.from_numpy(te))
+                   for c, (tr, te) in enumerate(splits))
+    y = torch.from_numpy(labels)
+    if not lean:
         images = raw.images if keep is None else raw.images[keep]
-        shards = [ClientShard(c, torch.from_numpy(tr), torch.from_numpy(te))
-                  for c, (tr, te) in enumerate(splits)]
-        return FederatedData(_images_tensor(images), torch.from_numpy(labels), num_classes,
-                             tuple(shards))
-    mine = sorted(set(only))
-    rows = np.unique(np.concatenate([np.concatenate(splits[c]) for c in mine] or [np.empty(0, np.int64)]))
-    file_rows = rows if keep is None else keep[rows]
-    images = read_dataset(Path(root), cfg.dataset, rows=file_rows).images
-    empty = torch.empty(0, dtype=torch.int64)
-    shards = [ClientShard(c, torch.from_numpy(np.searchsorted(rows, tr)),
-                          torch.from_numpy(np.searchsorted(rows, te)))
-              if c in mine else ClientShard(c, empty, empty)
-              for c, (tr, te) in enumerate(splits)]
-    return FederatedData(_images_tensor(images), torch.from_numpy(labels[rows]), num_classes,
-                         tuple(shards))
+        return FederatedData(_images_tensor(images), y, num_classes, shards)
+    wanted = [te for _, te in splits] if only is None else [
+        r for c in sorted(set(only)) for r in splits[c]]
+    rows = np.unique(np.concatenate(wanted)) if wanted else np.empty(0, np.int64)
+    images = read_dataset(Path(root), cfg.dataset, rows=rows if keep is None else keep[rows]).images
+    pos = torch.full((len(labels),), -1, dtype=torch.int64)
+    pos[torch.from_numpy(rows)] = torch.arange(len(rows))
+    return FederatedData(_images_tensor(images), y, num_classes, shards, pos)

@@ -54,19 +54,50 @@ def parse_idx(buf: bytes, source: str = "IDX data") -> np.ndarray:
     return np.frombuffer(buf, np.uint8, offset=offset).reshape(dims)
 
 
-def _read_idx_file(folder: Path, stem: str, dataset: str) -> np.ndarray:
+def _idx_path(folder: Path, stem: str, dataset: str) -> Path:
     for path in (folder / f"{stem}.gz", folder / stem):
         if path.exists():
-            try:
-                data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-            except (OSError, EOFError) as exc:
-                raise DatasetError(f"{path}: cannot decompress ({exc}); re-copy the file") from exc
-            return parse_idx(data, str(path))
+            return path
     raise DatasetError(
         f"missing dataset file {folder / (stem + '.gz')}: run `fedseq data download {dataset} "
         f"--root {folder.parent.parent}` (or --from DIR offline), or point data.root at the "
         f"folder that holds {IDX_LAYOUT[dataset]}"
     )
+
+
+def _read_idx_file(folder: Path, stem: str, dataset: str) -> np.ndarray:
+    path = _idx_path(folder, stem, dataset)
+    try:
+        data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError) as exc:
+        raise DatasetError(f"{path}: cannot decompress ({exc}); re-copy the file") from exc
+    return parse_idx(data, str(path))
+
+
+def _read_idx_rows(folder: Path, stem: str, dataset: str, rows: np.ndarray) -> np.ndarray:
+    """Only `rows` (sorted) of an IDX file, streamed: the file is never held decompressed, so a
+    device reading its clients' few thousand images needs a few MB, not the whole file."""
+    path = _idx_path(folder, stem, dataset)
+    try:
+        with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as f:
+            head = f.read(4)
+            if len(head) < 4 or head[0] != 0 or head[1] != 0 or head[2] != 0x08:
+                raise DatasetError(f"{path}: not a uint8 IDX file; re-copy the original file")
+            dims = tuple(int(d) for d in np.frombuffer(f.read(4 * head[3]), ">u4"))
+            record = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+            if len(rows) and int(rows[-1]) >= dims[0]:
+                raise DatasetError(f"{path}: row {int(rows[-1])} asked, the file has {dims[0]}")
+            out = np.empty((len(rows), *dims[1:]), np.uint8)
+            start = 4 + 4 * head[3]
+            for i, r in enumerate(rows.tolist()):
+                f.seek(start + r * record)
+                chunk = f.read(record)
+                if len(chunk) != record:
+                    raise DatasetError(f"{path}: truncated at row {r}; re-copy the file")
+                out[i] = np.frombuffer(chunk, np.uint8).reshape(dims[1:])
+    except (OSError, EOFError) as exc:
+        raise DatasetError(f"{path}: cannot decompress ({exc}); re-copy the file") from exc
+    return out
 
 
 def read_idx_dataset(root: Path, dataset: str, rows: np.ndarray | None = None) -> RawDataset:
@@ -77,15 +108,17 @@ def read_idx_dataset(root: Path, dataset: str, rows: np.ndarray | None = None) -
     parts = []
     offset = 0
     for split in ("train", "test"):
-        images = _read_idx_file(folder, IDX_FILES[split][0], dataset)
-        labels = _read_idx_file(folder, IDX_FILES[split][1], dataset)
-        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
-            raise DatasetError(
-                f"{folder}: {split} images {images.shape} and labels {labels.shape} do not match"
-            )
-        if rows is not None:
+        if rows is None:
+            images = _read_idx_file(folder, IDX_FILES[split][0], dataset)
+            labels = _read_idx_file(folder, IDX_FILES[split][1], dataset)
+            if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+                raise DatasetError(
+                    f"{folder}: {split} images {images.shape} and labels {labels.shape} do not match"
+                )
+        else:
+            labels = _read_idx_file(folder, IDX_FILES[split][1], dataset)
             local = rows[(rows >= offset) & (rows < offset + len(labels))] - offset
-            images = images[local]  # a copy: the decompressed file is released
+            images = _read_idx_rows(folder, IDX_FILES[split][0], dataset, local)
         offset += len(labels)
         parts.append((images, labels))
     images = np.concatenate([p[0] for p in parts])[:, None, :, :]

@@ -1,0 +1,74 @@
+"""Training FLOPs of a client plan, measured with torch.utils.flop_counter on the coordinator.
+
+FLOPs depend on shapes alone, so they are counted once per (phase objectives, batch size) on a
+throwaway copy of the model with a zero batch, exactly as the trainer steps it (frozen blocks
+cost what autograd really does for them), and multiplied by the batches the plan runs. Devices
+never count: the flop counter's import pulls in torch._dynamo and sympy (~95 MB resident).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
+from fedseq.common.data.federated import ClientShard, FederatedData
+from fedseq.common.data.rebalance import per_class_target
+from fedseq.common.models import BlockModel
+
+FlopCache = dict[tuple[tuple[Objective, ...], int, bool], int]
+
+
+def phase_rows(plan: ClientPlan, data: FederatedData, shard: ClientShard) -> list[int]:
+    """Rows each phase of `plan` iterates over for this client (FedReG's rebalanced set holds
+    Q rows of each class the client has)."""
+    out = []
+    for phase in plan.phases:
+        if phase.data == "rebalanced":
+            assert plan.rebalance_threshold is not None
+            classes = int((shard.train_class_counts(data.y, data.num_classes) > 0).sum())
+            out.append(per_class_target(plan.rebalance_threshold, classes) * classes)
+        else:
+            out.append(len(shard.train))
+    return out
+
+
+def _batch_flops(model: BlockModel, plan: ClientPlan, phase: Phase, size: int,
+                 in_shape: tuple[int, int, int], num_classes: int) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fedseq.common.training import Sgd, _set_trainable, _step
+
+    m = copy.deepcopy(model).cpu()
+    x = torch.zeros(size, *in_shape)
+    y = torch.zeros(size, dtype=torch.int64)
+    log_prior = torch.zeros(1, num_classes) if plan.class_counts_needed else None
+    anchor = ({k: v.detach().clone() for k, v in m.named_parameters()} if plan.prox_mu > 0
+              else {})
+    cache: dict[str, torch.Tensor] = {}
+    with FlopCounterMode(display=False) as counter:
+        for obj in phase.objectives:
+            params = _set_trainable(m, obj.trainable)
+            if params:
+                _step(m, obj, Sgd(params, plan.lr, plan.momentum), x, y, cache, log_prior, plan,
+                      anchor)
+    return int(counter.get_total_flops())
+
+
+def plan_flops(model: BlockModel, plan: ClientPlan, data: FederatedData, shard: ClientShard,
+               cache: FlopCache) -> int:
+    """FLOPs of one client executing `plan`: every phase's epochs x its batches."""
+    total = 0
+    for phase, n in zip(plan.phases, phase_rows(plan, data, shard), strict=True):
+        bs = plan.batch_size
+        sizes = [bs] * (n // bs) + ([n % bs] if n % bs else [])
+        per_epoch = 0
+        for size in sizes:
+            key = (phase.objectives, size, plan.prox_mu > 0)
+            if key not in cache:
+                cache[key] = _batch_flops(model, plan, phase, size, data.input_shape,
+                                          data.num_classes)
+            per_epoch += cache[key]
+        total += phase.epochs * per_epoch
+    return total
