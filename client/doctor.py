@@ -30,8 +30,32 @@ def check_torch(s: ClientSettings) -> Check:
     if s.torch_device == "cuda" and not cuda:
         return False, (f"torch {torch.__version__}: CUDA not visible but torch_device=cuda: use "
                        "JetPack's CUDA build of torch and add the service user to the video group")
-    where = f"CUDA ({torch.cuda.get_device_name(0)})" if cuda else "CPU only"
-    return True, f"torch {torch.__version__}, {where}"
+    if not cuda:
+        return True, f"torch {torch.__version__}, CPU only"
+    return cuda_kernel_check(torch)
+
+
+def cuda_kernel_check(torch) -> Check:  # type: ignore[no-untyped-def]
+    """The GPU by name and memory, and a tiny kernel that must compute the right number: a
+    driver, library or permission problem shows here, not in round 0."""
+    import time
+
+    try:
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info(0)
+        start = time.perf_counter()
+        a = torch.arange(16, dtype=torch.float32, device="cuda").reshape(4, 4)
+        got = float((a @ a.T).sum().item())  # = sum of squared column sums: 24..36 step 4
+        ms = 1000 * (time.perf_counter() - start)
+    except Exception as exc:  # a broken driver raises many kinds of errors
+        return False, (f"torch {torch.__version__}: CUDA is visible but a test kernel failed "
+                       f"({type(exc).__name__}: {str(exc).splitlines()[0]}): check JetPack's "
+                       f"driver and that the user is in the video group")
+    if got != 3680.0:
+        return False, f"CUDA test kernel computed {got}, expected 3680: the GPU or driver is faulty"
+    return True, (f"torch {torch.__version__}, CUDA {torch.version.cuda}: {props.name}, "
+                  f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} GiB free), test kernel ok in "
+                  f"{ms:.0f} ms")
 
 
 def check_data(s: ClientSettings) -> Check:

@@ -40,3 +40,52 @@ def test_gpu_run_agrees_with_cpu(data_root, name):
     for k, v in cpu.global_weights.items():
         assert gpu.global_weights[k].device.type == "cpu"
         assert torch.allclose(v, gpu.global_weights[k], rtol=1e-2, atol=1e-3), k
+
+
+def test_doctor_reports_a_broken_cuda_in_one_line():
+    from fedseq.client.doctor import cuda_kernel_check
+
+    class Broken:
+        __version__ = "9.9"
+
+        class cuda:  # noqa: N801 - stands in for torch.cuda
+            @staticmethod
+            def get_device_properties(i):
+                raise RuntimeError("CUDA driver version is insufficient for CUDA runtime version")
+
+    ok, msg = cuda_kernel_check(Broken)
+    assert ok is False and "test kernel failed" in msg and "driver" in msg and "\n" not in msg
+
+
+@cuda
+def test_doctor_names_the_gpu_and_runs_a_kernel():
+    from fedseq.client.doctor import cuda_kernel_check
+
+    ok, msg = cuda_kernel_check(torch)
+    assert ok and torch.cuda.get_device_name(0) in msg and "test kernel ok" in msg and "GiB" in msg
+
+
+@cuda
+def test_daemon_trains_on_the_gpu_and_agrees_with_cpu(data_root, tmp_path):
+    """A real fedseq-client process with --torch-device cuda against an embedded broker; the
+    result agrees with a CPU simulation within the tolerance above."""
+    import subprocess
+    import sys
+
+    from fedseq.server.broker import free_port
+    from fedseq.server.deployment import run_deployment, stop_children
+
+    port = free_port()
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "model.name=convnet",
+                       f"deploy.port={port}", "deploy.wait_devices_s=120")
+    proc = subprocess.Popen([sys.executable, "-m", "fedseq.client.cli", "--device", "gpu01",
+                             "--broker", f"mqtt://127.0.0.1:{port}", "--torch-device", "cuda",
+                             "--data-dir", str(data_root), "--state-dir", str(tmp_path / "s")])
+    try:
+        dep = run_deployment(cfg, tmp_path / "dep", announce=lambda s: None)
+    finally:
+        stop_children([proc])
+    cpu = run_simulation(cfg, out=None)
+    for d, c in zip(dep.rows, cpu.rows, strict=True):
+        assert d["reported"] == d["clients"]
+        assert abs(d["global_acc"] - c["global_acc"]) <= 0.02
