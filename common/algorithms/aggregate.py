@@ -47,8 +47,6 @@ class WeightedDeltaSum:
         """weight_of maps a block name to this client's weight for it."""
         for k, d in deltas.items():
             w = float(weight_of[block_of(k)])
-            if not torch.isfinite(d).all():
-                raise ValueError(f"client {client}: delta {k} has NaN or Inf")
             if k in self.sums:
                 self.sums[k].add_(d, alpha=w)
             else:
@@ -60,6 +58,11 @@ class WeightedDeltaSum:
         """New global tensors: old + weighted mean delta (tensors nobody sent stay as they are)."""
         out = dict(global_weights)
         for k, s in self.sums.items():
+            # The round contract rejects a non-finite update before it is added; this is the
+            # safety net, once per round instead of once per update (2 ms of a 2.3 MB update's
+            # 5 ms on the coordinator): a NaN or Inf anywhere in a sum refuses the whole round.
+            if not bool(torch.isfinite(s).all()):
+                raise ValueError(f"the aggregate of {k} has NaN or Inf; the round is refused")
             if self.weights[k] > 0:
                 g = global_weights[k]
                 out[k] = (g.to(torch.float64) + s / self.weights[k]).to(g.dtype)

@@ -42,8 +42,13 @@ def test_streaming_equals_order_independent():
     assert torch.allclose(a["x.w"], b["x.w"], atol=1e-6)
 
 
-def test_nan_delta_rejected_before_touching_sums():
+def test_nan_that_slipped_past_validation_refuses_the_round():
+    """The round contract rejects non-finite updates; should one reach the sum anyway, apply()
+    refuses the round instead of writing NaN into the model."""
+    g = {"x.w": torch.tensor([1.0, 2.0])}
     acc = WeightedDeltaSum()
-    with pytest.raises(ValueError, match="NaN"):
-        acc.add({"x.w": torch.tensor([float("nan")])}, {"x": 1}, client=3)
-    assert not acc.sums
+    acc.add({"x.w": torch.tensor([0.5, 0.5])}, {"x": 1}, client=1)
+    acc.add({"x.w": torch.tensor([float("nan"), 0.0])}, {"x": 1}, client=3)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        acc.apply(g)
+    assert torch.equal(g["x.w"], torch.tensor([1.0, 2.0]))
