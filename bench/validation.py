@@ -72,12 +72,7 @@ def main() -> None:
     apply_ms = (time.perf_counter() - t5) * 1000
     print(f"update frame: {len(frame):,} bytes in {len(parts)} chunks; {args.updates} updates; "
           f"rule {args.rule}; 1 thread")
-    total = 0.0
-    for k, v in times.items():
-        med = statistics.median(v)
-        total += med
-        print(f"  {k:<18} median {med:6.2f} ms   p90 {sorted(v)[int(0.9 * len(v))]:6.2f} ms")
-    print(f"  {'total per update':<18} median {total:6.2f} ms")
+    total = print_times(times, "total per update")
     print(f"  apply after the last update: {apply_ms:.2f} ms (once per round)")
     print(f"coordinator per update: {total:.2f} ms, target < 5 ms: "
           f"{'met' if total < 5 else 'NOT met'}")
@@ -111,12 +106,19 @@ def device_side(model, weights, frame: bytes, n: int) -> None:
         for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5), strict=True):
             times[k].append(v * 1000)
     print(f"device, per client and round beyond training ({len(frame):,}-byte update, 1 thread):")
+    print_times(times, "total")
+    print("  (plus paho's own copies and socket writes)")
+
+
+def print_times(times: dict[str, list[float]], total_name: str) -> float:
+    """Median and p90 of each part; returns the sum of the medians."""
     total = 0.0
     for k, v in times.items():
         med = statistics.median(v)
         total += med
-        print(f"  {k:<18} median {med:6.2f} ms")
-    print(f"  {'total':<18} median {total:6.2f} ms (plus paho's own copies and socket writes)")
+        print(f"  {k:<18} median {med:6.2f} ms   p90 {sorted(v)[int(0.9 * len(v))]:6.2f} ms")
+    print(f"  {total_name:<18} median {total:6.2f} ms")
+    return total
 
 
 if __name__ == "__main__":
