@@ -49,23 +49,32 @@ class DatasetSpec:
     extract: str | None = None  # a tar.gz whose content goes into the data root after its check
 
 
+IDX_NAMES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+             "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+
+
+def _idx_files(*md5_size: tuple[str, int]) -> tuple[DataFile, ...]:
+    return tuple(DataFile(n, md5, size) for n, (md5, size) in zip(IDX_NAMES, md5_size, strict=True))
+
+
+# md5 sums and sizes as torchvision checks them
 DATASETS: dict[str, DatasetSpec] = {
     "mnist": DatasetSpec(
         "MNIST/raw",
-        (DataFile("train-images-idx3-ubyte.gz", "f68b3c2dcbeaaa9fbdd348bbdeb94873", 9912422),
-         DataFile("train-labels-idx1-ubyte.gz", "d53e105ee54ea40749a09fcbcd1e9432", 28881),
-         DataFile("t10k-images-idx3-ubyte.gz", "9fb629c4189551a2d022fa330f9573f3", 1648877),
-         DataFile("t10k-labels-idx1-ubyte.gz", "ec29112dd5afa0611ce80d1b7f02629c", 4542)),
+        _idx_files(("f68b3c2dcbeaaa9fbdd348bbdeb94873", 9912422),
+                   ("d53e105ee54ea40749a09fcbcd1e9432", 28881),
+                   ("9fb629c4189551a2d022fa330f9573f3", 1648877),
+                   ("ec29112dd5afa0611ce80d1b7f02629c", 4542)),
         ("https://ossci-datasets.s3.amazonaws.com/mnist/",
          "https://storage.googleapis.com/cvdf-datasets/mnist/",
          "http://yann.lecun.com/exdb/mnist/"),
     ),
     "fmnist": DatasetSpec(
         "FashionMNIST/raw",
-        (DataFile("train-images-idx3-ubyte.gz", "8d4fb7e6c68d591d4c3dfef9ec88bf0d", 26421880),
-         DataFile("train-labels-idx1-ubyte.gz", "25c81989df183df01b3e8a0aad5dffbe", 29515),
-         DataFile("t10k-images-idx3-ubyte.gz", "bef4ecab320f06d8554ea6380940ec79", 4422102),
-         DataFile("t10k-labels-idx1-ubyte.gz", "bb300cfdad3c16e7a12a480ee83cd310", 5148)),
+        _idx_files(("8d4fb7e6c68d591d4c3dfef9ec88bf0d", 26421880),
+                   ("25c81989df183df01b3e8a0aad5dffbe", 29515),
+                   ("bef4ecab320f06d8554ea6380940ec79", 4422102),
+                   ("bb300cfdad3c16e7a12a480ee83cd310", 5148)),
         ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
          "https://github.com/zalandoresearch/fashion-mnist/raw/master/data/fashion/"),
     ),
