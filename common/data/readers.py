@@ -74,9 +74,10 @@ def _read_idx_file(folder: Path, stem: str, dataset: str) -> np.ndarray:
     return parse_idx(data, str(path))
 
 
-def _read_idx_rows(folder: Path, stem: str, dataset: str, rows: np.ndarray) -> np.ndarray:
-    """Only `rows` (sorted) of an IDX file, streamed: the file is never held decompressed, so a
-    device reading its clients' few thousand images needs a few MB, not the whole file."""
+def _read_idx_rows(folder: Path, stem: str, dataset: str, rows: np.ndarray, count: int
+                   ) -> np.ndarray:
+    """Only `rows` (sorted) of an IDX file of `count` images, streamed: the file is never held
+    decompressed, so a device reading its clients' few thousand images needs a few MB."""
     path = _idx_path(folder, stem, dataset)
     try:
         with (gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")) as f:
@@ -85,8 +86,9 @@ def _read_idx_rows(folder: Path, stem: str, dataset: str, rows: np.ndarray) -> n
                 raise DatasetError(f"{path}: not a uint8 IDX file; re-copy the original file")
             dims = tuple(int(d) for d in np.frombuffer(f.read(4 * head[3]), ">u4"))
             record = int(np.prod(dims[1:])) if len(dims) > 1 else 1
-            if len(rows) and int(rows[-1]) >= dims[0]:
-                raise DatasetError(f"{path}: row {int(rows[-1])} asked, the file has {dims[0]}")
+            if len(dims) != 3 or dims[0] != count:
+                raise DatasetError(f"{path}: images {dims} do not match the {count} labels; "
+                                   f"re-copy the original files")
             out = np.empty((len(rows), *dims[1:]), np.uint8)
             start = 4 + 4 * head[3]
             for i, r in enumerate(rows.tolist()):
@@ -118,7 +120,7 @@ def read_idx_dataset(root: Path, dataset: str, rows: np.ndarray | None = None) -
         else:
             labels = _read_idx_file(folder, IDX_FILES[split][1], dataset)
             local = rows[(rows >= offset) & (rows < offset + len(labels))] - offset
-            images = _read_idx_rows(folder, IDX_FILES[split][0], dataset, local)
+            images = _read_idx_rows(folder, IDX_FILES[split][0], dataset, local, len(labels))
         offset += len(labels)
         parts.append((images, labels))
     images = np.concatenate([p[0] for p in parts])[:, None, :, :]
