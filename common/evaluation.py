@@ -7,6 +7,7 @@ evaluation of 30 clients then costs one forward pass, not 30.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +31,14 @@ class EvalReport:
 
     @property
     def personal_acc(self) -> float | None:
-        total = sum(t for _, t in self.per_client.values())
-        return sum(c for c, _ in self.per_client.values()) / total if total else None
+        return pooled_accuracy(self.per_client.values())
+
+
+def pooled_accuracy(scores: Iterable[tuple[int, int]]) -> float | None:
+    """sum correct / sum total over (correct, total) pairs, or None when there is nothing."""
+    pairs = list(scores)
+    total = sum(t for _, t in pairs)
+    return sum(c for c, _ in pairs) / total if total else None
 
 
 @torch.inference_mode()

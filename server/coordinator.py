@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from fedseq.common.algorithms.fedreg import FedReG
 from fedseq.common.algorithms.robust import make_aggregator, update_norm
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
-from fedseq.common.evaluation import EvalReport
+from fedseq.common.evaluation import EvalReport, pooled_accuracy
 from fedseq.common.flops import FlopCache, plan_flops
 from fedseq.common.models import BlockModel, Weights, count_params, get_blocks
 from fedseq.common.protocol.tensors import frame_size
@@ -48,13 +48,6 @@ def _outliers(norms: dict[int, float], factor: float) -> tuple[list[int], float]
 
 class RunPaused(KeyboardInterrupt):
     """A run stopped on purpose after a checkpoint (bench/advance_runs.py): resumable."""
-
-
-def _acc(scores: Iterable[tuple[int, int]]) -> float | None:
-    """sum correct / sum total, or None when there is nothing to score."""
-    pairs = list(scores)
-    total = sum(t for _, t in pairs)
-    return sum(c for c, _ in pairs) / total if total else None
 
 
 @dataclass
@@ -173,7 +166,7 @@ class Coordinator:
             "global_acc": report.global_acc if report else None,
             "personal_acc": report.personal_acc if report else None,
             "local_acc": self._local_acc(report) if report else None,
-            "round_local_acc": _acc(fresh.values()),
+            "round_local_acc": pooled_accuracy(fresh.values()),
             "clients": selected,
             "reported": reported,
             "status": "ok" if reported else "failed",
@@ -200,7 +193,7 @@ class Coordinator:
     def _local_acc(self, report: EvalReport) -> float | None:
         """FedReG's testbed personalized accuracy: every client's most recent locally trained
         model on its own test rows; a client that has not trained yet holds what it was sent."""
-        return _acc(self.local_scores.get(c, r) for c, r in report.per_client.items())
+        return pooled_accuracy(self.local_scores.get(c, r) for c, r in report.per_client.items())
 
     def run(self, resume: Checkpoint | None = None) -> RunResult:
         rows = []

@@ -277,7 +277,7 @@ class MqttPool:
         deltas = decode_tensors(frame, copy=False, check_finite=False)  # the contract checks values
         update = ClientUpdate(client=head.client, round=head.round, deltas=deltas,
                               num_samples=head.num_samples, effective_samples=head.effective_samples,
-                              train_flops=head.train_flops, train_seconds=head.train_seconds,
+                              train_seconds=head.train_seconds,
                               bytes_up=len(frame),
                               local_score=None if head.local_correct is None or head.local_total is
                               None else (head.local_correct, head.local_total))

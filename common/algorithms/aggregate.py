@@ -19,7 +19,6 @@ class ClientUpdate:
     deltas: Weights
     num_samples: int
     effective_samples: int | None = None  # FedReG: original rows in the rebalanced set
-    train_flops: int = 0
     train_seconds: float = 0.0
     bytes_up: int = 0
     # (correct, total) of the client's model right after its local training, on its own test

@@ -123,7 +123,7 @@ class UpdateHeader(Message):
     device: str
     num_samples: int
     effective_samples: int | None = None
-    train_flops: int = 0
+    train_flops: int = 0  # ignored: the coordinator counts FLOPs from the plan (common/flops.py)
     train_seconds: float = 0.0
     local_correct: int | None = None  # the trained model on the client's test rows
     local_total: int | None = None
