@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -47,7 +48,12 @@ def advance(config: Path, out: Path, alg: str, until: int, step: int, sets: list
     print(f"{alg}: {rounds_done(out)}/{until} rounds", flush=True)
 
 
+def _sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt("SIGTERM")  # the run directory then says "interrupted"
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _sigterm)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)

@@ -49,6 +49,31 @@ def test_simulation_resume_is_bitwise(data_root, tmp_path, algorithm):
     assert _status(part) == "finished" and _status(tmp_path / "full") == "finished"
 
 
+def test_sigterm_leaves_a_resumable_interrupted_run(data_root, tmp_path):
+    """`kill` / `systemctl stop`: status.json says interrupted, exit 130 with the resume line,
+    and --resume finishes the run."""
+    out = tmp_path / "run"
+    cmd = ["fedseq-sim", "-q", "--set", f"data.root={str(data_root)!r}", "--set",
+           "data.fraction=0.05", "--set", "data.num_clients=5", "--set", "rounds=40",
+           "--set", "train.local_epochs=1", "--set", "train.threads=1",
+           "--set", "algorithm.name=fedavg", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not ((out / "metrics.jsonl").exists() and _rows(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert _status(out) == "interrupted" and f"--resume {out}" in err
+    done = len(_rows(out))
+    r = subprocess.run(["fedseq-sim", "-q", "--resume", str(out)], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert _status(out) == "finished" and [x["round"] for x in _rows(out)] == list(range(40))
+    assert done < 40
+
+
 def test_existing_out_is_refused_without_resume_or_overwrite(data_root, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
