@@ -14,7 +14,7 @@ import torch
 
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 from fedseq.common.data.federated import ClientShard, FederatedData
-from fedseq.common.data.rebalance import per_class_target
+from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.models import BlockModel
 
 FlopCache = dict[tuple[tuple[Objective, ...], int, bool], int]
@@ -27,8 +27,8 @@ def phase_rows(plan: ClientPlan, data: FederatedData, shard: ClientShard) -> lis
     for phase in plan.phases:
         if phase.data == "rebalanced":
             assert plan.rebalance_threshold is not None
-            classes = int((shard.train_class_counts(data.y, data.num_classes) > 0).sum())
-            out.append(per_class_target(plan.rebalance_threshold, classes) * classes)
+            counts = shard.train_class_counts(data.y, data.num_classes)
+            out.append(rebalanced_size(counts, plan.rebalance_threshold)[0])
         else:
             out.append(len(shard.train))
     return out

@@ -14,7 +14,7 @@ import torch
 
 from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
 from fedseq.common.data.federated import FederatedData
-from fedseq.common.data.rebalance import effective_count, per_class_target
+from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.models import Weights
 
 
@@ -78,8 +78,7 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
         effective = {}
         for c in selected:
             counts = data.clients[c].train_class_counts(data.y, data.num_classes)
-            q = per_class_target(rebalance_threshold, int((counts > 0).sum()))
-            effective[c] = effective_count(counts, q)
+            effective[c] = rebalanced_size(counts, rebalance_threshold)[1]
     tests = {c: len(data.clients[c].test) for c in selected}
     return RoundContract(round, frozenset(selected), reference, samples, effective, max_abs_delta,
                          tests)

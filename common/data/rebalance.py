@@ -29,6 +29,14 @@ def effective_count(class_counts: torch.Tensor, per_class: int) -> int:
     return int(class_counts.clamp(max=per_class).sum())
 
 
+def rebalanced_size(class_counts: torch.Tensor, threshold: float) -> tuple[int, int]:
+    """(rows, original rows) of the rebalanced set a client with these class counts builds: Q
+    rows for each class it holds, of which sum_c min(n_c, Q) are not augmented."""
+    held = int((class_counts > 0).sum())
+    q = per_class_target(threshold, held)
+    return q * held, effective_count(class_counts, q)
+
+
 def rebalance(
     train_idx: torch.Tensor, labels: torch.Tensor, threshold: float, gen: torch.Generator
 ) -> Rebalanced:
