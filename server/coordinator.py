@@ -145,6 +145,11 @@ class Coordinator:
             flops += plan_flops(self.model, plan, self.data, self.data.clients[update.client],
                                 self.flop_cache)
             bytes_up += update.bytes_up
+        if "quorum_failed" in (getattr(self.pool, "round_info", None) or {}):
+            # too few valid updates: what was folded in as it arrived is discarded, the global
+            # model stays as it was (the FLOPs were spent all the same)
+            acc = make_aggregator(self.cfg.aggregation)
+            reported, fresh, norms = [], {}, {}
         outliers, median = _outliers(norms, self.cfg.aggregation.outlier_factor)
         for c in outliers:
             log.warning("round %d: update of client %d has norm %.4g, > %g x the round's median %.4g",
