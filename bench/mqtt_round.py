@@ -6,6 +6,10 @@ FedSeq-Vanilla first-stage round moves relative to a FedAvg round.
 
     python bench/mqtt_round.py [--devices 10] [--rounds 8] [--broker mosquitto|amqtt]
 
+Also prints the CPU time each side spent per round (from /proc): with 10 device processes on a
+2-core machine the devices' own work competes with the coordinator's, so the overhead is mostly
+CPU contention; `--devices 1` shows one device's exchange on an otherwise idle machine.
+
 References on this machine kind (issue 3): bare paho + Mosquitto exchange of the 2.3 MB model with
 10 clients 70-130 ms median; the same over amqtt ~390 ms; one Flower 1.41 round ~180-210 ms.
 """
@@ -13,6 +17,7 @@ References on this machine kind (issue 3): bare paho + Mosquitto exchange of the
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import tempfile
@@ -26,15 +31,47 @@ from fedseq.server.mqtt_pool import MqttPool
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMES: list[tuple[float, float]] = []  # (exchange wall s, slowest client training s)
+CPU: list[dict[str, float]] = []  # per round: CPU seconds of the coordinator, devices, broker
+BROKER_PID: list[int] = []
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+def cpu_now() -> dict[str, float]:
+    me = os.getpid()
+    kids = [int(p) for p in os.listdir("/proc") if p.isdigit()
+            and Path(f"/proc/{p}/stat").exists() and _ppid(int(p)) == me]
+    return {"coordinator": cpu_seconds(me),
+            "devices": sum(cpu_seconds(p) for p in kids if p not in BROKER_PID),
+            "broker": sum(cpu_seconds(p) for p in BROKER_PID)}
+
+
+def _ppid(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 class TimedPool(MqttPool):
     def train(self, round, clients, plan, weights, check):
+        # Updates are consumed (aggregated) as they stream in, as in a real run.
+        before = cpu_now()
         start = time.perf_counter()
-        updates = list(super().train(round, clients, plan, weights, check))
-        wall = time.perf_counter() - start
-        TIMES.append((wall, max((u.train_seconds for u in updates), default=0.0)))
-        yield from updates
+        slowest = 0.0
+        for u in super().train(round, clients, plan, weights, check):
+            slowest = max(slowest, u.train_seconds)
+            yield u
+        TIMES.append((time.perf_counter() - start, slowest))
+        after = cpu_now()
+        CPU.append({k: after[k] - before[k] for k in after})
 
 
 def start_mosquitto(tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -43,8 +80,37 @@ def start_mosquitto(tmp: Path) -> tuple[subprocess.Popen, str]:
     conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nmax_packet_size 2097152\n"
                     "set_tcp_nodelay true\npersistence false\nlog_dest none\n")
     proc = subprocess.Popen(["mosquitto", "-c", str(conf)])
+    BROKER_PID.append(proc.pid)
     time.sleep(0.5)
     return proc, f"mqtt://127.0.0.1:{port}"
+
+
+def training_cpu(cfg) -> float:
+    """CPU seconds the round's local work (training and local scoring) of all clients takes at
+    one thread, measured in this process: what the devices would spend with no transport."""
+    import torch
+
+    from fedseq.common.algorithms import algorithm_class, make_algorithm
+    from fedseq.common.data.federated import load_federated
+    from fedseq.common.models import get_blocks
+    from fedseq.common.training import run_client_round
+    from fedseq.server.pool import make_model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    data = load_federated(cfg.data, cfg.seed)
+    model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads, cfg.seed)
+    plan = make_algorithm(cfg, model.spec).plan(1)
+    weights = get_blocks(model, model.spec.blocks)
+    run_client_round(model, weights, plan, data, data.clients[0], cfg.seed, 1)  # warm-up
+    runs = []
+    for _ in range(3):
+        start = time.process_time()
+        for shard in data.clients:
+            run_client_round(model, weights, plan, data, shard, cfg.seed, 1)
+        runs.append(time.process_time() - start)
+    torch.set_num_threads(threads)
+    return statistics.median(runs)
 
 
 def main() -> None:
@@ -66,6 +132,7 @@ def main() -> None:
             first_stage = ["algorithm.unfreeze_rounds=[0,1000,2000]"]
             for alg, extra in (("fedavg", []), ("fedseq-vanilla", first_stage)):
                 TIMES.clear()
+                CPU.clear()
                 cfg = load_config(None, [
                     f"data.root={args.data_root!r}", "data.dataset=fmnist", "data.fraction=0.02",
                     f"data.num_clients={args.devices}", "data.alpha=0.5", "data.min_samples=20",
@@ -85,6 +152,15 @@ def main() -> None:
                       f"{1000 * statistics.median(s for _, s in TIMES[1:]):.0f} ms, bytes/round "
                       f"down {statistics.median(r['bytes_down'] for r in rows[1:]):,.0f} "
                       f"up {statistics.median(r['bytes_up'] for r in rows[1:]):,.0f}")
+                cpu = {k: 1000 * statistics.median(c[k] for c in CPU[1:]) for k in CPU[0]}
+                local = 1000 * training_cpu(cfg)
+                beyond = cpu["coordinator"] + cpu["broker"] + cpu["devices"] - local
+                wall = 1000 * statistics.median(w for w, _ in TIMES[1:])
+                print(f"{alg}: CPU per round (ms, median): coordinator {cpu['coordinator']:.0f}, "
+                      f"broker {cpu['broker']:.0f}, devices {cpu['devices']:.0f} of which local "
+                      f"training+scoring {local:.0f} (measured alone at 1 thread); beyond training "
+                      f"{beyond:.0f} ms on {os.cpu_count()} cores = {beyond / (os.cpu_count() or 1):.0f}"
+                      f" ms of wall if spread evenly; exchange wall {wall:.0f} ms")
             avg = results["fedavg"][1:]
             seq = results["fedseq-vanilla"][1:]
             ratio = (statistics.median(r["bytes_down"] + r["bytes_up"] for r in seq)

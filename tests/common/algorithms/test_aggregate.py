@@ -52,3 +52,13 @@ def test_nan_that_slipped_past_validation_refuses_the_round():
     with pytest.raises(ValueError, match="NaN or Inf"):
         acc.apply(g)
     assert torch.equal(g["x.w"], torch.tensor([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("bad", [[float("inf"), 0.0], [float("-inf"), 0.0],
+                                 [float("inf"), float("-inf")]])
+def test_inf_that_slipped_past_validation_refuses_the_round(bad):
+    g = {"x.w": torch.tensor([1.0, 2.0])}
+    acc = WeightedDeltaSum()
+    acc.add({"x.w": torch.tensor(bad)}, {"x": 1}, client=1)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        acc.apply(g)
