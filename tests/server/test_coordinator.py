@@ -161,3 +161,21 @@ def test_local_acc_scores_each_clients_last_locally_trained_model(name):
         assert row["local_acc"] == pytest.approx(sum(a for a, _ in scores) / sum(b for _, b in scores))
         if t == 0:
             assert len(last) < len(data.clients)  # some clients still hold the global model
+
+
+class _QuorumFailingPool(InProcessPool):
+    """Streams every update (as the MQTT pool does), then says the round missed its quorum."""
+
+    def train(self, round, clients, plan, weights, check):
+        self.round_info = {}
+        yield from super().train(round, clients, plan, weights, check)
+        self.round_info = {"quorum_failed": "1 valid updates < deploy.min_updates=5"}
+
+
+def test_updates_streamed_before_a_quorum_failure_are_discarded():
+    coord, model = _coord("fedavg", pool_cls=_QuorumFailingPool)
+    before = {k: v.clone() for k, v in coord.global_weights.items()}
+    row = coord.run_round(0)
+    assert row["status"] == "failed" and row["reported"] == [] and row["round_local_acc"] is None
+    assert all(torch.equal(coord.global_weights[k], v) for k, v in before.items())
+    assert row["train_flops"] > 0  # the devices did the work all the same
