@@ -1,6 +1,7 @@
 """Would training a round's clients together pay on this machine? One training step of K clients
 (batch 20 each, FedReG's ConvNet) as one torch.func vmap over stacked per-client weights, against
-K sequential steps, and both against the machine's float32 matmul rate.
+K sequential steps, and both against the machine's float32 matmul rate. The bound: one plain step on
+a batch of K x 20 rows through one model, the most any batching of clients could gain.
 
     python bench/batched_probe.py [--clients 6] [--threads 2]
 
@@ -72,10 +73,18 @@ def main() -> None:
             F.cross_entropy(whole(x[i]), y[i]).backward()
 
     seq = timed(sequential)
+
+    def one_big_batch() -> None:  # K x 20 rows through one model: what batching could at best do
+        model.zero_grad(set_to_none=True)
+        F.cross_entropy(whole(x.flatten(0, 1)), y.flatten()).backward()
+
+    bound = timed(one_big_batch)
     a = torch.randn(2048, 2048)
     mm = timed(lambda: a @ a, reps=10)
     print(f"{k} clients x batch {b}, {args.threads} threads: one vmapped step {1000 * batched:.1f} ms, "
           f"{k} sequential steps {1000 * seq:.1f} ms -> batched/sequential speed {seq / batched:.2f}x; "
+          f"bound (one plain batch of {k * b} rows, shared weights) {1000 * bound:.1f} ms -> "
+          f"{seq / bound:.2f}x; "
           f"2048^2 float32 matmul {2 * 2048**3 / mm / 1e9:.0f} GFLOP/s")
 
 
