@@ -1,14 +1,16 @@
 """Round overhead of the MQTT deployment: 10 device processes, the CNN, loopback broker.
 
 Round overhead = the training exchange's wall time (publish changed blocks and the step, until
-the last update is in) minus the slowest client's own training time. Also prints the bytes a
-FedSeq-Vanilla first-stage round moves relative to a FedAvg round.
+the last update is in and aggregated) minus the slowest client's own computation (training and
+its local score). Also prints the bytes a FedSeq-Vanilla first-stage round moves relative to a
+FedAvg round.
 
     python bench/mqtt_round.py [--devices 10] [--rounds 8] [--broker mosquitto|amqtt]
 
 Also prints the CPU time each side spent per round (from /proc): with 10 device processes on a
 2-core machine the devices' own work competes with the coordinator's, so the overhead is mostly
-CPU contention; `--devices 1` shows one device's exchange on an otherwise idle machine.
+CPU contention; `--devices 1` shows one device's exchange on an otherwise idle machine. (CPU
+times come in 10 ms ticks: small figures, even negative differences, are within that.)
 
 References on this machine kind (issue 3): bare paho + Mosquitto exchange of the 2.3 MB model with
 10 clients 70-130 ms median; the same over amqtt ~390 ms; one Flower 1.41 round ~180-210 ms.
@@ -30,7 +32,7 @@ from fedseq.server.deployment import run_deployment
 from fedseq.server.mqtt_pool import MqttPool
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMES: list[tuple[float, float]] = []  # (exchange wall s, slowest client training s)
+TIMES: list[tuple[float, float]] = []  # (exchange wall s, slowest client computation s)
 CPU: list[dict[str, float]] = []  # per round: CPU seconds of the coordinator, devices, broker
 BROKER_PID: list[int] = []
 TICK = os.sysconf("SC_CLK_TCK")
@@ -148,7 +150,7 @@ def main() -> None:
                 print(f"{alg}: exchange overhead per round (ms), rounds 1..: "
                       + ", ".join(f"{o:.0f}" for o in overhead))
                 print(f"{alg}: median overhead {statistics.median(overhead):.0f} ms, "
-                      f"slowest client training median "
+                      f"slowest client computation median "
                       f"{1000 * statistics.median(s for _, s in TIMES[1:]):.0f} ms, bytes/round "
                       f"down {statistics.median(r['bytes_down'] for r in rows[1:]):,.0f} "
                       f"up {statistics.median(r['bytes_up'] for r in rows[1:]):,.0f}")

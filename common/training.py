@@ -231,7 +231,9 @@ def run_client_round(
     set_weights(model, weights)
     before = get_blocks(model, plan.upload)
     stats = train_plan(model, data, shard, plan, seed, round, purpose)
+    scoring = time.perf_counter()
     score = score_local(model, data, shard, plan.score_heads) if plan.score_heads else None
+    compute = stats.seconds + time.perf_counter() - scoring
     after = get_blocks(model, plan.upload)
     deltas = {k: after[k] - before[k] for k in after}
     update = ClientUpdate(
@@ -240,7 +242,7 @@ def run_client_round(
         deltas=deltas,
         num_samples=stats.num_samples,
         effective_samples=stats.effective_samples,
-        train_seconds=stats.seconds,
+        train_seconds=compute,
         local_score=score,
     )
     return update, get_blocks(model, plan.personal)

@@ -20,7 +20,7 @@ class ClientUpdate:
     deltas: Weights
     num_samples: int
     effective_samples: int | None = None  # FedReG: original rows in the rebalanced set
-    train_seconds: float = 0.0
+    train_seconds: float = 0.0  # the client's local computation: training and its local score
     bytes_up: int = 0
     # (correct, total) of the client's model right after its local training, on its own test
     # rows: what FedReG's testbed scores as personalized accuracy (docs/results.md)

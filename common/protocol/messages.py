@@ -124,7 +124,7 @@ class UpdateHeader(Message):
     num_samples: int
     effective_samples: int | None = None
     train_flops: int = 0  # ignored: the coordinator counts FLOPs from the plan (common/flops.py)
-    train_seconds: float = 0.0
+    train_seconds: float = 0.0  # local computation: training and the local score
     local_correct: int | None = None  # the trained model on the client's test rows
     local_total: int | None = None
     chunk: int = Field(ge=0)
