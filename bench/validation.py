@@ -88,7 +88,9 @@ def device_side(model, weights, frame: bytes, n: int) -> None:
     from fedseq.common.models import set_weights
 
     blocks = model.spec.blocks
-    received = encode_tensors(weights)  # what the coordinator published (all blocks: FedAvg)
+    # what the coordinator published (all blocks: FedAvg), in a writable buffer as the daemon's
+    # frame pool hands it over
+    received = bytearray(encode_tensors(weights))
     times: dict[str, list[float]] = {"decode weights": [], "load into model": [],
                                      "copy before/after": [], "deltas": [],
                                      "encode": [], "sha256+chunks": []}
