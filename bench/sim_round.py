@@ -4,8 +4,9 @@ Prints, per round, the wall time split into training (the selected clients) and 
 (global model + all clients' personalized models), the training's rate in GFLOP/s (FLOPs as the
 coordinator counts them, common/flops.py) against this machine's 2048x2048 float32 matmul rate at
 the same thread count, then the mean and its ratio to the PFLlib references on this machine kind
-(issue 10: about 35 s per testbed round; an earlier measurement: about 50 s, 32 s training and
-19 s evaluating). Issue 10's targets: training at >= 70% of the matmul rate, >= 3x PFLlib.
+(issue 10: about 35 s per testbed round with the FedSeq paper's CNN, `--model cnn`; an earlier
+measurement: about 50 s, 32 s training and 19 s evaluating). Issue 10's targets: training at
+>= 70% of the matmul rate, >= 3x PFLlib.
 
     python bench/sim_round.py [--rounds 5] [--algorithm fedavg] [--data-root ../shared/data]
 """
@@ -66,15 +67,20 @@ def main() -> None:
     ap.add_argument("--algorithm", default="fedavg")
     ap.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data"))
     ap.add_argument("--config", default=str(ROOT / "examples" / "fmnist-testbed.toml"))
+    ap.add_argument("--model", default=None,
+                    help="override model.name: cnn is the model issue 10's PFLlib reference ran")
     args = ap.parse_args()
-    cfg = load_config(Path(args.config), [f"data.root={args.data_root!r}", f"rounds={args.rounds}",
-                                          f"algorithm.name={args.algorithm}"])
+    over = [f"data.root={args.data_root!r}", f"rounds={args.rounds}",
+            f"algorithm.name={args.algorithm}"]
+    if args.model:
+        over.append(f"model.name={args.model}")
+    cfg = load_config(Path(args.config), over)
     data = load_federated(cfg.data, cfg.seed)
     model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads, cfg.seed)
     alg = make_algorithm(cfg, model.spec)
     pool = TimedPool(data, model, alg.personal_blocks(), cfg.seed, cfg.train.eval_batch_size)
     coord = Coordinator(cfg, alg, model, data, pool)
-    print(f"{args.algorithm} on {Path(args.config).name}: {cfg.data.num_clients} clients, "
+    print(f"{args.algorithm}, {cfg.model.name}, on {Path(args.config).name}: {cfg.data.num_clients} clients, "
           f"{cfg.clients_per_round()} per round, {cfg.train.local_epochs} local epochs, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     peak = matmul_gflops()
