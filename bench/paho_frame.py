@@ -23,7 +23,6 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from fedseq.common.protocol.link import keep_large_buffers
-from fedseq.server.broker import free_port
 
 SIZE = 2_328_712  # the CNN's FedAvg update frame
 
@@ -91,13 +90,11 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=40)
     ap.add_argument("--chunk", type=int, default=1 << 20)
     args = ap.parse_args()
-    port = free_port()
+    from mqtt_round import start_mosquitto  # bench/ is on sys.path; the subscriber needs no torch
+
     with tempfile.TemporaryDirectory() as tmp:
-        conf = Path(tmp) / "bench.conf"
-        conf.write_text(f"listener {port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n"
-                        "persistence false\nlog_dest none\n")
-        broker = subprocess.Popen(["mosquitto", "-c", str(conf)])
-        time.sleep(0.5)
+        broker, url = start_mosquitto(Path(tmp))
+        port = int(url.rsplit(":", 1)[1])
         try:
             base = publisher(port, args.frames, args.chunk, tuned=False)
             tuned = publisher(port, args.frames, args.chunk, tuned=True)
