@@ -38,8 +38,8 @@ def keep_large_buffers() -> bool:
     Every 1 MiB chunk paho reads or writes, and every 2.3 MB frame, is a fresh allocation; above
     glibc's mmap threshold each is a new mapping whose pages fault in one by one and go back to
     the kernel when freed. Serving up to 8 MiB from the heap and keeping 32 MiB of free heap cuts
-    paho's CPU per 2.3 MB frame from 4.8 to 2.1 ms received and from 4.7 to 2.6 ms sent
-    (bench/paho_frame.py); the daemon's peak RSS stays within its 400 MB (bench/footprint.py).
+    paho's CPU per 2.3 MB frame from 3.9-5.0 to 1.8-2.1 ms received and from 3.8-4.8 to 2.4-2.6 ms
+    sent (bench/paho_frame.py); the daemon's peak RSS stays within its 400 MB (bench/footprint.py).
     No-op (False) where the C library is not glibc."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
