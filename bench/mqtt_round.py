@@ -38,28 +38,22 @@ BROKER_PID: list[int] = []
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_seconds(pid: int) -> float:
+def proc_stat(pid: int) -> tuple[int, float]:
+    """(parent pid, CPU seconds: utime + stime) from /proc/PID/stat; (-1, 0.0) once it is gone."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+        return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+    except (OSError, IndexError, ValueError):
+        return -1, 0.0
 
 
 def cpu_now() -> dict[str, float]:
     me = os.getpid()
-    kids = [int(p) for p in os.listdir("/proc") if p.isdigit()
-            and Path(f"/proc/{p}/stat").exists() and _ppid(int(p)) == me]
-    return {"coordinator": cpu_seconds(me),
-            "devices": sum(cpu_seconds(p) for p in kids if p not in BROKER_PID),
-            "broker": sum(cpu_seconds(p) for p in BROKER_PID)}
-
-
-def _ppid(pid: int) -> int:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return -1
+    stats = {int(p): proc_stat(int(p)) for p in os.listdir("/proc") if p.isdigit()}
+    kids = [p for p, (parent, _) in stats.items() if parent == me]
+    return {"coordinator": stats[me][1],
+            "devices": sum(stats[p][1] for p in kids if p not in BROKER_PID),
+            "broker": sum(stats[p][1] for p in BROKER_PID if p in stats)}
 
 
 class TimedPool(MqttPool):
