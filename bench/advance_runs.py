@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
 import sys
 from pathlib import Path
 
 from fedseq.common.config import load_config
 from fedseq.server.coordinator import RunPaused
+from fedseq.server.rundir import stop_on_sigterm
 from fedseq.server.simulation import run_simulation
 
 
@@ -48,12 +48,8 @@ def advance(config: Path, out: Path, alg: str, until: int, step: int, sets: list
     print(f"{alg}: {rounds_done(out)}/{until} rounds", flush=True)
 
 
-def _sigterm(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt("SIGTERM")  # the run directory then says "interrupted"
-
-
 def main() -> None:
-    signal.signal(signal.SIGTERM, _sigterm)
+    stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--config", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)

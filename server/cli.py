@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import time
 from pathlib import Path
@@ -68,11 +67,10 @@ def _start(config: Path | None, overrides: list[str] | None, out: Path | None,
     """Logging, the validated config (or a one-line error and exit 2), the run directory, its
     mode (new, overwrite, resume) and what status.json records about the command."""
     from fedseq.common import __version__
+    from fedseq.server.rundir import stop_on_sigterm
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # `kill` and `systemctl stop` send SIGTERM: treat it as Ctrl-C, so the run directory says
-    # "interrupted" (resumable) and the process exits 130 with the resume line
-    signal.signal(signal.SIGTERM, _sigterm)
+    stop_on_sigterm()  # then exits 130 with the resume line, as on Ctrl-C
     if resume is not None and (config is not None or out is not None or overwrite):
         _fail(ValueError("--resume RUN_DIR takes its config and output folder from RUN_DIR; "
                          "drop --config, --out and --overwrite"))
@@ -85,10 +83,6 @@ def _start(config: Path | None, overrides: list[str] | None, out: Path | None,
     mode = "resume" if resume else "overwrite" if overwrite else "new"
     info = {"package_version": __version__, "command": " ".join(sys.argv)}
     return cfg, resume or out or _default_out(cfg), mode, info
-
-
-def _sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt("SIGTERM")
 
 
 def _fmt(v: Any) -> str:

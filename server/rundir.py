@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import signal
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -81,6 +82,16 @@ class RunDir:
 
     def close(self) -> None:
         self._metrics.close()
+
+
+def stop_on_sigterm() -> None:
+    """`kill` and `systemctl stop` send SIGTERM: make it Ctrl-C's KeyboardInterrupt, so `recorded`
+    marks the run directory interrupted (resumable) instead of leaving it "running"."""
+    signal.signal(signal.SIGTERM, _sigterm)
+
+
+def _sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 @contextmanager
