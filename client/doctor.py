@@ -8,10 +8,11 @@ import tempfile
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional, Tuple
 
 from fedseq.client.settings import ClientSettings
 
-Check = tuple["bool | None", str]  # (ok, or None for a warning; one line: found, and the fix)
+Check = Tuple[Optional[bool], str]  # (ok, or None for a warning; one line: found, and the fix)
 
 def check_python() -> Check:
     ok = sys.version_info >= (3, 10)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -24,18 +24,18 @@ class ClientSettings(BaseModel):
 
     device: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
     broker: str = "mqtt://127.0.0.1:1883"
-    username: str | None = None
-    password_file: Path | None = None
-    ca_file: Path | None = None  # mqtts://: the CA that signed the broker's certificate
-    cert_file: Path | None = None  # mutual TLS: this device's certificate and key
-    key_file: Path | None = None
+    username: Optional[str] = None
+    password_file: Optional[Path] = None
+    ca_file: Optional[Path] = None  # mqtts://: the CA that signed the broker's certificate
+    cert_file: Optional[Path] = None  # mutual TLS: this device's certificate and key
+    key_file: Optional[Path] = None
     verify_hostname: bool = True
     # this device's data root, whatever the coordinator's is ($FEDSEQ_DATA or the default)
     data_dir: Path = Field(default_factory=default_data_root)
     state_dir: Path = Path("fedseq-state")
     torch_device: Literal["auto", "cpu", "cuda"] = "auto"
     topic_root: str = "fedseq"
-    threads: int | None = Field(None, ge=1)
+    threads: Optional[int] = Field(None, ge=1)
     log_level: str = "INFO"
 
 

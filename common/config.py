@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, List, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -55,7 +55,7 @@ class ModelConfig(_Section):
 
 class AlgorithmConfig(_Section):
     name: Literal[ALGORITHMS] = "fedseq-anti"  # type: ignore[valid-type]
-    unfreeze_rounds: list[int] = Field(default_factory=list)
+    unfreeze_rounds: List[int] = Field(default_factory=list)
     finetune_epochs: int = Field(10, ge=0)
     mu: float = Field(0.001, ge=0, description="FedProx proximal weight")
     head_epochs: int = Field(1, ge=0, description="FedRep head epochs before the body epochs")
@@ -81,7 +81,7 @@ class TrainConfig(_Section):
     # fedseq-sim: where the model, batches and the dataset's images live ("cuda", "cuda:1", or
     # "auto" = cuda when available). Results differ from CPU runs in the last bits (kernels).
     device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$")
-    threads: int | None = Field(
+    threads: Optional[int] = Field(
         None, ge=1, description="torch threads; default: the cores not busy at start (1-min load "
                                 "average), recorded in the run directory; set it for bitwise "
                                 "reproducibility across machines and loads")
@@ -91,7 +91,7 @@ class AggregationConfig(_Section):
     """How validated updates become the new global model (docs/security.md)."""
 
     rule: Literal["mean", "clipped-mean", "trimmed-mean", "median"] = "mean"
-    clip_norm: float | None = Field(None, gt=0, description="clipped-mean: absolute L2 bound")
+    clip_norm: Optional[float] = Field(None, gt=0, description="clipped-mean: absolute L2 bound")
     clip_factor: float = Field(2.0, gt=0, description="clipped-mean: bound = factor x median norm")
     trim_ratio: float = Field(0.1, gt=0, lt=0.5, description="trimmed-mean: ceil(ratio*n) per end")
     outlier_factor: float = Field(5.0, gt=1, description="log updates with norm > factor x median")
@@ -104,30 +104,30 @@ class DeployConfig(_Section):
     host: str = "127.0.0.1"  # embedded broker bind address
     # embedded broker port (0 = a free one); not 1883, where a system Mosquitto usually listens
     port: int = Field(18830, ge=0, le=65535)
-    broker: str | None = None  # mqtt://HOST:PORT of an external broker (Mosquitto); none = embedded
+    broker: Optional[str] = None  # mqtt://HOST:PORT of an external broker (Mosquitto); none = embedded
     topic_root: str = Field("fedseq", pattern=r"^[A-Za-z0-9_\-]+$")
     min_devices: int = Field(1, ge=1)
     wait_devices_s: float = Field(300, gt=0)
     # Round deadline: fixed when set; else factor x the slowest device's recent pace (seconds
     # per client x its clients this round), within [min, max]; max until every device was measured.
-    round_timeout_s: float | None = Field(None, gt=0)
+    round_timeout_s: Optional[float] = Field(None, gt=0)
     round_timeout_factor: float = Field(3.0, gt=1)
     round_timeout_min_s: float = Field(60, gt=0)
     round_timeout_max_s: float = Field(1800, gt=0)
     finetune_timeout_s: float = Field(3600, gt=0)  # every client fine-tunes: its own deadline
     min_updates: int = Field(1, ge=1)
     eval_timeout_s: float = Field(600, gt=0)
-    username: str | None = None  # the coordinator's broker account (Mosquitto with a password file)
-    password_file: Path | None = None
+    username: Optional[str] = None  # the coordinator's broker account (Mosquitto with a password file)
+    password_file: Optional[Path] = None
     # TLS for an mqtts:// broker: the CA that signed the broker's certificate, optionally this
     # side's certificate and key (mutual TLS). Hostname verification stays on unless disabled.
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
+    ca_file: Optional[Path] = None
+    cert_file: Optional[Path] = None
+    key_file: Optional[Path] = None
     tls_verify_hostname: bool = True
     # Embedded broker only: an amqtt password file (`fedseq-server passwd`). Bound to anything but
     # loopback it refuses anonymous logins unless allow_anonymous is set.
-    broker_password_file: Path | None = None
+    broker_password_file: Optional[Path] = None
     allow_anonymous: bool = False
 
 
@@ -174,7 +174,7 @@ def _format_validation(exc: ValidationError, source: str) -> str:
     if err["type"] == "extra_forbidden":
         msg = "unknown key (check the spelling; see examples/*.toml for valid keys)"
     elif err["type"] == "value_error":
-        msg = msg.removeprefix("Value error, ")
+        msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
     elif "input" in err and not isinstance(err["input"], dict):
         msg = f"{msg} (got {err['input']!r})"
     more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""

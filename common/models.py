@@ -4,6 +4,7 @@ state_dict keys under one module name (block 'conv1' = conv1.weight, conv1.bias)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Dict
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +12,7 @@ from torch import nn
 
 from fedseq.common.errors import ConfigError
 
-Weights = dict[str, torch.Tensor]
+Weights = Dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ def derive_seed(seed: int, purpose: str, *keys: int) -> int:
     """A 63-bit seed for one stream; stable across processes, platforms and Python versions."""
     tag = zlib.crc32(purpose.encode())
     ss = np.random.SeedSequence(entropy=[seed & 0xFFFFFFFF, seed >> 32, tag, *keys])
-    return int(ss.generate_state(2, dtype=np.uint32).view(np.uint64)[0] >> 1)
+    return int(ss.generate_state(2, dtype=np.uint32).view(np.uint64)[0]) >> 1
 
 
 def numpy_rng(seed: int, purpose: str, *keys: int) -> np.random.Generator:

@@ -63,7 +63,7 @@ class Sgd:
                 torch._foreach_add_(bufs, grads, alpha=1)
             else:
                 bufs = []
-                for i, g in zip(idx, grads, strict=True):
+                for i, g in zip(idx, grads):
                     buf = self.buffers[i]
                     if buf is None:
                         buf = self.buffers[i] = torch.clone(g).detach()
@@ -156,7 +156,7 @@ def train_plan(
                 if dev.type != "cpu":
                     x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
                 cache: dict[str, torch.Tensor] = {}
-                for obj, opt in zip(phase.objectives, optimizers, strict=True):
+                for obj, opt in zip(phase.objectives, optimizers):
                     if opt is None:
                         continue
                     if len(phase.objectives) > 1:

@@ -21,6 +21,21 @@ from fedseq.server.broker import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _server_stack() -> bool:
+    """The coordinator's stack: Python >= 3.10, torch >= 2.1 and the server extra. The device's
+    own tests also run on the oldest device stack (Python 3.8, torch 1.12; .ci/run), where the
+    tests of coordinator-side code are skipped by this marker."""
+    import importlib.util
+
+    torch_major_minor = tuple(int(x) for x in torch.__version__.split(".")[:2])
+    return (sys.version_info >= (3, 10) and torch_major_minor >= (2, 1)
+            and all(importlib.util.find_spec(m) for m in ("amqtt", "typer", "tomli_w")))
+
+
+server_only = pytest.mark.skipif(not _server_stack(), reason="coordinator-side code: needs Python "
+                                 ">= 3.10, torch >= 2.1 and the server extra")
+
+
 def shared_data_root() -> Path:
     root = Path(os.environ.get("FEDSEQ_DATA", ROOT.parent / "shared" / "data"))
     if not (root / "FashionMNIST" / "raw").is_dir():

@@ -1,5 +1,7 @@
 """One module per algorithm; `make_algorithm` maps config names to them."""
 
+from __future__ import annotations
+
 from fedseq.common.algorithms.base import Algorithm
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.fedbabu import FedBABU

@@ -5,6 +5,8 @@ The paper zeroes the head's learning rate (gradient computed, not applied); here
 requires_grad=False, which gives the same weights without computing the head's gradient.
 """
 
+from __future__ import annotations
+
 from fedseq.common.algorithms.base import Algorithm, base_only_phase
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 

@@ -1,5 +1,7 @@
 """FedPer (Arivazhagan et al.): the whole model trains locally, the head stays personal."""
 
+from __future__ import annotations
+
 from fedseq.common.algorithms.base import Algorithm
 
 

@@ -1,5 +1,7 @@
 """FedProx (Li et al.): FedAvg plus a proximal term mu/2 * ||w - w_global||^2 on trained blocks."""
 
+from __future__ import annotations
+
 from fedseq.common.algorithms.base import Algorithm
 
 

@@ -1,6 +1,8 @@
 """FedRep (Collins et al.): head epochs with the base frozen, then base epochs with the head frozen;
 only the base is shared."""
 
+from __future__ import annotations
+
 from fedseq.common.algorithms.base import Algorithm
 from fedseq.common.algorithms.plan import Objective, Phase
 

@@ -2,6 +2,8 @@
 the base, plus a personal head trained on the detached features with plain cross-entropy on
 (generic + personal) logits. Personal prediction = generic + personal logits."""
 
+from __future__ import annotations
+
 from fedseq.common.algorithms.base import Algorithm
 from fedseq.common.algorithms.plan import Objective, Phase
 

@@ -1,5 +1,7 @@
 """LG-FedAvg (Liang et al.): local representations (personal base), global head."""
 
+from __future__ import annotations
+
 from fedseq.common.algorithms.base import Algorithm
 
 

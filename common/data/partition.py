@@ -31,7 +31,7 @@ def dirichlet_partition(
             p = p * np.array([len(c) < n / num_clients for c in parts])
             p = p / p.sum()
             cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-            for c, chunk in zip(parts, np.split(idx, cuts), strict=True):
+            for c, chunk in zip(parts, np.split(idx, cuts)):
                 c.extend(chunk.tolist())
         if min(len(c) for c in parts) >= min_samples:
             return [np.array(sorted(c), dtype=np.int64) for c in parts]

@@ -13,9 +13,9 @@ import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable  # subscripted at run time below: typing works on Python 3.8
 from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
@@ -31,7 +31,7 @@ Handler = Callable[[str, bytes], None]
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 
 
-@functools.cache
+@functools.lru_cache(maxsize=None)
 def keep_large_buffers() -> bool:
     """Let glibc's malloc reuse multi-MB buffers instead of mapping and unmapping each one.
 

@@ -5,7 +5,7 @@ JSON messages carry control; tensor frames (frames.py) carry a JSON header plus 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -48,8 +48,8 @@ class Message(BaseModel):
 
 class ServerStatus(Message):
     state: Literal["online", "offline"]
-    run_id: str | None = None
-    broker: str | None = None
+    run_id: Optional[str] = None
+    broker: Optional[str] = None
 
 
 class DeviceStatus(Message):
@@ -62,20 +62,20 @@ class DeviceStatus(Message):
     # The last step this device could not execute, and why (missing data, out of memory, CUDA
     # error, ...); the coordinator fails the device's clients in that step at once.
     error: str = Field("", max_length=2000)
-    error_seq: int | None = None
-    error_run_id: str | None = None
+    error_seq: Optional[int] = None
+    error_run_id: Optional[str] = None
     since: float = 0.0  # Unix time this state began (online: when the daemon connected)
 
 
 class RunConfig(Message):
     run_id: str
-    config: dict[str, Any]  # ExperimentConfig.model_dump(mode="json"); validated again on receipt
+    config: Dict[str, Any]  # ExperimentConfig.model_dump(mode="json"); validated again on receipt
 
 
 class Assignment(Message):
     run_id: str
     device: str
-    clients: list[int]
+    clients: List[int]
 
 
 class Step(Message):
@@ -85,22 +85,22 @@ class Step(Message):
     seq: int = Field(ge=0)  # strictly increasing within a run
     kind: Literal["train", "evaluate", "finetune", "idle", "stop"]
     round: int = -1
-    clients: list[int] = Field(default_factory=list)
-    plan: dict[str, Any] | None = None  # ClientPlan as plain data (train, finetune)
-    versions: dict[str, int] = Field(default_factory=dict)  # block -> version the step needs
-    eval_heads: list[str] = Field(default_factory=list)
+    clients: List[int] = Field(default_factory=list)
+    plan: Optional[Dict[str, Any]] = None  # ClientPlan as plain data (train, finetune)
+    versions: Dict[str, int] = Field(default_factory=dict)  # block -> version the step needs
+    eval_heads: List[str] = Field(default_factory=list)
 
 
 class EvalResult(Message):
     run_id: str
     seq: int
     device: str
-    results: dict[int, tuple[int, int]]  # client -> (correct, total)
+    results: Dict[int, Tuple[int, int]]  # client -> (correct, total)
     final: bool = True  # False: progress during fine-tuning (the clients done so far)
 
 
 class Control(Message):
-    run_id: str | None = None
+    run_id: Optional[str] = None
     command: Literal["abort"]
     reason: str = ""
 
@@ -122,11 +122,11 @@ class UpdateHeader(Message):
     client: int
     device: str
     num_samples: int
-    effective_samples: int | None = None
+    effective_samples: Optional[int] = None
     train_flops: int = 0  # ignored: the coordinator counts FLOPs from the plan (common/flops.py)
     train_seconds: float = 0.0  # local computation: training and the local score
-    local_correct: int | None = None  # the trained model on the client's test rows
-    local_total: int | None = None
+    local_correct: Optional[int] = None  # the trained model on the client's test rows
+    local_total: Optional[int] = None
     chunk: int = Field(ge=0)
     chunks: int = Field(ge=1)
     size: int = Field(ge=0)

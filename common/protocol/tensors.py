@@ -29,6 +29,8 @@ DTYPES = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }
+# bytes per element (torch.dtype.itemsize exists only from torch 2.1; devices run 1.12)
+ITEMSIZE = {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 
 
 def decode_tensors(
@@ -57,7 +59,7 @@ def decode_tensors(
             shape = [int(s) for s in info["shape"]]
             begin, end = (int(x) for x in info["data_offsets"])
             count = math.prod(shape)
-            if not 0 <= begin <= end <= len(data) or end - begin != count * dtype.itemsize:
+            if not 0 <= begin <= end <= len(data) or end - begin != count * ITEMSIZE[info["dtype"]]:
                 raise ValueError(f"tensor {name!r}: offsets {begin}..{end} do not fit its shape")
             raw = bytearray(data[begin:end]) if copy else data[begin:end]
             t = torch.frombuffer(raw, dtype=dtype) if count else torch.empty(0, dtype=dtype)

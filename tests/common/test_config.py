@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import server_only
 from fedseq.common.config import dump_config, load_config, parse_override
 from fedseq.common.errors import ConfigError
 
@@ -71,6 +72,7 @@ def test_unfreeze_round_beyond_run_is_allowed():
     assert cfg.algorithm.unfreeze_rounds == [0, 100, 200]
 
 
+@server_only  # run directories are written by the coordinator (tomli-w)
 def test_dump_roundtrip(tmp_path):
     cfg = load_config(EXAMPLES / "fmnist-testbed.toml")
     path = tmp_path / "c.toml"

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import synthetic_data
+from conftest import server_only, synthetic_data
 from fedseq.common.algorithms import REGISTRY, algorithm_class, make_algorithm
 from fedseq.common.config import load_config
 from fedseq.common.models import build_model, get_blocks
@@ -91,6 +91,7 @@ def test_fedprox_pulls_towards_global():
     assert prox.deltas["fc1.weight"].norm() < avg.deltas["fc1.weight"].norm()
 
 
+@server_only  # FLOPs are the coordinator's count (torch >= 2.1)
 def test_fewer_trainable_blocks_measure_fewer_flops():
     from fedseq.common.flops import plan_flops
 
@@ -150,15 +151,18 @@ def test_sgd_is_torch_sgd_bit_for_bit(momentum):
     for step in range(4):
         x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 4, (8,), generator=g)
         for model, opt in ((a, ref), (b, ours)):
-            opt.zero_grad()
+            # ours always drops the grads; torch < 2.0 zeroes them unless told to drop them
+            ref.zero_grad(set_to_none=True) if opt is ref else ours.zero_grad()
             model.fc1.requires_grad_(step != 2)  # a block frozen for one step: no grad, no update
             torch.nn.functional.cross_entropy(model.logits(model.features(x), ("fc2",)), y).backward()
             opt.step()
-    for (k, v), w in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+    assert len(a.state_dict()) == len(b.state_dict())
+    for (k, v), w in zip(a.state_dict().items(), b.state_dict().values()):
         assert torch.equal(v, w), k
 
 
 @pytest.mark.parametrize("name", ["fedavg", "fedrod", "fedreg", "fedrep", "fedseq-vanilla"])
+@server_only
 def test_plan_flops_equal_what_training_really_does(name):
     """The coordinator's count (shapes, a zero batch) equals the flop counter run around the
     client's real training, partial last batches, FedReG's rebalanced set and FedRoD's two

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import server_only
 from fedseq.common.config import load_config
 from fedseq.common.data import store
 from fedseq.common.errors import DatasetError
@@ -43,7 +44,7 @@ class Mirror:
                     self.send_error(404)
                     return
                 body = path.read_bytes()
-                start = int(rng.removeprefix("bytes=").split("-")[0]) if rng else 0
+                start = int(rng[len("bytes="):].split("-")[0]) if rng else 0
                 part = bytearray(body[start:])
                 if mirror.corrupt:
                     part[len(part) // 2] ^= 0xFF
@@ -173,6 +174,7 @@ def _fedseq(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
                           text=True, timeout=300, env={**os.environ, **(env or {})})
 
 
+@server_only  # `fedseq data` is the controller's tool
 def test_cli_download_verify_and_where(mirror, tmp_path):
     root = tmp_path / "data"
     r = _fedseq("data", "download", "mnist", "--root", str(root), "--mirror", mirror.base("mnist"), "-q")

@@ -82,3 +82,24 @@ def test_topics():
     assert t.weights("fc1", 2) == "fedseq/weights/fc1/2"
     assert t.device_of(t.update("jetson01", 3, 0)) == "jetson01"
     assert t.device_of(t.device_status("jetson07")) == "jetson07"
+
+
+def test_every_device_model_is_complete_on_this_python():
+    """pydantic evaluates field annotations at run time: a `list[int]` or `X | None` field fails
+    on the device's Python 3.8 (.ci/run runs this there). Every model the device uses must be
+    fully built at import, and validate a round trip."""
+    from pydantic import BaseModel
+
+    from fedseq.client import settings
+    from fedseq.common import config
+    from fedseq.common.protocol import messages
+
+    models = [obj for mod in (messages, config, settings) for obj in vars(mod).values()
+              if isinstance(obj, type) and issubclass(obj, BaseModel) and obj is not BaseModel]
+    assert len(models) >= 15
+    for model in models:
+        assert model.__pydantic_complete__, model
+        model.model_json_schema()  # resolves every field's type
+    step = Step(run_id="r", seq=1, round=0, kind="train", clients=[1, 2],
+                versions={"fc1": 3}, eval_heads=["fc2"])
+    assert Step.model_validate_json(step.model_dump_json()) == step
