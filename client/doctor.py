@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ssl
-import sys
 import tempfile
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -14,19 +13,22 @@ from fedseq.client.settings import ClientSettings
 
 Check = Tuple[Optional[bool], str]  # (ok, or None for a warning; one line: found, and the fix)
 
-def check_python() -> Check:
-    ok = sys.version_info >= (3, 10)
-    v = ".".join(map(str, sys.version_info[:3]))
-    return ok, f"python {v}" + ("" if ok else ": fedseq needs Python >= 3.10 (JetPack 6, or a "
-                                              "Python 3.10 build on JetPack 4)")
+def check_stack() -> list[Check]:
+    """The L4T/JetPack release, glibc, Python, torch and CUDA, and whether fedseq supports the
+    combination; if not, the route for this kind of device (client/stack.py)."""
+    from fedseq.client import stack
+
+    f = stack.facts()
+    ok, why = stack.verdict(f)
+    return [(True, stack.describe(f)), (ok, why)]
 
 
 def check_torch(s: ClientSettings) -> Check:
     try:
         import torch
     except ImportError as exc:
-        return False, (f"torch not importable ({exc}): install JetPack's torch wheel and create the "
-                       "venv with --system-site-packages")
+        return False, (f"torch not importable ({exc}): install your JetPack's torch wheel system-wide "
+                       "and create the venv with --system-site-packages (docs/deploy.md, section 1)")
     cuda = torch.cuda.is_available()
     if s.torch_device == "cuda" and not cuda:
         return False, (f"torch {torch.__version__}: CUDA not visible but torch_device=cuda: use "
@@ -156,7 +158,7 @@ def check_broker(s: ClientSettings) -> list[Check]:
 
 
 def run_doctor(s: ClientSettings, out: Callable[[str], None] = print) -> int:
-    checks = [check_python(), check_torch(s), check_data(s), check_state_dir(s),
+    checks = [*check_stack(), check_torch(s), check_data(s), check_state_dir(s),
               *check_own_certificate(s), *check_broker(s)]
     for ok, line in checks:
         out(f"{'ok  ' if ok else 'warn' if ok is None else 'FAIL'} {line}")
