@@ -13,6 +13,11 @@ from fedseq.client.settings import ClientSettings
 
 Check = Tuple[Optional[bool], str]  # (ok, or None for a warning; one line: found, and the fix)
 
+# `fedseq data` is a coordinator-side tool (the server extra); a lean device gets the files copied
+WHERE_FEDSEQ = (" where fedseq's server extra is installed (or on the controller, then copy the "
+                "files: the ansible role's fedseq_client_dataset_src)")
+
+
 def check_stack() -> list[Check]:
     """The L4T/JetPack release, glibc, Python, torch and CUDA, and whether fedseq supports the
     combination; if not, the route for this kind of device (client/stack.py)."""
@@ -68,7 +73,7 @@ def check_data(s: ClientSettings) -> Check:
 
     if not s.data_dir.is_dir():
         return False, (f"data_dir {s.data_dir} does not exist: run `fedseq data download fmnist "
-                       f"--root {s.data_dir}` (or --from DIR offline), or set data_dir")
+                       f"--root {s.data_dir}`{WHERE_FEDSEQ}, or set data_dir")
     present, broken = [], []
     for name in DATASETS:
         problems = verify(s.data_dir, name)
@@ -78,10 +83,11 @@ def check_data(s: ClientSettings) -> Check:
                                                                 for p in problems):
             broken.append(problems[0])
     if broken:
-        return False, f"{broken[0]}: re-run `fedseq data download` for it with --root {s.data_dir}"
+        return False, (f"{broken[0]}: re-run `fedseq data download` for it with --root {s.data_dir}"
+                       f"{WHERE_FEDSEQ}")
     if not present:
         return False, (f"no dataset under {s.data_dir}: run `fedseq data download fmnist --root "
-                       f"{s.data_dir}` (or --from DIR with the original files)")
+                       f"{s.data_dir}`{WHERE_FEDSEQ}")
     return True, f"datasets under {s.data_dir}, md5 ok: {', '.join(present)}"
 
 

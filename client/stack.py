@@ -27,8 +27,8 @@ ROUTES = {
         "flash the community Ubuntu 20.04 image for the Nano (Python 3.8, CUDA 10.2) and install "
         "its CUDA torch 1.12/1.13 wheel system-wide; CPU only: `apt install python3.8 "
         "python3.8-venv` (bionic universe), set fedseq_client_python: python3.8 and "
-        "fedseq_client_system_site_packages: false, and install torch==1.12.1 from PyPI into "
-        "the venv (its aarch64 wheel needs glibc 2.17; torch >= 2.7 needs glibc 2.28)"),
+        "fedseq_client_system_site_packages: false, and add torch==1.12.1 from PyPI to "
+        "fedseq_client_packages (its aarch64 wheel needs glibc 2.17; torch >= 2.7 needs 2.28)"),
     "JetPack 5": (
         "JetPack 5 (L4T R35, Ubuntu 20.04, Python 3.8): install NVIDIA's torch 2.x wheel for "
         "JetPack 5 system-wide (pip3 install the .whl from NVIDIA's JetPack 5 PyTorch page) and "
