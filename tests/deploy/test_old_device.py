@@ -56,6 +56,15 @@ def test_the_lean_install_has_no_server_packages():
         assert f"'{server_only}'" not in names, server_only
 
 
+def test_server_commands_refuse_the_device_stack_in_one_line():
+    bindir = Path(DEVICE_PYTHON).parent
+    for command in ("fedseq-sim", "fedseq-server", "fedseq"):
+        r = subprocess.run([str(bindir / command), "--help"], capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert f"{command} needs Python >= 3.10" in r.stderr and "fedseq-client" in r.stderr
+
+
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedper"])
 def test_old_stack_device_completes_rounds(algorithm, data_root, tmp_path, mosquitto, one_thread):
     port, home, _ = mosquitto
