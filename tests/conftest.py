@@ -17,6 +17,7 @@ import torch
 from fedseq.common.config import ExperimentConfig, load_config
 from fedseq.common.data.federated import ClientShard, FederatedData
 from fedseq.server.broker import free_port
+from fedseq.server.launch import SERVER_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,7 +30,7 @@ def _server_stack() -> bool:
 
     torch_major_minor = tuple(int(x) for x in torch.__version__.split(".")[:2])
     return (sys.version_info >= (3, 10) and torch_major_minor >= (2, 1)
-            and all(importlib.util.find_spec(m) for m in ("amqtt", "typer", "tomli_w")))
+            and all(importlib.util.find_spec(m) for m in SERVER_PACKAGES))
 
 
 server_only = pytest.mark.skipif(not _server_stack(), reason="coordinator-side code: needs Python "
