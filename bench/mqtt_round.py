@@ -29,7 +29,8 @@ from pathlib import Path
 from fedseq.common.config import load_config
 from fedseq.server.broker import free_port
 from fedseq.server.deployment import run_deployment
-from fedseq.server.mqtt_pool import MqttPool
+from fedseq.server.mqtt import MqttPool
+from fedseq.server.pool import TrainRound
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMES: list[tuple[float, float]] = []  # (exchange wall s, slowest client computation s)
@@ -61,13 +62,19 @@ class TimedPool(MqttPool):
         # Updates are consumed (aggregated) as they stream in, as in a real run.
         before = cpu_now()
         start = time.perf_counter()
-        slowest = 0.0
-        for u in super().train(round, clients, plan, weights, check):
-            slowest = max(slowest, u.train_seconds)
-            yield u
-        TIMES.append((time.perf_counter() - start, slowest))
-        after = cpu_now()
-        CPU.append({k: after[k] - before[k] for k in after})
+        inner = super().train(round, clients, plan, weights, check)
+
+        def timed():
+            slowest = 0.0
+            for u in inner:
+                slowest = max(slowest, u.train_seconds)
+                yield u
+            TIMES.append((time.perf_counter() - start, slowest))
+            after = cpu_now()
+            CPU.append({k: after[k] - before[k] for k in after})
+            return inner.outcome
+
+        return TrainRound(timed())
 
 
 def start_mosquitto(tmp: Path) -> tuple[subprocess.Popen, str]:
@@ -86,17 +93,16 @@ def training_cpu(cfg) -> float:
     one thread, measured in this process: what the devices would spend with no transport."""
     import torch
 
-    from fedseq.common.algorithms import algorithm_class, make_algorithm
-    from fedseq.common.data.federated import load_federated
     from fedseq.common.models import get_blocks
     from fedseq.common.training import run_client_round
-    from fedseq.server.pool import make_model
+    from fedseq.server.experiment import load_experiment
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    data = load_federated(cfg.data, cfg.seed)
-    model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads, cfg.seed)
-    plan = make_algorithm(cfg, model.spec).plan(1)
+    exp = load_experiment(cfg)
+    data, model = exp.data, exp.model
+    exp.algorithm.prepare([len(c.train) for c in data.clients])
+    plan = exp.algorithm.plan(1)
     weights = get_blocks(model, model.spec.blocks)
     run_client_round(model, weights, plan, data, data.clients[0], cfg.seed, 1)  # warm-up
     runs = []

@@ -20,11 +20,10 @@ from pathlib import Path
 
 import torch
 
-from fedseq.common.algorithms import algorithm_class, make_algorithm
 from fedseq.common.config import load_config
-from fedseq.common.data.federated import load_federated
 from fedseq.server.coordinator import Coordinator
-from fedseq.server.pool import InProcessPool, make_model
+from fedseq.server.experiment import load_experiment
+from fedseq.server.pool import InProcessPool, TrainRound
 
 PFLLIB_SECONDS_PER_ROUND = 35.0  # issue 10's measurement on this machine kind
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,15 +35,21 @@ class TimedPool(InProcessPool):
     steps = 0
 
     def train(self, round, clients, plan, weights, check):
-        t = time.perf_counter()
-        for u in super().train(round, clients, plan, weights, check):
-            self.train_s += time.perf_counter() - t
-            yield u
-            t = time.perf_counter()
+        inner = super().train(round, clients, plan, weights, check)
 
-    def evaluate(self, weights, eval_heads):
+        def timed():
+            t = time.perf_counter()
+            for u in inner:
+                self.train_s += time.perf_counter() - t
+                yield u
+                t = time.perf_counter()
+            return inner.outcome
+
+        return TrainRound(timed())
+
+    def evaluate(self, weights, eval_heads, check):
         t = time.perf_counter()
-        rep = super().evaluate(weights, eval_heads)
+        rep = super().evaluate(weights, eval_heads, check)
         self.eval_s += time.perf_counter() - t
         return rep
 
@@ -75,9 +80,8 @@ def main() -> None:
     if args.model:
         over.append(f"model.name={args.model}")
     cfg = load_config(Path(args.config), over)
-    data = load_federated(cfg.data, cfg.seed)
-    model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads, cfg.seed)
-    alg = make_algorithm(cfg, model.spec)
+    exp = load_experiment(cfg)
+    data, model, alg = exp.data, exp.model, exp.algorithm
     pool = TimedPool(data, model, alg.personal_blocks(), cfg.seed, cfg.train.eval_batch_size)
     coord = Coordinator(cfg, alg, model, data, pool)
     print(f"{args.algorithm}, {cfg.model.name}, on {Path(args.config).name}: {cfg.data.num_clients} clients, "

@@ -65,13 +65,13 @@ def main(argv: list[str] | None = None) -> int:
 
     if s.threads:
         torch.set_num_threads(s.threads)
+    from fedseq.common.files import read_secret
     from fedseq.common.protocol.link import TlsOptions
 
     try:
-        password = s.password_file.read_text().strip() if s.password_file else None
-    except OSError as exc:
-        print(f"error: password_file {s.password_file}: {exc.strerror or exc}; fix the path or "
-              "its permissions", file=sys.stderr)
+        password = read_secret(s.password_file)
+    except FedseqError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     done = threading.Event()
     try:

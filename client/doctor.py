@@ -131,15 +131,14 @@ def check_own_certificate(s: ClientSettings) -> list[Check]:
 
 def check_broker(s: ClientSettings) -> list[Check]:
     """Reach the broker, complete the TLS handshake (mqtts://) and log in, as the daemon would."""
-    from fedseq.common.errors import TransportError
+    from fedseq.common.errors import ConfigError, TransportError
+    from fedseq.common.files import read_secret
     from fedseq.common.protocol.link import Link, TlsOptions
 
-    password = None
-    if s.password_file is not None:
-        try:
-            password = s.password_file.read_text().strip()
-        except OSError as exc:
-            return [(False, f"password_file {s.password_file} unreadable ({exc})")]
+    try:
+        password = read_secret(s.password_file)
+    except ConfigError as exc:
+        return [(False, str(exc))]
     try:
         link = Link(f"fedseq-doctor-{s.device}", s.broker, [], lambda t, p: None,
                     username=s.username, password=password,

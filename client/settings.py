@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedseq.common.data.store import default_data_root
-from fedseq.common.errors import ConfigError
+from fedseq.common.errors import ConfigError, validation_problem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -20,6 +20,8 @@ else:  # pragma: no cover
 
 
 class ClientSettings(BaseModel):
+    """The daemon's settings (file < FEDSEQ_* environment < flags), validated."""
+
     model_config = ConfigDict(extra="forbid")
 
     device: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
@@ -61,8 +63,7 @@ def load_settings(config: Path | None, flags: dict[str, Any],
     try:
         return ClientSettings.model_validate(values)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "settings"
+        p = validation_problem(exc)
         hint = "set it with --device NAME, FEDSEQ_DEVICE or device = ... in the config file"
-        msg = hint if err["type"] == "missing" else err["msg"]
-        raise ConfigError(f"client setting {where}: {msg}") from exc
+        msg = hint if p.kind == "missing" else p.msg
+        raise ConfigError(f"client setting {p.where or 'settings'}: {msg}") from exc

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
 from fedseq.common.errors import ProtocolError
+from fedseq.common.files import atomic_write
 from fedseq.common.models import Weights
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
 
 
 class StateStore:
+    """Each logical client's personal blocks on disk, per run and round (the two newest kept)."""
+
     def __init__(self, root: Path):
         self.root = Path(root)
 
@@ -42,12 +44,7 @@ class StateStore:
         folder = self._dir(run_id)
         folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"client-{client:04d}-r{round:06d}.safetensors"
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("wb") as f:
-            f.write(encode_tensors(weights))
-            f.flush()
-            os.fsync(f.fileno())
-        tmp.replace(path)
+        atomic_write(path, encode_tensors(weights))
         for r, old in sorted(self._rounds(run_id, client).items())[:-2]:
             if r != round:
                 old.unlink(missing_ok=True)

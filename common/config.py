@@ -9,7 +9,7 @@ from typing import Any, List, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fedseq.common.data.store import default_data_root
-from fedseq.common.errors import ConfigError
+from fedseq.common.errors import ConfigError, validation_problem
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -35,6 +35,8 @@ class _Section(BaseModel):
 
 
 class DataConfig(_Section):
+    """[data]: dataset, where its files are, and how it is split over clients."""
+
     dataset: Literal["mnist", "fmnist", "cifar10", "cifar100"] = "fmnist"
     # the folder holding MNIST/raw, FashionMNIST/raw, cifar-10-batches-py, ...; default: the one
     # data root of every command ($FEDSEQ_DATA, else ~/.local/share/fedseq/data; `fedseq data`)
@@ -49,11 +51,15 @@ class DataConfig(_Section):
 
 
 class ModelConfig(_Section):
+    """[model]: which model of the zoo (common/models.py)."""
+
     # cnn: the FedSeq paper's (FedAvg/PFLlib) CNN; convnet: FedReG's (FedDyn/FedRoD) ConvNet
     name: Literal["cnn", "convnet"] = "cnn"
 
 
 class AlgorithmConfig(_Section):
+    """[algorithm]: which algorithm and its own hyperparameters."""
+
     name: Literal[ALGORITHMS] = "fedseq-anti"  # type: ignore[valid-type]
     unfreeze_rounds: List[int] = Field(default_factory=list)
     finetune_epochs: int = Field(10, ge=0)
@@ -69,6 +75,8 @@ class AlgorithmConfig(_Section):
 
 
 class TrainConfig(_Section):
+    """[train]: local training and evaluation settings shared by every algorithm."""
+
     join_ratio: float = Field(0.2, gt=0, le=1)
     local_epochs: int = Field(5, ge=1)
     batch_size: int = Field(20, ge=1)
@@ -132,6 +140,8 @@ class DeployConfig(_Section):
 
 
 class ExperimentConfig(_Section):
+    """One experiment: everything a run (simulated or deployed) is a function of, with the seed."""
+
     seed: int = 0
     rounds: int = Field(100, ge=1)
     data: DataConfig = Field(default_factory=lambda: DataConfig())
@@ -168,17 +178,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
 
 
 def _format_validation(exc: ValidationError, source: str) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "config"
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
+    p = validation_problem(exc)
+    msg = p.msg
+    if p.kind == "extra_forbidden":
         msg = "unknown key (check the spelling; see examples/*.toml for valid keys)"
-    elif err["type"] == "value_error":
-        msg = msg[len("Value error, "):] if msg.startswith("Value error, ") else msg
-    elif "input" in err and not isinstance(err["input"], dict):
-        msg = f"{msg} (got {err['input']!r})"
-    more = f" (+{len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
-    return f"{where}: {msg}; fix it in {source}{more}"
+    return f"{p.where or 'config'}: {msg}; fix it in {source}{p.more}"
 
 
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:

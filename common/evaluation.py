@@ -14,23 +14,28 @@ import torch
 import torch.nn.functional as F
 
 from fedseq.common.data.federated import FederatedData
-from fedseq.common.models import BlockModel, Weights, set_weights
+from fedseq.common.models import BlockModel, Weights, block_of, set_weights
 
 
 @dataclass
 class EvalReport:
+    """Scores of one evaluation: the global model on the union of the clients' test rows (None where
+    it was not scored) and every client's personalized model on its own rows."""
+
     global_correct: int | None
     global_total: int | None
     per_client: dict[int, tuple[int, int]]  # client -> (correct, total)
 
     @property
     def global_acc(self) -> float | None:
+        """Global accuracy, or None when the global model was not scored."""
         if not self.global_total:
             return None
         return self.global_correct / self.global_total  # type: ignore[operator]
 
     @property
     def personal_acc(self) -> float | None:
+        """Personalized accuracy pooled over clients: sum correct / sum total."""
         return pooled_accuracy(self.per_client.values())
 
 
@@ -43,6 +48,7 @@ def pooled_accuracy(scores: Iterable[tuple[int, int]]) -> float | None:
 
 @torch.inference_mode()
 def features(model: BlockModel, x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Base features of `x` in batches on the model's device, returned on the host."""
     dev = next(model.parameters()).device
     out = [model.features(x[i : i + batch].to(dev)).cpu() for i in range(0, len(x), batch)]
     return torch.cat(out) if out else torch.empty(0)
@@ -73,7 +79,7 @@ def evaluate(
     spec = model.spec
     clients = list(range(len(data.clients))) if clients is None else clients
     set_weights(model, global_weights)
-    personal_base = any(k.split(".", 1)[0] in spec.base for w in personal.values() for k in w)
+    personal_base = any(block_of(k) in spec.base for w in personal.values() for k in w)
     shared_feats = with_global or not personal_base
     per_client: dict[int, tuple[int, int]] = {}
     g_correct = g_total = 0

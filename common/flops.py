@@ -38,7 +38,7 @@ def _batch_flops(model: BlockModel, plan: ClientPlan, phase: Phase, size: int,
                  in_shape: tuple[int, int, int], num_classes: int) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fedseq.common.training import Sgd, _set_trainable, _step
+    from fedseq.common.training import Sgd, set_trainable, train_step
 
     m = copy.deepcopy(model).cpu()
     x = torch.zeros(size, *in_shape)
@@ -49,9 +49,9 @@ def _batch_flops(model: BlockModel, plan: ClientPlan, phase: Phase, size: int,
     cache: dict[str, torch.Tensor] = {}
     with FlopCounterMode(display=False) as counter:
         for obj in phase.objectives:
-            params = _set_trainable(m, obj.trainable)
+            params = set_trainable(m, obj.trainable)
             if params:
-                _step(m, obj, Sgd(params, plan.lr, plan.momentum), x, y, cache, log_prior, plan,
+                train_step(m, obj, Sgd(params, plan.lr, plan.momentum), x, y, cache, log_prior, plan,
                       anchor)
     return int(counter.get_total_flops())
 

@@ -11,22 +11,28 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedseq.common.errors import ConfigError
+from fedseq.common.seeding import derive_seed
 
 Weights = Dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """A model's block layout: ordered base blocks (input to output), the global head and, for
+    two-head algorithms, the personal head."""
+
     base: tuple[str, ...]  # input to output
     head: str  # the global (generic) head
     personal_head: str | None  # second head for FedRoD / FedReG
 
     @property
     def heads(self) -> tuple[str, ...]:
+        """The head blocks, global first."""
         return (self.head,) if self.personal_head is None else (self.head, self.personal_head)
 
     @property
     def blocks(self) -> tuple[str, ...]:
+        """Every block: base then heads."""
         return self.base + self.heads
 
 
@@ -39,12 +45,14 @@ class BlockModel(nn.Module):
         raise NotImplementedError
 
     def logits(self, feats: torch.Tensor, heads: tuple[str, ...]) -> torch.Tensor:
+        """The sum of the named heads' logits on base features."""
         out = getattr(self, heads[0])(feats)
         for h in heads[1:]:
             out = out + getattr(self, h)(feats)
         return out
 
     def block_params(self, block: str) -> list[nn.Parameter]:
+        """The parameters of one block."""
         return list(getattr(self, block).parameters())
 
 
@@ -124,8 +132,28 @@ def build_model(
     return model
 
 
+def block_of(key: str) -> str:
+    """The block a state_dict key belongs to: `conv1.weight` -> `conv1`."""
+    return key.split(".", 1)[0]
+
+
+def in_blocks(weights: Weights, blocks: str | tuple[str, ...] | list[str] | set[str]) -> Weights:
+    """The tensors of `weights` that belong to the named block(s), in their order."""
+    wanted = {blocks} if isinstance(blocks, str) else set(blocks)
+    return {k: v for k, v in weights.items() if block_of(k) in wanted}
+
+
+def build_run_model(name: str, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool,
+                    seed: int) -> BlockModel:
+    """The run's initial model, a pure function of the run seed: the coordinator, the in-process
+    clients and every device build the same weights, so version 0 of every block never travels."""
+    return build_model(name, in_shape, num_classes, two_heads,
+                       generator_seed=derive_seed(seed, "init"))
+
+
 def block_keys(model: BlockModel, block: str) -> list[str]:
-    return [k for k in model.state_dict() if k.split(".", 1)[0] == block]
+    """The state_dict keys of one block."""
+    return [k for k in model.state_dict() if block_of(k) == block]
 
 
 def get_blocks(model: BlockModel, blocks: tuple[str, ...] | list[str]) -> Weights:
@@ -135,7 +163,7 @@ def get_blocks(model: BlockModel, blocks: tuple[str, ...] | list[str]) -> Weight
     return {
         k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
         for k, v in model.state_dict().items()
-        if k.split(".", 1)[0] in wanted
+        if block_of(k) in wanted
     }
 
 
@@ -152,4 +180,5 @@ def set_weights(model: BlockModel, weights: Weights) -> None:
 
 
 def count_params(model: BlockModel, blocks: tuple[str, ...] | list[str]) -> int:
+    """Number of parameters in the named blocks."""
     return sum(p.numel() for b in blocks for p in model.block_params(b))

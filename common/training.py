@@ -28,6 +28,8 @@ torch.set_flush_denormal(True)
 
 @dataclass
 class TrainStats:
+    """What a plan's execution reports besides the weights: samples seen, loss, seconds."""
+
     num_samples: int
     effective_samples: int | None
     seconds: float
@@ -48,11 +50,13 @@ class Sgd:
         self.buffers: list[torch.Tensor | None] = [None] * len(params)
 
     def zero_grad(self) -> None:
+        """Drop the gradients of the optimized parameters."""
         for p in self.params:
             p.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
+        """One SGD step (with momentum when set)."""
         idx = [i for i, p in enumerate(self.params) if p.grad is not None]
         params: list[torch.Tensor] = [self.params[i] for i in idx]
         grads = [p.grad for p in params if p.grad is not None]
@@ -75,7 +79,9 @@ class Sgd:
             torch._foreach_add_(params, grads, alpha=-self.lr)
 
 
-def _set_trainable(model: BlockModel, trainable: tuple[str, ...]) -> list[torch.nn.Parameter]:
+def set_trainable(model: BlockModel, trainable: tuple[str, ...]) -> list[torch.nn.Parameter]:
+    """Freeze every block but `trainable` (requires_grad); returns the parameters to optimize.
+    Shared with the FLOP counter (common/flops.py), which measures exactly these steps."""
     params = []
     for name, module in model.named_children():
         flag = name in trainable
@@ -136,7 +142,7 @@ def train_plan(
             effective = rb.effective
         optimizers = []
         for obj in phase.objectives:
-            params = _set_trainable(model, obj.trainable)
+            params = set_trainable(model, obj.trainable)
             optimizers.append(
                 Sgd(params, lr=plan.lr, momentum=plan.momentum)
                 if params else None
@@ -160,10 +166,10 @@ def train_plan(
                     if opt is None:
                         continue
                     if len(phase.objectives) > 1:
-                        _set_trainable(model, obj.trainable)
-                    loss_sum += _step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
+                        set_trainable(model, obj.trainable)
+                    loss_sum += train_step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
                 batches += 1
-    _set_trainable(model, ())
+    set_trainable(model, ())
     return TrainStats(
         num_samples=len(shard.train),
         effective_samples=effective,
@@ -187,7 +193,8 @@ def fixed_rebalanced(
     return rb, xs
 
 
-def _step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientPlan, anchor) -> float:
+def train_step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientPlan, anchor) -> float:
+    """One optimizer step of one objective on one batch; returns its loss."""
     if obj.reuse_features and "features" in cache:
         feats = cache["features"].detach()
     else:

@@ -142,18 +142,14 @@ def doctor(rootfs: Path, port: int) -> str:
 
 def start_mosquitto(home: Path, users: dict[str, str], port: int) -> subprocess.Popen:
     """Mosquitto from the project's broker.conf: password file, ACL, loopback, this port."""
-    import re
+    from fedseq.server.broker import local_mosquitto_conf
 
     passwd, acl = home / "passwd", home / "acl"
     passwd.touch()
     for user, pw in users.items():
         sh("mosquitto_passwd", "-b", passwd, user, pw)
     shutil.copy(ROOT / "deploy/mosquitto/fedseq.acl", acl)
-    conf = (ROOT / "broker.conf").read_text()
-    conf = re.sub(r"^listener 1883 0\.0\.0\.0$", f"listener {port} 127.0.0.1", conf, flags=re.M)
-    conf = conf.replace("/etc/mosquitto/fedseq.passwd", str(passwd))
-    conf = conf.replace("/etc/mosquitto/fedseq.acl", str(acl)).replace("/var/lib/mosquitto/", f"{home}/")
-    conf = conf.replace("log_dest syslog", "log_dest stderr") + "\nuser root\n"
+    conf = local_mosquitto_conf((ROOT / "broker.conf").read_text(), port, passwd, acl, home, "root")
     (home / "mosquitto.conf").write_text(conf)
     proc = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c",
                              str(home / "mosquitto.conf")], stderr=subprocess.DEVNULL)

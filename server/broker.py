@@ -16,12 +16,14 @@ log = logging.getLogger(__name__)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on the loopback interface right now."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
 
 def is_loopback(host: str) -> bool:
+    """Whether `host` only listens on this machine."""
     if host == "localhost":
         return True
     try:
@@ -128,3 +130,21 @@ class EmbeddedBroker:
             self._thread.join(timeout=5)
         self._broker = None
         gc.collect()
+
+
+def local_mosquitto_conf(broker_conf: str, port: int, passwd: Path, acl: Path, home: Path,
+                         user: str) -> str:
+    """The project's production broker.conf turned into a loopback-only copy for tests and
+    rehearsals: this port on 127.0.0.1, these password and ACL files, persistence under `home`,
+    logs to stderr, and `user` to run as (as root, Mosquitto drops to a user without access)."""
+    import re
+
+    conf = re.sub(r"^listener 1883 0\.0\.0\.0$", f"listener {port} 127.0.0.1", broker_conf,
+                  flags=re.M)
+    conf = conf.replace("/etc/mosquitto/fedseq.passwd", str(passwd))
+    conf = conf.replace("/etc/mosquitto/fedseq.acl", str(acl))
+    conf = conf.replace("/var/lib/mosquitto/", f"{home}/")
+    conf = conf.replace("log_dest syslog", "log_dest stderr") + f"\nuser {user}\n"
+    if f"listener {port} 127.0.0.1" not in conf or "allow_anonymous false" not in conf:
+        raise ValueError("broker.conf no longer has the expected listener/anonymous lines")
+    return conf

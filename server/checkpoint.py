@@ -11,7 +11,6 @@ client), so a resumed run is bitwise the uninterrupted one.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from safetensors.torch import load as st_load
 
 from fedseq.common.errors import ConfigError
+from fedseq.common.files import atomic_write
 from fedseq.common.models import Weights
 from fedseq.common.protocol.tensors import encode_tensors
 
@@ -27,6 +27,9 @@ FILE = "checkpoint.safetensors"
 
 @dataclass
 class Checkpoint:
+    """A run after its last complete round: the next round, the global weights, the round loop's and
+    the pool's JSON state, and the personal blocks an in-process pool holds."""
+
     next_round: int
     global_weights: Weights
     state: dict[str, Any] = field(default_factory=dict)  # JSON-able coordinator + pool state
@@ -34,20 +37,16 @@ class Checkpoint:
 
 
 def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
+    """Write the checkpoint atomically (a crash leaves the previous one)."""
     tensors = {f"global/{k}": v for k, v in ckpt.global_weights.items()}
     for c, weights in ckpt.personal.items():
         tensors.update({f"personal/{c}/{k}": v for k, v in weights.items()})
     meta = {"fedseq": json.dumps({"next_round": ckpt.next_round, **ckpt.state})}
-    path = Path(run_dir) / FILE
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("wb") as f:
-        f.write(encode_tensors(tensors, meta))
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
+    atomic_write(Path(run_dir) / FILE, encode_tensors(tensors, meta))
 
 
 def load_checkpoint(run_dir: Path) -> Checkpoint:
+    """Read a run directory's checkpoint; a missing or unreadable one is a one-line ConfigError."""
     path = Path(run_dir) / FILE
     if not path.exists():
         raise ConfigError(f"--resume {run_dir}: no {FILE} there (the run stopped before its first "

@@ -105,6 +105,7 @@ def sim(
     # other work keeps going (measured beside one busy process, 2 threads: > 200 s per round
     # spinning, 52 s passive; idle: 16.2 s spinning, 19.6 s passive). OMP_WAIT_POLICY overrides.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from fedseq.common.algorithms import algorithm_class
     from fedseq.server.simulation import run_simulation
 
     cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
@@ -123,8 +124,7 @@ def sim(
             if row.get("global_model") and not noted:
                 noted.append(True)
                 progress.console.print(f"note: global* = {row['global_model']}")
-            if row["round"] == cfg.rounds - 1 and cfg.algorithm.name in ("fedbabu", "fedseq-vanilla",
-                                                                         "fedseq-anti"):
+            if row["round"] == cfg.rounds - 1 and algorithm_class(cfg.algorithm.name).finetunes(cfg):
                 progress.update(task, status=status + " | fine-tuning")
 
         def on_progress(done: int, total: int) -> None:
@@ -283,8 +283,8 @@ def status(
 ) -> None:
     """Show the fleet as the broker knows it: coordinator, run, current step and every device
     (online or offline, since when, versions, torch device, memory, last error)."""
+    from fedseq.common.files import read_secret
     from fedseq.common.protocol.link import TlsOptions
-    from fedseq.server.deployment import read_password
     from fedseq.server.status import format_fleet, read_fleet
 
     cfg, _, _, _ = _start(config, None, Path("unused"))
@@ -296,7 +296,7 @@ def status(
         tls = TlsOptions(ca_file or d.ca_file, cert_file or d.cert_file, key_file or d.key_file,
                          d.tls_verify_hostname and not no_verify_hostname)
         view = read_fleet(url, d.topic_root, username or d.username,
-                          read_password(password_file or d.password_file), tls, wait)
+                          read_secret(password_file or d.password_file, "deploy.password_file"), tls, wait)
     except FedseqError as exc:
         _fail(exc)
     for line in format_fleet(view, url):

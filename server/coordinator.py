@@ -1,33 +1,38 @@
 """The round loop: select clients, send what they need, aggregate what comes back, evaluate.
 
-Transport-agnostic: it talks to a ClientPool (in-process or MQTT) and a RunDir.
+It owns every decision of a run: who is selected, which update counts (the round contract), whether
+a round has its quorum, when to evaluate, what a checkpoint holds. It talks to a ClientPool (in
+process or MQTT, server/pool.py) that only transports, and to a RunDir that only writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from fedseq.common.algorithms import Algorithm
-from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
-from fedseq.common.algorithms.fedreg import FedReG
-from fedseq.common.algorithms.robust import make_aggregator, update_norm
+from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.plan import ClientPlan, ordered_union
+from fedseq.common.algorithms.robust import Aggregator, make_aggregator, update_norm
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
-from fedseq.common.evaluation import EvalReport, pooled_accuracy
+from fedseq.common.errors import AggregationError, TransportError
+from fedseq.common.evaluation import EvalReport, evaluate, pooled_accuracy
 from fedseq.common.flops import FlopCache, plan_flops
-from fedseq.common.models import BlockModel, Weights, count_params, get_blocks
+from fedseq.common.models import BlockModel, Weights, block_of, count_params, get_blocks, in_blocks
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.seeding import numpy_rng
 from fedseq.server.checkpoint import Checkpoint, save_checkpoint
-from fedseq.server.pool import ClientPool
+from fedseq.server.pool import ClientPool, PoolState, RoundOutcome
 from fedseq.server.rundir import RunDir
-from fedseq.server.validation import round_contract
+from fedseq.server.validation import round_contract, score_problem
 
 log = logging.getLogger(__name__)
 
@@ -46,18 +51,64 @@ def _outliers(norms: dict[int, float], factor: float) -> tuple[list[int], float]
     return sorted(c for c, n in norms.items() if n > factor * median), median
 
 
+@contextlib.contextmanager
+def torch_threads(n: int | None) -> Iterator[None]:
+    """Run the block with n torch threads (None: as it is), then restore the count."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class RunPaused(KeyboardInterrupt):
     """A run stopped on purpose after a checkpoint (bench/advance_runs.py): resumable."""
 
 
 @dataclass
+class RoundUpdates:
+    """One round's valid updates, folded into `aggregate` as they arrived, with what the round's
+    row reports about them."""
+
+    aggregate: Aggregator
+    reported: list[int] = field(default_factory=list)  # clients whose update counted, in order
+    local_scores: dict[int, tuple[int, int]] = field(default_factory=dict)  # fresh local scores
+    rejected: dict[int, str] = field(default_factory=dict)  # client -> why, every refusal
+    norms: dict[int, float] = field(default_factory=dict)
+    outliers: list[int] = field(default_factory=list)
+    flops: int = 0
+    bytes_up: int = 0
+    outcome: RoundOutcome = field(default_factory=RoundOutcome)
+
+
+@dataclass
 class RunResult:
+    """The end of a run: the final global weights, the last evaluation (fine-tuned where the
+    algorithm fine-tunes) and every row written to metrics.jsonl."""
+
     global_weights: Weights
     final: EvalReport
     rows: list[dict[str, Any]]
 
 
 class Coordinator:
+    """One federated run's round loop over a ClientPool.
+
+    Per round (`run_round`): select clients (a pure function of seed and round), ask the
+    algorithm for the plan, dispatch it, check every update against the round contract and fold
+    the valid ones into a streaming aggregate as they arrive, apply it if the round has its
+    quorum, evaluate, and write the round's row. `run` adds checkpoints after every round, resume,
+    and the final fine-tuning.
+
+    `collect_threads`: torch threads while updates are collected (a deployment uses 1: checking
+    and folding in an update is memory-bound, and OpenMP threads would spin on the cores the
+    broker and the network thread need); None leaves the count as it is (simulation).
+    """
+
     def __init__(
         self,
         cfg: ExperimentConfig,
@@ -68,6 +119,7 @@ class Coordinator:
         run_dir: RunDir | None = None,
         on_round: Callable[[dict[str, Any]], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
+        collect_threads: int | None = None,
     ):
         self.cfg = cfg
         self.alg = algorithm
@@ -77,138 +129,200 @@ class Coordinator:
         self.run_dir = run_dir
         self.on_round = on_round or (lambda row: None)
         self.on_progress = on_progress or (lambda done, total: None)  # fine-tuning: clients done
+        self.collect_threads = collect_threads
         self.global_weights = get_blocks(model, model.spec.blocks)
         #: stop (resumably, after its checkpoint) once this many rounds are complete
         self.pause_after: int | None = None
-        if isinstance(algorithm, FedReG):
-            algorithm.set_train_sizes([len(c.train) for c in data.clients])
-        # Version 0 of every block is the seed-derived initial model, which every client can
-        # build itself; a block is sent to a client only when its version there is stale.
+        algorithm.prepare([len(c.train) for c in data.clients])
+        # Block versions: version 0 of every block is the seed-derived initial model. bytes_down
+        # counts a block for a client when the client does not hold its current version; a client
+        # holds nothing before its first round (-1): a deployment does send version 0.
         self.version = dict.fromkeys(model.spec.blocks, 0)
-        self.client_version = {c.client: dict(self.version) for c in data.clients}
+        self.client_version = {c.client: dict.fromkeys(model.spec.blocks, -1)
+                               for c in data.clients}
         self._frame_sizes: dict[tuple[str, int], int] = {}
         self._last_report: EvalReport | None = None
         # client -> (correct, total) of its most recent locally trained model (FedReG's testbed)
         self.local_scores: dict[int, tuple[int, int]] = {}
         self.flop_cache: FlopCache = {}
 
-    def _block_bytes(self, block: str) -> int:
-        key = (block, self.version[block])
-        if key not in self._frame_sizes:
-            self._frame_sizes[key] = frame_size(
-                {k: v for k, v in self.global_weights.items() if block_of(k) == block}
-            )
-        return self._frame_sizes[key]
-
-    def _bytes_down(self, client: int, blocks: list[str]) -> int:
-        total = 0
-        held = self.client_version[client]
-        for b in blocks:
-            if held[b] != self.version[b]:
-                total += self._block_bytes(b)
-                held[b] = self.version[b]
-        return total
-
+    # -- one round -------------------------------------------------------------------------
     def run_round(self, t: int) -> dict[str, Any]:
+        """Train, aggregate and (when due) evaluate round t; returns its metrics row."""
         start = time.perf_counter()
-        per_round = self.cfg.clients_per_round()
-        selected = select_clients(self.cfg.seed, t, self.cfg.data.num_clients, per_round)
+        selected = select_clients(self.cfg.seed, t, self.cfg.data.num_clients,
+                                  self.cfg.clients_per_round())
         plan = self.alg.plan(t)
-        needed = [b for b in plan.uses if b not in plan.personal]
-        send = {k: v for k, v in self.global_weights.items() if block_of(k) in needed}
-        # A real transport counts what crossed the wire; only the in-process pool is estimated.
-        wire = getattr(self.pool, "round_bytes", None)
-        bytes_down = 0 if wire is not None else sum(self._bytes_down(c, needed) for c in selected)
-        contract = round_contract(t, selected, plan.upload, self.global_weights, self.data,
-                                  plan.rebalance_threshold, self.cfg.aggregation.max_abs_delta)
-        acc = make_aggregator(self.cfg.aggregation)
-        reported, flops, bytes_up = [], 0, 0
-        fresh: dict[int, tuple[int, int]] = {}
-        rejected: dict[int, str] = {}
-        norms: dict[int, float] = {}
-
-        def check(update: ClientUpdate) -> str | None:
-            reason = contract.check(update)
-            if reason is not None:
-                log.warning("round %d: rejected update of client %d: %s", t, update.client, reason)
-                rejected[update.client] = reason
-            return reason
-
-        # Pools yield only updates that passed `check`, at most one per client; `rejected` keeps
-        # every refusal, also of a client whose valid update came later and counted.
-        for update in self.pool.train(t, selected, plan, send, check):
-            acc.add(update.deltas, self.alg.aggregation_weights(update), update.client)
-            norms[update.client] = update_norm(update.deltas)
-            reported.append(update.client)
-            if update.local_score is not None:
-                fresh[update.client] = update.local_score
-            flops += plan_flops(self.model, plan, self.data, self.data.clients[update.client],
-                                self.flop_cache)
-            bytes_up += update.bytes_up
-        if "quorum_failed" in (getattr(self.pool, "round_info", None) or {}):
-            # too few valid updates: what was folded in as it arrived is discarded, the global
-            # model stays as it was (the FLOPs were spent all the same)
-            acc = make_aggregator(self.cfg.aggregation)
-            reported, fresh, norms = [], {}, {}
-        outliers, median = _outliers(norms, self.cfg.aggregation.outlier_factor)
-        for c in outliers:
-            log.warning("round %d: update of client %d has norm %.4g, > %g x the round's median %.4g",
-                        t, c, norms[c], self.cfg.aggregation.outlier_factor, median)
-        new = acc.apply(self.global_weights)
-        for b in {block_of(k) for k, v in new.items() if v is not self.global_weights[k]}:
-            self.version[b] += 1
-        self.global_weights = new
-        self.local_scores.update(fresh)
-        last = t == self.cfg.rounds - 1
+        # what a client must hold to run the plan: the whole base (every forward pass runs it,
+        # frozen blocks too) and the heads the plan reads, less its personal blocks
+        needed = [b for b in ordered_union((self.model.spec.base, plan.uses))
+                  if b not in plan.personal]
+        bytes_down = sum(self._bytes_down(c, needed) for c in selected)
+        got = self._train(t, selected, plan, needed)
+        self._no_device_can_train(selected, got.reported, got.outcome)
+        refused = self._apply(t, got)
         report = None
-        if (t + 1) % self.cfg.train.eval_every == 0 or last:
-            report = self.pool.evaluate(self.global_weights, self.alg.eval_heads())
-        if wire is not None:
-            bytes_down, bytes_up = wire()
+        if (t + 1) % self.cfg.train.eval_every == 0 or t == self.cfg.rounds - 1:
+            report = self._evaluate()
+        self._last_report = report
+        counted = refused is None
         row = {
             "round": t,
             "phase": "train",
             "global_acc": report.global_acc if report else None,
             "personal_acc": report.personal_acc if report else None,
             "local_acc": self._local_acc(report) if report else None,
-            "round_local_acc": pooled_accuracy(fresh.values()),
+            "round_local_acc": pooled_accuracy(got.local_scores.values()) if counted else None,
             "clients": selected,
-            "reported": reported,
-            "status": "ok" if reported else "failed",
-            "failed": sorted(set(selected) - set(reported)),
-            "rejected": {str(c): r for c, r in sorted(rejected.items())},
-            "outliers": outliers,
+            "reported": got.reported if counted else [],
+            "status": "ok" if counted and got.reported else "failed",
+            "failed": sorted(set(selected) - set(got.reported if counted else [])),
+            "rejected": {str(c): r for c, r in sorted(got.rejected.items())},
+            "outliers": got.outliers if counted else [],
             "bytes_down": bytes_down,
-            "bytes_up": bytes_up,
+            "bytes_up": got.bytes_up,
             "trainable_params": count_params(self.model, plan.trainable),
             "uploaded_blocks": list(plan.upload),
-            "train_flops": flops,
+            "train_flops": got.flops,
             "seconds": round(time.perf_counter() - start, 3),
         }
         if self.alg.global_model_note:
             row["global_model"] = self.alg.global_model_note
-        info = getattr(self.pool, "round_info", None)
-        if info:  # the MQTT pool's record: deadline, who reported, device failures, quorum
-            row.update(info)
-            if "quorum_failed" in info:
-                row["status"] = "failed"
-        self._last_report = report
+        row.update(self._transport_fields(got.outcome))
+        wire = self.pool.wire_bytes()
+        if wire is not None:  # measured on the coordinator's connection, this round's steps
+            row.update(wire_bytes_out=wire[0], wire_bytes_in=wire[1])
+        if refused is not None:
+            row.update(quorum_failed=refused, received=sorted(got.reported))
         return row
+
+    def _train(self, t: int, selected: list[int], plan: ClientPlan, needed: list[str]
+               ) -> RoundUpdates:
+        """Dispatch the round and fold every valid update into a fresh aggregate as it arrives
+        (in client order: the same sums in simulation and deployment)."""
+        contract = round_contract(t, selected, plan.upload, self.global_weights, self.data,
+                                  plan.rebalance_threshold, self.cfg.aggregation.max_abs_delta)
+        got = RoundUpdates(make_aggregator(self.cfg.aggregation))
+
+        def check(update: ClientUpdate) -> str | None:
+            reason = contract.check(update)
+            if reason is not None:
+                log.warning("round %d: rejected update of client %d: %s", t, update.client, reason)
+                got.rejected[update.client] = reason
+            return reason
+
+        # The pool yields only updates that passed `check`, at most one per client, in client
+        # order; `rejected` keeps every refusal, also of a client whose valid update came later.
+        with torch_threads(self.collect_threads):
+            dispatch = self.pool.train(t, selected, plan, in_blocks(self.global_weights, needed),
+                                       check)
+            for update in dispatch:
+                got.aggregate.add(update.deltas, self.alg.aggregation_weights(update),
+                                  update.client)
+                got.norms[update.client] = update_norm(update.deltas)
+                got.reported.append(update.client)
+                if update.local_score is not None:
+                    got.local_scores[update.client] = update.local_score
+                got.flops += plan_flops(self.model, plan, self.data,
+                                        self.data.clients[update.client], self.flop_cache)
+                got.bytes_up += frame_size(update.deltas)
+        got.outcome = dispatch.outcome
+        got.outliers, median = _outliers(got.norms, self.cfg.aggregation.outlier_factor)
+        for c in got.outliers:
+            log.warning("round %d: update of client %d has norm %.4g, > %g x the round's median %.4g",
+                        t, c, got.norms[c], self.cfg.aggregation.outlier_factor, median)
+        return got
+
+    def _apply(self, t: int, got: RoundUpdates) -> str | None:
+        """Apply the round's aggregate if the round counts; else say why it does not (too few
+        valid updates, or a non-finite aggregate): then the global model stays as it was, and
+        what was folded in is discarded (the FLOPs were spent all the same)."""
+        need = self.cfg.deploy.min_updates
+        refused = (f"{len(got.reported)} valid updates < deploy.min_updates={need}"
+                   if len(got.reported) < need else None)
+        if refused is None:
+            try:
+                new = got.aggregate.apply(self.global_weights)
+            except AggregationError as exc:
+                refused = str(exc)
+        if refused is not None:
+            log.warning("round %d failed: %s", t, refused)
+            return refused
+        for b in {block_of(k) for k, v in new.items() if v is not self.global_weights[k]}:
+            self.version[b] += 1
+        self.global_weights = new
+        self.local_scores.update(got.local_scores)
+        return None
+
+    def _bytes_down(self, client: int, blocks: list[str]) -> int:
+        """Frame bytes of the blocks `client` needs and does not hold at their current version
+        (it then holds them), the initial version included. The same definition in simulation
+        and deployment."""
+        total = 0
+        held = self.client_version[client]
+        for b in blocks:
+            if held[b] != self.version[b]:
+                key = (b, self.version[b])
+                if key not in self._frame_sizes:
+                    self._frame_sizes[key] = frame_size(in_blocks(self.global_weights, b))
+                total += self._frame_sizes[key]
+                held[b] = self.version[b]
+        return total
+
+    def _no_device_can_train(self, selected: list[int], reported: list[int],
+                             outcome: RoundOutcome) -> None:
+        """A run that cannot make progress stops with the devices' own reasons."""
+        if not reported and outcome.device_failures and set(selected) <= outcome.blocked:
+            raise TransportError("no device can train: " + "; ".join(
+                f"{d}: {r}" for d, r in sorted(outcome.device_failures.items())) + " (fix it on "
+                "the devices, check with fedseq-client doctor, then start the run again)")
+
+    @staticmethod
+    def _transport_fields(outcome: RoundOutcome) -> dict[str, Any]:
+        """The row's record of a transport with deadlines (deployment): the deadline, who sent
+        each update, which devices could not train, late updates."""
+        if outcome.deadline_s is None:
+            return {}
+        return {
+            "deadline_s": float(f"{outcome.deadline_s:.1f}"),
+            "reporters": {str(c): d for c, d in sorted(outcome.reporters.items())},
+            "device_failures": outcome.device_failures,
+            "late_updates": outcome.late_updates,
+        }
+
+    def _check_score(self, client: int, correct: int, total: int) -> str | None:
+        return score_problem(self.data, client, correct, total)
+
+    def _evaluate(self) -> EvalReport:
+        """Every client's personalized model (by the pool), and the global model on the union of
+        the clients' test rows (by the pool where it has them, else here)."""
+        report = self.pool.evaluate(self.global_weights, self.alg.eval_heads(), self._check_score)
+        if report.global_total is None:
+            glob = evaluate(self.model, self.data, self.global_weights, {}, (self.model.spec.head,),
+                            batch=self.cfg.train.eval_batch_size)
+            report = EvalReport(glob.global_correct, glob.global_total, report.per_client)
+        return report
 
     def _local_acc(self, report: EvalReport) -> float | None:
         """FedReG's testbed personalized accuracy: every client's most recent locally trained
         model on its own test rows; a client that has not trained yet holds what it was sent."""
         return pooled_accuracy(self.local_scores.get(c, r) for c, r in report.per_client.items())
 
+    # -- the run ---------------------------------------------------------------------------
     def run(self, resume: Checkpoint | None = None) -> RunResult:
+        """All rounds (after the checkpoint's last complete one when resuming), a checkpoint
+        after each, then the algorithm's fine-tuning; writes the run directory's outputs."""
         rows = []
         first = self._restore(resume) if resume is not None else 0
+        self.pool.open(self.global_weights, self.alg.personal_blocks())
         for t in range(first, self.cfg.rounds):
             row = self.run_round(t)
             rows.append(row)
-            self._emit(row)
+            # checkpoint first, then the row: a row in metrics.jsonl always has its checkpoint,
+            # and a stop in between is healed on resume (the checkpoint holds the row)
             if self.run_dir is not None:
-                save_checkpoint(self.run_dir.path, self._checkpoint(t + 1))
+                save_checkpoint(self.run_dir.path, self._checkpoint(t + 1, row))
+            self._emit(row)
             if self.pause_after is not None and t + 1 >= self.pause_after and t + 1 < self.cfg.rounds:
                 raise RunPaused(f"paused after round {t} (resume to continue)")
         final = self._last_report
@@ -216,17 +330,16 @@ class Coordinator:
         ft_plan = self.alg.finetune_plan()
         if ft_plan is not None:
             start = time.perf_counter()
-            if hasattr(self.pool, "progress"):
-                self.pool.progress = self.on_progress
-            tuned = self.pool.finetune(ft_plan, self.global_weights, (self.model.spec.head,))
-            final = EvalReport(final.global_correct, final.global_total, tuned.per_client)
+            tuned = self.pool.finetune(ft_plan, self.global_weights, (self.model.spec.head,),
+                                       self._check_score, self.on_progress)
+            final = EvalReport(final.global_correct, final.global_total, tuned)
             row = {
                 "round": self.cfg.rounds,
                 "phase": "finetune",
                 "global_acc": final.global_acc,
                 "personal_acc": final.personal_acc,
                 "local_acc": final.personal_acc,  # the fine-tuned models are the local ones
-                "clients": sorted(tuned.per_client),
+                "clients": sorted(tuned),
                 "finetune_epochs": self.cfg.algorithm.finetune_epochs,
                 "trainable_params": count_params(self.model, ft_plan.trainable),
                 "seconds": round(time.perf_counter() - start, 3),
@@ -237,9 +350,10 @@ class Coordinator:
             self._write_outputs(final)
         return RunResult(self.global_weights, final, rows)
 
-    def _checkpoint(self, next_round: int) -> Checkpoint:
+    def _checkpoint(self, next_round: int, row: dict[str, Any]) -> Checkpoint:
         rep = self._last_report
         state: dict[str, Any] = {
+            "last_row": row,
             "version": self.version,
             "client_version": {str(c): v for c, v in self.client_version.items()},
             "local_scores": {str(c): list(r) for c, r in self.local_scores.items()},
@@ -247,11 +361,10 @@ class Coordinator:
                 rep.global_correct, rep.global_total,
                 {str(c): list(r) for c, r in rep.per_client.items()}],
         }
-        pool_state = getattr(self.pool, "checkpoint_state", None)
-        if pool_state is not None:
-            state["pool"] = pool_state()
-        personal = getattr(self.pool, "personal", {})
-        return Checkpoint(next_round, self.global_weights, state, personal)
+        pool = self.pool.snapshot()
+        if pool.state is not None:
+            state["pool"] = pool.state
+        return Checkpoint(next_round, self.global_weights, state, pool.personal)
 
     def _restore(self, ckpt: Checkpoint) -> int:
         """Continue after the checkpoint's last complete round; returns the next round."""
@@ -265,15 +378,17 @@ class Coordinator:
         if rep is not None:
             self._last_report = EvalReport(rep[0], rep[1],
                                            {int(c): (r[0], r[1]) for c, r in rep[2].items()})
-        if ckpt.personal and hasattr(self.pool, "personal"):
-            self.pool.personal.update(ckpt.personal)
+        self.pool.restore(PoolState(ckpt.state.get("pool"), ckpt.personal))
+        row = ckpt.state.get("last_row")
+        if row is not None and self.run_dir is not None and \
+                row["round"] not in self.run_dir.logged_rounds:
+            self._emit(row)  # stopped after the checkpoint, before its row was written
         return ckpt.next_round
 
     def _emit(self, row: dict[str, Any]) -> None:
         if self.run_dir is not None:
             self.run_dir.log_round(row)
         self.on_round(row)
-
     def _write_outputs(self, final: EvalReport) -> None:
         assert self.run_dir is not None
         clients = []

@@ -14,17 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedseq.common.algorithms import algorithm_class, make_algorithm
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.data.federated import load_federated
 from fedseq.common.errors import ConfigError
-from fedseq.common.models import get_blocks
+from fedseq.common.files import read_secret
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.server.broker import EmbeddedBroker
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
-from fedseq.server.mqtt_pool import MqttPool
-from fedseq.server.pool import make_model
+from fedseq.server.experiment import load_experiment
+from fedseq.server.mqtt import MqttPool
 from fedseq.server.rundir import RunDir, recorded
 
 log = logging.getLogger(__name__)
@@ -63,6 +61,7 @@ def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
 
 
 def stop_children(procs: list[subprocess.Popen], timeout: float = 15) -> None:
+    """SIGTERM the local device processes, kill those still up after `timeout` seconds."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -72,16 +71,6 @@ def stop_children(procs: list[subprocess.Popen], timeout: float = 15) -> None:
             p.wait(max(0.1, end - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-
-
-def read_password(path: Path | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        return Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"deploy.password_file {path}: {exc.strerror or exc}; fix the path or its "
-                          "permissions") from exc
 
 
 def run_deployment(
@@ -105,6 +94,7 @@ def run_deployment(
     tmp = None
     pool = None
     run_dir = None
+    ended: str | None = None  # why the run ended early: the devices are told (Control abort)
     try:
         if url is None:
             embedded = EmbeddedBroker(cfg.deploy.host, cfg.deploy.port,
@@ -121,14 +111,11 @@ def run_deployment(
         d = cfg.deploy
         tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
         # The broker first: a wrong address or password is said before minutes of data loading.
-        pool = MqttPool(cfg, url, run_id, d.username, read_password(d.password_file), tls)
+        pool = MqttPool(cfg, url, run_id, d.username,
+                        read_secret(d.password_file, "deploy.password_file"), tls)
         pool.start()
         # the coordinator's global evaluation reads the test rows and nothing else
-        data = load_federated(cfg.data, cfg.seed, test_images_only=True)
-        model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads,
-                           cfg.seed)
-        alg = make_algorithm(cfg, model.spec)
-        pool.bind(alg, model, data)
+        exp = load_experiment(cfg, test_images_only=True)
         if local_clients:
             tmp = tempfile.TemporaryDirectory(prefix="fedseq-local-")
             children = spawn_local_clients(local_clients, url, cfg, Path(tmp.name), client_threads)
@@ -136,17 +123,22 @@ def run_deployment(
                                         cfg.deploy.wait_devices_s)
         announce(f"run {run_id}: {len(devices)} devices ({', '.join(devices)})"
                  + (f", resumed at round {ckpt.next_round}" if ckpt else ""))
-        if pool_state:
-            pool.restore(pool_state)
-        pool.begin(devices, ckpt.global_weights if ckpt else get_blocks(model, model.spec.blocks))
         if out is not None:
             run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0,
                              {"run_id": run_id, **(info or {})})
+        coordinator = Coordinator(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir, on_round,
+                                  on_progress, collect_threads=1)
         with recorded(run_dir):
-            return Coordinator(cfg, alg, model, data, pool, run_dir, on_round, on_progress).run(ckpt)
+            return coordinator.run(ckpt)
+    except KeyboardInterrupt:
+        ended = "the coordinator was stopped (Ctrl-C or SIGTERM); it may be resumed"
+        raise
+    except BaseException as exc:  # the devices hear why before the error ends the process
+        ended = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise
     finally:
         if pool is not None:
-            pool.finish()
+            pool.close(abort=ended)
         stop_children(children)
         if tmp is not None:
             tmp.cleanup()

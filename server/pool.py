@@ -1,12 +1,18 @@
-"""Client pools: who trains the selected clients. The coordinator's round loop talks only to this
-interface, so the in-process simulation and the MQTT fleet share it."""
+"""Client pools: who trains the selected clients. The round loop (coordinator.py) talks only to the
+`ClientPool` protocol, so the in-process simulation and the MQTT fleet (server/mqtt/) share it.
+
+A pool transports: it dispatches a step to the clients and hands back typed outcomes. Every
+decision (who is selected, which update counts, whether a round has its quorum, when to evaluate,
+what a checkpoint holds) stays with the round loop.
+"""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator
-from typing import Protocol
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -14,30 +20,101 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.evaluation import EvalReport, evaluate
-from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
-from fedseq.common.protocol.tensors import frame_size
+from fedseq.common.models import BlockModel, Weights, get_blocks
 from fedseq.common.training import finetune_and_score, run_client_round
 
+#: the round loop's verdict on one update: None = valid, else why it is rejected
 UpdateCheck = Callable[[ClientUpdate], "str | None"]
+#: the round loop's verdict on one client's reported test score (client, correct, total)
+ScoreCheck = Callable[[int, int, int], "str | None"]
+#: (clients done, clients in all) while fine-tuning
+Progress = Callable[[int, int], None]
+#: client -> (correct, total) on its own test rows
+Scores = dict[int, tuple[int, int]]
+
+
+@dataclass
+class RoundOutcome:
+    """What happened in a training step besides the valid updates (which the pool hands over
+    while they arrive): filled in once the step's updates are exhausted."""
+
+    #: selected clients whose device said it cannot run this step (no update will come)
+    blocked: set[int] = field(default_factory=set)
+    #: device -> the reason it gave for not running the step (deployment only)
+    device_failures: dict[str, str] = field(default_factory=dict)
+    #: seconds the transport waited for updates at most; None: no deadline (in-process)
+    deadline_s: float | None = None
+    #: client -> the device that sent its accepted update (deployment only)
+    reporters: dict[int, str] = field(default_factory=dict)
+    #: updates of an earlier step that arrived during this one and were dropped
+    late_updates: int = 0
+
+
+class TrainRound:
+    """A dispatched training step. Iterating yields the valid updates (at most one per client,
+    only those the round loop's check accepted) in client order, as soon as they can be folded
+    in; after the iteration, `outcome` says what else happened."""
+
+    def __init__(self, updates: Generator[ClientUpdate, None, RoundOutcome]):
+        self._updates = updates
+        self.outcome = RoundOutcome()
+
+    def __iter__(self) -> Iterator[ClientUpdate]:
+        self.outcome = yield from self._updates
+
+
+@dataclass
+class PoolState:
+    """What a pool needs to continue a run after a restart: JSON-able bookkeeping (the MQTT pool's
+    run id, step sequence, assignment, block versions) and the personal blocks it holds for its
+    clients (the in-process pool; on a fleet they live on the devices' disks)."""
+
+    state: dict[str, Any] | None = None
+    personal: dict[int, Weights] = field(default_factory=dict)
 
 
 class ClientPool(Protocol):
-    def train(
-        self, round: int, clients: list[int], plan: ClientPlan, weights: Weights, check: UpdateCheck
-    ) -> Iterator[ClientUpdate]:
-        """Train the selected clients; yields at most one update per client, only updates for
-        which `check` returned None (it logs and records the others); failures are missing."""
+    """The transport between the round loop and the logical clients."""
+
+    def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
+        """Before the first step of a run (new or resumed): make the run, the current global
+        blocks and the names of the algorithm's personal blocks known to the clients."""
         ...
 
-    def evaluate(self, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport: ...
+    def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
+              check: UpdateCheck) -> TrainRound:
+        """Have the selected clients train `plan` from `weights` (plus their personal blocks)."""
+        ...
 
-    def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
+    def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
+                 ) -> EvalReport:
+        """Every client's personalized model (`weights` overridden by its personal blocks,
+        `eval_heads` summed) on its own test rows. A pool that holds every client's test rows
+        (in-process) also scores the global model in the same forward pass; a remote one leaves
+        the global fields None and the round loop scores the global model itself."""
+        ...
+
+    def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
+                 check: ScoreCheck, progress: Progress) -> Scores:
         """Every client fine-tunes from `weights` and reports accuracy on its own test rows."""
+        ...
+
+    def snapshot(self) -> PoolState:
+        """What a checkpoint must hold for this pool to continue the run."""
+        ...
+
+    def restore(self, state: PoolState) -> None:
+        """Continue from a checkpoint's `snapshot()` (before `open`)."""
+        ...
+
+    def wire_bytes(self) -> tuple[int, int] | None:
+        """(bytes sent, bytes received) on the coordinator's own connection since the last call,
+        as measured on the wire; None where nothing crosses a wire (in-process)."""
         ...
 
 
 class InProcessPool:
-    """All logical clients in this process; personal blocks kept in memory."""
+    """All logical clients in this process; their personal blocks are kept in memory."""
 
     def __init__(
         self, data: FederatedData, model: BlockModel, personal_blocks: tuple[str, ...], seed: int,
@@ -57,40 +134,45 @@ class InProcessPool:
         self.personal: dict[int, Weights] = {
             c.client: {k: v.clone() for k, v in initial.items()} for c in data.clients
         }
-        #: called with (clients done, clients in all) while fine-tuning
-        self.progress: Callable[[int, int], None] = lambda done, total: None
 
-    def train(
-        self, round: int, clients: list[int], plan: ClientPlan, weights: Weights, check: UpdateCheck
-    ) -> Iterator[ClientUpdate]:
+    def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
+        """Nothing to announce: the clients live in this process."""
+
+    def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
+              check: UpdateCheck) -> TrainRound:
+        return TrainRound(self._train(round, clients, plan, weights, check))
+
+    def _train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
+               check: UpdateCheck) -> Generator[ClientUpdate, None, RoundOutcome]:
         for c in clients:
             start = {**weights, **self.personal[c]}
             update, personal = run_client_round(
                 self.model, start, plan, self.data, self.data.clients[c], self.seed, round)
             self.personal[c] = personal
-            update.bytes_up = sum(
-                frame_size({k: v for k, v in update.deltas.items() if k.split(".", 1)[0] == b})
-                for b in plan.upload
-            )
             if check(update) is None:
                 yield update
+        return RoundOutcome()
 
-    def evaluate(self, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
+    def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
+                 ) -> EvalReport:
         return evaluate(self.model, self.data, weights, self.personal, eval_heads,
                         batch=self.eval_batch)
 
-    def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...]) -> EvalReport:
-        per_client = {}
+    def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
+                 check: ScoreCheck, progress: Progress) -> Scores:
+        per_client: Scores = {}
         for shard in self.data.clients:
             per_client[shard.client] = finetune_and_score(
                 self.model, {**weights, **self.personal[shard.client]}, plan, self.data, shard,
                 self.seed, eval_heads, self.eval_batch)
-            self.progress(len(per_client), len(self.data.clients))
-        return EvalReport(None, None, per_client)
+            progress(len(per_client), len(self.data.clients))
+        return per_client
 
+    def snapshot(self) -> PoolState:
+        return PoolState(None, self.personal)
 
-def make_model(name: str, data: FederatedData, two_heads: bool, seed: int) -> BlockModel:
-    from fedseq.common.seeding import derive_seed
+    def restore(self, state: PoolState) -> None:
+        self.personal.update(state.personal)
 
-    return build_model(name, data.input_shape, data.num_classes, two_heads,
-                       generator_seed=derive_seed(seed, "init"))
+    def wire_bytes(self) -> tuple[int, int] | None:
+        return None

@@ -14,6 +14,7 @@ from typing import Any
 
 from fedseq.common.config import ExperimentConfig, dump_config
 from fedseq.common.errors import ConfigError
+from fedseq.common.files import atomic_write
 from fedseq.common.models import Weights
 from fedseq.common.protocol.tensors import encode_tensors
 
@@ -43,11 +44,14 @@ class RunDir:
                               "to continue that run, or --overwrite to replace it")
         self.path.mkdir(parents=True, exist_ok=True)
         self.info = dict(info or {})
+        #: the train rounds metrics.jsonl holds (a resumed run's kept rows)
+        self.logged_rounds: set[int] = set()
         metrics = self.path / "metrics.jsonl"
         if mode == "resume":
             kept = [ln for ln in (metrics.read_text().splitlines() if metrics.exists() else [])
                     if ln.strip() and json.loads(ln).get("phase") == "train"
                     and json.loads(ln)["round"] < resume_round]
+            self.logged_rounds = {json.loads(ln)["round"] for ln in kept}
             metrics.write_text("".join(ln + "\n" for ln in kept))
             self._metrics = metrics.open("a")
         else:
@@ -62,25 +66,28 @@ class RunDir:
         """status.json: running, finished, interrupted or failed (with the reason)."""
         body = {"state": state, "reason": reason, "updated": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                 **self.info}
-        tmp = self.path / "status.json.tmp"
-        tmp.write_text(json.dumps(body, indent=1) + "\n")
-        tmp.replace(self.path / "status.json")
+        atomic_write(self.path / "status.json", (json.dumps(body, indent=1) + "\n").encode(),
+                     durable=False)
 
     def log_round(self, row: dict[str, Any]) -> None:
+        """Append one row to metrics.jsonl (flushed: a crash loses nothing written)."""
         clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
         self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
 
     def write_clients(self, rows: list[dict[str, Any]]) -> None:
+        """clients.csv: per-client sizes and final accuracy."""
         with (self.path / "clients.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
 
     def write_model(self, weights: Weights, metadata: dict[str, str]) -> None:
-        (self.path / "model.safetensors").write_bytes(encode_tensors(weights, metadata))
+        """model.safetensors: the final global weights with the run's metadata."""
+        atomic_write(self.path / "model.safetensors", encode_tensors(weights, metadata))
 
     def close(self) -> None:
+        """Close metrics.jsonl."""
         self._metrics.close()
 
 

@@ -9,13 +9,12 @@ from typing import Any
 
 import torch
 
-from fedseq.common.algorithms import algorithm_class, make_algorithm
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.data.federated import load_federated
-from fedseq.common.errors import ConfigError
+from fedseq.common.hardware import torch_device
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
-from fedseq.server.pool import InProcessPool, make_model
+from fedseq.server.experiment import load_experiment
+from fedseq.server.pool import InProcessPool
 from fedseq.server.rundir import RunDir, recorded
 
 
@@ -33,23 +32,6 @@ def default_threads(cores: int | None = None, load: float | None = None) -> int:
     return max(1, min(cores, cores - round(load)))
 
 
-def sim_device(choice: str) -> torch.device:
-    """train.device as a torch device; a CUDA choice without CUDA is a one-line ConfigError."""
-    if choice == "auto":
-        choice = "cuda" if torch.cuda.is_available() else "cpu"
-    if choice.startswith("cuda"):
-        if not torch.cuda.is_available():
-            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-            raise ConfigError(f"train.device={choice!r}, but torch {torch.__version__} ({build}) "
-                              f"sees no GPU; use train.device='cpu' or install a CUDA torch "
-                              f"(README, Set up)")
-        index = int(choice.split(":")[1]) if ":" in choice else 0
-        if index >= torch.cuda.device_count():
-            raise ConfigError(f"train.device={choice!r}, but this machine has "
-                              f"{torch.cuda.device_count()} GPU(s); use cuda:0")
-    return torch.device(choice)
-
-
 def run_simulation(
     cfg: ExperimentConfig,
     out: Path | None,
@@ -64,18 +46,17 @@ def run_simulation(
     threads = cfg.train.threads or default_threads()
     torch.set_num_threads(threads)
     info = {**(info or {}), "threads": threads}
-    device = sim_device(cfg.train.device)
+    device = torch_device(cfg.train.device)
     info["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
-    data = load_federated(cfg.data, cfg.seed)
-    model = make_model(cfg.model.name, data, algorithm_class(cfg.algorithm.name).two_heads, cfg.seed)
-    alg = make_algorithm(cfg, model.spec)
-    pool = InProcessPool(data, model, alg.personal_blocks(), cfg.seed, cfg.train.eval_batch_size,
-                         device)
+    exp = load_experiment(cfg)
+    pool = InProcessPool(exp.data, exp.model, exp.algorithm.personal_blocks(), cfg.seed,
+                         cfg.train.eval_batch_size, device)
     run_dir = None
     if out is not None:
         run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0, info)
-    coordinator = Coordinator(cfg, alg, model, data, pool, run_dir, on_round, on_progress)
+    coordinator = Coordinator(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir, on_round,
+                              on_progress)
     coordinator.pause_after = pause_after
     with recorded(run_dir):
         return coordinator.run(ckpt)

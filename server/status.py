@@ -18,6 +18,8 @@ from fedseq.common.protocol.topics import Topics
 
 @dataclass
 class FleetView:
+    """What the broker's retained messages say about the coordinator, the run and every device."""
+
     server: ServerStatus | None = None
     run: RunConfig | None = None
     step: Step | None = None

@@ -12,14 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
-from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
+from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.data.rebalance import rebalanced_size
-from fedseq.common.models import Weights
+from fedseq.common.models import Weights, block_of
 
 
 @dataclass(frozen=True)
 class RoundContract:
+    """What a valid update of one round looks like (built by round_contract from what the
+    coordinator knows); `check` says why an update is rejected."""
+
     round: int
     selected: frozenset[int]
     reference: Weights  # the global tensors of the uploadable blocks: names, dtypes, shapes
@@ -82,3 +85,14 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
     tests = {c: len(data.clients[c].test) for c in selected}
     return RoundContract(round, frozenset(selected), reference, samples, effective, max_abs_delta,
                          tests)
+
+
+def score_problem(data: FederatedData, client: int, correct: int, total: int) -> str | None:
+    """Why a client's reported test score cannot be true, or None: it must be a known client,
+    and its total its exact test-set size."""
+    if not 0 <= client < len(data.clients):
+        return f"client {client} does not exist"
+    expected = len(data.clients[client].test)
+    if total != expected or not 0 <= correct <= total:
+        return f"client {client}: {correct}/{total} correct, its test set has {expected} rows"
+    return None

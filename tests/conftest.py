@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import getpass
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,7 @@ import torch
 
 from fedseq.common.config import ExperimentConfig, load_config
 from fedseq.common.data.federated import ClientShard, FederatedData
-from fedseq.server.broker import free_port
+from fedseq.server.broker import free_port, local_mosquitto_conf
 from fedseq.server.launch import SERVER_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,14 +88,8 @@ def mosquitto(tmp_path):
     for user, pw in users.items():
         subprocess.run(["mosquitto_passwd", "-b", str(passwd), user, pw], check=True)
     shutil.copy(ROOT / "deploy" / "mosquitto" / "fedseq.acl", acl)
-    conf = (ROOT / "broker.conf").read_text()
-    conf = re.sub(r"^listener 1883 0\.0\.0\.0$", f"listener {port} 127.0.0.1", conf, flags=re.M)
-    conf = conf.replace("/etc/mosquitto/fedseq.passwd", str(passwd))
-    conf = conf.replace("/etc/mosquitto/fedseq.acl", str(acl))
-    conf = conf.replace("/var/lib/mosquitto/", f"{tmp_path}/")
-    conf = conf.replace("log_dest syslog", "log_dest stderr")
-    conf += f"\nuser {getpass.getuser()}\n"  # as root, mosquitto would drop to a user without access
-    assert f"listener {port} 127.0.0.1" in conf and "allow_anonymous false" in conf
+    conf = local_mosquitto_conf((ROOT / "broker.conf").read_text(), port, passwd, acl, tmp_path,
+                                getpass.getuser())
     (tmp_path / "mosquitto.conf").write_text(conf)
     proc = subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "mosquitto.conf")],
                             stderr=subprocess.PIPE, text=True)

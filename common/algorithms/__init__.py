@@ -22,10 +22,12 @@ REGISTRY: dict[str, type[Algorithm]] = {
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
+    """The class registered under a config name (algorithm.name)."""
     return REGISTRY[name]
 
 
 def make_algorithm(cfg: ExperimentConfig, spec: ModelSpec) -> Algorithm:
+    """The configured algorithm for a model's block layout."""
     return REGISTRY[cfg.algorithm.name](cfg, spec)
 
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fedseq.common.models import Weights
+from fedseq.common.errors import AggregationError
+from fedseq.common.models import Weights, block_of
 
 
 @dataclass
@@ -21,14 +22,9 @@ class ClientUpdate:
     num_samples: int
     effective_samples: int | None = None  # FedReG: original rows in the rebalanced set
     train_seconds: float = 0.0  # the client's local computation: training and its local score
-    bytes_up: int = 0
     # (correct, total) of the client's model right after its local training, on its own test
     # rows: what FedReG's testbed scores as personalized accuracy (docs/results.md)
     local_score: tuple[int, int] | None = None
-
-
-def block_of(key: str) -> str:
-    return key.split(".", 1)[0]
 
 
 @dataclass
@@ -64,7 +60,7 @@ class WeightedDeltaSum:
             # element is (sums of contract-bounded float32 deltas cannot overflow it), in one
             # pass without the boolean tensor isfinite() allocates.
             if not math.isfinite(float(s.sum())):
-                raise ValueError(f"the aggregate of {k} has NaN or Inf; the round is refused")
+                raise AggregationError(f"the aggregate of {k} has NaN or Inf; the round is refused")
             if self.weights[k] > 0:
                 g = global_weights[k]
                 out[k] = (g.to(torch.float64) + s / self.weights[k]).to(g.dtype)

@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
-from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
+from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase, ordered_union
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.models import ModelSpec
+from fedseq.common.models import ModelSpec, block_of
 
 
 class Algorithm:
-    """Default behaviour is FedAvg: train every block, upload every block, nothing personal."""
+    """An algorithm is a plan maker: what every selected client trains in a round (`plan`), what
+    it keeps (`personal_blocks`), how its deltas are weighted (`aggregation_weights`) and what
+    happens after the last round (`finetune_plan`). Pure: no I/O, no clocks, no randomness of its
+    own, so the same object drives the simulation and a deployment.
+
+    Lifecycle: built from the config and the model's block layout, `prepare`d once by the round
+    loop with the partition's training-set sizes, then asked for a plan every round.
+
+    Default behaviour is FedAvg: train every block, upload every block, nothing personal."""
 
     name = "fedavg"
     two_heads = False  # needs a personal second head (FedRoD, FedReG)
+    #: the algorithm ends with every client fine-tuning locally (FedBABU, FedSeq)
+    fine_tunes = False
     #: what the global model is when evaluated, where it is not a trained whole model
     global_model_note: str | None = None
 
@@ -20,11 +30,17 @@ class Algorithm:
         self.cfg = cfg
         self.spec = spec
 
+    def prepare(self, train_sizes: list[int]) -> None:
+        """Called once before the first plan with every client's training-set size (client
+        order). Default: nothing; FedReG derives its rebalancing threshold from them."""
+
     # -- what clients do -------------------------------------------------------------------
     def personal_blocks(self) -> tuple[str, ...]:
+        """Blocks each client keeps for itself: never uploaded, never aggregated."""
         return ()
 
     def shared_blocks(self) -> tuple[str, ...]:
+        """Blocks the server aggregates (every block that is not personal)."""
         return tuple(b for b in self.spec.blocks if b not in self.personal_blocks())
 
     def eval_heads(self) -> tuple[str, ...]:
@@ -32,10 +48,13 @@ class Algorithm:
         return (self.spec.head,)
 
     def phases(self, round: int) -> tuple[Phase, ...]:
+        """The local training phases of `round` (the plan's core; subclasses override this)."""
         epochs = self.cfg.train.local_epochs
         return (Phase(epochs, (Objective((self.spec.head,), self.spec.blocks),)),)
 
     def plan(self, round: int) -> ClientPlan:
+        """What every selected client does in `round`: phases, uploads, personal blocks, optimizer
+        and loss settings."""
         phases = self.phases(round)
         trained = ordered_union(p.trainable for p in phases)
         personal = self.personal_blocks()
@@ -54,11 +73,19 @@ class Algorithm:
         )
 
     def prox_mu(self) -> float:
+        """FedProx's proximal weight; 0 = plain SGD."""
         return 0.0
 
     def finetune_plan(self) -> ClientPlan | None:
         """After the last round: every client fine-tunes locally (FedBABU, FedSeq); None = no."""
         return None
+
+    @classmethod
+    def finetunes(cls, cfg: ExperimentConfig) -> bool:
+        """Whether a run of `cfg` ends with fine-tuning: the algorithm declares it
+        (`fine_tunes`) and `algorithm.finetune_epochs` > 0. Known before any model is built
+        (the CLI's progress line)."""
+        return cls.fine_tunes and cfg.algorithm.finetune_epochs > 0
 
     # -- aggregation -----------------------------------------------------------------------
     def aggregation_weights(self, update: ClientUpdate) -> dict[str, float]:

@@ -12,19 +12,23 @@ from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 
 
 class FedBABU(Algorithm):
+    """FedBABU: the body is federated under a frozen random head; every client fine-tunes at the end."""
+
     name = "fedbabu"
+    fine_tunes = True
     global_model_note = "aggregated base + head frozen at its initial weights (before fine-tuning)"
 
     def trainable_base(self, round: int) -> tuple[str, ...]:
+        """The base blocks trained in `round` (all of them; FedSeq unfreezes them in stages)."""
         return self.spec.base
 
     def phases(self, round: int) -> tuple[Phase, ...]:
         return (base_only_phase(self.spec, self.trainable_base(round), self.cfg.train.local_epochs),)
 
     def finetune_plan(self) -> ClientPlan | None:
-        epochs = self.cfg.algorithm.finetune_epochs
-        if epochs == 0:
+        if not self.finetunes(self.cfg):
             return None
+        epochs = self.cfg.algorithm.finetune_epochs
         t = self.cfg.train
         phase = Phase(epochs, (Objective((self.spec.head,), self.spec.blocks),))
         return ClientPlan((phase,), upload=(), personal=self.spec.blocks, lr=t.lr,

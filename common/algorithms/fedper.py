@@ -6,6 +6,8 @@ from fedseq.common.algorithms.base import Algorithm
 
 
 class FedPer(Algorithm):
+    """FedPer (Arivazhagan et al.): the base is federated, the head stays personal."""
+
     name = "fedper"
     global_model_note = "aggregated base + head at its initial weights (heads are personal)"
 

@@ -6,6 +6,8 @@ from fedseq.common.algorithms.base import Algorithm
 
 
 class FedProx(Algorithm):
+    """FedProx (Li et al.): FedAvg with a proximal term mu/2 ||w - w_global||^2 (algorithm.mu)."""
+
     name = "fedprox"
 
     def prox_mu(self) -> float:

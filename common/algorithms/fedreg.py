@@ -21,12 +21,15 @@ from dataclasses import replace
 
 import numpy as np
 
-from fedseq.common.algorithms.aggregate import ClientUpdate, block_of
+from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.base import Algorithm
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
+from fedseq.common.errors import FedseqError, ProtocolError
+from fedseq.common.models import block_of
 
 
 def threshold_of(train_sizes: list[int], kind: str) -> float:
+    """The rebalancing threshold C of the clients' training-set sizes: mean, median or max."""
     sizes = np.asarray(train_sizes, dtype=np.float64)
     if kind == "median":
         return float(np.median(sizes))
@@ -34,9 +37,11 @@ def threshold_of(train_sizes: list[int], kind: str) -> float:
 
 
 class FedReG(Algorithm):
+    """FedReG (see the module docstring): two heads and a rebalanced local set."""
+
     name = "fedreg"
     two_heads = True
-    threshold: float | None = None  # set by the coordinator from the partition's sizes
+    threshold: float | None = None  # C, from the partition's sizes (prepare)
 
     def personal_blocks(self) -> tuple[str, ...]:
         assert self.spec.personal_head is not None
@@ -45,8 +50,9 @@ class FedReG(Algorithm):
     def eval_heads(self) -> tuple[str, ...]:
         return self.spec.heads
 
-    def set_train_sizes(self, sizes: list[int]) -> None:
-        self.threshold = threshold_of(sizes, self.cfg.algorithm.rebalance_threshold)
+    def prepare(self, train_sizes: list[int]) -> None:
+        """C: the mean (or median, max) of the clients' training-set sizes."""
+        self.threshold = threshold_of(train_sizes, self.cfg.algorithm.rebalance_threshold)
 
     def phases(self, round: int) -> tuple[Phase, ...]:
         s = self.spec
@@ -57,13 +63,13 @@ class FedReG(Algorithm):
 
     def plan(self, round: int) -> ClientPlan:
         if self.threshold is None:
-            raise RuntimeError("FedReG needs set_train_sizes() before planning")
+            raise FedseqError("FedReG plans need prepare(train_sizes) first (the round loop calls it)")
         once = self.cfg.algorithm.fedreg_rebalance == "once"
         return replace(super().plan(round), rebalance_threshold=self.threshold, rebalance_once=once)
 
     def aggregation_weights(self, update: ClientUpdate) -> dict[str, float]:
         if update.effective_samples is None:
-            raise ValueError(f"client {update.client}: FedReG update without effective_samples")
+            raise ProtocolError(f"client {update.client}: FedReG update without effective_samples")
         return {
             block_of(k): float(
                 update.effective_samples if block_of(k) == self.spec.head else update.num_samples

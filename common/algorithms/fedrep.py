@@ -8,6 +8,8 @@ from fedseq.common.algorithms.plan import Objective, Phase
 
 
 class FedRep(Algorithm):
+    """FedRep (Collins et al.): the personal head trains first (head_epochs), then the shared base."""
+
     name = "fedrep"
     global_model_note = "aggregated base + head at its initial weights (heads are personal)"
 

@@ -9,6 +9,8 @@ from fedseq.common.algorithms.plan import Objective, Phase
 
 
 class FedRoD(Algorithm):
+    """FedRoD (Chen and Chao): a generic head with balanced softmax and a personal head on its features."""
+
     name = "fedrod"
     two_heads = True
 

@@ -36,6 +36,8 @@ def trainable_blocks(base: tuple[str, ...], schedule: list[int], round: int, ant
 
 
 class FedSeq(FedBABU):
+    """FedSeq-Vanilla: FedBABU whose base blocks are unfrozen input to output at rounds t_1..t_K."""
+
     name = "fedseq-vanilla"
     anti = False
     global_model_note = "aggregated base + head frozen at its initial weights (before fine-tuning)"
@@ -49,5 +51,7 @@ class FedSeq(FedBABU):
 
 
 class FedSeqAnti(FedSeq):
+    """FedSeq-Anti: the base blocks are unfrozen output to input."""
+
     name = "fedseq-anti"
     anti = True

@@ -6,6 +6,8 @@ from fedseq.common.algorithms.base import Algorithm
 
 
 class LGFedAvg(Algorithm):
+    """LG-FedAvg (Liang et al.): local representations, global head: the base stays personal."""
+
     name = "lg-fedavg"
     global_model_note = "base at its initial weights + aggregated head (bases are personal)"
 

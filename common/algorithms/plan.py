@@ -38,6 +38,8 @@ class Objective:
 
 @dataclass(frozen=True)
 class Phase:
+    """Some epochs of one data source (local or FedReG's rebalanced set) with its objectives."""
+
     epochs: int
     objectives: tuple[Objective, ...]
     data: DataSource = "local"
@@ -49,6 +51,9 @@ class Phase:
 
 @dataclass(frozen=True)
 class ClientPlan:
+    """Everything a selected client does in a round: phases, what to upload and keep, optimizer and
+    loss settings. Plain data: it crosses the wire as JSON (plan_to_dict / plan_from_dict)."""
+
     phases: tuple[Phase, ...]
     upload: tuple[str, ...]  # shared blocks whose deltas go back to the server
     personal: tuple[str, ...] = ()  # blocks that live with the client, never uploaded
@@ -71,7 +76,9 @@ class ClientPlan:
 
     @property
     def uses(self) -> tuple[str, ...]:
-        """Every block the client's forward passes touch (what it must hold to train)."""
+        """Every block an objective trains or reads logits from. The forward pass also runs the
+        model's whole base, frozen blocks included: what a client must hold is the base plus
+        these (the round loop's `needed`)."""
         return ordered_union(
             (*o.heads, *o.trainable) for p in self.phases for o in p.objectives
         )
@@ -85,6 +92,7 @@ def plan_to_dict(plan: ClientPlan) -> dict:
 
 
 def plan_from_dict(d: dict) -> ClientPlan:
+    """The inverse of plan_to_dict (a plan received in a Step)."""
     phases = tuple(
         Phase(
             epochs=p["epochs"],

@@ -26,6 +26,8 @@ from fedseq.common.models import Weights
 
 
 class Aggregator(Protocol):
+    """A streaming aggregation rule: add updates one by one, then apply to the global weights."""
+
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int) -> None: ...
 
     def apply(self, global_weights: Weights) -> Weights: ...

@@ -22,16 +22,19 @@ H = TypeVar("H", WeightsHeader, UpdateHeader)
 
 
 def split_frame(frame: bytes, chunk_bytes: int = CHUNK_BYTES) -> list[memoryview]:
+    """A frame cut into chunks of at most `size` bytes."""
     view = memoryview(frame)
     return [view[i : i + chunk_bytes] for i in range(0, max(1, len(frame)), chunk_bytes)]
 
 
 def pack_chunk(header: Message, chunk: bytes | memoryview) -> bytes:
+    """[4-byte big-endian header length][JSON header][chunk bytes]."""
     head = header.encode()
     return b"".join((struct.pack(">I", len(head)), head, chunk))
 
 
 def unpack_chunk(payload: bytes, header_type: type[H]) -> tuple[H, memoryview]:
+    """(header, chunk bytes) of a packed chunk; ProtocolError when malformed."""
     if len(payload) < 4:
         raise ProtocolError("chunk message shorter than its length prefix")
     (n,) = struct.unpack_from(">I", payload)

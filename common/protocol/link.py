@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 import paho.mqtt.client as mqtt
 
-from fedseq.common.errors import TransportError
+from fedseq.common.errors import LoginRefused, TransportError
 from fedseq.common.protocol.frames import CHUNK_BYTES, pack_chunk, split_frame
 from fedseq.common.protocol.messages import Message
 
@@ -127,10 +127,6 @@ def explain_refusal(url: str, reason: object, username: str | None) -> str:
     return f"broker {url} refused the connection ({text})"
 
 
-class LoginRefused(TransportError):
-    """The broker answered, and said no: retrying with the same credentials will not help."""
-
-
 def _no_delay(client, userdata, sock) -> None:
     """Disable Nagle: small messages (steps, chunk tails, acks) otherwise wait for delayed ACKs,
     about 40 ms per exchange on Linux (measured with bench/mqtt_round.py)."""
@@ -139,6 +135,11 @@ def _no_delay(client, userdata, sock) -> None:
 
 
 class Link:
+    """One MQTT connection for either side (see the module docstring): connect with clear errors,
+    reconnect with backoff, re-subscribe and run hooks on every connect, publish chunked frames.
+    `bytes_out` / `bytes_in` count payload bytes published and received (a deployment's
+    wire_bytes)."""
+
     def __init__(
         self,
         client_id: str,
@@ -256,6 +257,7 @@ class Link:
         self._stopping.set()
 
     def stop(self) -> None:
+        """Disconnect and stop the network thread."""
         self._stopping.set()
         with contextlib.suppress(Exception):
             self.client.disconnect()
@@ -310,6 +312,7 @@ class Link:
 
     def publish(self, topic: str, payload: bytes | Message, retain: bool = False,
                 wait: bool = False, timeout: float = 30.0) -> None:
+        """Publish at QoS 1 (optionally waiting up to `timeout` for the broker's ack)."""
         data = payload.encode() if isinstance(payload, Message) else payload
         info = self.client.publish(topic, data, qos=1, retain=retain)
         self.bytes_out += len(data)

@@ -9,9 +9,11 @@ from typing import Any, Dict, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fedseq.common.errors import ProtocolError
+from fedseq.common.errors import ProtocolError, validation_problem
 
-PROTOCOL_VERSION = 1
+# 2: Step.personal added; the never-used DeviceStatus.slots, UpdateHeader.train_flops and the
+# "stop" step kind removed; Control(abort) is sent when a run ends abnormally.
+PROTOCOL_VERSION = 2
 
 
 def version_mismatch(payload: bytes) -> tuple[int, str | None] | None:
@@ -30,35 +32,42 @@ def version_mismatch(payload: bytes) -> tuple[int, str | None] | None:
 
 
 class Message(BaseModel):
+    """Base of every JSON message: unknown fields are refused, and `v` must be this side's
+    protocol version (a peer of another version is rejected loudly, see version_mismatch)."""
+
     model_config = ConfigDict(extra="forbid")
-    v: Literal[1] = 1  # PROTOCOL_VERSION; a device of another version is rejected loudly
+    v: Literal[2] = 2  # PROTOCOL_VERSION
 
     def encode(self) -> bytes:
+        """The message as compact JSON bytes."""
         return self.model_dump_json().encode()
 
     @classmethod
     def decode(cls, payload: bytes):
+        """Parse and validate; anything invalid is a one-line ProtocolError."""
         try:
             return cls.model_validate_json(payload)
         except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(p) for p in err["loc"]) or "message"
-            raise ProtocolError(f"invalid {cls.__name__}: {where}: {err['msg']}") from exc
+            p = validation_problem(exc)
+            raise ProtocolError(f"invalid {cls.__name__}: {p.where or 'message'}: {p.msg}") from exc
 
 
 class ServerStatus(Message):
+    """The coordinator's presence (retained; its last will says offline)."""
+
     state: Literal["online", "offline"]
     run_id: Optional[str] = None
     broker: Optional[str] = None
 
 
 class DeviceStatus(Message):
+    """A device's presence and health (retained; its last will says offline)."""
+
     device: str
     state: Literal["online", "offline"]
     package_version: str = ""
     torch_device: str = "cpu"
     memory_mb: int = 0
-    slots: int = Field(1, ge=1)
     # The last step this device could not execute, and why (missing data, out of memory, CUDA
     # error, ...); the coordinator fails the device's clients in that step at once.
     error: str = Field("", max_length=2000)
@@ -68,11 +77,16 @@ class DeviceStatus(Message):
 
 
 class RunConfig(Message):
+    """The run's whole experiment config (retained): devices derive the partition, the model
+    and the seeds from it."""
+
     run_id: str
     config: Dict[str, Any]  # ExperimentConfig.model_dump(mode="json"); validated again on receipt
 
 
 class Assignment(Message):
+    """The logical clients a device hosts in this run (retained, one topic per device)."""
+
     run_id: str
     device: str
     clients: List[int]
@@ -83,15 +97,19 @@ class Step(Message):
 
     run_id: str
     seq: int = Field(ge=0)  # strictly increasing within a run
-    kind: Literal["train", "evaluate", "finetune", "idle", "stop"]
+    kind: Literal["train", "evaluate", "finetune", "idle"]
     round: int = -1
     clients: List[int] = Field(default_factory=list)
     plan: Optional[Dict[str, Any]] = None  # ClientPlan as plain data (train, finetune)
     versions: Dict[str, int] = Field(default_factory=dict)  # block -> version the step needs
     eval_heads: List[str] = Field(default_factory=list)
+    # the algorithm's personal blocks: what a client's stored state overrides (evaluate, finetune)
+    personal: List[str] = Field(default_factory=list)
 
 
 class EvalResult(Message):
+    """A device's clients' test scores for an evaluate or finetune step."""
+
     run_id: str
     seq: int
     device: str
@@ -100,12 +118,17 @@ class EvalResult(Message):
 
 
 class Control(Message):
+    """Sent by the coordinator when a run ends abnormally (an error, Ctrl-C, SIGTERM): devices
+    abandon the run's current step at once instead of finishing work nobody collects."""
+
     run_id: Optional[str] = None
     command: Literal["abort"]
     reason: str = ""
 
 
 class WeightsHeader(Message):
+    """Header of one chunk of a block's weights frame (retained, versioned)."""
+
     run_id: str
     block: str
     version: int = Field(ge=0)
@@ -116,6 +139,8 @@ class WeightsHeader(Message):
 
 
 class UpdateHeader(Message):
+    """Header of one chunk of a client's update frame (its deltas) with its sample counts."""
+
     run_id: str
     seq: int
     round: int
@@ -123,7 +148,6 @@ class UpdateHeader(Message):
     device: str
     num_samples: int
     effective_samples: Optional[int] = None
-    train_flops: int = 0  # ignored: the coordinator counts FLOPs from the plan (common/flops.py)
     train_seconds: float = 0.0  # local computation: training and the local score
     local_correct: Optional[int] = None  # the trained model on the client's test rows
     local_total: Optional[int] = None

@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class TopicRef:
+    """A parsed topic: its kind and the names its levels carry (empty where it has none).
+
+    kind: server_status, device_status, assignment, run_config, step, weights, update, eval,
+    control. Levels are kept as text: a client or chunk level that is not a number is the
+    message handler's to refuse, with its reason."""
+
+    kind: str
+    device: str = ""
+    block: str = ""
+    client: str = ""
+    chunk: str = ""
 
 
 @dataclass(frozen=True)
 class Topics:
+    """Builds every topic of one root and parses them back (`parse`): the only place on either
+    side that knows the topic layout."""
+
     root: str = "fedseq"
 
     @property
@@ -40,7 +59,24 @@ class Topics:
     def control(self) -> str:
         return f"{self.root}/control"
 
-    def device_of(self, topic: str) -> str:
-        """The device name in a device/<name>/... , update/<name>/... or eval/<name> topic."""
-        parts = topic[len(self.root) + 1 :].split("/")
-        return parts[1]
+    def parse(self, topic: str) -> Optional[TopicRef]:
+        """The topic's kind and levels; None for a topic outside this tree or of no known shape."""
+        if not topic.startswith(self.root + "/"):
+            return None
+        p = topic[len(self.root) + 1:].split("/")
+        shape = (p[0], len(p))
+        if shape == ("server", 2) and p[1] == "status":
+            return TopicRef("server_status")
+        if shape == ("device", 3) and p[2] in ("status", "assign"):
+            return TopicRef("device_status" if p[2] == "status" else "assignment", device=p[1])
+        if shape == ("run", 2) and p[1] == "config":
+            return TopicRef("run_config")
+        if shape in (("step", 1), ("control", 1)):
+            return TopicRef(p[0])
+        if shape == ("weights", 3):
+            return TopicRef("weights", block=p[1], chunk=p[2])
+        if shape == ("update", 4):
+            return TopicRef("update", device=p[1], client=p[2], chunk=p[3])
+        if shape == ("eval", 2):
+            return TopicRef("eval", device=p[1])
+        return None

@@ -17,7 +17,7 @@ def _setup(name, *over):
     alg = make_algorithm(cfg, model.spec)
     data = synthetic_data()
     if name == "fedreg":
-        alg.set_train_sizes([len(c.train) for c in data.clients])
+        alg.prepare([len(c.train) for c in data.clients])
     return cfg, model, alg, data
 
 

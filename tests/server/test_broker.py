@@ -77,7 +77,7 @@ def test_status_command_shows_the_fleet(tmp_path):
     import paho.mqtt.client as mqtt
 
     from fedseq.client.daemon import DeviceDaemon
-    from fedseq.common.protocol.messages import DeviceStatus
+    from fedseq.common.protocol.messages import PROTOCOL_VERSION, DeviceStatus
 
     broker = EmbeddedBroker("127.0.0.1", 0)
     broker.start()
@@ -100,7 +100,7 @@ def test_status_command_shows_the_fleet(tmp_path):
     out = r.stdout
     assert "coordinator never seen" in out and "1 of 2 devices online" in out, out
     dev01 = next(ln for ln in out.splitlines() if ln.startswith("dev01"))
-    assert "online" in dev01 and "0.1.0" in dev01 and "v1" in dev01 and "cpu" in dev01
+    assert "online" in dev01 and "0.1.0" in dev01 and f"v{PROTOCOL_VERSION}" in dev01 and "cpu" in dev01
     dev02 = next(ln for ln in out.splitlines() if ln.startswith("dev02"))
     assert "offline" in dev02 and "step 4: dataset file missing" in dev02
 

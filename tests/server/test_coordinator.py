@@ -12,7 +12,7 @@ from fedseq.common.config import load_config
 from fedseq.common.models import build_model, get_blocks
 from fedseq.common.protocol.tensors import decode_tensors, frame_size
 from fedseq.server.coordinator import Coordinator, select_clients
-from fedseq.server.pool import InProcessPool
+from fedseq.server.pool import InProcessPool, TrainRound
 from fedseq.server.rundir import RunDir
 
 
@@ -50,20 +50,24 @@ def test_fedseq_vanilla_sends_only_what_changed():
     coord, model = _coord("fedseq-vanilla")
     rows = coord.run().rows
     conv1 = frame_size(get_blocks(model, ["conv1"]))
-    assert rows[0]["bytes_down"] == 0  # version 0 is the seed-derived init every client has
+    full = sum(frame_size(get_blocks(model, [b])) for b in model.spec.blocks)
+    assert rows[0]["bytes_down"] == 2 * full  # two clients fetch the initial model once
     assert rows[0]["uploaded_blocks"] == ["conv1"]
     assert rows[0]["bytes_up"] == 2 * conv1  # two clients, conv1 deltas only
-    # round 1: only conv1 changed since the init; a client that missed round 0 fetches it
-    assert rows[1]["bytes_down"] in (0, conv1, 2 * conv1)
+    # round 1: only conv1 changed; a client of round 0 fetches just conv1, a new one everything
+    again = len(set(rows[0]["clients"]) & set(rows[1]["clients"]))
+    assert rows[1]["bytes_down"] == again * conv1 + (2 - again) * full
     assert rows[1]["trainable_params"] == 800 + 32 + 51200 + 64
 
 
 def test_fedavg_bytes_are_full_model():
     coord, model = _coord("fedavg")
     rows = coord.run().rows
-    full = sum(frame_size(get_blocks(model, [b])) for b in model.spec.blocks)
-    assert rows[0]["bytes_up"] == 2 * full
-    assert rows[1]["bytes_down"] == 2 * full  # everything changed in round 0
+    blocks = sum(frame_size(get_blocks(model, [b])) for b in model.spec.blocks)
+    update = frame_size(get_blocks(model, model.spec.blocks))  # one frame, as a device sends it
+    assert rows[0]["bytes_up"] == 2 * update
+    assert rows[1]["bytes_down"] == 2 * blocks  # everything changed in round 0, sent per block
+    assert "wire_bytes_out" not in rows[0]  # nothing crossed a wire
 
 
 class PoisonPool(InProcessPool):
@@ -72,17 +76,23 @@ class PoisonPool(InProcessPool):
     mode = "nan"
 
     def train(self, round, clients, plan, weights, check):
-        for u in super().train(round, clients, plan, weights, lambda u: None):
-            if u.client == clients[0]:
-                k = next(iter(u.deltas))
-                if self.mode == "nan":
-                    u.deltas[k] = torch.full_like(u.deltas[k], float("nan"))
-                elif self.mode == "shape":
-                    u.deltas[k] = torch.zeros(3)
-                else:
-                    u.deltas["fc2_p.weight"] = torch.zeros(4, 512)
-            if check(u) is None:
-                yield u
+        inner = super().train(round, clients, plan, weights, lambda u: None)
+
+        def poisoned():
+            for u in inner:
+                if u.client == clients[0]:
+                    k = next(iter(u.deltas))
+                    if self.mode == "nan":
+                        u.deltas[k] = torch.full_like(u.deltas[k], float("nan"))
+                    elif self.mode == "shape":
+                        u.deltas[k] = torch.zeros(3)
+                    else:
+                        u.deltas["fc2_p.weight"] = torch.zeros(4, 512)
+                if check(u) is None:
+                    yield u
+            return inner.outcome
+
+        return TrainRound(poisoned())
 
 
 @pytest.mark.parametrize("mode", ["nan", "shape", "personal"])
@@ -119,10 +129,16 @@ def test_run_dir_outputs(tmp_path):
 def test_late_update_ignored():
     class LatePool(InProcessPool):
         def train(self, round, clients, plan, weights, check):
-            late = ClientUpdate(clients[0], round - 1, {}, 10)
-            if check(late) is None:
-                yield late
-            yield from super().train(round, clients, plan, weights, check)
+            inner = super().train(round, clients, plan, weights, check)
+
+            def with_a_late_one():
+                late = ClientUpdate(clients[0], round - 1, {}, 10)
+                if check(late) is None:
+                    yield late
+                yield from inner
+                return inner.outcome
+
+            return TrainRound(with_a_late_one())
 
     coord, _ = _coord("fedavg", pool_cls=LatePool)
     row = coord.run_round(1)
@@ -163,19 +179,67 @@ def test_local_acc_scores_each_clients_last_locally_trained_model(name):
             assert len(last) < len(data.clients)  # some clients still hold the global model
 
 
-class _QuorumFailingPool(InProcessPool):
-    """Streams every update (as the MQTT pool does), then says the round missed its quorum."""
-
-    def train(self, round, clients, plan, weights, check):
-        self.round_info = {}
-        yield from super().train(round, clients, plan, weights, check)
-        self.round_info = {"quorum_failed": "1 valid updates < deploy.min_updates=5"}
-
-
 def test_updates_streamed_before_a_quorum_failure_are_discarded():
-    coord, model = _coord("fedavg", pool_cls=_QuorumFailingPool)
+    """deploy.min_updates is the round loop's rule, the same in simulation: two valid updates
+    streamed in and were folded in, then the round missed its quorum of three."""
+    coord, model = _coord("fedavg", "deploy.min_updates=3")
     before = {k: v.clone() for k, v in coord.global_weights.items()}
     row = coord.run_round(0)
     assert row["status"] == "failed" and row["reported"] == [] and row["round_local_acc"] is None
+    assert row["quorum_failed"] == "2 valid updates < deploy.min_updates=3"
+    assert row["received"] == row["clients"]
     assert all(torch.equal(coord.global_weights[k], v) for k, v in before.items())
-    assert row["train_flops"] > 0  # the devices did the work all the same
+    assert row["train_flops"] > 0  # the clients did the work all the same
+    assert coord.version == dict.fromkeys(model.spec.blocks, 0)
+
+
+def test_a_non_finite_aggregate_refuses_the_round_and_keeps_the_model(monkeypatch):
+    """The aggregate's own safety net (behind the contract's finiteness check): a round whose
+    sum is not finite fails with its reason; the global model is untouched."""
+    from fedseq.common.algorithms import aggregate
+
+    coord, _ = _coord("fedavg")
+    before = {k: v.clone() for k, v in coord.global_weights.items()}
+    real_add = aggregate.WeightedDeltaSum.add
+
+    def add_inf(self, deltas, weight_of, client):
+        real_add(self, deltas, weight_of, client)
+        self.sums[next(iter(self.sums))].view(-1)[0] = float("inf")
+
+    monkeypatch.setattr(aggregate.WeightedDeltaSum, "add", add_inf)
+    row = coord.run_round(0)
+    assert row["status"] == "failed" and "NaN or Inf" in row["quorum_failed"]
+    assert all(torch.equal(coord.global_weights[k], v) for k, v in before.items())
+
+
+def test_a_stop_between_checkpoint_and_row_is_healed_on_resume(tmp_path, monkeypatch):
+    """The checkpoint is written before the round's row; a stop in between leaves a checkpoint
+    whose row is missing from metrics.jsonl, and the resumed run writes it from the checkpoint."""
+    from fedseq.server.checkpoint import load_checkpoint
+
+    full, _ = _coord("fedper")
+    expected = full.run().global_weights
+
+    coord, _ = _coord("fedper")
+    coord.run_dir = RunDir(tmp_path, coord.cfg)
+    real = RunDir.log_round
+
+    def stop_at_round_1(self, row):
+        if row["round"] == 1:
+            raise KeyboardInterrupt
+        real(self, row)
+
+    monkeypatch.setattr(RunDir, "log_round", stop_at_round_1)
+    with pytest.raises(KeyboardInterrupt):
+        coord.run()
+    coord.run_dir.close()
+    monkeypatch.setattr(RunDir, "log_round", real)
+    ckpt = load_checkpoint(tmp_path)
+    assert ckpt.next_round == 2  # round 1 was checkpointed, its row never written
+    resumed, _ = _coord("fedper")
+    resumed.run_dir = RunDir(tmp_path, resumed.cfg, "resume", ckpt.next_round)
+    result = resumed.run(ckpt)
+    resumed.run_dir.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows if r["phase"] == "train"] == [0, 1, 2, 3]
+    assert all(torch.equal(result.global_weights[k], v) for k, v in expected.items())

@@ -269,6 +269,7 @@ def test_protocol_mismatch_is_reported_by_the_device(data_root, tmp_path):
     import paho.mqtt.client as mqtt
 
     from fedseq.common.errors import TransportError
+    from fedseq.common.protocol.messages import PROTOCOL_VERSION
 
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "deploy.port=0",
                        "deploy.round_timeout_s=120")
@@ -283,7 +284,7 @@ def test_protocol_mismatch_is_reported_by_the_device(data_root, tmp_path):
             c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="newer")
             c.connect("127.0.0.1", fired[0])
             c.loop_start()
-            newer = {"v": 2, "run_id": m.group(1), "seq": 1, "kind": "train"}
+            newer = {"v": PROTOCOL_VERSION + 1, "run_id": m.group(1), "seq": 1, "kind": "train"}
             c.publish("fedseq/step", json.dumps(newer).encode(), qos=1).wait_for_publish(10)
             c.loop_stop()
 

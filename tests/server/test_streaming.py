@@ -9,17 +9,17 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import load_config
 from fedseq.common.protocol.messages import DeviceStatus
-from fedseq.server.mqtt_pool import MqttPool
+from fedseq.server.mqtt import MqttPool
+from fedseq.server.mqtt.inbox import StatusArrived, UpdateArrived
 
 
 def _pool(*overrides):
     cfg = load_config(None, ["deploy.round_timeout_s=120", *overrides])
     pool = MqttPool(cfg, "mqtt://127.0.0.1:1", "run-1")
     pool.owner = {0: "a", 1: "a", 2: "b", 3: "b"}
-    pool.online = {d: DeviceStatus(device=d, state="online") for d in "ab"}
-    pool._await_quorum = lambda: None
-    pool._sync = lambda weights, force=False: {}
-    pool._retain = lambda topic, payload: None
+    pool.session.online = {d: DeviceStatus(device=d, state="online") for d in "ab"}
+    pool._prepare_step = lambda weights: {}
+    pool.session.retain = lambda topic, payload: None
     return pool
 
 
@@ -28,12 +28,13 @@ def _update(c):
 
 
 def _arrive(pool, c):
-    pool.events.put(("update", (pool.owner[c], pool.seq + (pool.train_seq < 0), _update(c))))
+    seq = pool.seq + (pool.inbox.collecting < 0)  # the step about to go out, or the current one
+    pool.inbox.queue.put(UpdateArrived(pool.owner[c], seq, _update(c)))
 
 
-def _next(gen):
+def _next(it):
     start = time.monotonic()
-    u = next(gen)
+    u = next(it)
     return u.client, time.monotonic() - start
 
 
@@ -42,47 +43,53 @@ def test_updates_stream_in_client_order_while_others_are_owed():
     plan = ClientPlan(phases=(), upload=())
     _arrive(pool, 2)
     _arrive(pool, 0)
-    gen = pool.train(0, [0, 1, 2, 3], plan, {}, lambda u: None)
-    c, waited = _next(gen)
+    dispatch = pool.train(0, [0, 1, 2, 3], plan, {}, lambda u: None)
+    it = iter(dispatch)
+    c, waited = _next(it)
     assert c == 0 and waited < 60  # handed over at once, not at the 120 s deadline
     _arrive(pool, 3)
     _arrive(pool, 1)
-    assert [next(gen).client for _ in range(3)] == [1, 2, 3]  # 2 and 3 waited for 1
-    assert list(gen) == []
-    assert pool.round_info["reporters"] == {"0": "a", "1": "a", "2": "b", "3": "b"}
+    assert [next(it).client for _ in range(3)] == [1, 2, 3]  # 2 and 3 waited for 1
+    assert list(it) == []
+    assert dispatch.outcome.reporters == {0: "a", 1: "a", 2: "b", 3: "b"}
+    assert dispatch.outcome.deadline_s == 120
 
 
 def test_a_client_that_fails_does_not_hold_back_the_ones_after_it():
     pool = _pool()
     _arrive(pool, 1)
-    gen = pool.train(0, [0, 1, 2], ClientPlan(phases=(), upload=()), {}, lambda u: None)
-    pool.events.put(("status", DeviceStatus(device="a", state="online", error="out of memory",
-                                            error_seq=pool.seq + 1, error_run_id="run-1")))
+    dispatch = pool.train(0, [0, 1, 2], ClientPlan(phases=(), upload=()), {}, lambda u: None)
+    it = iter(dispatch)
+    pool.inbox.queue.put(StatusArrived(DeviceStatus(
+        device="a", state="online", error="out of memory", error_seq=pool.seq,
+        error_run_id="run-1")))
     # device a cannot train: client 0 never comes; 1 (already in) is handed over, 2 follows
-    assert next(gen).client == 1
+    assert next(it).client == 1
     _arrive(pool, 2)
-    assert [u.client for u in gen] == [2]
+    assert [u.client for u in it] == [2]
+    assert dispatch.outcome.device_failures == {"a": "out of memory"}
+    assert dispatch.outcome.blocked == {0, 1}
 
 
-def test_quorum_failure_is_flagged_after_streaming():
-    pool = _pool("deploy.min_updates=3", "deploy.round_timeout_s=2")
+def test_a_short_round_ends_at_its_deadline_with_what_came():
+    pool = _pool("deploy.round_timeout_s=2")
     _arrive(pool, 0)
-    got = [u.client for u in pool.train(0, [0, 1, 2], ClientPlan(phases=(), upload=()), {}, lambda u: None)]
-    assert got == [0]  # streamed as it came; the coordinator discards it on the flag below
-    assert "quorum_failed" in pool.round_info
+    dispatch = pool.train(0, [0, 1, 2], ClientPlan(phases=(), upload=()), {}, lambda u: None)
+    assert [u.client for u in dispatch] == [0]  # streamed as it came; the round loop decides
+    assert dispatch.outcome.deadline_s == 2 and not dispatch.outcome.blocked
 
 
-def test_sync_encodes_a_block_again_only_when_its_tensors_change(monkeypatch):
-    cfg = load_config(None, [])
-    pool = MqttPool(cfg, "mqtt://127.0.0.1:1", "run-1")
+def test_sync_encodes_a_block_again_only_when_its_tensors_change():
+    pool = MqttPool(load_config(None, []), "mqtt://127.0.0.1:1", "run-1")
     sent = []
-    pool._publish_block = lambda block, version, frame, digest: sent.append((block, version))
+    pool.blocks._publish = lambda block, version, frame, digest: sent.append((block, version))
     w = {"a.weight": torch.ones(3), "b.weight": torch.zeros(2)}
-    assert pool._sync(w) == {"a": 0, "b": 0}
+    assert pool.blocks.sync(w) == {"a": 0, "b": 0}
     w2 = {**w, "b.weight": torch.full((2,), 5.0)}  # aggregation replaced b only
-    assert pool._sync(w2) == {"a": 0, "b": 1}
+    assert pool.blocks.sync(w2) == {"a": 0, "b": 1}
     w2["a.weight"].add_(1)  # an in-place edit is seen too
-    assert pool._sync(w2) == {"a": 1, "b": 1}
+    assert pool.blocks.sync(w2) == {"a": 1, "b": 1}
     w3 = {k: v.clone() for k, v in w2.items()}  # same content in new tensors: no new version
-    assert pool._sync(w3) == {"a": 1, "b": 1}
+    assert pool.blocks.sync(w3) == {"a": 1, "b": 1}
     assert sent == [("a", 0), ("b", 0), ("b", 1), ("a", 1)]
+    assert pool.blocks.republish() == 2

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum, aggregate_weighted
+from fedseq.common.errors import AggregationError
 
 
 def test_weighted_mean_by_hand():
@@ -49,7 +50,7 @@ def test_nan_that_slipped_past_validation_refuses_the_round():
     acc = WeightedDeltaSum()
     acc.add({"x.w": torch.tensor([0.5, 0.5])}, {"x": 1}, client=1)
     acc.add({"x.w": torch.tensor([float("nan"), 0.0])}, {"x": 1}, client=3)
-    with pytest.raises(ValueError, match="NaN or Inf"):
+    with pytest.raises(AggregationError, match="NaN or Inf"):
         acc.apply(g)
     assert torch.equal(g["x.w"], torch.tensor([1.0, 2.0]))
 
@@ -60,5 +61,5 @@ def test_inf_that_slipped_past_validation_refuses_the_round(bad):
     g = {"x.w": torch.tensor([1.0, 2.0])}
     acc = WeightedDeltaSum()
     acc.add({"x.w": torch.tensor(bad)}, {"x": 1}, client=1)
-    with pytest.raises(ValueError, match="NaN or Inf"):
+    with pytest.raises(AggregationError, match="NaN or Inf"):
         acc.apply(g)

@@ -12,7 +12,7 @@ def _alg(name):
     cfg = load_config(None, [f"algorithm.name={name}", "rounds=9"])
     alg = make_algorithm(cfg, build_model("cnn", (1, 28, 28), 10, algorithm_class(name).two_heads).spec)
     if name == "fedreg":
-        alg.set_train_sizes([100, 300])
+        alg.prepare([100, 300])
     return alg
 
 
@@ -71,3 +71,27 @@ def test_fedrod_balanced_generic_and_detached_personal():
     assert generic.loss == "balanced_ce" and generic.trainable == ("conv1", "conv2", "fc1", "fc2")
     assert personal.reuse_features and personal.trainable == ("fc2_p",)
     assert plan.class_counts_needed
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_fine_tuning_is_declared_and_off_with_zero_epochs(name):
+    """`finetunes(cfg)` (what the CLI shows before any model exists) agrees with the plan the
+    round loop runs, also with algorithm.finetune_epochs = 0."""
+    for epochs in (0, 3):
+        cfg = load_config(None, [f"algorithm.name={name}", f"algorithm.finetune_epochs={epochs}"])
+        cls = algorithm_class(name)
+        alg = make_algorithm(cfg, build_model("cnn", (1, 28, 28), 10, cls.two_heads).spec)
+        assert cls.finetunes(cfg) == (alg.finetune_plan() is not None)
+        assert cls.finetunes(cfg) == (epochs > 0 and name in ("fedbabu", "fedseq-vanilla",
+                                                              "fedseq-anti"))
+
+
+def test_fedreg_plans_only_after_prepare():
+    from fedseq.common.errors import FedseqError
+
+    cfg = load_config(None, ["algorithm.name=fedreg"])
+    alg = make_algorithm(cfg, build_model("cnn", (1, 28, 28), 10, True).spec)
+    with pytest.raises(FedseqError, match="prepare"):
+        alg.plan(0)
+    alg.prepare([100, 300])
+    assert alg.plan(0).rebalance_threshold == 200.0

@@ -6,9 +6,9 @@ import torch
 from fedseq.common.errors import ProtocolError
 from fedseq.common.models import build_model, get_blocks
 from fedseq.common.protocol.frames import CHUNK_BYTES, Reassembler, pack_chunk, split_frame, unpack_chunk
-from fedseq.common.protocol.messages import Step, UpdateHeader, WeightsHeader
+from fedseq.common.protocol.messages import PROTOCOL_VERSION, Step, UpdateHeader, WeightsHeader
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
-from fedseq.common.protocol.topics import Topics
+from fedseq.common.protocol.topics import TopicRef, Topics
 
 
 def _chunks(frame: bytes):
@@ -59,10 +59,12 @@ def test_malformed_chunks_are_protocol_errors(payload):
 def test_messages_validate_strictly():
     s = Step(run_id="r", seq=1, kind="train", round=0, clients=[1, 2])
     assert Step.decode(s.encode()) == s
-    for bad in (b"not json", b'{"v": 2, "run_id": "r", "seq": 1, "kind": "train"}',
-                b'{"v": 1, "run_id": "r", "seq": 1, "kind": "dance"}',
-                b'{"v": 1, "run_id": "r", "seq": -1, "kind": "train"}',
-                b'{"v": 1, "run_id": "r", "seq": 1, "kind": "train", "extra": 1}'):
+    v = PROTOCOL_VERSION
+    for bad in (b"not json", b'{"v": %d, "run_id": "r", "seq": 1, "kind": "train"}' % (v + 1),
+                b'{"v": %d, "run_id": "r", "seq": 1, "kind": "dance"}' % v,
+                b'{"v": %d, "run_id": "r", "seq": -1, "kind": "train"}' % v,
+                b'{"v": %d, "run_id": "r", "seq": 1, "kind": "stop"}' % v,
+                b'{"v": %d, "run_id": "r", "seq": 1, "kind": "train", "extra": 1}' % v):
         with pytest.raises(ProtocolError):
             Step.decode(bad)
 
@@ -80,8 +82,17 @@ def test_tensor_frames_reject_garbage_and_nan():
 def test_topics():
     t = Topics("fedseq")
     assert t.weights("fc1", 2) == "fedseq/weights/fc1/2"
-    assert t.device_of(t.update("jetson01", 3, 0)) == "jetson01"
-    assert t.device_of(t.device_status("jetson07")) == "jetson07"
+    assert t.parse(t.update("jetson01", 3, 0)) == TopicRef("update", device="jetson01", client="3",
+                                                          chunk="0")
+    assert t.parse(t.device_status("jetson07")) == TopicRef("device_status", device="jetson07")
+    assert t.parse(t.assignment("jetson07")) == TopicRef("assignment", device="jetson07")
+    assert t.parse(t.weights("fc1", 2)) == TopicRef("weights", block="fc1", chunk="2")
+    for kind in ("server_status", "run_config", "step", "control"):
+        assert t.parse(getattr(t, kind)) == TopicRef(kind)
+    assert t.parse(t.evaluation("d1")) == TopicRef("eval", device="d1")
+    for junk in ("fedseq", "other/step", "fedseq/eval/d1/extra", "fedseq/update/x/y", "fedseqx/step",
+                 "fedseq/device/d1/else", "fedseq/step/1"):
+        assert t.parse(junk) is None, junk
 
 
 def test_every_device_model_is_complete_on_this_python():

@@ -1,0 +1,142 @@
+"""Executing a step on this device: one handler per step kind.
+
+The worker thread hands a ready step to `StepExecutor.execute`; the handler runs each of the
+device's clients in the step and publishes its results through the session's outbox. Between
+clients it checks the abort signal (the daemon stopping, a newer step, or the coordinator's
+abort) and stops early instead of finishing work nobody will collect.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from fedseq.client.session import DeviceSession, RunState
+from fedseq.client.state import StateStore
+from fedseq.common.algorithms import algorithm_class
+from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict
+from fedseq.common.data.federated import FederatedData, load_federated
+from fedseq.common.errors import ProtocolError
+from fedseq.common.evaluation import evaluate
+from fedseq.common.models import BlockModel, Weights, build_run_model
+from fedseq.common.protocol.messages import EvalResult, Step, UpdateHeader
+from fedseq.common.protocol.tensors import encode_tensors
+from fedseq.common.training import finetune_and_score, run_client_round
+
+log = logging.getLogger(__name__)
+
+
+class StepExecutor:
+    """Runs train, evaluate and finetune steps for this device's clients."""
+
+    def __init__(self, session: DeviceSession, store: StateStore, torch_device: torch.device,
+                 abort: Callable[[Step], bool]):
+        self.session = session
+        self.store = store
+        self.torch_device = torch_device
+        self.abort = abort  # true once the step must not go on
+        self.handlers: Dict[str, Callable[[RunState, Step, List[int]], None]] = {
+            "train": self._train, "evaluate": self._evaluate, "finetune": self._finetune}
+
+    def execute(self, run: RunState, step: Step) -> None:
+        """Run `step` for those of its clients this device hosts (all of them without a list)."""
+        mine = [c for c in step.clients if c in run.clients] if step.clients else run.clients
+        if mine:
+            self.handlers[step.kind](run, step, mine)
+
+    # -- what every step needs -------------------------------------------------------------
+    def prepare(self, run: RunState) -> Tuple[FederatedData, BlockModel]:
+        """This device's clients' rows (as uint8: a Nano has 4 GB for CPU and GPU) and the run's
+        model, built once per run (and the data again when the assignment changes)."""
+        cfg = run.cfg
+        if run.data is None or run.data_clients != run.clients:
+            run.data = None
+            run.data = load_federated(cfg.data, cfg.seed, only=run.clients)
+            run.data_clients = list(run.clients)
+        if run.model is None:
+            two = algorithm_class(cfg.algorithm.name).two_heads
+            run.model = build_run_model(cfg.model.name, run.data.input_shape, run.data.num_classes,
+                                        two, cfg.seed).to(self.torch_device)
+        return run.data, run.model
+
+    def _personal(self, run: RunState, client: int, personal: Tuple[str, ...],
+                  before: Optional[int] = None) -> Weights:
+        """A client's stored personal blocks; version 0 (never trained): the initial model's."""
+        stored = self.store.load(run.run_id, client, before)
+        if stored is not None:
+            return stored
+        return self.session.weights(run, list(personal))
+
+    # -- handlers --------------------------------------------------------------------------
+    def _train(self, run: RunState, step: Step, mine: List[int]) -> None:
+        data, model = self.prepare(run)
+        plan = _plan(step)
+        shared = self.session.weights(run, list(step.versions))
+        for c in mine:
+            if self.abort(step):
+                return
+            start = {**shared, **self._personal(run, c, plan.personal, before=step.round)}
+            update, personal = run_client_round(model, start, plan, data, data.clients[c],
+                                                run.cfg.seed, step.round)
+            if plan.personal:
+                self.store.save(run.run_id, c, personal, step.round)
+            meta = dict(run_id=run.run_id, seq=step.seq, round=step.round, client=c,
+                        device=self.session.device, num_samples=update.num_samples,
+                        effective_samples=update.effective_samples,
+                        train_seconds=update.train_seconds,
+                        local_correct=update.local_score[0] if update.local_score else None,
+                        local_total=update.local_score[1] if update.local_score else None)
+            frame = encode_tensors(update.deltas)
+            self.session.send(f"update/{c}", step.seq,
+                              functools.partial(self._publish_update, c, meta, frame))
+
+    def _evaluate(self, run: RunState, step: Step, mine: List[int]) -> None:
+        data, model = self.prepare(run)
+        shared = self.session.weights(run, list(step.versions))
+        personal_names = tuple(step.personal)
+        personal = {c: self._personal(run, c, personal_names) for c in mine} if personal_names else {}
+        rep = evaluate(model, data, shared, personal, tuple(step.eval_heads), clients=mine,
+                       with_global=False, batch=run.cfg.train.eval_batch_size)
+        self._send_scores(run, step, rep.per_client)
+
+    def _finetune(self, run: RunState, step: Step, mine: List[int]) -> None:
+        data, model = self.prepare(run)
+        plan = _plan(step)
+        shared = self.session.weights(run, list(step.versions))
+        results: Dict[int, Tuple[int, int]] = {}
+        for c in mine:
+            if self.abort(step):
+                return
+            start = {**shared, **self._personal(run, c, tuple(step.personal))}
+            results[c] = finetune_and_score(model, start, plan, data, data.clients[c],
+                                            run.cfg.seed, tuple(step.eval_heads),
+                                            run.cfg.train.eval_batch_size)
+            log.info("step %d: fine-tuned client %d (%d of %d)", step.seq, c, len(results),
+                     len(mine))
+            if len(results) < len(mine):  # progress for the operator; the final result follows
+                partial = EvalResult(run_id=run.run_id, seq=step.seq, device=self.session.device,
+                                     results=dict(results), final=False)
+                self.session.link.publish(self.session.topics.evaluation(self.session.device),
+                                          partial)
+        self._send_scores(run, step, results)
+
+    # -- results ---------------------------------------------------------------------------
+    def _send_scores(self, run: RunState, step: Step, results: Dict[int, Tuple[int, int]]) -> None:
+        s = self.session
+        msg = EvalResult(run_id=run.run_id, seq=step.seq, device=s.device, results=results)
+        s.send("eval", step.seq, lambda: s.link.publish(s.topics.evaluation(s.device), msg))
+
+    def _publish_update(self, client: int, meta: dict, frame: bytes) -> None:
+        s = self.session
+        s.link.publish_frame(lambda i: s.topics.update(s.device, client, i),
+                             lambda **kw: UpdateHeader(**meta, **kw), frame)
+
+
+def _plan(step: Step) -> ClientPlan:
+    if step.plan is None:
+        raise ProtocolError(f"step {step.seq} ({step.kind}) carries no plan")
+    return plan_from_dict(step.plan)
+

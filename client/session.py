@@ -1,0 +1,303 @@
+"""The device's broker session: what the coordinator has published, as state the worker can use.
+
+The network thread parses every message the device reads (one topic parser, common/protocol/
+topics.py) into the session's state under one condition variable: the run (its config), this
+device's assignment, the current step, the weight blocks by version. Everything is retained on the
+broker, so after a reconnect or a restart the session fills up again by itself. What the device
+sent for the current step is kept in an outbox and sent again whenever either side reconnects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Set, Tuple
+
+from pydantic import ValidationError
+
+from fedseq.common import __version__
+from fedseq.common.algorithms import algorithm_class
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.federated import FederatedData
+from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+from fedseq.common.errors import FedseqError, ProtocolError, validation_problem
+from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
+from fedseq.common.protocol.frames import FramePool, unpack_chunk
+from fedseq.common.protocol.link import Link, TlsOptions
+from fedseq.common.protocol.messages import (
+    PROTOCOL_VERSION,
+    Assignment,
+    Control,
+    DeviceStatus,
+    RunConfig,
+    ServerStatus,
+    Step,
+    WeightsHeader,
+    version_mismatch,
+)
+from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
+from fedseq.common.protocol.topics import Topics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunState:
+    """One run as this device knows it."""
+
+    run_id: str
+    cfg: ExperimentConfig
+    clients: List[int] = field(default_factory=list)  # this device's, from its assignment
+    done: Set[int] = field(default_factory=set)  # step seqs finished (or superseded)
+    data: Optional[FederatedData] = None
+    data_clients: Optional[List[int]] = None  # whose rows `data` holds
+    model: Optional[BlockModel] = None
+    frames: Optional[FramePool] = None  # weights frames being reassembled, bounded by the model
+
+
+def weights_frame_pool(cfg: ExperimentConfig) -> FramePool:
+    """A weights frame holds one block of the run's model: anything larger is refused before it is
+    allocated; partial frames of at most two whole models are kept."""
+    two = algorithm_class(cfg.algorithm.name).two_heads
+    model = build_model(cfg.model.name, INPUT_SHAPES[cfg.data.dataset],
+                        NUM_CLASSES[cfg.data.dataset], two)
+    sizes = [len(encode_tensors(get_blocks(model, [b]))) + 4096 for b in model.spec.blocks]
+    return FramePool(max_frame=max(sizes), per_sender=2 * sum(sizes))
+
+
+class DeviceSession:
+    """The device's connection and everything the coordinator told it (see module docstring)."""
+
+    def __init__(self, device: str, broker: str, torch_device: str, data_dir,
+                 topic_root: str = "fedseq", username: Optional[str] = None,
+                 password: Optional[str] = None, tls: Optional[TlsOptions] = None):
+        self.device = device
+        self.data_dir = data_dir
+        self.torch_device = torch_device  # reported in the status
+        self.topics = t = Topics(topic_root)
+        self.cond = threading.Condition()
+        self.run: Optional[RunState] = None
+        self.step: Optional[Step] = None
+        self.next_step: Optional[Step] = None  # a step of a run whose config has not arrived yet
+        self.assignment: Optional[Assignment] = None  # the latest, applied once its run is known
+        self.aborted: Set[str] = set()  # runs the coordinator aborted (Control)
+        # run_id -> block -> (version, tensors)
+        self.blocks: Dict[str, Dict[str, Tuple[int, Weights]]] = {}
+        self.last_error: Tuple[Optional[str], Optional[int], str] = (None, None, "")
+        self._online_since = 0.0
+        # What this device sent for the current step, sent again whenever it or the coordinator
+        # reconnects: a message published while the other side was away is otherwise lost, and
+        # the round would wait for its deadline. Duplicates are harmless (the coordinator keeps
+        # the first valid update per client).
+        self.outbox: Dict[str, Tuple[int, Callable[[], None]]] = {}
+        offline = DeviceStatus(device=device, state="offline").encode()
+        self.link = Link(
+            f"fedseq-device-{device}", broker,
+            [t.run_config, t.assignment(device), t.step, t.weights(), t.control, t.server_status],
+            self.on_message, will=(t.device_status(device), offline),
+            username=username, password=password, tls=tls,
+        )
+        self.link.on_connect(self._connected)
+        self.link.on_connect(lambda: self.resend("reconnected"))
+
+    # -- presence --------------------------------------------------------------------------
+    def _connected(self) -> None:
+        self._online_since = time.time()
+        self.announce()
+
+    def announce(self) -> None:
+        """Publish this device's status (retained): online, versions, memory, its last error."""
+        mem = 0
+        with contextlib.suppress(ValueError, OSError):
+            mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
+        run_id, seq, error = self.last_error
+        status = DeviceStatus(device=self.device, state="online", package_version=__version__,
+                              torch_device=self.torch_device, memory_mb=mem, error=error,
+                              error_seq=seq, error_run_id=run_id, since=self._online_since)
+        self.link.publish(self.topics.device_status(self.device), status, retain=True)
+
+    def report_failure(self, run_id: str, seq: int, reason: str) -> None:
+        """Tell the coordinator at once that step `seq` cannot be executed here, and why
+        (seq -1: no step of the run can)."""
+        self.last_error = (run_id, seq, reason.splitlines()[0][:2000] if reason else "")
+        self.announce()
+
+    def say_offline(self) -> None:
+        """Publish offline, waiting a little for the broker (what SIGTERM does)."""
+        if self.link.connected.is_set():
+            self.link.publish(self.topics.device_status(self.device),
+                              DeviceStatus(device=self.device, state="offline"), retain=True,
+                              wait=True, timeout=3.0)  # a broker that is gone must not hold us
+
+    # -- network thread --------------------------------------------------------------------
+    def on_message(self, topic: str, payload: bytes) -> None:
+        """Network thread: one message into the session's state; anything invalid is logged with
+        its reason and dropped (a protocol mismatch is also reported to the coordinator)."""
+        if not payload:
+            return  # a cleared retained message
+        ref = self.topics.parse(topic)
+        kind = ref.kind if ref is not None else ""
+        try:
+            if kind == "run_config":
+                self._on_run_config(RunConfig.decode(payload))
+            elif kind == "assignment" and ref is not None and ref.device == self.device:
+                self._on_assignment(Assignment.decode(payload))
+            elif kind == "step":
+                self._on_step(Step.decode(payload))
+            elif kind == "weights":
+                self._on_weights_chunk(payload)
+            elif kind == "control":
+                self._on_control(Control.decode(payload))
+            elif kind == "server_status":
+                status = ServerStatus.decode(payload)
+                run = self.run
+                if status.state == "online" and run is not None and status.run_id == run.run_id:
+                    self.resend("coordinator (re)connected")
+            else:
+                raise ProtocolError("not a topic the device reads")
+        except FedseqError as exc:
+            log.warning("dropped message on %s: %s", topic, exc)
+            other = version_mismatch(payload) if kind in ("run_config", "step") else None
+            if other is not None and other[1] is not None:
+                reason = (f"protocol mismatch: the coordinator speaks v{other[0]}, this device "
+                          f"v{PROTOCOL_VERSION} (fedseq {__version__}); install the same fedseq "
+                          "version on both sides")
+                log.error("%s", reason)
+                self.report_failure(other[1], -1, reason)  # -1: no step of this run can run here
+
+    def _current_run(self, run_id: Optional[str], what: str) -> RunState:
+        """The run a coordinator message must belong to (ProtocolError otherwise)."""
+        run = self.run
+        if run is None or run_id != run.run_id:
+            raise ProtocolError(f"{what} for run {run_id}, but the current run is "
+                                f"{run.run_id if run else 'none yet'}")
+        return run
+
+    def _on_step(self, step: Step) -> None:
+        with self.cond:
+            if self.run is None or step.run_id != self.run.run_id:
+                self.next_step = step  # applied if its run config follows; never aborts this run
+                return
+            self.step = step
+            self.aborted.discard(step.run_id)  # a resumed run's new step
+            self.cond.notify_all()
+
+    def _on_control(self, ctl: Control) -> None:
+        run = self._current_run(ctl.run_id, f"control {ctl.command}")
+        log.warning("coordinator: %s run %s: %s", ctl.command, run.run_id, ctl.reason)
+        with self.cond:
+            self.aborted.add(run.run_id)
+            self.step = None
+            self.outbox.clear()
+            self.cond.notify_all()
+
+    def _on_run_config(self, rc: RunConfig) -> None:
+        try:
+            cfg = ExperimentConfig.model_validate(rc.config)
+        except ValidationError as exc:
+            p = validation_problem(exc)
+            raise ProtocolError(f"run config {rc.run_id}: {p.where}: {p.msg}") from exc
+        cfg.data.root = self.data_dir  # this device's files, never the coordinator's path
+        with self.cond:
+            if self.run is None or self.run.run_id != rc.run_id:
+                log.info("joined run %s: %s on %s", rc.run_id, cfg.algorithm.name, cfg.data.dataset)
+                self.run = RunState(rc.run_id, cfg, frames=weights_frame_pool(cfg))
+                for run_id in list(self.blocks):
+                    if run_id != rc.run_id:
+                        del self.blocks[run_id]
+                if self.step is not None and self.step.run_id != rc.run_id:
+                    self.step = None
+                if self.next_step is not None and self.next_step.run_id == rc.run_id:
+                    self.step, self.next_step = self.next_step, None
+            self.cond.notify_all()
+
+    def _on_assignment(self, a: Assignment) -> None:
+        if a.device != self.device:
+            raise ProtocolError(f"assignment names device {a.device!r}, this is {self.device!r}")
+        with self.cond:
+            self.assignment = a
+            self.cond.notify_all()
+
+    def _on_weights_chunk(self, payload: bytes) -> None:
+        head, data = unpack_chunk(payload, WeightsHeader)
+        run = self._current_run(head.run_id, f"weights {head.block}")
+        held = self.blocks.get(head.run_id, {}).get(head.block)
+        if held is not None and held[0] >= head.version:
+            return
+        assert run.frames is not None
+        frame = run.frames.add("coordinator", (head.block, head.version), head, data)
+        if frame is None:
+            return
+        tensors = decode_tensors(frame, copy=False)
+        with self.cond:
+            if self.run is not run:
+                return
+            self.blocks.setdefault(head.run_id, {})[head.block] = (head.version, tensors)
+            run.frames.expire(lambda _, tag: tag[0] != head.block or tag[1] > head.version)
+            self.cond.notify_all()
+
+    # -- for the worker (hold `cond`) ------------------------------------------------------
+    def next_ready(self) -> Optional[Tuple[RunState, Step]]:
+        """The step to execute now, once its run, this device's assignment and every block
+        version it needs are here; None while something is missing. A step whose blocks are
+        already newer here (the coordinator moved on) is marked done and skipped."""
+        run, step, a = self.run, self.step, self.assignment
+        if run is None or step is None:
+            return None
+        if a is not None and a.run_id == run.run_id:
+            run.clients = sorted(a.clients)  # the latest assignment of this run applies
+        verdict = self._verdict(run, step)
+        if verdict == "superseded":
+            run.done.add(step.seq)
+        return (run, step) if verdict == "ready" else None
+
+    def _verdict(self, run: RunState, step: Step) -> str:
+        """ready, waiting (not this run's, done already, idle, or weights still arriving) or
+        superseded (a block is newer here than the step needs: the coordinator moved on)."""
+        if step.run_id != run.run_id or step.seq in run.done:
+            return "waiting"
+        if step.kind not in ("train", "evaluate", "finetune"):
+            return "waiting"
+        held = self.blocks.get(run.run_id, {})
+        for block, version in step.versions.items():
+            if block not in held or held[block][0] < version:
+                return "waiting"
+            if held[block][0] > version:
+                return "superseded"
+        return "ready"
+
+    def superseded(self, step: Step) -> bool:
+        """Whether the coordinator has moved on from `step` (a newer step, or an abort)."""
+        cur = self.step
+        return cur is None or cur.seq != step.seq or step.run_id in self.aborted
+
+    def weights(self, run: RunState, blocks: List[str]) -> Weights:
+        """The held tensors of the named blocks."""
+        held = self.blocks[run.run_id]
+        out: Weights = {}
+        for b in blocks:
+            out.update(held[b][1])
+        return out
+
+    # -- outbox ----------------------------------------------------------------------------
+    def send(self, key: str, seq: int, publish: Callable[[], None]) -> None:
+        """Publish a result of step `seq` now and again on every reconnect while it is current."""
+        with self.cond:
+            for k, (s, _) in list(self.outbox.items()):
+                if s != seq:
+                    del self.outbox[k]  # an older step's: the coordinator has moved on
+            self.outbox[key] = (seq, publish)
+        publish()
+
+    def resend(self, why: str) -> None:
+        with self.cond:
+            step = self.step
+            pending = [p for s, p in self.outbox.values() if step is not None and s == step.seq]
+        if pending:
+            log.info("%s: sending the current step's %d results again", why, len(pending))
+        for publish in pending:
+            publish()

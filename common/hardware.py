@@ -1,0 +1,25 @@
+"""Where torch computes: one choice rule for the simulation and the device daemon."""
+
+from __future__ import annotations
+
+import torch
+
+from fedseq.common.errors import ConfigError
+
+
+def torch_device(choice: str, setting: str = "train.device") -> torch.device:
+    """A device choice (auto, cpu, cuda, cuda:N) as a torch device; a CUDA choice this machine
+    cannot honour is a one-line ConfigError saying why (a CPU-only torch, or no such GPU)."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice.startswith("cuda"):
+        if not torch.cuda.is_available():
+            build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+            raise ConfigError(f"{setting}={choice!r}, but torch {torch.__version__} ({build}) "
+                              f"sees no GPU; use {setting}='cpu' or install a CUDA torch "
+                              "(README, Set up)")
+        index = int(choice.split(":")[1]) if ":" in choice else 0
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"{setting}={choice!r}, but this machine has "
+                              f"{torch.cuda.device_count()} GPU(s); use cuda:0")
+    return torch.device(choice)

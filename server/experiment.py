@@ -1,0 +1,31 @@
+"""What every run starts from, simulated or deployed: the data, the seed-derived model and the
+algorithm, built the same way by fedseq-sim and fedseq-server."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedseq.common.algorithms import Algorithm, algorithm_class, make_algorithm
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.federated import FederatedData, load_federated
+from fedseq.common.models import BlockModel, build_run_model
+
+
+@dataclass
+class Experiment:
+    """The run's partitioned data, its initial model (a pure function of the seed) and its
+    algorithm (the round loop prepares it with the partition's sizes)."""
+
+    data: FederatedData
+    model: BlockModel
+    algorithm: Algorithm
+
+
+def load_experiment(cfg: ExperimentConfig, test_images_only: bool = False) -> Experiment:
+    """Load and partition the dataset, build the model and the algorithm. `test_images_only`:
+    the coordinator of a deployment needs the test rows' images (its global evaluation) and the
+    partition's sizes, never a training image."""
+    data = load_federated(cfg.data, cfg.seed, test_images_only=test_images_only)
+    two_heads = algorithm_class(cfg.algorithm.name).two_heads
+    model = build_run_model(cfg.model.name, data.input_shape, data.num_classes, two_heads, cfg.seed)
+    return Experiment(data, model, make_algorithm(cfg, model.spec))

@@ -1,0 +1,15 @@
+"""The coordinator's side of the wire, one job per module:
+
+- session.py   the broker connection: retained cache re-published on every reconnect, presence
+               (which devices are online, which said they cannot run a step), the event queue
+- blocks.py    versioned, chunked, retained weight blocks: a block is encoded and published again
+               only when its tensors changed
+- inbox.py     topics and payloads from devices turned into typed events (network thread)
+- collect.py   collecting a step's answers: updates in client order until all came, the deadline
+               passed or their devices went away; evaluation results; the deadline policy
+- pool.py      MqttPool, the ClientPool over all of the above
+"""
+
+from fedseq.server.mqtt.pool import MqttPool, assign_clients
+
+__all__ = ["MqttPool", "assign_clients"]

@@ -1,0 +1,174 @@
+"""Collecting a step's answers from the fleet, and how long to wait for them."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Generator
+
+from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.config import DeployConfig
+from fedseq.common.protocol.messages import EvalResult
+from fedseq.server.mqtt.inbox import EvalArrived, UpdateArrived
+from fedseq.server.mqtt.session import DeviceOffline, ServerSession, StepFailed
+from fedseq.server.pool import Progress, RoundOutcome, ScoreCheck, Scores, UpdateCheck
+
+log = logging.getLogger(__name__)
+
+
+class DeadlinePolicy:
+    """deploy.round_timeout_s if set, else factor x the slowest device's recent pace (seconds
+    per client in its last complete round) times its clients this round, clamped to [min, max]
+    (max while a device is unmeasured)."""
+
+    def __init__(self, cfg: DeployConfig):
+        self.cfg = cfg
+        self.pace: dict[str, float] = {}  # device -> seconds per client in its last full round
+
+    def deadline(self, load: dict[str, int]) -> float:
+        """Seconds to wait for a round whose devices hold `load` (device -> clients) clients."""
+        d = self.cfg
+        if d.round_timeout_s is not None:
+            return d.round_timeout_s
+        if not load or any(dev not in self.pace for dev in load):
+            return d.round_timeout_max_s
+        slowest = max(self.pace[dev] * n for dev, n in load.items())
+        return min(max(d.round_timeout_factor * slowest, d.round_timeout_min_s), d.round_timeout_max_s)
+
+    def measured(self, device: str, clients: int, seconds: float) -> None:
+        """A device delivered all its `clients` updates `seconds` after the step went out."""
+        self.pace[device] = seconds / clients
+
+
+def collect_updates(session: ServerSession, seq: int, round: int, clients: list[int],
+                    owner: dict[int, str], check: UpdateCheck, policy: DeadlinePolicy
+                    ) -> Generator[ClientUpdate, None, RoundOutcome]:
+    """The valid updates of step `seq`, in client order as soon as they can be folded in (the
+    same order as the simulation: bitwise parity), until every selected client answered, failed
+    or went offline with its device, or the deadline passed."""
+    outcome = RoundOutcome()
+    for device, reason in session.incompatible.items():
+        if any(owner.get(c) == device for c in clients):
+            outcome.device_failures[device] = reason
+            outcome.blocked |= {c for c in clients if owner.get(c) == device}
+            log.warning("round %d: %s cannot train (%s)", round, device, reason)
+    owing = {c for c in clients if owner.get(c) in session.online
+             and owner.get(c) not in outcome.device_failures}
+    got: dict[int, ClientUpdate] = {}
+    load: dict[str, int] = {}
+    for c in clients:
+        if c in owner:
+            load[owner[c]] = load.get(owner[c], 0) + 1
+    outcome.deadline_s = timeout = policy.deadline(load)
+    late_before = session.inbox.late
+    started = time.monotonic()
+    deadline = started + timeout
+    last_arrival: dict[str, float] = {}
+    order = sorted(clients)
+    handed = 0
+
+    def ready() -> Generator[ClientUpdate, None, None]:
+        """The updates that are next in client order."""
+        nonlocal handed
+        while handed < len(order):
+            c = order[handed]
+            if c in got:
+                handed += 1
+                yield got[c]
+            elif c not in owing:  # failed, offline or not assigned: never coming
+                handed += 1
+            else:
+                return
+
+    while owing and time.monotonic() < deadline:
+        for ev in session.drain(min(1.0, deadline - time.monotonic())):
+            if isinstance(ev, DeviceOffline):
+                lost = {c for c in owing if owner.get(c) == ev.device}
+                if lost:
+                    log.warning("round %d: device %s went offline; clients %s fail", round,
+                                ev.device, sorted(lost))
+                owing -= lost
+            elif isinstance(ev, StepFailed) and ev.seq in (seq, -1):
+                lost = {c for c in owing if owner.get(c) == ev.device}
+                log.warning("round %d: %s cannot train (%s); clients %s fail", round, ev.device,
+                            ev.reason, sorted(lost))
+                owing -= lost
+                outcome.device_failures[ev.device] = ev.reason
+                outcome.blocked |= {c for c in clients if owner.get(c) == ev.device}
+            elif isinstance(ev, UpdateArrived):
+                if ev.seq != seq:
+                    continue  # a frame completed just as the step changed
+                update = ev.update
+                # Validation comes first: an invalid update never displaces a valid one.
+                if check(update) is not None:
+                    continue
+                if update.client in got:
+                    log.info("round %d: duplicate update of client %d from %s ignored", round,
+                             update.client, ev.device)
+                    continue
+                got[update.client] = update
+                outcome.reporters[update.client] = ev.device
+                last_arrival[ev.device] = time.monotonic()
+                owing.discard(update.client)
+        yield from ready()
+    session.inbox.collect(-1)
+    for device, at in last_arrival.items():
+        mine = [c for c in clients if owner.get(c) == device]
+        if all(c in got for c in mine):
+            policy.measured(device, len(mine), at - started)
+    outcome.late_updates = session.inbox.late - late_before
+    if owing:
+        log.warning("round %d: no update from clients %s before the deadline", round, sorted(owing))
+    owing.clear()
+    yield from ready()  # those that waited for a client that never came
+    return outcome
+
+
+def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[int]],
+                   check: ScoreCheck, timeout: float, progress: Progress) -> Scores:
+    """Every online device's clients' scores for step `seq` (evaluate or finetune), until all
+    came, their devices failed or went offline, or `timeout` passed. A device's message counts
+    whole or not at all: one false score rejects it."""
+    owing = {d for d, cs in assignment.items()
+             if cs and d in session.online and d not in session.incompatible}
+    results: Scores = {}
+    partial: dict[str, int] = {}
+    total = sum(len(assignment[d]) for d in owing)
+    deadline = time.monotonic() + timeout
+    while owing and time.monotonic() < deadline:
+        for ev in session.drain(min(1.0, deadline - time.monotonic())):
+            if isinstance(ev, DeviceOffline):
+                owing.discard(ev.device)
+            elif isinstance(ev, StepFailed) and ev.seq in (seq, -1):
+                log.warning("step %d: %s cannot evaluate (%s)", seq, ev.device, ev.reason)
+                owing.discard(ev.device)
+            elif isinstance(ev, EvalArrived) and ev.result.seq == seq and ev.result.device in owing:
+                res = ev.result
+                reason = _score_problem(res, assignment, check)
+                if reason is not None:
+                    log.warning("step %d: rejected evaluation from %s: %s", seq, res.device, reason)
+                    continue
+                if not res.final:  # fine-tuning progress: counted, replaced by the final one
+                    partial[res.device] = len(res.results)
+                    progress(sum(partial.values()) + len(results), total)
+                    continue
+                results.update({c: (int(r[0]), int(r[1])) for c, r in res.results.items()})
+                partial.pop(res.device, None)
+                owing.discard(res.device)
+                progress(sum(partial.values()) + len(results), total)
+    if owing:
+        log.warning("step %d: no evaluation from %s", seq, sorted(owing))
+    return results
+
+
+def _score_problem(res: EvalResult, assignment: dict[str, list[int]], check: ScoreCheck
+                   ) -> str | None:
+    """Only the device's own clients, each with a score the round loop accepts."""
+    mine = set(assignment.get(res.device, []))
+    for c, (correct, total) in res.results.items():
+        if c not in mine:
+            return f"client {c} is not assigned to {res.device}"
+        reason = check(c, correct, total)
+        if reason is not None:
+            return reason
+    return None

@@ -1,0 +1,167 @@
+"""MqttPool: the ClientPool over an MQTT fleet.
+
+Per step it publishes the blocks that changed (retained, versioned, chunked), then the step itself
+(retained), and collects what the devices send back (collect.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fedseq.common import __version__
+from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.evaluation import EvalReport
+from fedseq.common.models import Weights, block_of, in_blocks
+from fedseq.common.protocol.frames import FramePool
+from fedseq.common.protocol.link import TlsOptions
+from fedseq.common.protocol.messages import Assignment, Control, RunConfig, Step
+from fedseq.common.protocol.tensors import encode_tensors
+from fedseq.common.protocol.topics import Topics
+from fedseq.server.mqtt.blocks import BlockPublisher
+from fedseq.server.mqtt.collect import DeadlinePolicy, collect_scores, collect_updates
+from fedseq.server.mqtt.inbox import Inbox
+from fedseq.server.mqtt.session import ServerSession
+from fedseq.server.pool import PoolState, Progress, ScoreCheck, Scores, TrainRound, UpdateCheck
+
+log = logging.getLogger(__name__)
+
+#: step numbers and block versions of a resumed run start this far past the checkpoint's
+RESUME_GAP = 1000
+
+
+def assign_clients(devices: list[str], num_clients: int) -> dict[str, list[int]]:
+    """Balanced and stable: devices sorted by name, clients dealt round-robin."""
+    names = sorted(devices)
+    return {d: [c for c in range(num_clients) if c % len(names) == i] for i, d in enumerate(names)}
+
+
+class MqttPool:
+    """The logical clients hosted by the devices online on one broker.
+
+    Set-up order (fedseq-server start): `start` (connect), `wait_for_devices`, then the round
+    loop calls `restore` (resuming) and `open`; `close` says goodbye."""
+
+    def __init__(self, cfg: ExperimentConfig, url: str, run_id: str,
+                 username: str | None = None, password: str | None = None,
+                 tls: TlsOptions | None = None):
+        self.cfg = cfg
+        self.run_id = run_id
+        self.personal: tuple[str, ...] = ()  # the algorithm's personal blocks (open)
+        self.topics = Topics(cfg.deploy.topic_root)
+        self.inbox = Inbox(self.topics, run_id)
+        self.session = ServerSession(self.topics, run_id, url, self.inbox, username, password, tls)
+        self.blocks = BlockPublisher(self.session.link, self.topics, run_id)
+        self.session.republish_blocks_with(self.blocks.republish)
+        self.deadlines = DeadlinePolicy(cfg.deploy)
+        self.devices: list[str] = []
+        self.assignment: dict[str, list[int]] = {}
+        self.owner: dict[int, str] = {}
+        self.seq = 0
+
+    # -- set-up ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect to the broker (three attempts), before anything slow happens."""
+        self.session.start()
+
+    def wait_for_devices(self, minimum: int, timeout: float) -> list[str]:
+        """The devices online once at least `minimum` are (TransportError after `timeout`)."""
+        self.devices = self.session.wait_for_devices(minimum, timeout)
+        return self.devices
+
+    def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
+        """Publish the run config, the assignment and the current version of every block."""
+        self.personal = personal
+        resumed = bool(self.assignment)
+        if not resumed:
+            self.assignment = assign_clients(self.devices, self.cfg.data.num_clients)
+        self.owner = {c: d for d, cs in self.assignment.items() for c in cs}
+        self.inbox.owner = self.owner
+        for d in self.devices:
+            status = self.session.online.get(d)
+            theirs = status.package_version if status else ""
+            if theirs and theirs != __version__:
+                log.warning("%s runs fedseq %s, this coordinator %s: results may differ; install the "
+                            "same version everywhere", d, theirs, __version__)
+        # An update frame holds at most every shared block's deltas; one device has at most
+        # (its clients + 1) frames in flight. Bound: that many bytes per assigned device.
+        shared = in_blocks(weights, {block_of(k) for k in weights} - set(personal))
+        biggest = len(encode_tensors(shared)) + 4096
+        per_device = max(len(cs) for cs in self.assignment.values()) + 1
+        self.inbox.frames = FramePool(max_frame=biggest, per_sender=biggest * per_device)
+        rc = RunConfig(run_id=self.run_id, config=self.cfg.model_dump(mode="json"))
+        self.session.retain(self.topics.run_config, rc.encode())
+        for d, clients in self.assignment.items():
+            self.session.retain(self.topics.assignment(d),
+                                Assignment(run_id=self.run_id, device=d, clients=clients).encode())
+        self.blocks.sync(weights, force=resumed)
+        log.info("run %s: %d devices, assignment %s", self.run_id, len(self.devices),
+                 self.assignment)
+
+    def snapshot(self) -> PoolState:
+        return PoolState({"run_id": self.run_id, "seq": self.seq, "assignment": self.assignment,
+                          "published": self.blocks.state()})
+
+    def restore(self, state: PoolState) -> None:
+        """A resumed run: the same assignment as before. Step numbers and block versions jump
+        1000 past the checkpoint's: the crashed coordinator may have published a step or a new
+        aggregate after its last checkpoint, and devices skip a step number they have already
+        executed and a block version older than one they hold."""
+        s = state.state or {}
+        self.seq = int(s["seq"]) + RESUME_GAP
+        self.assignment = {d: list(cs) for d, cs in s["assignment"].items()}
+        self.blocks.restore(s["published"], RESUME_GAP)
+
+    def close(self, abort: str | None = None) -> None:
+        """Say the run is over (idle step; first an abort naming `abort` when the run ended
+        abnormally, so devices drop work nobody will collect), then disconnect. Never raises."""
+
+        def goodbye() -> None:
+            if abort is not None:
+                self.session.link.publish(self.topics.control, Control(
+                    run_id=self.run_id, command="abort", reason=abort))
+            self._publish_step(kind="idle")
+
+        self.session.close(goodbye)
+
+    # -- steps -----------------------------------------------------------------------------
+    def _prepare_step(self, weights: Weights) -> dict[str, int]:
+        self.session.await_devices(set(self.assignment), self.cfg.deploy.min_devices,
+                                   self.cfg.deploy.wait_devices_s)
+        return self.blocks.sync(weights)
+
+    def _publish_step(self, **fields: Any) -> Step:
+        self.seq += 1
+        step = Step(run_id=self.run_id, seq=self.seq, **fields)
+        self.session.retain(self.topics.step, step.encode())
+        return step
+
+    def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
+              check: UpdateCheck) -> TrainRound:
+        versions = self._prepare_step(weights)
+        self.inbox.collect(self.seq + 1)  # before the step goes out: its updates may come fast
+        step = self._publish_step(kind="train", round=round, clients=clients,
+                                  plan=plan_to_dict(plan), versions=versions)
+        return TrainRound(collect_updates(self.session, step.seq, round, clients, self.owner,
+                                          check, self.deadlines))
+
+    def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
+                 ) -> EvalReport:
+        versions = self._prepare_step(weights)
+        step = self._publish_step(kind="evaluate", versions=versions, eval_heads=list(eval_heads),
+                                  personal=list(self.personal))
+        scores = collect_scores(self.session, step.seq, self.assignment, check,
+                                self.cfg.deploy.eval_timeout_s, lambda done, total: None)
+        return EvalReport(None, None, scores)
+
+    def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
+                 check: ScoreCheck, progress: Progress) -> Scores:
+        versions = self._prepare_step(weights)
+        step = self._publish_step(kind="finetune", plan=plan_to_dict(plan), versions=versions,
+                                  eval_heads=list(eval_heads), personal=list(self.personal))
+        return collect_scores(self.session, step.seq, self.assignment, check,
+                              self.cfg.deploy.finetune_timeout_s, progress)
+
+    def wire_bytes(self) -> tuple[int, int] | None:
+        return self.session.wire_bytes()

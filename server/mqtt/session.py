@@ -1,0 +1,183 @@
+"""The coordinator's broker session: one connection, the retained state it owns, and presence.
+
+The broker's retained messages are only a cache (a restarted broker may have lost them): whatever
+a device needs to (re)join is kept here and published again after every (re)connect, the current
+step last, once the blocks it needs are there. Presence is applied on the coordinator's thread
+from the devices' retained statuses: who is online, and who said it cannot run a step and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from fedseq.common.errors import TransportError
+from fedseq.common.protocol.link import Link, TlsOptions
+from fedseq.common.protocol.messages import DeviceStatus, ServerStatus
+from fedseq.common.protocol.topics import Topics
+from fedseq.server.mqtt.inbox import EvalArrived, Inbox, StatusArrived, UpdateArrived
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DeviceOffline:
+    """A device went offline (its last will, or a clean stop)."""
+
+    device: str
+
+
+@dataclass(frozen=True)
+class StepFailed:
+    """A device said it cannot run step `seq` (-1: any step of this run), and why."""
+
+    device: str
+    seq: int | None
+    reason: str
+
+
+SessionEvent: TypeAlias = UpdateArrived | EvalArrived | DeviceOffline | StepFailed
+
+
+class ServerSession:
+    """Connects first (`start`), so a broker problem is known before the dataset is loaded."""
+
+    def __init__(self, topics: Topics, run_id: str, url: str, inbox: Inbox,
+                 username: str | None = None, password: str | None = None,
+                 tls: TlsOptions | None = None):
+        self.topics = topics
+        self.run_id = run_id
+        self.inbox = inbox
+        self.online: dict[str, DeviceStatus] = {}
+        self.incompatible: dict[str, str] = {}  # device -> why it cannot run any step of this run
+        self._lock = threading.Lock()
+        self._retained: dict[str, bytes] = {}
+        self._republish_blocks: Callable[[], int] = lambda: 0
+        will = ServerStatus(state="offline", run_id=run_id).encode()
+        self.link = Link(f"fedseq-server-{run_id}", url, inbox.subscriptions(), inbox.on_message,
+                         will=(topics.server_status, will), username=username, password=password,
+                         tls=tls)
+        self.link.on_connect(self._republish)
+        self._wire_seen = (0, 0)
+
+    def start(self) -> None:
+        self.link.start(attempts=3)
+
+    def republish_blocks_with(self, publish: Callable[[], int]) -> None:
+        """Who re-publishes the weight blocks after a reconnect (returns how many)."""
+        self._republish_blocks = publish
+
+    def retain(self, topic: str, payload: bytes) -> None:
+        """Publish retained and keep it for every reconnect."""
+        with self._lock:
+            self._retained[topic] = payload
+        self.link.publish(topic, payload, retain=True)
+
+    def _republish(self) -> None:
+        """Network thread, after every (re)connect: server status, run config, assignments, the
+        current version of every block and the current step, all retained."""
+        status = ServerStatus(state="online", run_id=self.run_id, broker=self.link.url).encode()
+        self.link.publish(self.topics.server_status, status, retain=True)
+        with self._lock:
+            retained = dict(self._retained)
+        for topic, payload in retained.items():
+            if topic != self.topics.step:
+                self.link.publish(topic, payload, retain=True)
+        blocks = self._republish_blocks()
+        if self.topics.step in retained:  # last: a device acts on it once it holds the weights
+            self.link.publish(self.topics.step, retained[self.topics.step], retain=True)
+        if retained:
+            log.info("re-published the run's state (%d blocks) after connecting", blocks)
+
+    def wire_bytes(self) -> tuple[int, int]:
+        """Payload bytes this connection published and received since the last call."""
+        out, got = self.link.bytes_out, self.link.bytes_in
+        before = self._wire_seen
+        self._wire_seen = (out, got)
+        return out - before[0], got - before[1]
+
+    # -- presence (coordinator thread) -----------------------------------------------------
+    def drain(self, timeout: float) -> list[SessionEvent]:
+        """Apply status events to presence; return the events that arrived within `timeout`
+        (a device going offline or failing a step among them)."""
+        out: list[SessionEvent] = []
+        try:
+            ev = self.inbox.queue.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return out
+        while True:
+            if isinstance(ev, StatusArrived):
+                out.extend(self._presence(ev.status))
+            else:
+                out.append(ev)
+            try:
+                ev = self.inbox.queue.get_nowait()
+            except queue.Empty:
+                return out
+
+    def _presence(self, st: DeviceStatus) -> list[SessionEvent]:
+        if st.state != "online":
+            self.online.pop(st.device, None)
+            return [DeviceOffline(st.device)]
+        known = self.online.get(st.device)
+        self.online[st.device] = st
+        fresh = known is None or (known.error_seq, known.error) != (st.error_seq, st.error)
+        if not (st.error and st.error_run_id == self.run_id and fresh):
+            return []
+        if st.error_seq == -1:  # it cannot run any step of this run
+            self.incompatible[st.device] = st.error
+        return [StepFailed(st.device, st.error_seq, st.error)]
+
+    def wait_for_devices(self, minimum: int, timeout: float) -> list[str]:
+        """Block until `minimum` devices are online (TransportError after `timeout`)."""
+        deadline = time.monotonic() + timeout
+        while len(self.online) < minimum:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TransportError(
+                    f"only {len(self.online)} of deploy.min_devices={minimum} devices came online "
+                    f"within {timeout:.0f} s ({', '.join(sorted(self.online)) or 'none'}); start "
+                    "fedseq-client on the devices with this broker URL, or lower deploy.min_devices"
+                )
+            self.drain(min(left, 0.5))
+        time.sleep(0.5)  # let devices that connect together all announce themselves
+        self.drain(0.01)
+        return sorted(self.online)
+
+    def await_devices(self, assigned: set[str], minimum: int, wait_s: float) -> None:
+        """Before a step: after a broker restart or a network drop, devices come back within
+        seconds; wait up to `wait_s` for `minimum` of the assigned ones instead of failing the
+        step (their events while waiting only update presence)."""
+        self.drain(0.0)
+        need = min(minimum, len(assigned))
+        if len(assigned & set(self.online)) >= need:
+            return
+        log.warning("waiting for devices: %d of %d assigned online",
+                    len(assigned & set(self.online)), len(assigned))
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            self.drain(0.5)
+            if len(assigned & set(self.online)) >= need:
+                time.sleep(0.5)  # let the others that reconnect together announce themselves
+                self.drain(0.0)
+                return
+        log.warning("continuing with %d devices online", len(assigned & set(self.online)))
+
+    def close(self, goodbye: Callable[[], None]) -> None:
+        """Run `goodbye` (the last retained messages) if still connected, say offline, then
+        disconnect; never raises (it runs in a `finally` and must not mask the run's error)."""
+        try:
+            if self.link.connected.is_set():
+                goodbye()
+                self.link.publish(self.topics.server_status,
+                                  ServerStatus(state="offline", run_id=self.run_id), retain=True,
+                                  wait=True)
+        except Exception as exc:  # best effort on the way out
+            log.warning("could not say goodbye to the broker: %s", exc)
+        finally:
+            self.link.stop()
