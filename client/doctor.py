@@ -133,14 +133,14 @@ def check_broker(s: ClientSettings) -> list[Check]:
     """Reach the broker, complete the TLS handshake (mqtts://) and log in, as the daemon would."""
     from fedseq.common.errors import ConfigError, TransportError
     from fedseq.common.files import read_secret
-    from fedseq.common.protocol.link import Link, TlsOptions
+    from fedseq.common.protocol.link import Link, TlsOptions, session_id
 
     try:
         password = read_secret(s.password_file)
     except ConfigError as exc:
         return [(False, str(exc))]
     try:
-        link = Link(f"fedseq-doctor-{s.device}", s.broker, [], lambda t, p: None,
+        link = Link(session_id(f"fedseq-doctor-{s.device}"), s.broker, [], lambda t, p: None,
                     username=s.username, password=password,
                     tls=TlsOptions(s.ca_file, s.cert_file, s.key_file, s.verify_hostname))
         link.start(attempts=1, refusals=1)

@@ -27,7 +27,7 @@ from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
 from fedseq.common.errors import FedseqError, ProtocolError, validation_problem
 from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
-from fedseq.common.protocol.link import Link, TlsOptions
+from fedseq.common.protocol.link import Link, TlsOptions, session_id
 from fedseq.common.protocol.messages import (
     PROTOCOL_VERSION,
     Assignment,
@@ -96,7 +96,7 @@ class DeviceSession:
         self.outbox: Dict[str, Tuple[int, Callable[[], None]]] = {}
         offline = DeviceStatus(device=device, state="offline").encode()
         self.link = Link(
-            f"fedseq-device-{device}", broker,
+            session_id(f"fedseq-device-{device}"), broker,
             [t.run_config, t.assignment(device), t.step, t.weights(), t.control, t.server_status],
             self.on_message, will=(t.device_status(device), offline),
             username=username, password=password, tls=tls,

@@ -18,7 +18,8 @@ class StateStore:
         self.root = Path(root)
 
     def _dir(self, run_id: str) -> Path:
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", run_id):
+        # a run id comes from the wire: letters, digits, _ - . and never a leading dot (no "..")
+        if not re.fullmatch(r"[A-Za-z0-9_\-][A-Za-z0-9_.\-]{0,127}", run_id):
             raise ProtocolError(f"run id {run_id!r} is not a safe file name")
         return self.root / run_id
 

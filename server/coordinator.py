@@ -314,6 +314,11 @@ class Coordinator:
         after each, then the algorithm's fine-tuning; writes the run directory's outputs."""
         rows = []
         first = self._restore(resume) if resume is not None else 0
+        if resume is not None and self.run_dir is not None:
+            # the pool's step numbers and block versions now start past the checkpoint's: record
+            # that before anything is published, so that a crash before this run's first round
+            # ends cannot make a second resume re-use numbers the devices have already seen
+            save_checkpoint(self.run_dir.path, self._checkpoint(first, resume.state.get("last_row")))
         self.pool.open(self.global_weights, self.alg.personal_blocks())
         for t in range(first, self.cfg.rounds):
             row = self.run_round(t)
@@ -350,7 +355,7 @@ class Coordinator:
             self._write_outputs(final)
         return RunResult(self.global_weights, final, rows)
 
-    def _checkpoint(self, next_round: int, row: dict[str, Any]) -> Checkpoint:
+    def _checkpoint(self, next_round: int, row: dict[str, Any] | None) -> Checkpoint:
         rep = self._last_report
         state: dict[str, Any] = {
             "last_row": row,

@@ -56,8 +56,18 @@ def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
                 cmd += [flag, str(value)]
         if not d.tls_verify_hostname:
             cmd.append("--no-verify-hostname")
-        procs.append(subprocess.Popen(cmd, env=env))
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
     return procs
+
+
+def _die_with_parent() -> None:
+    """In a local device process: SIGTERM it when the coordinator dies, even by kill -9 (Linux
+    PR_SET_PDEATHSIG), so no orphan daemon fights a resumed run's devices for the same names."""
+    import contextlib
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
 def stop_children(procs: list[subprocess.Popen], timeout: float = 15) -> None:
@@ -117,8 +127,13 @@ def run_deployment(
         # the coordinator's global evaluation reads the test rows and nothing else
         exp = load_experiment(cfg, test_images_only=True)
         if local_clients:
-            tmp = tempfile.TemporaryDirectory(prefix="fedseq-local-")
-            children = spawn_local_clients(local_clients, url, cfg, Path(tmp.name), client_threads)
+            # the devices' personal state lives in the run directory, so --resume keeps it
+            if out is not None:
+                state = Path(out) / "local-devices"
+            else:
+                tmp = tempfile.TemporaryDirectory(prefix="fedseq-local-")
+                state = Path(tmp.name)
+            children = spawn_local_clients(local_clients, url, cfg, state, client_threads)
         devices = pool.wait_for_devices(max(cfg.deploy.min_devices, local_clients),
                                         cfg.deploy.wait_devices_s)
         announce(f"run {run_id}: {len(devices)} devices ({', '.join(devices)})"

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import math
+import os
 import signal
 import time
 from collections.abc import Iterator
@@ -18,6 +20,8 @@ from fedseq.common.files import atomic_write
 from fedseq.common.models import Weights
 from fedseq.common.protocol.tensors import encode_tensors
 
+log = logging.getLogger(__name__)
+
 
 def resolved_paths(cfg: ExperimentConfig) -> ExperimentConfig:
     """The config with absolute file paths, so the run directory means the same from anywhere
@@ -29,6 +33,23 @@ def resolved_paths(cfg: ExperimentConfig) -> ExperimentConfig:
         value = getattr(d, key)
         if value is not None:
             setattr(d, key, Path(value).resolve())
+    return out
+
+
+def _rows(metrics: Path) -> list[tuple[str, dict[str, Any]]]:
+    """(line, row) of every readable row; a torn line (a crash mid-write) is skipped with a
+    warning: the checkpoint holds the last round's row and a resume writes it again."""
+    out = []
+    for ln in metrics.read_text().splitlines() if metrics.exists() else []:
+        if not ln.strip():
+            continue
+        try:
+            row = json.loads(ln)
+        except ValueError:
+            log.warning("%s: skipped an unreadable line (%d bytes), torn by a crash", metrics, len(ln))
+            continue
+        if isinstance(row, dict) and isinstance(row.get("round"), int):
+            out.append((ln, row))
     return out
 
 
@@ -48,11 +69,10 @@ class RunDir:
         self.logged_rounds: set[int] = set()
         metrics = self.path / "metrics.jsonl"
         if mode == "resume":
-            kept = [ln for ln in (metrics.read_text().splitlines() if metrics.exists() else [])
-                    if ln.strip() and json.loads(ln).get("phase") == "train"
-                    and json.loads(ln)["round"] < resume_round]
+            kept = [ln for ln, row in _rows(metrics)
+                    if row.get("phase") == "train" and row["round"] < resume_round]
             self.logged_rounds = {json.loads(ln)["round"] for ln in kept}
-            metrics.write_text("".join(ln + "\n" for ln in kept))
+            atomic_write(metrics, "".join(ln + "\n" for ln in kept).encode())
             self._metrics = metrics.open("a")
         else:
             for name in ("checkpoint.safetensors", "clients.csv", "model.safetensors"):
@@ -70,10 +90,12 @@ class RunDir:
                      durable=False)
 
     def log_round(self, row: dict[str, Any]) -> None:
-        """Append one row to metrics.jsonl (flushed: a crash loses nothing written)."""
+        """Append one row to metrics.jsonl, on disk before this returns (fsync): the round's
+        checkpoint is already written, and a resume trusts the rows it finds."""
         clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
         self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
+        os.fsync(self._metrics.fileno())
 
     def write_clients(self, rows: list[dict[str, Any]]) -> None:
         """clients.csv: per-client sizes and final accuracy."""

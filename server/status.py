@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from fedseq.common.errors import ProtocolError
-from fedseq.common.protocol.link import Link, TlsOptions
+from fedseq.common.protocol.link import Link, TlsOptions, session_id
 from fedseq.common.protocol.messages import DeviceStatus, RunConfig, ServerStatus, Step
 from fedseq.common.protocol.topics import Topics
 
@@ -53,7 +53,7 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
         except ProtocolError as exc:
             view.invalid.append(f"{topic}: {exc}")
 
-    link = Link(f"fedseq-status-{time.monotonic_ns()}", url,
+    link = Link(session_id("fedseq-status"), url,
                 [t.server_status, t.run_config, t.step, t.device_status()], on_message,
                 username=username, password=password, tls=tls)
     link.start(attempts=1)

@@ -10,6 +10,7 @@ import ctypes.util
 import functools
 import hashlib
 import logging
+import secrets
 import socket
 import ssl
 import threading
@@ -132,6 +133,17 @@ def _no_delay(client, userdata, sock) -> None:
     about 40 ms per exchange on Linux (measured with bench/mqtt_round.py)."""
     with contextlib.suppress(OSError, AttributeError):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def session_id(role: str) -> str:
+    """A client id nobody can guess: `<role>-<16 random hex digits>`.
+
+    MQTT lets a CONNECT with a client id already in use disconnect the holder, and a broker's ACL
+    binds topics to logins, not client ids. With predictable ids (fedseq-device-<name>) any login
+    could knock any device, or the coordinator, off the broker every few seconds. The role keeps
+    broker logs readable; a fresh id per process means a restarted daemon's old session is simply
+    replaced by its last will."""
+    return f"{role}-{secrets.token_hex(8)}"
 
 
 class Link:

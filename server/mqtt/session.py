@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from fedseq.common.errors import TransportError
-from fedseq.common.protocol.link import Link, TlsOptions
+from fedseq.common.protocol.link import Link, TlsOptions, session_id
 from fedseq.common.protocol.messages import DeviceStatus, ServerStatus
 from fedseq.common.protocol.topics import Topics
 from fedseq.server.mqtt.inbox import EvalArrived, Inbox, StatusArrived, UpdateArrived
@@ -59,7 +59,7 @@ class ServerSession:
         self._retained: dict[str, bytes] = {}
         self._republish_blocks: Callable[[], int] = lambda: 0
         will = ServerStatus(state="offline", run_id=run_id).encode()
-        self.link = Link(f"fedseq-server-{run_id}", url, inbox.subscriptions(), inbox.on_message,
+        self.link = Link(session_id("fedseq-server"), url, inbox.subscriptions(), inbox.on_message,
                          will=(topics.server_status, will), username=username, password=password,
                          tls=tls)
         self.link.on_connect(self._republish)

@@ -14,9 +14,14 @@ def test_personal_blocks_survive_a_new_store(tmp_path):
     assert not list(tmp_path.rglob("*.tmp"))  # written via a temporary file and a rename
 
 
-def test_unsafe_run_id_rejected(tmp_path):
+@pytest.mark.parametrize("run_id", ["../../etc", "..", ".", ".hidden", "a/b", "", "x" * 200])
+def test_unsafe_run_id_rejected(tmp_path, run_id):
+    store = StateStore(tmp_path / "state")
     with pytest.raises(ProtocolError):
-        StateStore(tmp_path).save("../../etc", 1, {"x": torch.ones(1)})
+        store.save(run_id, 1, {"x": torch.ones(1)})
+    with pytest.raises(ProtocolError):
+        store.load(run_id, 1)
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
 
 
 def test_a_round_run_again_starts_from_the_state_before_it(tmp_path):

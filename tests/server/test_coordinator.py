@@ -214,7 +214,8 @@ def test_a_non_finite_aggregate_refuses_the_round_and_keeps_the_model(monkeypatc
 
 def test_a_stop_between_checkpoint_and_row_is_healed_on_resume(tmp_path, monkeypatch):
     """The checkpoint is written before the round's row; a stop in between leaves a checkpoint
-    whose row is missing from metrics.jsonl, and the resumed run writes it from the checkpoint."""
+    whose row is missing from metrics.jsonl (here: torn), and the resumed run writes it from the
+    checkpoint."""
     from fedseq.server.checkpoint import load_checkpoint
 
     full, _ = _coord("fedper")
@@ -236,6 +237,8 @@ def test_a_stop_between_checkpoint_and_row_is_healed_on_resume(tmp_path, monkeyp
     monkeypatch.setattr(RunDir, "log_round", real)
     ckpt = load_checkpoint(tmp_path)
     assert ckpt.next_round == 2  # round 1 was checkpointed, its row never written
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"round": 1, "phase": "tr')  # and a torn line, as a crash mid-write leaves
     resumed, _ = _coord("fedper")
     resumed.run_dir = RunDir(tmp_path, resumed.cfg, "resume", ckpt.next_round)
     result = resumed.run(ckpt)

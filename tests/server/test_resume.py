@@ -4,10 +4,12 @@ uninterrupted one does, in simulation and in deployment (the coordinator SIGKILL
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -153,3 +155,48 @@ def test_sim_cli_resume_flags_conflict(tmp_path):
                         "--resume", str(tmp_path), "--out", str(tmp_path / "x")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--resume RUN_DIR takes" in r.stderr
+
+
+def test_local_devices_die_with_a_killed_coordinator_and_keep_their_state(data_root, tmp_path):
+    """kill -9 of `fedseq-server start --local-clients 2`: its device processes exit by themselves
+    (no orphan joins the resumed run's devices), and their personal state is in the run
+    directory, where --resume finds it."""
+    out = tmp_path / "run"
+    sets = ["--set", f"data.root={str(data_root)!r}", "--set", "data.fraction=0.05", "--set",
+            "data.num_clients=4", "--set", "rounds=30", "--set", "train.local_epochs=1",
+            "--set", "algorithm.name=fedper", "--set", "deploy.port=0"]
+    server = subprocess.Popen(["fedseq-server", "start", "-q", "--local-clients", "2",
+                               "--client-threads", "1", "--out", str(out), *sets],
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not ((out / "metrics.jsonl").exists() and _rows(out)):
+            time.sleep(0.2)
+        assert _rows(out), "the run did not start"
+        children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == server.pid]
+        assert len(children) == 2
+        server.send_signal(signal.SIGKILL)
+        server.wait(30)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and any(_alive(c) for c in children):
+            time.sleep(0.2)
+        assert not any(_alive(c) for c in children), "orphan device daemons outlived the coordinator"
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert any((out / "local-devices").rglob("client-*.safetensors"))
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
