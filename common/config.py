@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, List, Literal, Optional
+from typing import Any, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError, validation_problem
@@ -89,10 +89,18 @@ class TrainConfig(_Section):
     # fedseq-sim: where the model, batches and the dataset's images live ("cuda", "cuda:1", or
     # "auto" = cuda when available). Results differ from CPU runs in the last bits (kernels).
     device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$")
-    threads: Optional[int] = Field(
-        None, ge=1, description="torch threads; default: the cores not busy at start (1-min load "
-                                "average), recorded in the run directory; set it for bitwise "
-                                "reproducibility across machines and loads")
+    # fedseq-sim's torch threads: a number, default this machine's cores (fixed, so a seed
+    # gives the same run whatever the load); "auto" = the cores not busy at start (1-minute load
+    # average: faster beside other work, but the result then depends on the load). Recorded in
+    # the run directory.
+    threads: Union[int, str, None] = Field(None)
+
+    @field_validator("threads")
+    @classmethod
+    def _threads_count_or_auto(cls, v: Union[int, str, None]) -> Union[int, str, None]:
+        if (isinstance(v, int) and v < 1) or (isinstance(v, str) and v != "auto"):
+            raise ValueError(f"{v!r} is not a thread count >= 1 or \"auto\"")
+        return v
 
 
 class AggregationConfig(_Section):

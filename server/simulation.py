@@ -32,6 +32,17 @@ def default_threads(cores: int | None = None, load: float | None = None) -> int:
     return max(1, min(cores, cores - round(load)))
 
 
+def sim_threads(setting: int | str | None) -> int:
+    """train.threads as a thread count: a number as given; None = all of this machine's cores (a
+    fixed choice: the same config and seed give the same run whatever else runs); "auto" = the
+    cores not busy now (default_threads; faster beside other work, load-dependent results)."""
+    if setting == "auto":
+        return default_threads()
+    if isinstance(setting, int):
+        return setting
+    return os.cpu_count() or 1
+
+
 def run_simulation(
     cfg: ExperimentConfig,
     out: Path | None,
@@ -43,7 +54,7 @@ def run_simulation(
 ) -> RunResult:
     """Load data, build the seed-derived model, run all rounds (and fine-tuning) in-process.
     mode "resume" continues `out` after its checkpoint's last complete round."""
-    threads = cfg.train.threads or default_threads()
+    threads = sim_threads(cfg.train.threads)
     torch.set_num_threads(threads)
     info = {**(info or {}), "threads": threads}
     device = torch_device(cfg.train.device)

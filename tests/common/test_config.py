@@ -78,3 +78,12 @@ def test_dump_roundtrip(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text(dump_config(cfg))
     assert load_config(path) == cfg
+
+
+def test_train_threads_is_a_count_or_auto():
+    assert load_config(None, ["train.threads=3"]).train.threads == 3
+    assert load_config(None, ['train.threads="auto"']).train.threads == "auto"
+    assert load_config(None, []).train.threads is None
+    for bad in ("train.threads=0", 'train.threads="fast"'):
+        with pytest.raises(ConfigError, match="train.threads"):
+            load_config(None, [bad])

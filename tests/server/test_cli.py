@@ -126,3 +126,13 @@ def test_default_threads_leave_busy_cores_alone():
     assert default_threads(cores=2, load=1.2) == 1
     assert default_threads(cores=2, load=9.0) == 1
     assert default_threads(cores=16, load=3.6) == 12
+
+
+def test_default_threads_are_fixed_and_auto_follows_the_load():
+    import os
+
+    from fedseq.server.simulation import sim_threads
+
+    assert sim_threads(None) == os.cpu_count()  # whatever the load: reproducible by default
+    assert sim_threads(3) == 3
+    assert 1 <= sim_threads("auto") <= (os.cpu_count() or 1)
