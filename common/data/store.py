@@ -200,14 +200,17 @@ def download(dataset: str, root: Path, mirrors: tuple[str, ...] | None = None,
 
 def import_from(dataset: str, source: Path, root: Path, log: Callable[[str], None] = lambda m: None
                 ) -> Path:
-    """Copy a dataset's original files from `source` (the files themselves, or a data root with
-    the standard layout) into `root`, each checked against its md5 first."""
+    """Copy a dataset's original files from `source` into `root`, each checked against its md5
+    first. `source` may hold the files themselves, or be a data root with the standard layout, or
+    anything in between (torchvision's `DIR/FashionMNIST`, whose files are under `raw/`)."""
     spec = spec_of(dataset)
     folder = Path(root) / spec.folder
     folder.mkdir(parents=True, exist_ok=True)
     source = Path(source)
     for f in spec.files:
-        candidates = [source / f.name, source / spec.folder / f.name]
+        levels = Path(spec.folder).parts  # e.g. FashionMNIST/raw: try raw/, FashionMNIST/raw/
+        candidates = [source / f.name] + [source / Path(*levels[i:]) / f.name
+                                          for i in range(len(levels) - 1, -1, -1)]
         found = next((p for p in candidates if p.exists()), None)
         if found is None:
             raise DatasetError(f"{f.name} is not in {source} (nor in {source / spec.folder}); "

@@ -136,6 +136,15 @@ def test_import_from_a_folder_checks_first(data_root, tmp_path):
     assert not (dest / "MNIST/raw/t10k-labels-idx1-ubyte.gz").exists()
 
 
+@pytest.mark.parametrize("below", ["FashionMNIST", "FashionMNIST/raw"])
+def test_import_from_torchvisions_dataset_folder(data_root, tmp_path, below):
+    """`--from DIR/FashionMNIST` (torchvision's layout, files under raw/), as the README's example
+    gives it, and `--from DIR/FashionMNIST/raw`."""
+    dest = tmp_path / "root"
+    store.import_from("fmnist", data_root / below, dest)
+    assert store.verify(dest, "fmnist") == []
+
+
 def test_cifar_archive_is_checked_then_extracted(tmp_path, monkeypatch):
     import hashlib
     import tarfile
