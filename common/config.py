@@ -89,10 +89,10 @@ class TrainConfig(_Section):
     # fedseq-sim: where the model, batches and the dataset's images live ("cuda", "cuda:1", or
     # "auto" = cuda when available). Results differ from CPU runs in the last bits (kernels).
     device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$")
-    # fedseq-sim's torch threads: a number, default this machine's cores (fixed, so a seed
-    # gives the same run whatever the load); "auto" = the cores not busy at start (1-minute load
-    # average: faster beside other work, but the result then depends on the load). Recorded in
-    # the run directory.
+    # fedseq-sim's torch threads: a number; default torch's count in the process (in fedseq-sim
+    # this machine's physical cores, or OMP_NUM_THREADS: fixed, so a seed gives the same run
+    # whatever the load); "auto" = the cores not busy at start (1-minute load average: faster
+    # beside other work, but the result then depends on the load). Recorded in the run directory.
     threads: Union[int, str, None] = Field(None)
 
     @field_validator("threads")

@@ -33,14 +33,16 @@ def default_threads(cores: int | None = None, load: float | None = None) -> int:
 
 
 def sim_threads(setting: int | str | None) -> int:
-    """train.threads as a thread count: a number as given; None = all of this machine's cores (a
-    fixed choice: the same config and seed give the same run whatever else runs); "auto" = the
-    cores not busy now (default_threads; faster beside other work, load-dependent results)."""
+    """train.threads as a thread count: a number as given; None = torch's thread count in this
+    process (in a fresh fedseq-sim: this machine's physical cores, or OMP_NUM_THREADS), a fixed
+    choice, so the same config and seed give the same run whatever else runs (and a program or
+    test that set torch's threads keeps them); "auto" = the cores not busy now (default_threads;
+    faster beside other work, load-dependent results)."""
     if setting == "auto":
         return default_threads()
     if isinstance(setting, int):
         return setting
-    return os.cpu_count() or 1
+    return torch.get_num_threads()
 
 
 def run_simulation(
