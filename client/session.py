@@ -162,7 +162,14 @@ class DeviceSession:
         except FedseqError as exc:
             log.warning("dropped message on %s: %s", topic, exc)
             other = version_mismatch(payload) if kind in ("run_config", "step") else None
-            if other is not None and other[1] is not None:
+            run = self.run
+            if other is not None and run is not None and other[1] == run.run_id:
+                # This run's coordinator sent its config in our protocol: a message of another
+                # version under its run id is not from it (a stray client on an open broker).
+                log.warning("ignored a %s of protocol v%d for run %s, whose coordinator speaks "
+                            "v%d", kind, other[0], run.run_id, PROTOCOL_VERSION)
+            elif other is not None and other[1] is not None and kind == "run_config":
+                # (a step alone does not say so: the run config is what defines a run)
                 reason = (f"protocol mismatch: the coordinator speaks v{other[0]}, this device "
                           f"v{PROTOCOL_VERSION} (fedseq {__version__}); install the same fedseq "
                           "version on both sides")
@@ -214,6 +221,10 @@ class DeviceSession:
                 if self.next_step is not None and self.next_step.run_id == rc.run_id:
                     self.step, self.next_step = self.next_step, None
             self.cond.notify_all()
+        if self.last_error[0] == rc.run_id and self.last_error[1] == -1:
+            # it said it cannot follow this run (a stray message of another protocol came first)
+            self.last_error = (None, None, "")
+            self.announce()
 
     def _on_assignment(self, a: Assignment) -> None:
         if a.device != self.device:

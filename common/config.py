@@ -168,6 +168,17 @@ class ExperimentConfig(_Section):
             raise ValueError(f"algorithm.unfreeze_rounds {t} must be ascending rounds >= 0")
         return self
 
+    def for_devices(self) -> dict[str, Any]:
+        """The config as the run broadcasts it: without the coordinator's own paths and broker
+        account (its data root, password and key files, TLS files, user name), which devices
+        neither need nor should learn."""
+        data = self.model_dump(mode="json")
+        for key in ("username", "password_file", "ca_file", "cert_file", "key_file",
+                    "broker_password_file", "broker", "host"):
+            data["deploy"].pop(key, None)
+        data["data"].pop("root", None)
+        return data
+
     def clients_per_round(self) -> int:
         """floor(join_ratio * num_clients), at least one (paper Algorithm 1, line 2)."""
         return max(1, int(self.train.join_ratio * self.data.num_clients + 1e-9))

@@ -90,7 +90,7 @@ class MqttPool:
         biggest = len(encode_tensors(shared)) + 4096
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
         self.inbox.frames = FramePool(max_frame=biggest, per_sender=biggest * per_device)
-        rc = RunConfig(run_id=self.run_id, config=self.cfg.model_dump(mode="json"))
+        rc = RunConfig(run_id=self.run_id, config=self.cfg.for_devices())
         self.session.retain(self.topics.run_config, rc.encode())
         for d, clients in self.assignment.items():
             self.session.retain(self.topics.assignment(d),

@@ -8,6 +8,7 @@ from the devices' retained statuses: who is online, and who said it cannot run a
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -59,11 +60,17 @@ class ServerSession:
         self._retained: dict[str, bytes] = {}
         self._republish_blocks: Callable[[], int] = lambda: 0
         will = ServerStatus(state="offline", run_id=run_id).encode()
-        self.link = Link(session_id("fedseq-server"), url, inbox.subscriptions(), inbox.on_message,
+        owned = [topics.run_config, topics.assignment(), topics.step]
+        self.link = Link(session_id("fedseq-server"), url, inbox.subscriptions() + owned,
+                         self._on_message,
                          will=(topics.server_status, will), username=username, password=password,
                          tls=tls)
         self.link.on_connect(self._republish)
         self._wire_seen = (0, 0)
+        # What this session published on the topics it owns (a digest per payload, the last few
+        # per topic): anything else seen there is a stray publisher's, and is overwritten.
+        self._mine: dict[str, list[bytes]] = {}
+        self._restored_at: dict[str, list[float]] = {}
 
     def start(self) -> None:
         self.link.start(attempts=3)
@@ -76,7 +83,34 @@ class ServerSession:
         """Publish retained and keep it for every reconnect."""
         with self._lock:
             self._retained[topic] = payload
+            mine = self._mine.setdefault(topic, [])
+            mine.append(hashlib.sha256(payload).digest())
+            del mine[:-8]
         self.link.publish(topic, payload, retain=True)
+
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        """Network thread: the devices' topics go to the inbox; on the topics this session owns
+        (run config, assignments, step) a message it did not publish is a stray client's on an
+        open broker (or another coordinator on the same topic root): its own retained copy is
+        published again (at most 10 times a minute per topic: two coordinators on one
+        topic root must not flood the broker), so a device that (re)connects reads the
+        run's real state."""
+        ref = self.topics.parse(topic)
+        if ref is None or ref.kind not in ("run_config", "assignment", "step"):
+            self.inbox.on_message(topic, payload)
+            return
+        with self._lock:
+            ours = self._retained.get(topic)
+            known = hashlib.sha256(payload).digest() in self._mine.get(topic, ())
+            now = time.monotonic()
+            recent = [t for t in self._restored_at.get(topic, []) if now - t < 60.0]
+            if ours is None or known or len(recent) >= 10:
+                return
+            self._restored_at[topic] = recent + [now]
+        log.warning("a message on %s was not published by this coordinator (a stray client, or "
+                    "another coordinator with deploy.topic_root=%r); re-publishing the run's own",
+                    topic, self.topics.root)
+        self.link.publish(topic, ours, retain=True)
 
     def _republish(self) -> None:
         """Network thread, after every (re)connect: server status, run config, assignments, the
@@ -126,6 +160,8 @@ class ServerSession:
             return [DeviceOffline(st.device)]
         known = self.online.get(st.device)
         self.online[st.device] = st
+        if not (st.error_seq == -1 and st.error_run_id == self.run_id):
+            self.incompatible.pop(st.device, None)  # it could follow the run after all
         fresh = known is None or (known.error_seq, known.error) != (st.error_seq, st.error)
         if not (st.error and st.error_run_id == self.run_id and fresh):
             return []

@@ -1,9 +1,10 @@
+import json
 from pathlib import Path
 
 import pytest
 
 from conftest import server_only
-from fedseq.common.config import dump_config, load_config, parse_override
+from fedseq.common.config import ExperimentConfig, dump_config, load_config, parse_override
 from fedseq.common.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -87,3 +88,16 @@ def test_train_threads_is_a_count_or_auto():
     for bad in ("train.threads=0", 'train.threads="fast"'):
         with pytest.raises(ConfigError, match="train.threads"):
             load_config(None, [bad])
+
+
+def test_the_broadcast_config_carries_no_coordinator_paths_or_account():
+    cfg = load_config(None, ["deploy.username=coordinator", "deploy.password_file='/etc/c.pw'",
+                             "deploy.key_file='/etc/k.pem'", "deploy.ca_file='/etc/ca.pem'",
+                             "data.root='/home/alice/data'", "deploy.broker='mqtt://h:1883'"])
+    sent = cfg.for_devices()
+    text = json.dumps(sent)
+    for secret in ("/etc/", "/home/alice", "coordinator", "mqtt://h"):
+        assert secret not in text, secret
+    back = ExperimentConfig.model_validate(sent)  # what a device validates on receipt
+    assert back.model_dump(exclude={"deploy", "data"}) == cfg.model_dump(exclude={"deploy", "data"})
+    assert back.data.num_clients == cfg.data.num_clients

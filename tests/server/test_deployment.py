@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 from conftest import device_process as _device
@@ -261,32 +260,113 @@ def test_revoked_login_ends_the_daemon_with_exit_2(data_root, tmp_path, mosquitt
     assert dev.returncode == 2
 
 
-def test_protocol_mismatch_is_reported_by_the_device(data_root, tmp_path):
-    """A step of another protocol version for the current run (as a newer coordinator would send):
-    the device says why it cannot follow, and with nobody able to train the run stops with it."""
+def test_stray_messages_on_an_open_broker_do_not_end_the_run(data_root, tmp_path, one_thread):
+    """On an open broker (embedded, anonymous) a stray client overwrites the retained step with
+    one of another protocol version under the current run id, then with junk, then the run config
+    and an assignment: the device ignores what its run's coordinator cannot have sent, the
+    coordinator puts its own retained state back, and the run ends with the clean run's weights."""
     import re as _re
+    import threading
 
     import paho.mqtt.client as mqtt
 
-    from fedseq.common.errors import TransportError
     from fedseq.common.protocol.messages import PROTOCOL_VERSION
 
-    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "deploy.port=0",
-                       "deploy.round_timeout_s=120")
-    fired = []
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "deploy.port=0",
+                       "deploy.round_timeout_s=120", "train.join_ratio=0.6")
+    fired: list[str] = []
+    started: list[bool] = []
+    watchers = []
+
+    def stray(port: int, run_id: str) -> None:
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="stray")
+        c.connect("127.0.0.1", port)
+        c.loop_start()
+        newer = {"v": PROTOCOL_VERSION + 1, "run_id": run_id, "seq": 1, "kind": "train"}
+        for topic, payload in [("fedseq/step", json.dumps(newer).encode()),
+                               ("fedseq/step", b"\x00junk"),
+                               ("fedseq/run/config", json.dumps(newer).encode()),
+                               ("fedseq/device/local01/assign", b"{}")]:
+            c.publish(topic, payload, qos=1, retain=True).wait_for_publish(10)
+        c.loop_stop()
+        c.disconnect()
+        fired.append(run_id)
 
     def announce(line):
-        m = _re.search(r"run (\S+): ", line)
         url = _re.search(r"mqtt://127\.0\.0\.1:(\d+)", line)
-        if url:
-            fired.append(int(url.group(1)))
-        if m and fired:
-            c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="newer")
-            c.connect("127.0.0.1", fired[0])
-            c.loop_start()
-            newer = {"v": PROTOCOL_VERSION + 1, "run_id": m.group(1), "seq": 1, "kind": "train"}
-            c.publish("fedseq/step", json.dumps(newer).encode(), qos=1).wait_for_publish(10)
-            c.loop_stop()
+        if not url or watchers:
+            return
+        port = int(url.group(1))
 
-    with pytest.raises(TransportError, match="no device can train: local01: protocol mismatch"):
-        run_deployment(cfg, None, local_clients=1, client_threads=1, announce=announce)
+        def on_step(client, userdata, msg):  # once the device trains round 1 of the run
+            try:
+                step = json.loads(msg.payload)
+            except ValueError:
+                return
+            if step.get("kind") == "train" and step.get("round") == 1 and not started:
+                started.append(True)
+                threading.Thread(target=stray, args=(port, step["run_id"])).start()
+
+        w = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
+        w.on_message = on_step
+        w.on_connect = lambda c, u, f, rc, p: c.subscribe("fedseq/step", qos=1)
+        w.connect("127.0.0.1", port)
+        w.loop_start()
+        watchers.append(w)
+
+    try:
+        dep = run_deployment(cfg, tmp_path / "dep", local_clients=1, client_threads=1,
+                             announce=announce)
+    finally:
+        for w in watchers:
+            w.loop_stop()
+    assert fired
+    assert [r["reported"] == r["clients"] for r in dep.rows] == [True] * 3, dep.rows
+    sim = run_simulation(cfg, out=None)
+    for k, v in sim.global_weights.items():
+        assert torch.equal(dep.global_weights[k], v), k
+
+
+def test_a_real_protocol_mismatch_is_reported_by_the_device(tmp_path, data_root):
+    """A coordinator of another protocol version (its run config and step both in it): the device
+    says in its retained status why it cannot follow that run."""
+    import paho.mqtt.client as mqtt
+
+    from fedseq.common.protocol.messages import PROTOCOL_VERSION, DeviceStatus
+    from fedseq.server.broker import EmbeddedBroker
+
+    port = free_port()
+    broker = EmbeddedBroker("127.0.0.1", port)
+    broker.start()
+    try:
+        dev = subprocess.Popen([sys.executable, "-m", "fedseq.client.cli", "--device", "local01",
+                                "--broker", f"mqtt://127.0.0.1:{port}", "--data-dir",
+                                str(data_root), "--state-dir", str(tmp_path / "state")])
+        got: list[DeviceStatus] = []
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="newer-coordinator")
+
+        def on_message(client, userdata, msg):
+            if msg.payload:
+                got.append(DeviceStatus.decode(msg.payload))
+
+        c.on_message = on_message
+        c.on_connect = lambda cl, u, f, rc, p: cl.subscribe("fedseq/device/local01/status", qos=1)
+        c.connect("127.0.0.1", port)
+        c.loop_start()
+        try:
+            deadline = time.monotonic() + 90
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.2)
+            newer = {"v": PROTOCOL_VERSION + 1, "run_id": "r-newer"}
+            for topic in ("fedseq/run/config", "fedseq/step"):
+                c.publish(topic, json.dumps(newer).encode(), qos=1, retain=True).wait_for_publish(10)
+            while not any(s.error for s in got) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            c.loop_stop()
+            stop_children([dev])
+    finally:
+        broker.stop()
+    st = [s for s in got if s.error][-1]
+    assert st.error_run_id == "r-newer" and st.error_seq == -1
+    assert f"coordinator speaks v{PROTOCOL_VERSION + 1}" in st.error
