@@ -111,7 +111,39 @@ class AggregationConfig(_Section):
     clip_factor: float = Field(2.0, gt=0, description="clipped-mean: bound = factor x median norm")
     trim_ratio: float = Field(0.1, gt=0, lt=0.5, description="trimmed-mean: ceil(ratio*n) per end")
     outlier_factor: float = Field(5.0, gt=1, description="log updates with norm > factor x median")
-    max_abs_delta: float = Field(1e4, gt=0, description="reject an update with a larger element")
+    # reject an update with a larger element; "auto": 10 x the largest weight magnitude of the
+    # global model at that round, at least 1 (measured legitimate maxima: docs/security.md)
+    max_abs_delta: Union[float, Literal["auto"]] = "auto"
+    # f: Byzantine devices (logins) a robust rule must withstand; None = 1 for the robust rules
+    # (rounds then need 2f+1 reporting devices), 0 for the mean, which withstands none
+    byzantine_devices: Optional[int] = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _mean_bounds_nothing(self) -> AggregationConfig:
+        if self.rule == "mean" and self.byzantine_devices:
+            raise ValueError(f"aggregation.byzantine_devices={self.byzantine_devices} needs a robust "
+                             "rule: the mean is moved arbitrarily by one device; set aggregation.rule "
+                             "to clipped-mean, trimmed-mean or median")
+        return self
+
+    @field_validator("max_abs_delta")
+    @classmethod
+    def _positive(cls, v: Union[float, str]) -> Union[float, str]:
+        if not isinstance(v, str) and not v > 0:
+            raise ValueError(f"{v!r} is not a positive bound or \"auto\"")
+        return v
+
+    def delta_bound(self, largest_weight: float) -> float:
+        """The largest element an update may hold, given the global model's largest |weight|."""
+        if self.max_abs_delta == "auto":
+            return max(10.0 * largest_weight, 1.0)
+        return float(self.max_abs_delta)
+
+    def byzantine(self) -> int:
+        """f, resolved: the configured value, else 1 for a robust rule and 0 for the mean."""
+        if self.byzantine_devices is not None:
+            return self.byzantine_devices
+        return 0 if self.rule == "mean" else 1
 
 
 class DeployConfig(_Section):

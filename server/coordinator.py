@@ -201,7 +201,7 @@ class Coordinator:
         """Dispatch the round and fold every valid update into a fresh aggregate as it arrives
         (in client order: the same sums in simulation and deployment)."""
         contract = round_contract(t, selected, plan.upload, self.global_weights, self.data,
-                                  plan.rebalance_threshold, self.cfg.aggregation.max_abs_delta)
+                                  plan.rebalance_threshold, self._delta_bound())
         got = RoundUpdates(make_aggregator(self.cfg.aggregation))
 
         def check(update: ClientUpdate) -> str | None:
@@ -218,7 +218,7 @@ class Coordinator:
                                        check)
             for update in dispatch:
                 got.aggregate.add(update.deltas, self.alg.aggregation_weights(update),
-                                  update.client)
+                                  update.client, update.device)
                 got.norms[update.client] = update_norm(update.deltas)
                 got.reported.append(update.client)
                 if update.local_score is not None:
@@ -232,6 +232,12 @@ class Coordinator:
             log.warning("round %d: update of client %d has norm %.4g, > %g x the round's median %.4g",
                         t, c, got.norms[c], self.cfg.aggregation.outlier_factor, median)
         return got
+
+    def _delta_bound(self) -> float:
+        """aggregation.max_abs_delta for this round (auto: from the global model's scale)."""
+        largest = max((float(v.abs().max()) for v in self.global_weights.values()
+                       if v.is_floating_point() and v.numel()), default=0.0)
+        return self.cfg.aggregation.delta_bound(largest)
 
     def _apply(self, t: int, got: RoundUpdates) -> str | None:
         """Apply the round's aggregate if the round counts; else say why it does not (too few

@@ -66,7 +66,8 @@ class RoundContract:
                 if not torch.isfinite(d).all():
                     return f"tensor {k} contains NaN or Inf"
                 return (f"tensor {k} has an element of magnitude {biggest:.3g} > "
-                        f"aggregation.max_abs_delta={self.max_abs_delta:g}")
+                        f"the round's bound {self.max_abs_delta:.3g} (aggregation.max_abs_delta; "
+                        "auto = 10 x the model's largest weight)")
         return None
 
 

@@ -83,7 +83,8 @@ def mosquitto(tmp_path):
         pytest.fail("mosquitto is not installed (apt-get install mosquitto); .ci/run installs it")
     port = free_port()
     passwd, acl = tmp_path / "passwd", tmp_path / "acl"
-    users = {"coordinator": "c-secret", "local01": "d1-secret", "local02": "d2-secret"}
+    users = {"coordinator": "c-secret", "local01": "d1-secret", "local02": "d2-secret",
+             "local03": "d3-secret"}
     passwd.touch()
     for user, pw in users.items():
         subprocess.run(["mosquitto_passwd", "-b", str(passwd), user, pw], check=True)

@@ -25,6 +25,9 @@ class ClientUpdate:
     # (correct, total) of the client's model right after its local training, on its own test
     # rows: what FedReG's testbed scores as personalized accuracy (docs/results.md)
     local_score: tuple[int, int] | None = None
+    # the device (broker login) it came from, as its topic says; None in simulation, where every
+    # client is its own device. Robust rules vote once per device.
+    device: str | None = None
 
 
 @dataclass
@@ -39,8 +42,10 @@ class WeightedDeltaSum:
     weights: dict[str, float] = field(default_factory=dict)
     clients: list[int] = field(default_factory=list)
 
-    def add(self, deltas: Weights, weight_of: dict[str, float], client: int) -> None:
-        """weight_of maps a block name to this client's weight for it."""
+    def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
+            device: str | None = None) -> None:
+        """weight_of maps a block name to this client's weight for it (`device`: unused, the mean
+        bounds nothing whoever sent it)."""
         for k, d in deltas.items():
             w = float(weight_of[block_of(k)])
             if k in self.sums:

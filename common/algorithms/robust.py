@@ -1,34 +1,50 @@
-"""Aggregation rules that bound what one Byzantine update can do to the global model.
+"""Aggregation rules that bound what Byzantine devices can do to the global model.
 
-Every rule takes validated named deltas with their per-block weights (sample counts) and returns
-new global tensors, like WeightedDeltaSum, which is the `mean` rule (exact weighted FedAvg).
+Every rule takes validated named deltas with their per-block weights (sample counts the
+coordinator knows, never a device's claim) and returns new global tensors, like WeightedDeltaSum,
+which is the `mean` rule (exact weighted FedAvg, no bound at all).
 
-- `clipped-mean`: each update's delta is scaled to an L2 norm of at most a bound (absolute, or a
-  multiple of the round's median update norm), then the weighted mean is taken. One update among
-  clients of total weight W moves the model by at most (its weight / W) * bound.
-- `trimmed-mean` and `median`: coordinate-wise, unweighted (Yin et al., ICML 2018). With k updates
-  trimmed from each end, any k Byzantine updates leave every coordinate within the range of the
-  honest ones. These keep every update of the round in memory (coordinate-wise statistics need
-  them all); `mean` and an absolute `clipped-mean` stream.
+An attacker holds a device login, not a client: it controls every client its device hosts (three
+of thirty on the testbed) and learns from each step how many of them are selected. The robust
+rules therefore vote once per device: a device's updates are first combined into their weighted
+mean (its "vote", with the sum of their weights), then the rule runs over the votes. In
+simulation every client is its own device. With n devices reporting, f of them Byzantine
+(`aggregation.byzantine_devices`, default 1 for these rules):
+
+- `clipped-mean`: each vote is scaled to an L2 norm of at most a bound (absolute `clip_norm`, or
+  `clip_factor` x the median vote norm, which lies within the honest norms when n >= 2f+1), then
+  the weighted mean is taken: the f devices move the model by at most (their weight / all the
+  round's weight) x bound.
+- `trimmed-mean` (k = max(ceil(trim_ratio x n), f) votes dropped per end of every coordinate) and
+  `median`: coordinate-wise, unweighted (Yin et al., ICML 2018). Every coordinate stays within the
+  range of the honest devices' votes when n >= 2f+1 (median) or n > 2k (trimmed mean).
+- Quorum: a round counts only when at least 2f+1 devices reported (and deploy.min_updates
+  updates): a round where only the attacker's device reported is refused, not applied.
+
+They keep the round's updates in memory (per-device votes and coordinate-wise statistics need
+them all); `mean` streams.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Dict, Protocol, Tuple
 
 import torch
 
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum
 from fedseq.common.config import AggregationConfig
-from fedseq.common.models import Weights
+from fedseq.common.errors import AggregationError
+from fedseq.common.models import Weights, block_of
 
 
 class Aggregator(Protocol):
-    """A streaming aggregation rule: add updates one by one, then apply to the global weights."""
+    """A streaming aggregation rule: add updates one by one (with the device that sent each;
+    None: the client is its own device), then apply to the global weights."""
 
-    def add(self, deltas: Weights, weight_of: dict[str, float], client: int) -> None: ...
+    def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
+            device: str | None = None) -> None: ...
 
     def apply(self, global_weights: Weights) -> Weights: ...
 
@@ -45,62 +61,115 @@ def _scaled(deltas: Weights, bound: float) -> Weights:
     return {k: d * (bound / norm) for k, d in deltas.items()}
 
 
+Vote = Tuple[Weights, Dict[str, float]]  # one device's combined deltas, its weight per block
+
+
+@dataclass
+class DeviceVotes:
+    """A round's updates grouped by the device that sent them; one vote per device."""
+
+    byzantine: int = 1  # f: the quorum is 2f+1 devices
+    groups: dict[str, list[Vote]] = field(default_factory=dict)
+
+    def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
+            device: str | None) -> None:
+        self.groups.setdefault(device if device is not None else f"client {client}",
+                               []).append((deltas, weight_of))
+
+    def votes(self, rule: str) -> list[Vote]:
+        """One (deltas, weights) per device, in arrival order; AggregationError below quorum."""
+        need = 2 * self.byzantine + 1
+        if len(self.groups) < need:
+            raise AggregationError(
+                f"{len(self.groups)} devices reported; the {rule} rule with "
+                f"aggregation.byzantine_devices={self.byzantine} needs at least {need}")
+        return [_combined(ups) for ups in self.groups.values()]
+
+
+def _combined(ups: list[Vote]) -> Vote:
+    """A device's clients' updates as their weighted mean (unchanged for a single client)."""
+    if len(ups) == 1:
+        return ups[0]
+    deltas: Weights = {}
+    for k, first in ups[0][0].items():
+        ws = [float(w[block_of(k)]) for _, w in ups]
+        total = sum(ws)
+        if total <= 0:  # no weight anywhere: the plain mean
+            ws, total = [1.0] * len(ups), float(len(ups))
+        acc = sum(d[k].to(torch.float64) * w for (d, _), w in zip(ups, ws))
+        deltas[k] = (acc / total).to(first.dtype)
+    weights: dict[str, float] = {}
+    for _, w in ups:
+        for b, v in w.items():
+            weights[b] = weights.get(b, 0.0) + float(v)
+    return deltas, weights
+
+
 @dataclass
 class ClippedMean:
-    """Weighted mean of deltas clipped to `clip_norm`, or to `clip_factor` x the median norm."""
+    """Weighted mean of per-device votes clipped to `clip_norm`, or to `clip_factor` x the
+    median vote norm."""
 
     clip_norm: float | None = None
     clip_factor: float = 2.0
-    _sum: WeightedDeltaSum = field(default_factory=WeightedDeltaSum)
-    _held: list[tuple[Weights, dict[str, float], int]] = field(default_factory=list)
+    byzantine: int = 1
+    _held: DeviceVotes = field(init=False)
     bound: float | None = None  # the bound used, known after apply()
 
-    def add(self, deltas: Weights, weight_of: dict[str, float], client: int) -> None:
-        if self.clip_norm is not None:
-            self._sum.add(_scaled(deltas, self.clip_norm), weight_of, client)
-        else:
-            self._held.append((deltas, weight_of, client))
+    def __post_init__(self) -> None:
+        self._held = DeviceVotes(self.byzantine)
+
+    def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
+            device: str | None = None) -> None:
+        self._held.add(deltas, weight_of, client, device)
 
     def apply(self, global_weights: Weights) -> Weights:
-        if self.clip_norm is not None:
-            self.bound = self.clip_norm
-        elif self._held:
-            norms = torch.tensor([update_norm(d) for d, _, _ in self._held], dtype=torch.float64)
+        votes = self._held.votes("clipped-mean")
+        self.bound = self.clip_norm
+        if self.bound is None:
+            norms = torch.tensor([update_norm(d) for d, _ in votes], dtype=torch.float64)
             self.bound = self.clip_factor * float(norms.median())
-            for deltas, weight_of, client in self._held:
-                self._sum.add(_scaled(deltas, self.bound), weight_of, client)
-        return self._sum.apply(global_weights)
+        out = WeightedDeltaSum()
+        for i, (deltas, weight_of) in enumerate(votes):
+            out.add(_scaled(deltas, self.bound), weight_of, i)
+        return out.apply(global_weights)
 
 
 @dataclass
 class CoordinateWise:
-    """Coordinate-wise trimmed mean (trim_ratio > 0) or median (trim_ratio None), unweighted."""
+    """Coordinate-wise trimmed mean (trim_ratio > 0) or median (trim_ratio None) over the
+    per-device votes, unweighted."""
 
     trim_ratio: float | None = None
-    _held: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    byzantine: int = 1
+    _held: DeviceVotes = field(init=False)
 
-    def add(self, deltas: Weights, weight_of: dict[str, float], client: int) -> None:
-        for k, d in deltas.items():
-            self._held.setdefault(k, []).append(d)
+    def __post_init__(self) -> None:
+        self._held = DeviceVotes(self.byzantine)
+
+    def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
+            device: str | None = None) -> None:
+        self._held.add(deltas, weight_of, client, device)
 
     def trimmed(self, n: int) -> int:
-        """Updates dropped from each end of every coordinate (0 for the median rule)."""
+        """Votes dropped from each end of every coordinate (0 for the median rule)."""
         if self.trim_ratio is None:
             return 0
-        return math.ceil(self.trim_ratio * n)
+        return max(math.ceil(self.trim_ratio * n), self.byzantine)
 
     def apply(self, global_weights: Weights) -> Weights:
+        votes = self._held.votes("median" if self.trim_ratio is None else "trimmed-mean")
         out = dict(global_weights)
-        for k, ds in self._held.items():
-            stack = torch.stack([d.to(torch.float64) for d in ds])
-            k_trim = self.trimmed(len(ds))
-            if self.trim_ratio is None or len(ds) <= 2 * k_trim:
+        for k in votes[0][0]:
+            stack = torch.stack([d[k].to(torch.float64) for d, _ in votes])
+            n = len(votes)
+            k_trim = self.trimmed(n)
+            srt = stack.sort(dim=0).values
+            if self.trim_ratio is None or n <= 2 * k_trim:
                 # torch.median takes the lower middle value; average the two middle ones instead
-                srt = stack.sort(dim=0).values
-                n = len(ds)
                 agg = (srt[(n - 1) // 2] + srt[n // 2]) / 2
             else:
-                agg = stack.sort(dim=0).values[k_trim : len(ds) - k_trim].mean(dim=0)
+                agg = srt[k_trim : n - k_trim].mean(dim=0)
             g = global_weights[k]
             out[k] = (g.to(torch.float64) + agg).to(g.dtype)
         return out
@@ -108,13 +177,15 @@ class CoordinateWise:
 
 def make_aggregator(cfg: AggregationConfig) -> Aggregator:
     """The configured rule; `mean` is exact weighted FedAvg (the parity-tested default)."""
+    f = cfg.byzantine()
     if cfg.rule == "clipped-mean":
-        return ClippedMean(cfg.clip_norm, cfg.clip_factor)
+        return ClippedMean(cfg.clip_norm, cfg.clip_factor, f)
     if cfg.rule == "trimmed-mean":
-        return CoordinateWise(cfg.trim_ratio)
+        return CoordinateWise(cfg.trim_ratio, f)
     if cfg.rule == "median":
-        return CoordinateWise(None)
+        return CoordinateWise(None, f)
     return WeightedDeltaSum()
 
 
-__all__ = ["Aggregator", "ClippedMean", "CoordinateWise", "make_aggregator", "update_norm"]
+__all__ = ["Aggregator", "ClippedMean", "CoordinateWise", "DeviceVotes", "make_aggregator",
+           "update_norm"]

@@ -132,5 +132,5 @@ class Inbox:
                               num_samples=head.num_samples, effective_samples=head.effective_samples,
                               train_seconds=head.train_seconds,
                               local_score=None if head.local_correct is None or head.local_total is
-                              None else (head.local_correct, head.local_total))
+                              None else (head.local_correct, head.local_total), device=device)
         self.queue.put(UpdateArrived(device, head.seq, update))

@@ -101,3 +101,13 @@ def test_the_broadcast_config_carries_no_coordinator_paths_or_account():
     back = ExperimentConfig.model_validate(sent)  # what a device validates on receipt
     assert back.model_dump(exclude={"deploy", "data"}) == cfg.model_dump(exclude={"deploy", "data"})
     assert back.data.num_clients == cfg.data.num_clients
+
+
+def test_max_abs_delta_auto_follows_the_models_scale():
+    auto = load_config(None, []).aggregation
+    assert auto.max_abs_delta == "auto"
+    assert auto.delta_bound(0.69) == pytest.approx(6.9)  # the testbed ConvNet's initial scale
+    assert auto.delta_bound(0.01) == 1.0  # at least 1
+    assert load_config(None, ["aggregation.max_abs_delta=50"]).aggregation.delta_bound(0.69) == 50
+    with pytest.raises(ConfigError, match="max_abs_delta"):
+        load_config(None, ["aggregation.max_abs_delta=-1"])

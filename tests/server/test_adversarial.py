@@ -108,20 +108,23 @@ def _assert_clean(cfg, result):
         assert torch.equal(result.global_weights[k], v), k
 
 
-def _mosquitto_run(data_root, tmp_path, mosquitto, on_step, *overrides):
+def _mosquitto_run(data_root, tmp_path, mosquitto, on_step, *overrides, devices=2):
+    """A run on `devices` daemons (local01, local02, ...); the attacker holds the last one's login."""
     port, home, _ = mosquitto
-    cfg = quick_config(data_root, "rounds=2", "train.join_ratio=0.6", "deploy.min_devices=2",
+    names = [f"local0{i + 1}" for i in range(devices)]
+    cfg = quick_config(data_root, "rounds=2", "train.join_ratio=0.6",
+                       f"deploy.min_devices={devices}",
                        "deploy.round_timeout_s=120", "deploy.eval_timeout_s=120",
                        "deploy.username=coordinator",
                        f"deploy.password_file={str(home / 'coordinator.pw')!r}", *overrides)
-    devices = [device_process(n, port, home, data_root) for n in ("local01", "local02")]
-    attacker = Attacker(port, on_step, "local02", (home / "local02.pw").read_text().strip())
+    daemons = [device_process(n, port, home, data_root) for n in names]
+    attacker = Attacker(port, on_step, names[-1], (home / f"{names[-1]}.pw").read_text().strip())
     try:
         res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
                              announce=lambda s: None)
     finally:
         attacker.stop()
-        stop_children(devices)
+        stop_children(daemons)
     return cfg, res, attacker
 
 
@@ -320,15 +323,16 @@ def test_foreign_run_ids_are_ignored(data_root, tmp_path, one_thread):
     _assert_clean(cfg, res)
 
 
-def test_clipped_mean_bounds_a_valid_byzantine_update(data_root, tmp_path, mosquitto, one_thread):
-    """A device account sends, first, a *valid* update for its own client (right count, dtype and
-    shape, within max_abs_delta) that pushes the model far away: validation cannot refuse it and it
-    counts instead of the honest one. With clipped-mean the run ends within the rule's bound of
-    the clean run: each replaced update moves the mean by at most (its weight / W) x 2 x bound."""
+def test_clipped_mean_bounds_a_valid_byzantine_device(data_root, tmp_path, mosquitto, one_thread):
+    """A device account sends, first, *valid* updates for all its clients (right count, dtype and
+    shape, within a max_abs_delta set to 10) that push the model far away: validation cannot refuse them and
+    they count instead of the honest ones. With clipped-mean the device is one vote, clipped as a
+    whole, and the run ends within the rule's bound of the clean run: (its clients' weight / W) x
+    2 x bound (the honest vote it replaced, and its own)."""
     from fedseq.common.algorithms.robust import update_norm
     from fedseq.common.data.federated import load_federated
 
-    bound = 0.5
+    bound = 2.0
     base = quick_config(data_root)
     data = load_federated(base.data, base.seed)
     forged: list[int] = []
@@ -336,14 +340,15 @@ def test_clipped_mean_bounds_a_valid_byzantine_update(data_root, tmp_path, mosqu
     def attack(att, step):
         if step.kind == "train":
             w = _upload_shapes(base, step)
-            for c in _theirs(step):
-                att.forged_update(step, c, "local02", {k: torch.full_like(v, -5.0) for k, v in w.items()},
+            for c in _theirs(step, 3, 2):
+                att.forged_update(step, c, "local03", {k: torch.full_like(v, -5.0) for k, v in w.items()},
                                   len(data.clients[c].train))
                 forged.append(c)
 
     cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg",
-                                 "rounds=1", "aggregation.rule='clipped-mean'",
-                                 f"aggregation.clip_norm={bound}")
+                                 "rounds=1", "train.join_ratio=1.0", "aggregation.rule='clipped-mean'",
+                                 f"aggregation.clip_norm={bound}", "aggregation.max_abs_delta=10",
+                                 devices=3)
     assert forged and res.rows[0]["reported"] == res.rows[0]["clients"]
     sim = run_simulation(cfg, out=None)
     moved = update_norm({k: res.global_weights[k].double() - v.double()
@@ -351,3 +356,32 @@ def test_clipped_mean_bounds_a_valid_byzantine_update(data_root, tmp_path, mosqu
     total = sum(len(data.clients[c].train) for c in res.rows[0]["clients"])
     allowed = sum(len(data.clients[c].train) for c in forged) / total * 2 * bound
     assert 0 < moved <= allowed * (1 + 1e-6), (moved, allowed)
+
+
+def test_trimmed_mean_votes_once_per_device(data_root, tmp_path, mosquitto, one_thread):
+    """Trimmed mean at its default ratio, six clients on three devices, the attacker's device
+    holding two: counted per client one forged update would survive the trim (and move every
+    weight by ~1); one vote per device keeps the model within the honest devices' range: the
+    final weights stay near the clean run's."""
+    from fedseq.common.data.federated import load_federated
+
+    base = quick_config(data_root, "data.num_clients=6")
+    data = load_federated(base.data, base.seed)
+    forged: list[int] = []
+
+    def attack(att, step):
+        if step.kind == "train":
+            w = _upload_shapes(base, step)
+            for c in _theirs(step, 3, 2):
+                att.forged_update(step, c, "local03", {k: torch.full_like(v, -5.0) for k, v in w.items()},
+                                  len(data.clients[c].train))
+                forged.append(c)
+
+    cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg",
+                                 "rounds=1", "data.num_clients=6", "train.join_ratio=1.0",
+                                 "aggregation.rule='trimmed-mean'", "aggregation.max_abs_delta=10",
+                                 devices=3)
+    assert len(forged) == 2 and res.rows[0]["status"] == "ok"
+    sim = run_simulation(cfg, out=None)
+    worst = max(float((res.global_weights[k] - v).abs().max()) for k, v in sim.global_weights.items())
+    assert worst < 0.5, worst  # a surviving forged update would move weights by 5/4

@@ -87,3 +87,78 @@ def test_median_and_trimmed_mean_by_hand():
 
 def test_mean_rule_is_the_exact_weighted_sum():
     assert isinstance(make_aggregator(AggregationConfig()), WeightedDeltaSum)
+
+
+def _by_device(agg, updates):
+    """updates: (device, deltas) pairs, weight 1 each."""
+    for i, (dev, d) in enumerate(updates):
+        agg.add(d, {"a": 1.0, "b": 1.0}, i, dev)
+    return agg.apply(G)
+
+
+def _in_honest_range(result, honest):
+    for k in G:
+        stack = torch.stack([d[k] for d in honest])
+        lo, hi = stack.min(0).values, stack.max(0).values
+        if not ((result[k] >= lo - 1e-7).all() and (result[k] <= hi + 1e-7).all()):
+            return False
+    return True
+
+
+def test_one_login_with_two_clients_breaks_per_client_trimming_but_not_per_device_votes():
+    """The issue's case: trimmed-mean at its default ratio, six updates, two of them from the
+    attacker's device. Counted per client, one evil update survives the trim; one vote per device
+    keeps every coordinate within the honest devices' range."""
+    honest = [("d1", HONEST[0]), ("d2", HONEST[1]), ("d3", HONEST[2]), ("d4", HONEST[3])]
+    evil = [("d5", EVIL), ("d5", EVIL)]
+    per_client = _by_device(CoordinateWise(0.1, byzantine=0),
+                            [(None, d) for _, d in honest + evil])
+    assert not _in_honest_range(per_client, HONEST)
+    per_device = _by_device(CoordinateWise(0.1, byzantine=1), honest + evil)
+    assert _in_honest_range(per_device, HONEST)
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed-mean"])
+def test_f_byzantine_devices_stay_bounded(rule):
+    """f = 2 bad devices among 5 (2f+1), each holding several clients."""
+    agg = make_aggregator(AggregationConfig(rule=rule, byzantine_devices=2))
+    ups = [("h1", HONEST[0]), ("h2", HONEST[1]), ("h3", HONEST[2])]
+    ups += [("x", EVIL)] * 3 + [("y", {k: -v for k, v in EVIL.items()})] * 2
+    assert _in_honest_range(_by_device(agg, ups), HONEST[:3])
+
+
+@pytest.mark.parametrize("rule", ["median", "trimmed-mean", "clipped-mean"])
+def test_a_round_below_the_rules_quorum_is_refused(rule):
+    """Only the attacker (or too few devices) reported: the round fails, nothing is applied."""
+    from fedseq.common.errors import AggregationError
+
+    agg = make_aggregator(AggregationConfig(rule=rule))  # f = 1: three devices needed
+    with pytest.raises(AggregationError, match="2 devices reported.*needs at least 3"):
+        _by_device(agg, [("evil", EVIL), ("evil", EVIL), ("h1", HONEST[0])])
+
+
+def test_a_devices_vote_is_its_clients_weighted_mean():
+    agg = CoordinateWise(None, byzantine=0)
+    agg.add({"a.w": torch.tensor([1.0])}, {"a": 1.0}, 0, "d")
+    agg.add({"a.w": torch.tensor([4.0])}, {"a": 3.0}, 1, "d")
+    assert float(agg.apply({"a.w": torch.zeros(1)})["a.w"]) == pytest.approx(3.25)
+
+
+def test_clipped_mean_bounds_a_device_by_its_weight_share():
+    """A device with three clients, each at the bound in the same direction: clipped as one vote,
+    it moves the model by at most (its weight / all the weight) x bound."""
+    bound = 0.3
+    evil = {k: torch.full_like(v, 7.0) for k, v in G.items()}
+    zero = {k: torch.zeros_like(v) for k, v in G.items()}
+    ups = [("h1", zero), ("h2", zero), ("h3", zero)] + [("x", evil)] * 3
+    moved = _distance(_by_device(ClippedMean(clip_norm=bound), ups), G)
+    assert moved == pytest.approx(3 / 6 * bound)  # its three clients' weight over six
+
+
+def test_byzantine_devices_needs_a_robust_rule():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="needs a robust rule"):
+        AggregationConfig(rule="mean", byzantine_devices=1)
+    assert AggregationConfig(rule="median").byzantine() == 1
+    assert AggregationConfig().byzantine() == 0
