@@ -19,7 +19,7 @@ from fedseq.client.state import StateStore
 from fedseq.common.errors import FedseqError
 from fedseq.common.hardware import torch_device as choose_device
 from fedseq.common.protocol.link import Link, TlsOptions
-from fedseq.common.protocol.messages import Step
+from fedseq.common.protocol.messages import HEARTBEAT_S, Step
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,14 @@ class DeviceDaemon:
         self.link.start(attempts=attempts, refusals=refusals)
         log.info("connected to %s; waiting for a run", self.link.url)
         self.worker.start()
+        threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+
+    def _heartbeat(self) -> None:
+        """Re-publish the status every HEARTBEAT_S while connected: the coordinator's proof that
+        this device is alive (a retained 'online' alone may be a dead device's)."""
+        while not self.stopping.wait(HEARTBEAT_S):
+            if self.link.connected.is_set():
+                self.session.announce()
 
     def stop(self) -> None:
         """Publish offline and disconnect (what SIGTERM does)."""

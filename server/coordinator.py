@@ -294,6 +294,9 @@ class Coordinator:
             "reporters": {str(c): d for c, d in sorted(outcome.reporters.items())},
             "device_failures": outcome.device_failures,
             "late_updates": outcome.late_updates,
+            "missed_deadline": outcome.missed_deadline,
+            "slowest_device": None if outcome.slowest is None else
+            {"device": outcome.slowest[0], "waited_s": round(outcome.slowest[1], 3)},
         }
 
     def _check_score(self, client: int, correct: int, total: int) -> str | None:

@@ -48,6 +48,11 @@ class RoundOutcome:
     reporters: dict[int, str] = field(default_factory=dict)
     #: updates of an earlier step that arrived during this one and were dropped
     late_updates: int = 0
+    #: devices still owing updates when the deadline passed (not failed, not offline)
+    missed_deadline: list[str] = field(default_factory=list)
+    #: the device that finished last, and how many seconds the round waited for it after the
+    #: next slowest had finished (deployment only; None with fewer than two complete devices)
+    slowest: tuple[str, float] | None = None
 
 
 class TrainRound:

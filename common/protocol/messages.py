@@ -13,7 +13,9 @@ from fedseq.common.errors import ProtocolError, validation_problem
 
 # 2: Step.personal added; the never-used DeviceStatus.slots, UpdateHeader.train_flops and the
 # "stop" step kind removed; Control(abort) is sent when a run ends abnormally.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+#: seconds between an online device's status messages (its heartbeat)
+HEARTBEAT_S = 15.0
 
 
 def version_mismatch(payload: bytes) -> tuple[int, str | None] | None:
@@ -36,7 +38,7 @@ class Message(BaseModel):
     protocol version (a peer of another version is rejected loudly, see version_mismatch)."""
 
     model_config = ConfigDict(extra="forbid")
-    v: Literal[2] = 2  # PROTOCOL_VERSION
+    v: Literal[3] = 3  # PROTOCOL_VERSION
 
     def encode(self) -> bytes:
         """The message as compact JSON bytes."""
@@ -74,6 +76,10 @@ class DeviceStatus(Message):
     error_seq: Optional[int] = None
     error_run_id: Optional[str] = None
     since: float = 0.0  # Unix time this state began (online: when the daemon connected)
+    # An online device re-publishes its status every heartbeat_s seconds (v3): the coordinator
+    # treats one it has not heard from for 3 heartbeats as gone, whatever its retained status
+    # says (a device that died while the broker was down leaves "online" retained forever).
+    heartbeat_s: float = Field(HEARTBEAT_S, gt=0, le=3600)
 
 
 class RunConfig(Message):

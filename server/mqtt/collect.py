@@ -17,13 +17,19 @@ log = logging.getLogger(__name__)
 
 
 class DeadlinePolicy:
-    """deploy.round_timeout_s if set, else factor x the slowest device's recent pace (seconds
-    per client in its last complete round) times its clients this round, clamped to [min, max]
-    (max while a device is unmeasured)."""
+    """deploy.round_timeout_s if set; else factor x the time the round's slowest device needs at
+    its measured pace (seconds per client x its clients this round), clamped to [min, max], and
+    max while a device of the round is unmeasured.
+
+    One device cannot stretch or lock it: with three or more devices in a round the slowest one
+    is left out (a device that answers just before every deadline would otherwise grow it to the
+    ceiling; a genuinely slow one then misses rounds, which the round's row records), and every
+    device is re-measured every round, also one that missed the deadline: its (m+1)-th client was
+    not done after the deadline, so its pace is at least deadline / (m+1)."""
 
     def __init__(self, cfg: DeployConfig):
         self.cfg = cfg
-        self.pace: dict[str, float] = {}  # device -> seconds per client in its last full round
+        self.pace: dict[str, float] = {}  # device -> seconds per client, last round measured
 
     def deadline(self, load: dict[str, int]) -> float:
         """Seconds to wait for a round whose devices hold `load` (device -> clients) clients."""
@@ -32,12 +38,19 @@ class DeadlinePolicy:
             return d.round_timeout_s
         if not load or any(dev not in self.pace for dev in load):
             return d.round_timeout_max_s
-        slowest = max(self.pace[dev] * n for dev, n in load.items())
-        return min(max(d.round_timeout_factor * slowest, d.round_timeout_min_s), d.round_timeout_max_s)
+        needs = sorted(self.pace[dev] * n for dev, n in load.items())
+        if len(needs) >= 3:
+            needs.pop()  # the slowest device does not set everyone's deadline
+        return min(max(d.round_timeout_factor * needs[-1], d.round_timeout_min_s),
+                   d.round_timeout_max_s)
 
     def measured(self, device: str, clients: int, seconds: float) -> None:
         """A device delivered all its `clients` updates `seconds` after the step went out."""
         self.pace[device] = seconds / clients
+
+    def missed(self, device: str, delivered: int, deadline: float) -> None:
+        """A device delivered `delivered` of its clients before the deadline, not all."""
+        self.pace[device] = max(self.pace.get(device, 0.0), deadline / (delivered + 1))
 
 
 def collect_updates(session: ServerSession, seq: int, round: int, clients: list[int],
@@ -112,10 +125,18 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
                 owing.discard(update.client)
         yield from ready()
     session.inbox.collect(-1)
-    for device, at in last_arrival.items():
+    finished: dict[str, float] = {}  # device -> seconds until its last update, if it sent all
+    for device in load:
         mine = [c for c in clients if owner.get(c) == device]
         if all(c in got for c in mine):
-            policy.measured(device, len(mine), at - started)
+            finished[device] = last_arrival[device] - started
+            policy.measured(device, len(mine), finished[device])
+        elif device not in outcome.device_failures and any(c in owing for c in mine):
+            outcome.missed_deadline.append(device)  # still training when the deadline passed
+            policy.missed(device, sum(c in got for c in mine), timeout)
+    if len(finished) >= 2:  # what the slowest device cost the round
+        order_f = sorted(finished, key=finished.__getitem__)
+        outcome.slowest = (order_f[-1], finished[order_f[-1]] - finished[order_f[-2]])
     outcome.late_updates = session.inbox.late - late_before
     if owing:
         log.warning("round %d: no update from clients %s before the deadline", round, sorted(owing))

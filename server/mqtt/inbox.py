@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -71,6 +72,7 @@ class Inbox:
         self.collecting = -1  # the step whose updates are being collected; others are late
         self.late = 0
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized by the pool when a run opens
+        self.heard: dict[str, float] = {}  # device -> monotonic time of its last valid message
 
     def subscriptions(self) -> list[str]:
         t = self.topics
@@ -102,6 +104,7 @@ class Inbox:
                 self._on_update_chunk(ref.device, ref.client, ref.chunk, payload)
             else:
                 raise ProtocolError("not a topic the coordinator reads")
+            self.heard[ref.device] = time.monotonic()
         except FedseqError as exc:
             other = version_mismatch(payload)
             hint = (f" (it speaks protocol v{other[0]}, this coordinator v{PROTOCOL_VERSION}: install "

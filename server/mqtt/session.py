@@ -141,10 +141,11 @@ class ServerSession:
         (a device going offline or failing a step among them)."""
         out: list[SessionEvent] = []
         try:
-            ev = self.inbox.queue.get(timeout=max(0.0, timeout))
+            ev: SessionEvent | StatusArrived | None = self.inbox.queue.get(
+                timeout=max(0.0, timeout))
         except queue.Empty:
-            return out
-        while True:
+            ev = None
+        while ev is not None:
             if isinstance(ev, StatusArrived):
                 out.extend(self._presence(ev.status))
             else:
@@ -152,7 +153,23 @@ class ServerSession:
             try:
                 ev = self.inbox.queue.get_nowait()
             except queue.Empty:
-                return out
+                ev = None
+        out.extend(self._silent())
+        return out
+
+    def _silent(self) -> list[SessionEvent]:
+        """Devices not heard from for three heartbeats: gone, whatever their retained status says
+        (a device that died while the broker was down never had its last will published)."""
+        now = time.monotonic()
+        gone: list[SessionEvent] = []
+        for device, st in list(self.online.items()):
+            quiet = now - self.inbox.heard.get(device, now)
+            if quiet > 3 * st.heartbeat_s:
+                log.warning("no message from %s for %.0f s (3 heartbeats): treating it as offline "
+                            "until it speaks again", device, quiet)
+                del self.online[device]
+                gone.append(DeviceOffline(device))
+        return gone
 
     def _presence(self, st: DeviceStatus) -> list[SessionEvent]:
         if st.state != "online":

@@ -281,7 +281,7 @@ def _junk(run_id: str = "r") -> list[tuple[str, bytes]]:
         (T.run_config, b'{"v": 1, "run_id": "x", "config": {"rounds": -5}}'),
         (T.assignment("local01"), b"[]"),
         (T.assignment("local01"), b'{"v": 1, "run_id": "x", "device": "local02", "clients": [0]}'),
-        (T.step, b'{"v": 1, "kind": "explode"}'), (T.step, b'{"v": 2}'),
+        (T.step, b'{"v": 1, "kind": "explode"}'), (T.step, b'{"v": 3}'),
         (T.weights("fc1", 0), pack_chunk(big, b"x" * 300)),
         (T.weights("conv1", 1), pack_chunk(short, b"y" * 250)),
         (T.weights("conv1", 0), b"\x00\x00\x00\x09garbage"), (T.control, b"[]"),

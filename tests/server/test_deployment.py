@@ -114,6 +114,43 @@ def test_device_lost_mid_round_fails_fast(data_root, tmp_path, mosquitto):
     assert res.rows[2]["reported"] == r1["reported"]  # later rounds go on with one device
 
 
+def test_a_ghost_device_is_not_waited_for(data_root, tmp_path, mosquitto):
+    """A device that died while the broker was down leaves its retained 'online' status behind
+    (its last will was never published). The coordinator counts it online at first and assigns it
+    clients, but without its heartbeat it is offline after three heartbeats: rounds do not wait
+    their deadline for it, and the live device's clients are aggregated."""
+    import paho.mqtt.client as mqtt
+
+    from fedseq.common.protocol.messages import DeviceStatus
+
+    port, home, _ = mosquitto
+    ghost = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="ghost-of-local02")
+    ghost.username_pw_set("local02", (home / "local02.pw").read_text().strip())
+    ghost.connect("127.0.0.1", port)
+    ghost.loop_start()
+    status = DeviceStatus(device="local02", state="online", heartbeat_s=2.0, since=time.time())
+    ghost.publish("fedseq/device/local02/status", status.encode(), qos=1,
+                  retain=True).wait_for_publish(10)
+    ghost.loop_stop()
+    ghost.socket().close()  # dies without a goodbye and without a last will
+    d1 = _device("local01", port, home, data_root)
+    try:
+        cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.join_ratio=1.0",
+                           "deploy.min_devices=2", "deploy.round_timeout_s=120",
+                           "deploy.wait_devices_s=5", "deploy.username=coordinator",
+                           f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+        start = time.monotonic()
+        res = run_deployment(cfg, None, broker=f"mqtt://127.0.0.1:{port}", announce=_quiet)
+        took = time.monotonic() - start
+    finally:
+        stop_children([d1])
+    ghost_clients = {1, 3}  # round-robin over local01, local02
+    for r in res.rows:
+        if r["phase"] == "train":
+            assert set(r["failed"]) == ghost_clients and r["reported"] == [0, 2, 4], r
+    assert took < 100, took  # one 120 s deadline would exceed it
+
+
 def test_survives_broker_restart(data_root, tmp_path, mosquitto):
     """Mosquitto restarts between rounds: everyone reconnects, renews subscriptions, resyncs from
     the retained (persisted) messages, and the run completes."""
