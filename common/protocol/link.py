@@ -172,6 +172,8 @@ class Link:
         self.bytes_out = 0
         self.bytes_in = 0
         self._on_message = on_message
+        # called with the topic of every retained message the broker replays to a subscription
+        self.on_retained: Callable[[str], None] | None = None
         self._connack = threading.Event()
         self._refusal: str | None = None
         self._closed: str | None = None
@@ -319,6 +321,8 @@ class Link:
         self.bytes_in += len(msg.payload)
         try:
             self._on_message(msg.topic, msg.payload)
+            if msg.retain and msg.payload and self.on_retained is not None:
+                self.on_retained(msg.topic)
         except Exception:  # a bad message must never kill the network thread
             log.exception("dropped message on %s", msg.topic)
 

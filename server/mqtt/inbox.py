@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -26,11 +28,19 @@ from fedseq.common.protocol.topics import Topics
 log = logging.getLogger(__name__)
 
 
+#: at most this many events wait for the coordinator thread
+MAX_EVENTS = 10_000
+#: complete update frames queued per client and step (an invalid one must not hide a valid one)
+UPDATES_PER_CLIENT = 4
+#: evaluation messages (progress and final) queued per assigned client and step
+EVALS_PER_CLIENT = 4
+
+
 @dataclass(frozen=True)
 class StatusArrived:
-    """A device's retained status (online with its last error, or offline)."""
+    """A device's status changed (online with its last error, or offline): `Inbox.take_status`."""
 
-    status: DeviceStatus
+    device: str
 
 
 @dataclass(frozen=True)
@@ -67,12 +77,22 @@ class Inbox:
     def __init__(self, topics: Topics, run_id: str):
         self.topics = topics
         self.run_id = run_id
-        self.queue: queue.Queue[Event] = queue.Queue()
+        self.queue: queue.Queue[Event] = queue.Queue(MAX_EVENTS)
         self.owner: dict[int, str] = {}
         self.collecting = -1  # the step whose updates are being collected; others are late
         self.late = 0
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized by the pool when a run opens
         self.heard: dict[str, float] = {}  # device -> monotonic time of its last valid message
+        # Bounded whatever arrives: a device's statuses are coalesced (one queued event, the
+        # latest status), at most UPDATES_PER_CLIENT frames per client and step and
+        # EVALS_PER_CLIENT messages per assigned client and step are queued, and the queue
+        # itself refuses more than MAX_EVENTS (logged). `on_junk(topic)` hears of every invalid
+        # message on a device-written topic (the session clears it in case it was retained).
+        self._status: dict[str, DeviceStatus] = {}
+        self._lock = threading.Lock()
+        self._queued: dict[tuple[str, int, object], int] = {}
+        self.dropped = 0
+        self.on_junk: Callable[[str], None] = lambda topic: None
 
     def subscriptions(self) -> list[str]:
         t = self.topics
@@ -82,30 +102,63 @@ class Inbox:
         """Accept updates of step `seq` from now on (-1: none); partial frames of other steps go."""
         self.collecting = seq
         self.frames.expire(lambda sender, tag: tag[1] == seq)
+        if seq >= 0:
+            with self._lock:
+                self._queued = {k: n for k, n in self._queued.items() if k[1] >= seq}
+
+    def take_status(self, device: str) -> DeviceStatus | None:
+        """Coordinator thread: the latest status of `device` a StatusArrived stands for."""
+        with self._lock:
+            return self._status.pop(device, None)
+
+    def _put(self, event: Event, key: tuple[str, int, object] | None = None, cap: int = 0) -> None:
+        """Queue `event` unless its key (kind, step, who) already had `cap` events queued or the
+        queue is full: the network thread never blocks, and memory stays bounded."""
+        if key is not None:
+            with self._lock:
+                if self._queued.get(key, 0) >= cap:
+                    self.dropped += 1
+                    return
+                self._queued[key] = self._queued.get(key, 0) + 1
+        try:
+            self.queue.put_nowait(event)
+        except queue.Full:
+            self.dropped += 1
+            log.warning("event queue full (%d): dropped a message from %s", MAX_EVENTS,
+                        getattr(event, "device", "?"))
 
     def on_message(self, topic: str, payload: bytes) -> None:
         """Network thread: one message in, at most one event out; anything invalid is logged
         with its reason and dropped."""
         if not payload:
             return
+        ref = None
         try:
             ref = self.topics.parse(topic)
             if ref is not None and ref.kind == "device_status":
                 status = DeviceStatus.decode(payload)
                 _same_device(status.device, ref.device)
-                self.queue.put(StatusArrived(status))
+                with self._lock:  # coalesced: one queued event, the latest status
+                    fresh = status.device not in self._status
+                    self._status[status.device] = status
+                if fresh:
+                    self._put(StatusArrived(status.device))
             elif ref is not None and ref.kind == "eval":
                 res = EvalResult.decode(payload)
                 _same_device(res.device, ref.device)
                 if res.run_id != self.run_id:
                     raise ProtocolError(f"evaluation for run {res.run_id}, this is {self.run_id}")
-                self.queue.put(EvalArrived(res))
+                mine = sum(d == res.device for d in self.owner.values())
+                self._put(EvalArrived(res), ("eval", res.seq, res.device),
+                          EVALS_PER_CLIENT * (mine + 1))
             elif ref is not None and ref.kind == "update":
                 self._on_update_chunk(ref.device, ref.client, ref.chunk, payload)
             else:
                 raise ProtocolError("not a topic the coordinator reads")
             self.heard[ref.device] = time.monotonic()
         except FedseqError as exc:
+            if ref is not None and ref.kind in ("update", "eval"):
+                self.on_junk(topic)
             other = version_mismatch(payload)
             hint = (f" (it speaks protocol v{other[0]}, this coordinator v{PROTOCOL_VERSION}: install "
                     "the same fedseq version on both sides)") if other else ""
@@ -136,4 +189,5 @@ class Inbox:
                               train_seconds=head.train_seconds,
                               local_score=None if head.local_correct is None or head.local_total is
                               None else (head.local_correct, head.local_total), device=device)
-        self.queue.put(UpdateArrived(device, head.seq, update))
+        self._put(UpdateArrived(device, head.seq, update), ("update", head.seq, head.client),
+                  UPDATES_PER_CLIENT)

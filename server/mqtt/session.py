@@ -66,6 +66,9 @@ class ServerSession:
                          will=(topics.server_status, will), username=username, password=password,
                          tls=tls)
         self.link.on_connect(self._republish)
+        self.link.on_retained = self._retained_seen
+        inbox.on_junk = self._clear
+        self.cleared = 0  # retained messages removed from device-written topics
         self._wire_seen = (0, 0)
         # What this session published on the topics it owns (a digest per payload, the last few
         # per topic): anything else seen there is a stray publisher's, and is overwritten.
@@ -87,6 +90,22 @@ class ServerSession:
             mine.append(hashlib.sha256(payload).digest())
             del mine[:-8]
         self.link.publish(topic, payload, retain=True)
+
+    def _retained_seen(self, topic: str) -> None:
+        """Network thread: devices never publish updates or evaluations retained; one that did
+        (junk the broker would keep, persist and replay on every subscribe) is removed."""
+        ref = self.topics.parse(topic)
+        if ref is not None and ref.kind in ("update", "eval"):
+            self._clear(topic)
+
+    def _clear(self, topic: str) -> None:
+        """Remove whatever the broker retains on a device-written update or evaluation topic (an
+        empty retained message; nothing happens where nothing is retained)."""
+        self.cleared += 1
+        if self.cleared in (1, 10, 100, 1000) or self.cleared % 10000 == 0:
+            log.warning("cleared %d retained or invalid messages on device topics (latest %s)",
+                        self.cleared, topic)
+        self.link.publish(topic, b"", retain=True)
 
     def _on_message(self, topic: str, payload: bytes) -> None:
         """Network thread: the devices' topics go to the inbox; on the topics this session owns
@@ -147,7 +166,9 @@ class ServerSession:
             ev = None
         while ev is not None:
             if isinstance(ev, StatusArrived):
-                out.extend(self._presence(ev.status))
+                status = self.inbox.take_status(ev.device)
+                if status is not None:
+                    out.extend(self._presence(status))
             else:
                 out.append(ev)
             try:

@@ -260,8 +260,10 @@ def _amqtt_run(data_root, tmp_path, before_devices, on_step, *overrides):
     return cfg, res, holder[0]
 
 
-def _publish_all(port: int, items, retain: bool) -> None:
+def _publish_all(port: int, items, retain: bool, login: tuple[str, str] | None = None) -> None:
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"fuzzer-{time.monotonic_ns()}")
+    if login:
+        c.username_pw_set(*login)
     c.connect("127.0.0.1", port)
     c.loop_start()
     for topic, payload in items:
@@ -385,3 +387,52 @@ def test_trimmed_mean_votes_once_per_device(data_root, tmp_path, mosquitto, one_
     sim = run_simulation(cfg, out=None)
     worst = max(float((res.global_weights[k] - v).abs().max()) for k, v in sim.global_weights.items())
     assert worst < 0.5, worst  # a surviving forged update would move weights by 5/4
+
+
+def _retained_below(port: int, home, prefixes: list[str], wait: float = 3.0) -> list[str]:
+    """Topics below `prefixes` on which the broker still retains a message (a fresh subscriber on
+    the coordinator's login receives retained messages at once)."""
+    seen: list[str] = []
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"probe-{time.monotonic_ns()}")
+    c.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
+    c.on_message = lambda cl, u, msg: seen.append(msg.topic) if msg.retain and msg.payload else None
+    c.on_connect = lambda cl, u, f, rc, p: cl.subscribe([(f"{x}/#", 1) for x in prefixes])
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    time.sleep(wait)
+    c.loop_stop()
+    c.disconnect()
+    return seen
+
+
+def test_retained_junk_below_a_devices_topics_does_not_accumulate(data_root, tmp_path, mosquitto,
+                                                                  one_thread):
+    """A device login may publish retained messages below its own update and evaluation topics
+    (the ACL cannot refuse the retain flag), and the broker would persist them and replay them on
+    every subscribe. Before the run and during it, local02's login leaves 60 retained junk messages
+    there: the run ends with the clean weights and the broker retains none of them afterwards."""
+    port, home, _ = mosquitto
+    pw = (home / "local02.pw").read_text().strip()
+
+    def junk(tag: str) -> list[tuple[str, bytes]]:
+        return ([(T.update("local02", 1000 + i, i % 3), f"junk {tag} {i}".encode()) for i in range(25)]
+                + [(f"{T.root}/update/local02/x/{tag}{i}", b"\x00" * 2048) for i in range(4)]
+                + [(T.evaluation("local02"), b'{"v": 3, "junk": 1}')])
+
+    def publish(items):
+        _publish_all(port, items, True, ("local02", pw))
+
+    publish(junk("before"))
+    assert len(_retained_below(port, home, [f"{T.root}/update", f"{T.root}/eval"], 1.0)) == 30
+    fired = threading.Event()
+
+    def attack(att, step):
+        if step.kind == "train" and not fired.is_set():
+            fired.set()
+            threading.Thread(target=publish, args=(junk("during"),)).start()
+
+    cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg")
+    assert fired.is_set()
+    _assert_clean(cfg, res)
+    left = _retained_below(port, home, [f"{T.root}/update", f"{T.root}/eval"])
+    assert left == [], left
