@@ -3,11 +3,13 @@ a temporary prefix (systemd off), twice; the installed fedseq-client then comple
 
 from __future__ import annotations
 
+import getpass
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,3 +71,95 @@ def test_client_role_installs_a_working_client(tmp_path, data_root):
         stop_children([proc])
     assert proc.returncode == 0
     assert all(r["reported"] == r["clients"] for r in res.rows)
+
+
+def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path):
+    """The broker role's configuration and account tasks applied to a scratch folder, twice, with
+    TLS and identity logins on; then Mosquitto runs the result: the plain listener is on loopback
+    only, a device certificate logs in as its CN whatever user name it claims (the ACL then
+    confines it to that device's topics), and an account dropped from the inventory is gone."""
+    import json
+
+    import paho.mqtt.client as mqtt
+
+    from conftest import MOSQUITTO, make_pki
+
+    etc, tls = tmp_path / "etc", tmp_path / "tls"
+    (etc / "certs").mkdir(parents=True)
+    tls.mkdir()
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki")
+    for src, name in ((pki["ca"], "ca.crt"), (pki["server"], "server.crt"),
+                      (pki["server_key"], "server.key")):
+        shutil.copy(src, tls / name)
+    subprocess.run(["mosquitto_passwd", "-c", "-b", str(etc / "fedseq.passwd"), "retired", "x"],
+                   check=True)
+    users = {"coordinator": "c-pw", "local01": "d1-pw", "local02": "d2-pw"}
+    play = tmp_path / "broker.yml"
+    play.write_text(
+        "- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n"
+        "    - {ansible.builtin.include_role: {name: fedseq_broker, tasks_from: config.yml}}\n"
+        "    - {ansible.builtin.include_role: {name: fedseq_broker, tasks_from: accounts.yml}}\n")
+    extra = {"fedseq_broker_etc": str(etc), "fedseq_broker_user": getpass.getuser(),
+             "fedseq_broker_manage_service": False, "fedseq_broker_tls_dir": str(tls),
+             "fedseq_broker_tls_identity_logins": True, "fedseq_broker_passwords": users,
+             "ansible_python_interpreter": sys.executable}
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles")}
+    for _ in range(2):  # twice: the second run must change nothing
+        r = subprocess.run(["ansible-playbook", "-i", "localhost,", str(play), "-e",
+                            json.dumps(extra)], capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert re.search(r"localhost\s*:\s*ok=\d+\s+changed=0\s", r.stdout), r.stdout[-1500:]
+    conf = (etc / "mosquitto.conf").read_text()
+    assert re.search(r"^listener 1883 127\.0\.0\.1$", conf, re.M)
+    assert not re.search(r"^listener 1883 0\.0\.0\.0$", conf, re.M)
+    assert re.search(r"^use_identity_as_username true$", conf, re.M)
+    accounts = [ln.split(":")[0] for ln in (etc / "fedseq.passwd").read_text().splitlines()]
+    assert sorted(accounts) == sorted(users)  # "retired" was revoked
+
+    plain, secure = free_port(), free_port()
+    conf = conf.replace("listener 1883 127.0.0.1", f"listener {plain} 127.0.0.1")
+    conf = conf.replace("listener 8883 0.0.0.0", f"listener {secure} 127.0.0.1")
+    conf = conf.replace("/var/lib/mosquitto/", f"{tmp_path}/").replace("log_dest syslog",
+                                                                       "log_dest stderr")
+    shutil.copy(ROOT / "deploy" / "mosquitto" / "fedseq.acl", etc / "fedseq.acl")
+    (tmp_path / "run.conf").write_text(conf + f"\nuser {getpass.getuser()}\n")
+    broker = subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "run.conf")], stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        time.sleep(0.5)
+        assert broker.poll() is None, broker.stderr.read()
+        seen: list[str] = []
+        watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
+        watcher.username_pw_set("coordinator", "c-pw")
+        watcher.on_message = lambda c, u, m: seen.append(m.topic)
+        watcher.on_connect = lambda c, u, f, rc, p: c.subscribe("fedseq/device/+/status", qos=1)
+        watcher.connect("127.0.0.1", plain)  # the coordinator on the broker host: plain, loopback
+        watcher.loop_start()
+        dev = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="local01-cert")
+        dev.tls_set(ca_certs=str(pki["ca"]), certfile=str(pki["device"]),
+                    keyfile=str(pki["device_key"]))
+        dev.username_pw_set("local02", "d2-pw")  # claims local02; its certificate says local01
+        dev.connect("127.0.0.1", secure)
+        dev.loop_start()
+        for name in ("local02", "local01"):
+            dev.publish(f"fedseq/device/{name}/status", b"x", qos=1).wait_for_publish(10)
+        deadline = time.monotonic() + 30
+        while not seen and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        dev.loop_stop()
+        watcher.loop_stop()
+        assert seen == ["fedseq/device/local01/status"], seen
+        bare = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="password-only")
+        bare.tls_set(ca_certs=str(pki["ca"]))
+        bare.username_pw_set("local01", "d1-pw")
+        with pytest.raises(Exception):  # noqa: B017 - a refused TLS handshake (no certificate)
+            bare.connect("127.0.0.1", secure)
+            bare.loop_start()
+            time.sleep(1.0)
+            bare.loop_stop()
+            assert bare.is_connected(), "refused"
+    finally:
+        broker.terminate()
+        broker.wait(10)
