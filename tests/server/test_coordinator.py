@@ -202,8 +202,8 @@ def test_a_non_finite_aggregate_refuses_the_round_and_keeps_the_model(monkeypatc
     before = {k: v.clone() for k, v in coord.global_weights.items()}
     real_add = aggregate.WeightedDeltaSum.add
 
-    def add_inf(self, deltas, weight_of, client):
-        real_add(self, deltas, weight_of, client)
+    def add_inf(self, deltas, weight_of, client, device=None):
+        real_add(self, deltas, weight_of, client, device)
         self.sums[next(iter(self.sums))].view(-1)[0] = float("inf")
 
     monkeypatch.setattr(aggregate.WeightedDeltaSum, "add", add_inf)

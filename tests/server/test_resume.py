@@ -95,6 +95,75 @@ def test_existing_out_is_refused_without_resume_or_overwrite(data_root, tmp_path
     assert r.returncode == 2 and "config.toml" in r.stderr
 
 
+def _server_sets(cfg, over: list[str]) -> list[str]:
+    """--set arguments that make fedseq-server's config equal quick_config(..., *over)."""
+    quick = ["data.root", "data.dataset", "data.fraction", "data.num_clients", "data.alpha",
+             "data.min_samples", "train.local_epochs", "train.batch_size", "algorithm.finetune_epochs"]
+    sets = []
+    for key in quick:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        sets += ["--set", f"{key}={str(value)!r}" if isinstance(value, str) or key == "data.root"
+                 else f"{key}={value}"]
+    for o in over:
+        sets += ["--set", o]
+    return sets
+
+
+CRASH = [str(Path(__file__).resolve().parents[1] / "crash_server.py")]
+
+
+@pytest.mark.parametrize("points, algorithm", [
+    (["after-aggregate"], "fedavg"),
+    (["mid-checkpoint"], "fedper"),
+    (["mid-finetune"], "fedbabu"),
+    (["after-aggregate", "first-resumed-round"], "fedavg"),
+])
+def test_resume_after_a_crash_at_the_worst_points(data_root, tmp_path, mosquitto, one_thread,
+                                                  points, algorithm):
+    """The coordinator is SIGKILLed at each worst point (tests/crash_server.py says where), the
+    devices stay up, and `--resume` (once per crash) ends with the uninterrupted run's weights and
+    scores, every round with every update, and without waiting for a single 120 s deadline."""
+    port, home, _ = mosquitto
+    devices = [device_process(n, port, home, data_root) for n in ("local01", "local02")]
+    out = tmp_path / "run"
+    over = [f"algorithm.name={algorithm}", "rounds=3", "train.join_ratio=0.6",
+            "deploy.min_devices=2", "deploy.round_timeout_s=120", "deploy.eval_timeout_s=120",
+            "deploy.finetune_timeout_s=120"]
+    cfg = quick_config(data_root, *over)
+    url = f"mqtt://127.0.0.1:{port}"
+    cred = ["--set", "deploy.username=coordinator",
+            "--set", f"deploy.password_file={str(home / 'coordinator.pw')!r}"]
+    first = ["start", "-q", "--broker", url, "--out", str(out), *_server_sets(cfg, over), *cred]
+    again = ["start", "-q", "--broker", url, "--resume", str(out)]
+    try:
+        for i, point in enumerate(points):
+            r = subprocess.run([sys.executable, *CRASH, point, *(again if i else first)],
+                               capture_output=True, text=True, timeout=400)
+            assert r.returncode == -signal.SIGKILL, (point, r.returncode, r.stderr[-2000:])
+            assert _status(out) == "running"  # what a crash leaves behind
+        if "mid-checkpoint" in points:
+            assert (out / "checkpoint.safetensors.tmp").exists()
+        start = time.monotonic()
+        r = subprocess.run([sys.executable, *CRASH, "none", *again], capture_output=True,
+                           text=True, timeout=600)
+        took = time.monotonic() - start
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        stop_children(devices)
+    rows = _rows(out)
+    train = [x for x in rows if x["phase"] == "train"]
+    assert [x["round"] for x in train] == [0, 1, 2]
+    assert all(x["reported"] == x["clients"] for x in train), train
+    assert took < 100, took  # one deadline waited out would take 120 s
+    sim = run_simulation(cfg, None)
+    saved = decode_tensors((out / "model.safetensors").read_bytes())
+    for k, v in sim.global_weights.items():
+        assert torch.equal(saved[k], v), k
+    assert [(x["global_acc"], x["personal_acc"]) for x in rows] == [
+        (x["global_acc"], x["personal_acc"]) for x in sim.rows]
+
+
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedper"])
 def test_deployment_resume_after_sigkill_is_bitwise(data_root, tmp_path, mosquitto, one_thread,
                                                     algorithm):
@@ -109,16 +178,7 @@ def test_deployment_resume_after_sigkill_is_bitwise(data_root, tmp_path, mosquit
     over = [f"algorithm.name={algorithm}", "rounds=4", "train.join_ratio=0.6", "deploy.min_devices=2",
             "deploy.round_timeout_s=120", "deploy.eval_timeout_s=120"]
     cfg = quick_config(data_root, *over)
-    quick = ["data.root", "data.dataset", "data.fraction", "data.num_clients", "data.alpha",
-             "data.min_samples", "train.local_epochs", "train.batch_size", "algorithm.finetune_epochs"]
-    sets = []
-    for key in quick:
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        sets += ["--set", f"{key}={str(value)!r}" if isinstance(value, str) or key == "data.root"
-                 else f"{key}={value}"]
-    for o in over:
-        sets += ["--set", o]
+    sets = _server_sets(cfg, over)
     url = f"mqtt://127.0.0.1:{port}"
     try:
         server = subprocess.Popen(["fedseq-server", "start", "-q", "--broker", url, "--out",
