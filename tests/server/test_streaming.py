@@ -10,7 +10,7 @@ from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import load_config
 from fedseq.common.protocol.messages import DeviceStatus
 from fedseq.server.mqtt import MqttPool
-from fedseq.server.mqtt.inbox import StatusArrived, UpdateArrived
+from fedseq.server.mqtt.inbox import UpdateArrived
 
 
 def _pool(*overrides):
@@ -60,9 +60,9 @@ def test_a_client_that_fails_does_not_hold_back_the_ones_after_it():
     _arrive(pool, 1)
     dispatch = pool.train(0, [0, 1, 2], ClientPlan(phases=(), upload=()), {}, lambda u: None)
     it = iter(dispatch)
-    pool.inbox.queue.put(StatusArrived(DeviceStatus(
+    pool.inbox.on_message(pool.topics.device_status("a"), DeviceStatus(
         device="a", state="online", error="out of memory", error_seq=pool.seq,
-        error_run_id="run-1")))
+        error_run_id="run-1").encode())
     # device a cannot train: client 0 never comes; 1 (already in) is handed over, 2 follows
     assert next(it).client == 1
     _arrive(pool, 2)
