@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from fedseq.client.executor import StepExecutor
+from fedseq.client.power import EnergyMeter
 from fedseq.client.session import DeviceSession, RunState
 from fedseq.client.state import StateStore
 from fedseq.common.errors import FedseqError
@@ -43,10 +44,11 @@ class DeviceDaemon:
         self.device = device
         self.torch_device = choose_device(torch_device, "--torch-device")
         self.stopping = threading.Event()
+        self.meter = EnergyMeter.for_this_device()  # power sensors found once, sampled in a thread
         self.session = DeviceSession(device, broker, str(self.torch_device), data_dir, topic_root,
-                                     username, password, tls)
+                                     username, password, tls, meter=self.meter)
         self.executor = StepExecutor(self.session, StateStore(state_dir), self.torch_device,
-                                     self._must_stop)
+                                     self._must_stop, self.meter)
         self.worker = threading.Thread(target=self._work, name="fedseq-worker", daemon=True)
 
     @property
@@ -69,6 +71,7 @@ class DeviceDaemon:
         self.link.start(attempts=attempts, refusals=refusals)
         log.info("connected to %s; waiting for a run", self.link.url)
         self.worker.start()
+        self.meter.start()
         threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
 
     def _heartbeat(self) -> None:
@@ -81,6 +84,7 @@ class DeviceDaemon:
     def stop(self) -> None:
         """Publish offline and disconnect (what SIGTERM does)."""
         self.stopping.set()
+        self.meter.stop()
         with self.session.cond:
             self.session.cond.notify_all()
         self.session.say_offline()

@@ -101,6 +101,33 @@ def check_state_dir(s: ClientSettings) -> Check:
     return True, f"state_dir {s.state_dir} writable"
 
 
+def check_sensors() -> list[Check]:
+    """The power sources and health sensors this device has, and whether this user (run doctor as
+    the service's user) can read them: energy per client-round is null, never 0, without one."""
+    import getpass
+
+    from fedseq.client import power
+
+    user = getpass.getuser()
+    rows = power.sensors()
+    health = [r for r in rows if r[0] in power.HEALTH_SENSORS]
+    rows = [r for r in rows if r[0] not in power.HEALTH_SENSORS]
+    checks: list[Check] = []
+    usable = [(name, detail) for name, ok, detail in rows if ok]
+    if usable:
+        name, detail = usable[0]
+        checks.append((True, f"power: {name} readable by {user}, {detail}; energy is measured "
+                             f"every {power.PERIOD_S * 1000:.0f} ms per client-round"))
+    else:
+        problems = [detail for _, ok, detail in rows if not ok]
+        unreadable = [p for p in problems if "not readable" in p]
+        checks.append((None, "power: no readable source, energy per round will be null ("
+                       + "; ".join(unreadable or problems) + ")"))
+    for name, ok, detail in health:
+        checks.append((True if ok else None, f"{name}: {detail}"))
+    return checks
+
+
 def _days_left(not_after: datetime) -> float:
     return (not_after - datetime.now(timezone.utc)).total_seconds() / 86400
 
@@ -163,7 +190,7 @@ def check_broker(s: ClientSettings) -> list[Check]:
 
 
 def run_doctor(s: ClientSettings, out: Callable[[str], None] = print) -> int:
-    checks = [*check_stack(), check_torch(s), check_data(s), check_state_dir(s),
+    checks = [*check_stack(), check_torch(s), check_data(s), check_state_dir(s), *check_sensors(),
               *check_own_certificate(s), *check_broker(s)]
     for ok, line in checks:
         out(f"{'ok  ' if ok else 'warn' if ok is None else 'FAIL'} {line}")

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from fedseq.client.power import EnergyMeter, Mark, health
 from fedseq.client.session import DeviceSession, RunState
 from fedseq.client.state import StateStore
 from fedseq.common.algorithms import algorithm_class
@@ -33,11 +34,12 @@ class StepExecutor:
     """Runs train, evaluate and finetune steps for this device's clients."""
 
     def __init__(self, session: DeviceSession, store: StateStore, torch_device: torch.device,
-                 abort: Callable[[Step], bool]):
+                 abort: Callable[[Step], bool], meter: Optional[EnergyMeter] = None):
         self.session = session
         self.store = store
         self.torch_device = torch_device
         self.abort = abort  # true once the step must not go on
+        self.meter = meter or EnergyMeter(None, reason="not measured")
         self.handlers: Dict[str, Callable[[RunState, Step, List[int]], None]] = {
             "train": self._train, "evaluate": self._evaluate, "finetune": self._finetune}
 
@@ -79,8 +81,10 @@ class StepExecutor:
             if self.abort(step):
                 return
             start = {**shared, **self._personal(run, c, plan.personal, before=step.round)}
+            mark = self.meter.mark()
             update, personal = run_client_round(model, start, plan, data, data.clients[c],
                                                 run.cfg.seed, step.round)
+            cost = self._cost(mark)
             if plan.personal:
                 self.store.save(run.run_id, c, personal, step.round)
             meta = dict(run_id=run.run_id, seq=step.seq, round=step.round, client=c,
@@ -88,7 +92,8 @@ class StepExecutor:
                         effective_samples=update.effective_samples,
                         train_seconds=update.train_seconds,
                         local_correct=update.local_score[0] if update.local_score else None,
-                        local_total=update.local_score[1] if update.local_score else None)
+                        local_total=update.local_score[1] if update.local_score else None,
+                        **cost)
             frame = encode_tensors(update.deltas)
             self.session.send(f"update/{c}", step.seq,
                               functools.partial(self._publish_update, c, meta, frame))
@@ -122,6 +127,20 @@ class StepExecutor:
                 self.session.link.publish(self.session.topics.evaluation(self.session.device),
                                           partial)
         self._send_scores(run, step, results)
+
+    def _cost(self, mark: Mark) -> Dict[str, Any]:
+        """A client-round's energy and the device's health after it, for the update header (energy
+        None, never 0, where no power source is readable); the status reports the last one."""
+        if self.torch_device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU's work belongs to this client
+        energy = self.meter.since(mark)
+        h = health(self.meter.root)
+        cost: Dict[str, Any] = energy.fields() if energy is not None else {}
+        cost.update(gpu_load=h["gpu_load"], mem_available_mb=h["mem_available_mb"])
+        if energy is None:
+            cost.update(max_temp_c=h["temp_c"], throttled=h["throttled"])
+        self.session.last_round_j = energy.joules if energy is not None else None
+        return cost
 
     # -- results ---------------------------------------------------------------------------
     def _send_scores(self, run: RunState, step: Step, results: Dict[int, Tuple[int, int]]) -> None:

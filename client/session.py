@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from pydantic import ValidationError
 
+from fedseq.client.power import EnergyMeter, health
 from fedseq.common import __version__
 from fedseq.common.algorithms import algorithm_class
 from fedseq.common.config import ExperimentConfig
@@ -74,8 +75,11 @@ class DeviceSession:
 
     def __init__(self, device: str, broker: str, torch_device: str, data_dir,
                  topic_root: str = "fedseq", username: Optional[str] = None,
-                 password: Optional[str] = None, tls: Optional[TlsOptions] = None):
+                 password: Optional[str] = None, tls: Optional[TlsOptions] = None,
+                 meter: Optional[EnergyMeter] = None):
         self.device = device
+        self.meter = meter
+        self.last_round_j: Optional[float] = None  # the energy of this device's last client-round
         self.data_dir = data_dir
         self.torch_device = torch_device  # reported in the status
         self.topics = t = Topics(topic_root)
@@ -115,9 +119,17 @@ class DeviceSession:
         with contextlib.suppress(ValueError, OSError):
             mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // (1 << 20)
         run_id, seq, error = self.last_error
+        h = health(self.meter.root if self.meter is not None else None)
+        source = None
+        if self.meter is not None:
+            source = (self.meter.source.name if self.meter.source is not None
+                      else f"none: {self.meter.reason}"[:200])
         status = DeviceStatus(device=self.device, state="online", package_version=__version__,
                               torch_device=self.torch_device, memory_mb=mem, error=error,
-                              error_seq=seq, error_run_id=run_id, since=self._online_since)
+                              error_seq=seq, error_run_id=run_id, since=self._online_since,
+                              temp_c=h["temp_c"], throttled=h["throttled"], gpu_load=h["gpu_load"],
+                              mem_available_mb=h["mem_available_mb"], energy_source=source,
+                              last_round_j=self.last_round_j)
         self.link.publish(self.topics.device_status(self.device), status, retain=True)
 
     def report_failure(self, run_id: str, seq: int, reason: str) -> None:

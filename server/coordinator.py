@@ -82,7 +82,49 @@ class RoundUpdates:
     outliers: list[int] = field(default_factory=list)
     flops: int = 0
     bytes_up: int = 0
+    costs: dict[int, tuple[str | None, dict[str, Any] | None]] = field(default_factory=dict)
     outcome: RoundOutcome = field(default_factory=RoundOutcome)
+
+
+def energy_fields(costs: dict[int, tuple[str | None, dict[str, Any] | None]]) -> dict[str, Any]:
+    """A deployment round's energy and device health, as the devices measured them (informational):
+    `energy_j`, the round's total over the updates that carried a figure (None if none did: never
+    0), and `energy` with joules per client, per device its joules, mean watts, power source,
+    hottest temperature, throttling, GPU load and free memory, and the clients not measured."""
+    clients: dict[str, float] = {}
+    devices: dict[str, dict[str, Any]] = {}
+    unmeasured: list[int] = []
+    for c, (device, cost) in sorted(costs.items()):
+        cost = cost or {}
+        j = cost.get("energy_j")
+        if j is None:
+            unmeasured.append(c)
+        else:
+            clients[str(c)] = j
+        if device is None:
+            continue
+        d = devices.setdefault(device, {"j": None, "seconds": 0.0, "source": None,
+                                        "max_temp_c": None, "throttled": None, "gpu_load": None,
+                                        "mem_available_mb": None})
+        if j is not None:
+            d["j"] = (d["j"] or 0.0) + j
+            w = cost.get("energy_w")
+            if w:
+                d["seconds"] += j / w
+        d["source"] = cost.get("energy_source") or d["source"]
+        for key, pick in (("max_temp_c", max), ("gpu_load", max), ("mem_available_mb", min)):
+            v = cost.get(key)
+            if v is not None:
+                d[key] = v if d[key] is None else pick(d[key], v)
+        if cost.get("throttled") is not None:
+            d["throttled"] = bool(d["throttled"]) or cost["throttled"]
+    for d in devices.values():
+        seconds = d.pop("seconds")
+        d["w"] = round(d["j"] / seconds, 3) if d["j"] is not None and seconds else None
+        if d["j"] is not None:
+            d["j"] = round(d["j"], 3)
+    return {"energy_j": round(sum(clients.values()), 3) if clients else None,
+            "energy": {"clients": clients, "devices": devices, "unmeasured": unmeasured}}
 
 
 @dataclass
@@ -189,6 +231,8 @@ class Coordinator:
         if self.alg.global_model_note:
             row["global_model"] = self.alg.global_model_note
         row.update(self._transport_fields(got.outcome))
+        if got.outcome.deadline_s is not None:  # a fleet: what the devices measured
+            row.update(energy_fields(got.costs))
         wire = self.pool.wire_bytes()
         if wire is not None:  # measured on the coordinator's connection, this round's steps
             row.update(wire_bytes_out=wire[0], wire_bytes_in=wire[1])
@@ -226,6 +270,7 @@ class Coordinator:
                 got.flops += plan_flops(self.model, plan, self.data,
                                         self.data.clients[update.client], self.flop_cache)
                 got.bytes_up += frame_size(update.deltas)
+                got.costs[update.client] = (update.device, update.cost)
         got.outcome = dispatch.outcome
         got.outliers, median = _outliers(got.norms, self.cfg.aggregation.outlier_factor)
         for c in got.outliers:

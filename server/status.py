@@ -1,4 +1,6 @@
-"""fedseq-server status: what the broker knows about the coordinator, the run and every device.
+"""fedseq-server status: what the broker knows about the coordinator, the run and every device
+(with each device's health: free memory, temperature, throttling, the energy of its last
+client-round and its power source, refreshed with its heartbeat).
 
 Everything shown is retained on the broker (server status, run config, current step, each
 device's status with its last reported error), so it works before a run, during one and after.
@@ -84,16 +86,22 @@ def format_fleet(view: FleetView, url: str) -> list[str]:
                      + (f", {len(st.clients)} clients" if st.clients else ""))
     if not view.devices:
         lines.append("no device has ever connected to this broker under this topic root")
-    header = ("device", "state", "since", "version", "protocol", "torch", "memory", "last error")
+    header = ("device", "state", "since", "version", "protocol", "torch", "memory", "free",
+              "temp", "last round", "power", "last error")
     rows = [header]
     for name, d in sorted(view.devices.items()):
         error = "-"
         if d.error:
             error = d.error if len(d.error) <= 80 else d.error[:77] + "..."
             error = f"step {d.error_seq}: {error}"
+        temp = "-" if d.temp_c is None else f"{d.temp_c:.0f} C" + (" THROTTLED" if d.throttled else "")
+        source = d.energy_source or "-"
         rows.append((name, d.state, _when(d.since) if d.state == "online" else "-",
                      d.package_version or "-", f"v{d.v}", d.torch_device,
-                     f"{d.memory_mb} MB" if d.memory_mb else "-", error))
+                     f"{d.memory_mb} MB" if d.memory_mb else "-",
+                     "-" if d.mem_available_mb is None else f"{d.mem_available_mb} MB", temp,
+                     "-" if d.last_round_j is None else f"{d.last_round_j:.1f} J",
+                     "none" if source.startswith("none") else source, error))
     if view.devices:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         for r in rows:

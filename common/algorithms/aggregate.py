@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +29,9 @@ class ClientUpdate:
     # the device (broker login) it came from, as its topic says; None in simulation, where every
     # client is its own device. Robust rules vote once per device.
     device: str | None = None
+    # what the client-round cost on its device (energy, health), as the coordinator accepted it;
+    # informational, never aggregated; None in simulation or where the device measured nothing
+    cost: dict[str, Any] | None = None
 
 
 @dataclass

@@ -80,6 +80,16 @@ class DeviceStatus(Message):
     # treats one it has not heard from for 3 heartbeats as gone, whatever its retained status
     # says (a device that died while the broker was down leaves "online" retained forever).
     heartbeat_s: float = Field(HEARTBEAT_S, gt=0, le=3600)
+    # Health, refreshed with every heartbeat (informational; None where the device cannot tell):
+    # the hottest thermal zone, a zone past a passive trip point, the Jetson GPU's load (0-1),
+    # available memory, the power source its energy figures come from (or why there is none),
+    # and the energy of its last client-round.
+    temp_c: Optional[float] = None
+    throttled: Optional[bool] = None
+    gpu_load: Optional[float] = None
+    mem_available_mb: Optional[int] = None
+    energy_source: Optional[str] = Field(None, max_length=200)
+    last_round_j: Optional[float] = None
 
 
 class RunConfig(Message):
@@ -157,6 +167,17 @@ class UpdateHeader(Message):
     train_seconds: float = 0.0  # local computation: training and the local score
     local_correct: Optional[int] = None  # the trained model on the client's test rows
     local_total: Optional[int] = None
+    # What the client-round cost on the device (informational: recorded, never aggregated, and
+    # sanitised by the coordinator): joules and mean watts in total and per rail, the power
+    # source, the hottest temperature and throttling during it, GPU load and free memory after.
+    energy_j: Optional[float] = None
+    energy_w: Optional[float] = None
+    energy_rails: Optional[Dict[str, float]] = Field(None, max_length=16)
+    energy_source: Optional[str] = Field(None, max_length=40)
+    max_temp_c: Optional[float] = None
+    throttled: Optional[bool] = None
+    gpu_load: Optional[float] = None
+    mem_available_mb: Optional[int] = None
     chunk: int = Field(ge=0)
     chunks: int = Field(ge=1)
     size: int = Field(ge=0)

@@ -5,12 +5,13 @@ within their memory bound, and queues an event; the coordinator thread acts on e
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.errors import FedseqError, ProtocolError
@@ -60,6 +61,30 @@ class EvalArrived:
 
 
 Event: TypeAlias = StatusArrived | UpdateArrived | EvalArrived
+
+
+def _plausible(v: float | None, lo: float, hi: float) -> float | None:
+    return v if v is not None and math.isfinite(v) and lo <= v <= hi else None
+
+
+def device_cost(head: UpdateHeader) -> dict[str, Any] | None:
+    """The update header's energy and health figures, each kept only if plausible (finite and
+    within physical bounds; anything else is dropped, never the update): they are informational
+    and never touch aggregation. None when the device sent none."""
+    rails = {str(k)[:40]: v for k, v in (head.energy_rails or {}).items()
+             if _plausible(v, 0.0, 1e7) is not None}
+    mem = head.mem_available_mb
+    cost: dict[str, Any] = {
+        "energy_j": _plausible(head.energy_j, 0.0, 1e7),
+        "energy_w": _plausible(head.energy_w, 0.0, 1e5),
+        "energy_rails": rails or None,
+        "energy_source": head.energy_source,
+        "max_temp_c": _plausible(head.max_temp_c, -60.0, 200.0),
+        "throttled": head.throttled,
+        "gpu_load": _plausible(head.gpu_load, 0.0, 1.0),
+        "mem_available_mb": mem if mem is not None and 0 <= mem <= 1 << 24 else None,
+    }
+    return cost if any(v is not None for v in cost.values()) else None
 
 
 def _same_device(claimed: str, topic_device: str) -> None:
@@ -188,6 +213,7 @@ class Inbox:
                               num_samples=head.num_samples, effective_samples=head.effective_samples,
                               train_seconds=head.train_seconds,
                               local_score=None if head.local_correct is None or head.local_total is
-                              None else (head.local_correct, head.local_total), device=device)
+                              None else (head.local_correct, head.local_total), device=device,
+                              cost=device_cost(head))
         self._put(UpdateArrived(device, head.seq, update), ("update", head.seq, head.client),
                   UPDATES_PER_CLIENT)

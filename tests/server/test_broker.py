@@ -73,12 +73,20 @@ def test_daemon_with_a_wrong_password_exits_with_one_line(tmp_path):
     assert "Traceback" not in res.stderr and "lost broker" not in res.stderr
 
 
-def test_status_command_shows_the_fleet(tmp_path):
+def test_status_command_shows_the_fleet(tmp_path, monkeypatch):
     import paho.mqtt.client as mqtt
 
     from fedseq.client.daemon import DeviceDaemon
     from fedseq.common.protocol.messages import PROTOCOL_VERSION, DeviceStatus
 
+    fake = tmp_path / "sys-of-a-nano"  # dev01's sensors: a JetPack 4 power rail, one thermal zone
+    iio = fake / "sys/bus/i2c/drivers/ina3221x/6-0040/iio:device0"
+    iio.mkdir(parents=True)
+    (iio / "rail_name_0").write_text("POM_5V_IN\n")
+    (iio / "in_power0_input").write_text("4100\n")
+    (fake / "sys/class/thermal/thermal_zone0").mkdir(parents=True)
+    (fake / "sys/class/thermal/thermal_zone0/temp").write_text("51500\n")
+    monkeypatch.setenv("FEDSEQ_SYSFS_ROOT", str(fake))
     broker = EmbeddedBroker("127.0.0.1", 0)
     broker.start()
     daemon = DeviceDaemon("dev01", broker.url, None, tmp_path, "cpu")
@@ -101,6 +109,7 @@ def test_status_command_shows_the_fleet(tmp_path):
     assert "coordinator never seen" in out and "1 of 2 devices online" in out, out
     dev01 = next(ln for ln in out.splitlines() if ln.startswith("dev01"))
     assert "online" in dev01 and "0.1.0" in dev01 and f"v{PROTOCOL_VERSION}" in dev01 and "cpu" in dev01
+    assert "52 C" in dev01 and "jetson-iio" in dev01  # its health and power source
     dev02 = next(ln for ln in out.splitlines() if ln.startswith("dev02"))
     assert "offline" in dev02 and "step 4: dataset file missing" in dev02
 
