@@ -4,7 +4,9 @@ Reads each run's metrics.jsonl, clients.csv, config.toml and status.json; writes
 (matplotlib, the `report` extra) and summary.md / summary.csv, optionally beside a paper's table.
 Figures: accuracy.png (global, personalized and the testbed's local-model accuracy per round, all
 runs on one axis each), clients.png (per-client accuracy distribution), cost.png (cumulative bytes
-and training FLOPs against global accuracy), seconds.png (seconds per round).
+and training FLOPs against global accuracy), edge.png (global accuracy against cumulative wall
+time and against the energy the devices measured, and energy per round), seconds.png (seconds per
+round). The table adds the devices' energy (kJ in total, J per round) where it was measured.
 """
 
 from __future__ import annotations
@@ -116,6 +118,9 @@ def summarize(run: Run) -> dict[str, Any]:
     out["MB moved"] = round(sum(r.get("bytes_down", 0) + r.get("bytes_up", 0) for r in train) / 1e6, 1)
     out["train TFLOP"] = round(sum(r.get("train_flops", 0) for r in train) / 1e12, 2)
     out["wall s"] = round(sum(r.get("seconds", 0) for r in run.rows), 1)
+    joules = _values(train, "energy_j")  # measured on the devices (deployments with a sensor)
+    out["energy kJ"] = round(sum(joules) / 1e3, 3) if joules else None
+    out["J/round"] = round(sum(joules) / len(joules), 1) if joules else None
     return out
 
 
@@ -235,6 +240,47 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="lower right")
     save(fig, "cost.png")
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    measured = False
+    for run in runs:
+        wall = energy = 0.0
+        xt, xe, yt, ye, per_round = [], [], [], [], []
+        for r in run.train_rows:
+            wall += r.get("seconds", 0.0)
+            if r.get("energy_j") is not None:
+                energy += r["energy_j"]
+                per_round.append((r["round"], r["energy_j"]))
+            if r.get("global_acc") is not None:
+                xt.append(wall)
+                yt.append(100 * r["global_acc"])
+                if per_round:
+                    xe.append(energy / 1e3)
+                    ye.append(100 * r["global_acc"])
+        style = {"label": run.label + ("*" if run.init_global else ""), "lw": 1.4,
+                 "ls": "--" if run.init_global else "-", "marker": "o" if len(yt) <= 30 else None,
+                 "ms": 3}
+        axes[0].plot(xt, yt, **style)
+        if per_round:
+            measured = True
+            axes[1].plot(xe, ye, **style)
+            axes[2].plot(*zip(*per_round, strict=True), label=run.label, lw=1.2)
+    axes[0].set_xlabel("cumulative wall time (s)")
+    axes[0].set_ylabel("global accuracy (%)")
+    axes[1].set_xlabel("cumulative energy on the devices (kJ)")
+    axes[1].set_ylabel("global accuracy (%)")
+    axes[2].set_xlabel("round")
+    axes[2].set_ylabel("energy per round, all devices (J)")
+    if not measured:
+        for ax in axes[1:]:
+            ax.text(0.5, 0.5, "no energy measured\n(simulation, or devices without a power "
+                    "sensor:\nfedseq-client doctor)", ha="center", va="center",
+                    transform=ax.transAxes, fontsize=9)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    save(fig, "edge.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for run in runs:

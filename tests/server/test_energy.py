@@ -48,6 +48,12 @@ def test_devices_report_energy_and_health_per_client_round(data_root, tmp_path, 
             assert d["source"] == "jetson-iio" and d["w"] == pytest.approx(5.0)  # POM_5V_IN only
             assert d["j"] > 0 and d["max_temp_c"] == 47.0 and d["throttled"] is False
             assert d["gpu_load"] == 0.25 and d["mem_available_mb"] == 1000
+    # the report puts accuracy against energy and wall time, and energy in the table
+    from fedseq.server.report import report
+
+    table, figures = report([tmp_path / "dep"], tmp_path / "report")
+    assert table[0]["energy kJ"] == pytest.approx(sum(r["energy_j"] for r in rows) / 1e3, abs=1e-3)
+    assert table[0]["J/round"] > 0 and (tmp_path / "report" / "edge.png") in figures
     # the simulation measures nothing and claims nothing
     sim = run_simulation(cfg, out=None)
     assert all("energy_j" not in r for r in sim.rows)
