@@ -186,6 +186,13 @@ def start(
     client_threads: Annotated[
         int | None, typer.Option(help="torch threads per local client (default: cores / N)")
     ] = None,
+    link: Annotated[list[str] | None, typer.Option(
+        help="rehearse a testbed (root): put each local client in a network namespace behind "
+             "an emulated link: wifi-good, wifi-poor, lte, 3g-fast or "
+             "custom:down=MBIT,up=MBIT,delay=MS,jitter=MS,loss=PCT; DEVICE=PROFILE for one "
+             "device (repeatable; docs/rehearsal.md)")] = None,
+    cpu_quota: Annotated[list[str] | None, typer.Option(
+        help="rehearsal (root): CPU cores per local client, e.g. 0.5; DEVICE=CORES for one")] = None,
     username: UsernameOpt = None,
     password_file: PasswordFileOpt = None,
     ca_file: CaFileOpt = None,
@@ -211,16 +218,33 @@ def start(
     except ValueError as exc:
         _fail(exc)
     try:
-        run_deployment(cfg, out, broker, local_clients,
-                                on_round=None if quiet else _print_row,
-                                announce=lambda s: print(s, file=sys.stderr),
-                                client_threads=client_threads, mode=mode, info=info,
-                                on_progress=None if quiet else _print_progress)
+        with _rehearsal(local_clients, link or [], cpu_quota or []) as rehearsal:
+            run_deployment(cfg, out, broker, local_clients,
+                           on_round=None if quiet else _print_row,
+                           announce=lambda s: print(s, file=sys.stderr),
+                           client_threads=client_threads, mode=mode, info=info,
+                           on_progress=None if quiet else _print_progress, rehearsal=rehearsal)
     except FedseqError as exc:
         _fail(exc)
     except KeyboardInterrupt:
         _interrupted(out)
     _summary(out)
+
+
+def _rehearsal(local_clients: int, links: list[str], quotas: list[str]) -> Any:
+    """The rehearsal --link / --cpu-quota ask for (a context manager), or a null context."""
+    import contextlib
+
+    from fedseq.server import rehearsal as rh
+    from fedseq.server.deployment import local_device_names
+
+    if not links and not quotas:
+        return contextlib.nullcontext()
+    if not local_clients:
+        raise ConfigError("--link and --cpu-quota shape the local clients: add --local-clients N")
+    names = local_device_names(local_clients)
+    return rh.Rehearsal(names, rh.per_device(links, names, rh.parse_profile, "--link"),
+                        rh.per_device(quotas, names, rh.parse_quota, "--cpu-quota"))
 
 
 _shown: dict[str, Any] = {}

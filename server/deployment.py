@@ -23,24 +23,30 @@ from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.experiment import load_experiment
 from fedseq.server.mqtt import MqttPool
+from fedseq.server.rehearsal import Rehearsal
 from fedseq.server.rundir import RunDir, recorded
 
 log = logging.getLogger(__name__)
 
 
+def local_device_names(n: int) -> list[str]:
+    return [f"local{i:02d}" for i in range(1, n + 1)]
+
+
 def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path,
-                        threads: int | None = None) -> list[subprocess.Popen]:
+                        threads: int | None = None, rehearsal: Rehearsal | None = None
+                        ) -> list[subprocess.Popen]:
     """Start n fedseq-client daemons (local01..) as child processes. By default they share the
     cores (cores // n torch threads each): oversubscribed OpenMP threads spin and slow every
-    process down several times over."""
+    process down several times over. In a rehearsal each runs in its device's network namespace,
+    behind its link, under its CPU quota."""
     threads = threads or max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ)
     env.setdefault("MALLOC_ARENA_MAX", "2")  # as the systemd unit: less memory per daemon
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     procs = []
-    for i in range(1, n + 1):
-        name = f"local{i:02d}"
+    for name in local_device_names(n):
         cmd = [sys.executable, "-m", "fedseq.client.cli", "--device", name, "--broker", url,
                "--data-dir", str(cfg.data.root), "--state-dir", str(state_dir / name),
                "--topic-root", cfg.deploy.topic_root, "--torch-device", "cpu",
@@ -56,7 +62,11 @@ def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
                 cmd += [flag, str(value)]
         if not d.tls_verify_hostname:
             cmd.append("--no-verify-hostname")
+        if rehearsal is not None:
+            cmd = rehearsal.command(name, cmd)
         procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        if rehearsal is not None:
+            rehearsal.started(name, procs[-1].pid)
     return procs
 
 
@@ -94,6 +104,7 @@ def run_deployment(
     mode: str = "new",
     info: dict[str, Any] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
+    rehearsal: Rehearsal | None = None,
 ) -> RunResult:
     """mode "resume" continues `out` after its checkpoint's last complete round, under the same
     run id (devices keep their personal state) and the same assignment."""
@@ -106,9 +117,14 @@ def run_deployment(
     run_dir = None
     ended: str | None = None  # why the run ended early: the devices are told (Control abort)
     try:
+        if rehearsal is not None and url is not None:
+            raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
+                              "its bridge; leave out --broker and deploy.broker")
         if url is None:
-            embedded = EmbeddedBroker(cfg.deploy.host, cfg.deploy.port,
-                                      cfg.deploy.broker_password_file, cfg.deploy.allow_anonymous)
+            # a rehearsal's bridge is reachable from this machine's namespaces only
+            host = rehearsal.broker_host if rehearsal is not None else cfg.deploy.host
+            embedded = EmbeddedBroker(host, cfg.deploy.port, cfg.deploy.broker_password_file,
+                                      cfg.deploy.allow_anonymous or rehearsal is not None)
             embedded.start()
             url = embedded.url
             announce(f"embedded MQTT broker at {url} - start devices with: "
@@ -133,7 +149,10 @@ def run_deployment(
             else:
                 tmp = tempfile.TemporaryDirectory(prefix="fedseq-local-")
                 state = Path(tmp.name)
-            children = spawn_local_clients(local_clients, url, cfg, state, client_threads)
+            children = spawn_local_clients(local_clients, url, cfg, state, client_threads,
+                                           rehearsal)
+            if rehearsal is not None:
+                announce(rehearsal.describe())
         devices = pool.wait_for_devices(max(cfg.deploy.min_devices, local_clients),
                                         cfg.deploy.wait_devices_s)
         announce(f"run {run_id}: {len(devices)} devices ({', '.join(devices)})"

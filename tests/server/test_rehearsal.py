@@ -1,0 +1,119 @@
+"""The testbed rehearsal: local device daemons in network namespaces behind emulated links (root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+
+import pytest
+
+from conftest import quick_config
+from fedseq.common.errors import ConfigError, TransportError
+from fedseq.server import rehearsal as rh
+from fedseq.server.deployment import run_deployment
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
+
+
+def test_profiles_and_per_device_overrides():
+    names = ["local01", "local02", "local03"]
+    links = rh.per_device(["wifi-poor", "local02=lte", "local03=custom:down=5,delay=20,loss=0.5"],
+                          names, rh.parse_profile, "--link")
+    assert links["local01"] == rh.PROFILES["wifi-poor"] and links["local02"].name == "lte"
+    assert links["local03"] == rh.LinkProfile("custom", 5.0, 5.0, 20.0, 0.0, 0.5)
+    assert rh.per_device(["0.5", "local01=0.25"], names, rh.parse_quota, "--cpu-quota") == {
+        "local01": 0.25, "local02": 0.5, "local03": 0.5}
+    for bad, words in [("wifi-great", "unknown profile"), ("custom:down=0", "above 0"),
+                       ("custom:rate=5", "unknown field"), ("custom:down=x", "not a number"),
+                       ("local09=lte", "no local device")]:
+        with pytest.raises(ConfigError, match=words):
+            rh.per_device([bad], names, rh.parse_profile, "--link")
+
+
+def test_without_root_it_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(TransportError, match="need root .* run fedseq-server with sudo"):
+        rh.Rehearsal(["local01"], {"local01": rh.PROFILES["lte"]})
+
+
+def _rows(out):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@root_only
+def test_a_slow_link_shows_in_round_time(data_root, tmp_path, one_thread):
+    """local02 behind 4 Mbit/s: round 0 cannot end before the initial model (the CNN's 2.3 MB
+    frame) crossed its link, ~4.6 s, where an unshaped round of this config takes about one."""
+    from fedseq.common.algorithms import algorithm_class
+    from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+    from fedseq.common.models import build_model
+    from fedseq.common.protocol.tensors import frame_size
+
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "deploy.port=0")
+    model = build_model(cfg.model.name, INPUT_SHAPES["fmnist"], NUM_CLASSES["fmnist"],
+                        algorithm_class("fedavg").two_heads)
+    seconds_at_4mbit = frame_size(model.state_dict()) * 8 / 4e6
+    said: list[str] = []
+    links = {"local01": rh.PROFILES["wifi-good"], "local02": rh.parse_profile("custom:down=4,up=4")}
+    with rh.Rehearsal(["local01", "local02"], links) as r:
+        run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
+                       announce=said.append, rehearsal=r)
+        bridge = r.bridge
+    rows = _rows(tmp_path / "run")
+    assert all(x["reported"] == x["clients"] for x in rows)
+    assert rows[0]["seconds"] >= 0.9 * seconds_at_4mbit, (rows[0]["seconds"], seconds_at_4mbit)
+    assert any("rehearsal (" in s and "local02: custom: 4/4 Mbit/s" in s for s in said), said
+    assert bridge not in os.popen("ip -o link").read()  # everything removed afterwards
+    assert not [n for n in os.popen("ip netns list").read().split() if n.startswith(bridge)]
+
+
+@root_only
+def test_a_device_that_loses_its_link_mid_round_rejoins(data_root, tmp_path, one_thread):
+    """local02's link goes down for 35 s as round 1 starts: round 1 ends at its 20 s deadline
+    with local01's clients, and local02 (its broker connection survives the outage) reports
+    again in the rounds after."""
+    import paho.mqtt.client as mqtt
+
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=4", "deploy.port=0",
+                       "deploy.round_timeout_s=20")
+    cut: list[float] = []
+    holder: dict[str, object] = {}
+
+    def on_step(client, userdata, msg):
+        try:
+            step = json.loads(msg.payload)
+        except ValueError:
+            return
+        if step.get("kind") == "train" and step.get("round") == 1 and not cut:
+            cut.append(time.monotonic())
+            r = holder["r"]
+            r.cut("local02")
+            threading.Timer(35.0, r.cut, args=("local02", False)).start()
+
+    def announce(line: str) -> None:
+        m = re.search(r"mqtt://10\.77\.0\.1:(\d+)", line)
+        if m and "w" not in holder:
+            w = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
+            w.on_message = on_step
+            w.on_connect = lambda c, u, f, rc, p: c.subscribe("fedseq/step", qos=1)
+            w.connect("10.77.0.1", int(m.group(1)))
+            w.loop_start()
+            holder["w"] = w
+
+    with rh.Rehearsal(["local01", "local02"], {}) as r:
+        holder["r"] = r
+        try:
+            run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
+                           announce=announce, rehearsal=r)
+        finally:
+            if "w" in holder:
+                holder["w"].loop_stop()
+    rows = _rows(tmp_path / "run")
+    assert cut
+    theirs = {c for c in range(5) if c % 2 == 1}  # round-robin: local02 holds 1 and 3
+    assert set(rows[1]["failed"]) == theirs and rows[1]["reported"] == [0, 2, 4], rows[1]
+    assert rows[1]["seconds"] < 60, rows[1]["seconds"]
+    assert rows[-1]["reported"] == rows[-1]["clients"], rows[-1]  # back after the outage
