@@ -28,6 +28,9 @@ from fedseq.common.errors import ConfigError, TransportError
 log = logging.getLogger(__name__)
 
 CGROUP_CPU = Path("/sys/fs/cgroup/cpu")
+#: one file per live rehearsal (its id, holding the pid that made it): a rehearsal whose process
+#: died without cleaning up (kill -9) is removed by the next one
+STATE = Path("/run/fedseq-rehearsal")
 T = TypeVar("T")
 
 
@@ -144,6 +147,9 @@ class Rehearsal:
         return f"fsq{self.id}-{self.devices.index(device) + 1}"
 
     def __enter__(self) -> Rehearsal:
+        sweep_stale()
+        STATE.mkdir(parents=True, exist_ok=True)
+        (STATE / self.id).write_text(f"{os.getpid()}\n")
         try:
             self._build()
         except BaseException:
@@ -230,3 +236,41 @@ class Rehearsal:
             with contextlib.suppress(OSError):
                 subprocess.run(cmd, capture_output=True)
         self._made.clear()
+        with contextlib.suppress(OSError):
+            (STATE / self.id).unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_stale() -> list[str]:
+    """Remove the namespaces, links and cgroups of rehearsals whose process is gone."""
+    removed = []
+    for f in STATE.glob("*") if STATE.is_dir() else []:
+        try:
+            pid = int(f.read_text().strip())
+        except (OSError, ValueError):
+            pid = -1
+        if pid > 0 and _alive(pid):
+            continue
+        rid = f.name
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        for ns in (line.split()[0] for line in names.splitlines() if line.strip()):
+            if ns.startswith(f"fsq{rid}-"):
+                subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", f"fsq{rid}"], capture_output=True)
+        for group in CGROUP_CPU.glob(f"fedseq-fsq{rid}-*"):
+            with contextlib.suppress(OSError):
+                group.rmdir()
+        with contextlib.suppress(OSError):
+            f.unlink()
+        removed.append(rid)
+        log.warning("removed the namespaces of rehearsal %s, whose process %d is gone", rid, pid)
+    return removed

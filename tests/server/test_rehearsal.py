@@ -117,3 +117,27 @@ def test_a_device_that_loses_its_link_mid_round_rejoins(data_root, tmp_path, one
     assert set(rows[1]["failed"]) == theirs and rows[1]["reported"] == [0, 2, 4], rows[1]
     assert rows[1]["seconds"] < 60, rows[1]["seconds"]
     assert rows[-1]["reported"] == rows[-1]["clients"], rows[-1]  # back after the outage
+
+
+@root_only
+def test_a_killed_rehearsal_is_swept_by_the_next():
+    """kill -9 leaves namespaces and a bridge behind; the next rehearsal removes them."""
+    import subprocess
+    import sys
+
+    code = ("import time; from fedseq.server import rehearsal as rh; "
+            "r = rh.Rehearsal(['local01', 'local02'], {'local01': rh.PROFILES['lte']}); "
+            "r.__enter__(); print(r.id, flush=True); time.sleep(600)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        rid = p.stdout.readline().strip()
+        assert f"fsq{rid}-1" in subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                               text=True).stdout
+    finally:
+        p.kill()
+        p.wait(30)
+    assert rid in rh.sweep_stale()
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"fsq{rid}" not in left
+    assert f"fsq{rid}" not in subprocess.run(["ip", "-o", "link"], capture_output=True,
+                                             text=True).stdout
