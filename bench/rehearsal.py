@@ -47,7 +47,10 @@ def main() -> None:
                 f"algorithm.name={alg}", f"rounds={args.rounds}", "data.fraction=0.2",
                 "train.local_epochs=1", "train.eval_every=1000", "train.threads=1",
                 "deploy.port=0", f"deploy.min_devices={args.devices}",
-                "algorithm.finetune_epochs=1", *args.overrides])
+                "algorithm.finetune_epochs=1",
+                # the testbed's 100-round schedule (blocks unfrozen at 0/25/50/75): its first
+                # rounds, not the whole schedule squeezed into --rounds
+                "algorithm.unfreeze_rounds=[0, 25, 50, 75]", *args.overrides])
             links = {} if profile == "none" else {d: rh.parse_profile(profile) for d in names}
             with tempfile.TemporaryDirectory() as tmp, rh.Rehearsal(names, links) as r:
                 start = time.monotonic()
