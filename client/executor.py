@@ -112,21 +112,27 @@ class StepExecutor:
         plan = _plan(step)
         shared = self.session.weights(run, list(step.versions))
         results: Dict[int, Tuple[int, int]] = {}
+        energy: Dict[int, float] = {}
         for c in mine:
             if self.abort(step):
                 return
             start = {**shared, **self._personal(run, c, tuple(step.personal))}
+            mark = self.meter.mark()
             results[c] = finetune_and_score(model, start, plan, data, data.clients[c],
                                             run.cfg.seed, tuple(step.eval_heads),
                                             run.cfg.train.eval_batch_size)
+            spent = self.meter.since(mark)
+            if spent is not None:
+                energy[c] = round(spent.joules, 3)
             log.info("step %d: fine-tuned client %d (%d of %d)", step.seq, c, len(results),
                      len(mine))
             if len(results) < len(mine):  # progress for the operator; the final result follows
                 partial = EvalResult(run_id=run.run_id, seq=step.seq, device=self.session.device,
-                                     results=dict(results), final=False)
+                                     results=dict(results), final=False,
+                                     energy_j=dict(energy) or None)
                 self.session.link.publish(self.session.topics.evaluation(self.session.device),
                                           partial)
-        self._send_scores(run, step, results)
+        self._send_scores(run, step, results, energy or None)
 
     def _cost(self, mark: Mark) -> Dict[str, Any]:
         """A client-round's energy and the device's health after it, for the update header (energy
@@ -143,9 +149,11 @@ class StepExecutor:
         return cost
 
     # -- results ---------------------------------------------------------------------------
-    def _send_scores(self, run: RunState, step: Step, results: Dict[int, Tuple[int, int]]) -> None:
+    def _send_scores(self, run: RunState, step: Step, results: Dict[int, Tuple[int, int]],
+                     energy: Optional[Dict[int, float]] = None) -> None:
         s = self.session
-        msg = EvalResult(run_id=run.run_id, seq=step.seq, device=s.device, results=results)
+        msg = EvalResult(run_id=run.run_id, seq=step.seq, device=s.device, results=results,
+                         energy_j=energy)
         s.send("eval", step.seq, lambda: s.link.publish(s.topics.evaluation(s.device), msg))
 
     def _publish_update(self, client: int, meta: dict, frame: bytes) -> None:

@@ -403,6 +403,11 @@ class Coordinator:
                 "trainable_params": count_params(self.model, ft_plan.trainable),
                 "seconds": round(time.perf_counter() - start, 3),
             }
+            spent = self.pool.step_energy()
+            if spent is not None:  # a fleet: the fine-tuning's joules as the devices measured
+                row["energy_j"] = round(sum(spent.values()), 3) if spent else None
+                row["energy"] = {"clients": {str(c): j for c, j in sorted(spent.items())},
+                                 "unmeasured": sorted(set(tuned) - set(spent))}
             rows.append(row)
             self._emit(row)
         if self.run_dir is not None:

@@ -117,6 +117,11 @@ class ClientPool(Protocol):
         as measured on the wire; None where nothing crosses a wire (in-process)."""
         ...
 
+    def step_energy(self) -> dict[int, float] | None:
+        """Joules each client's fine-tuning took on its device in the last finetune step (clients
+        without a figure left out); None where nothing is measured (in-process)."""
+        ...
+
 
 class InProcessPool:
     """All logical clients in this process; their personal blocks are kept in memory."""
@@ -180,4 +185,7 @@ class InProcessPool:
         self.personal.update(state.personal)
 
     def wire_bytes(self) -> tuple[int, int] | None:
+        return None
+
+    def step_energy(self) -> dict[int, float] | None:
         return None

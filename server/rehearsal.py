@@ -265,6 +265,13 @@ def sweep_stale() -> list[str]:
         for ns in (line.split()[0] for line in names.splitlines() if line.strip()):
             if ns.startswith(f"fsq{rid}-"):
                 subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        # a namespace is torn down asynchronously: delete the host ends of its veths (and the
+        # bridge) now rather than wait for the kernel
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        for line in links.splitlines():
+            name = line.split(":")[1].strip().split("@")[0] if line.count(":") > 1 else ""
+            if name.startswith(f"fsq{rid}h"):
+                subprocess.run(["ip", "link", "del", name], capture_output=True)
         subprocess.run(["ip", "link", "del", f"fsq{rid}"], capture_output=True)
         for group in CGROUP_CPU.glob(f"fedseq-fsq{rid}-*"):
             with contextlib.suppress(OSError):

@@ -121,6 +121,8 @@ def summarize(run: Run) -> dict[str, Any]:
     joules = _values(train, "energy_j")  # measured on the devices (deployments with a sensor)
     out["energy kJ"] = round(sum(joules) / 1e3, 3) if joules else None
     out["J/round"] = round(sum(joules) / len(joules), 1) if joules else None
+    tuned = _values([r for r in run.rows if r.get("phase") == "finetune"], "energy_j")
+    out["finetune kJ"] = round(sum(tuned) / 1e3, 3) if tuned else None
     return out
 
 

@@ -131,6 +131,9 @@ class EvalResult(Message):
     device: str
     results: Dict[int, Tuple[int, int]]  # client -> (correct, total)
     final: bool = True  # False: progress during fine-tuning (the clients done so far)
+    # fine-tuning: the joules each client's fine-tuning took on the device (informational; left
+    # out where the device has no power sensor)
+    energy_j: Optional[Dict[int, float]] = None
 
 
 class Control(Message):

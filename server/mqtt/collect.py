@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Generator
 
@@ -146,7 +147,8 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
 
 
 def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[int]],
-                   check: ScoreCheck, timeout: float, progress: Progress) -> Scores:
+                   check: ScoreCheck, timeout: float, progress: Progress,
+                   energy: dict[int, float] | None = None) -> Scores:
     """Every online device's clients' scores for step `seq` (evaluate or finetune), until all
     came, their devices failed or went offline, or `timeout` passed. A device's message counts
     whole or not at all: one false score rejects it."""
@@ -174,6 +176,9 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
                     progress(sum(partial.values()) + len(results), total)
                     continue
                 results.update({c: (int(r[0]), int(r[1])) for c, r in res.results.items()})
+                if energy is not None:  # informational: only plausible figures, own clients
+                    energy.update({c: j for c, j in (res.energy_j or {}).items()
+                                   if c in res.results and math.isfinite(j) and 0 <= j <= 1e7})
                 partial.pop(res.device, None)
                 owing.discard(res.device)
                 progress(sum(partial.values()) + len(results), total)

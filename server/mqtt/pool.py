@@ -59,6 +59,7 @@ class MqttPool:
         self.assignment: dict[str, list[int]] = {}
         self.owner: dict[int, str] = {}
         self.seq = 0
+        self._energy: dict[int, float] = {}  # the last finetune step's joules per client
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -160,8 +161,12 @@ class MqttPool:
         versions = self._prepare_step(weights)
         step = self._publish_step(kind="finetune", plan=plan_to_dict(plan), versions=versions,
                                   eval_heads=list(eval_heads), personal=list(self.personal))
+        self._energy = {}
         return collect_scores(self.session, step.seq, self.assignment, check,
-                              self.cfg.deploy.finetune_timeout_s, progress)
+                              self.cfg.deploy.finetune_timeout_s, progress, self._energy)
 
     def wire_bytes(self) -> tuple[int, int] | None:
         return self.session.wire_bytes()
+
+    def step_energy(self) -> dict[int, float] | None:
+        return dict(self._energy)

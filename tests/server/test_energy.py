@@ -34,11 +34,16 @@ def test_devices_report_energy_and_health_per_client_round(data_root, tmp_path, 
                                                            one_thread):
     _tree(tmp_path / "fakesys")
     monkeypatch.setenv("FEDSEQ_SYSFS_ROOT", str(tmp_path / "fakesys"))
-    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "train.join_ratio=0.6",
+    cfg = quick_config(data_root, "algorithm.name=fedbabu", "rounds=2", "train.join_ratio=0.6",
                        "deploy.port=0")
     dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
                          announce=lambda s: None)
     rows = [json.loads(x) for x in (tmp_path / "dep" / "metrics.jsonl").read_text().splitlines()]
+    tuned = rows.pop()  # FedBABU's fine-tuning: every client, its joules measured too
+    assert tuned["phase"] == "finetune" and tuned["energy"]["unmeasured"] == []
+    assert sorted(int(c) for c in tuned["energy"]["clients"]) == tuned["clients"]
+    assert tuned["energy_j"] == pytest.approx(sum(tuned["energy"]["clients"].values()), abs=1e-2)
+    assert tuned["energy_j"] > 0
     for r in rows:
         e = r["energy"]
         assert sorted(int(c) for c in e["clients"]) == r["reported"] and e["unmeasured"] == []
@@ -54,9 +59,11 @@ def test_devices_report_energy_and_health_per_client_round(data_root, tmp_path, 
     table, figures = report([tmp_path / "dep"], tmp_path / "report")
     assert table[0]["energy kJ"] == pytest.approx(sum(r["energy_j"] for r in rows) / 1e3, abs=1e-3)
     assert table[0]["J/round"] > 0 and (tmp_path / "report" / "edge.png") in figures
+    assert table[0]["finetune kJ"] == pytest.approx(tuned["energy_j"] / 1e3, abs=1e-3)
     # the simulation measures nothing and claims nothing
     sim = run_simulation(cfg, out=None)
     assert all("energy_j" not in r for r in sim.rows)
+    assert sim.rows[-1]["personal_acc"] == tuned["personal_acc"]
     for k, v in sim.global_weights.items():  # and energy never touches the weights
         assert (dep.global_weights[k] == v).all(), k
 
