@@ -275,6 +275,8 @@ class EnergyMeter:
             return
         now = self.clock()
         with self._lock:
+            if self._last is not None and now <= self._last[0]:
+                return  # a concurrent reading (sampler thread and a mark) already took this time
             if self._last is not None:
                 t0, before = self._last
                 dt = now - t0

@@ -162,6 +162,14 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
     return rows
 
 
+def _style(run: Run, points: int) -> dict[str, Any]:
+    """A run's line against global accuracy: dashed and starred where the global model keeps an
+    untrained head or base, markers while there are few points."""
+    return {"label": run.label + ("*" if run.init_global else ""), "lw": 1.4,
+            "ls": "--" if run.init_global else "-", "marker": "o" if points <= 30 else None,
+            "ms": 3}
+
+
 def write_figures(runs: list[Run], out: Path) -> list[Path]:
     try:
         import matplotlib
@@ -230,9 +238,7 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
                 xb.append(moved / 1e6)
                 xf.append(flops / 1e12)
                 ys.append(100 * r["global_acc"])
-        style = {"label": run.label + ("*" if run.init_global else ""), "lw": 1.4,
-                 "ls": "--" if run.init_global else "-", "marker": "o" if len(ys) <= 30 else None,
-                 "ms": 3}
+        style = _style(run, len(ys))
         axes[0].plot(xb, ys, **style)
         axes[1].plot(xf, ys, **style)
     axes[0].set_xlabel("cumulative MB moved (down + up)")
@@ -259,9 +265,7 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
                 if per_round:
                     xe.append(energy / 1e3)
                     ye.append(100 * r["global_acc"])
-        style = {"label": run.label + ("*" if run.init_global else ""), "lw": 1.4,
-                 "ls": "--" if run.init_global else "-", "marker": "o" if len(yt) <= 30 else None,
-                 "ms": 3}
+        style = _style(run, len(yt))
         axes[0].plot(xt, yt, **style)
         if per_round:
             measured = True

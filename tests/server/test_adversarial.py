@@ -325,6 +325,21 @@ def test_foreign_run_ids_are_ignored(data_root, tmp_path, one_thread):
     _assert_clean(cfg, res)
 
 
+def _forge_local03(base, data, forged: list[int]):
+    """An attack by local03's login (of three devices): in every training step, a valid update of
+    -5 in every element (right count, dtype and shape) for each of its selected clients."""
+
+    def attack(att, step):
+        if step.kind == "train":
+            w = _upload_shapes(base, step)
+            for c in _theirs(step, 3, 2):
+                att.forged_update(step, c, "local03", {k: torch.full_like(v, -5.0) for k, v in w.items()},
+                                  len(data.clients[c].train))
+                forged.append(c)
+
+    return attack
+
+
 def test_clipped_mean_bounds_a_valid_byzantine_device(data_root, tmp_path, mosquitto, one_thread):
     """A device account sends, first, *valid* updates for all its clients (right count, dtype and
     shape, within a max_abs_delta set to 10) that push the model far away: validation cannot refuse them and
@@ -338,14 +353,7 @@ def test_clipped_mean_bounds_a_valid_byzantine_device(data_root, tmp_path, mosqu
     base = quick_config(data_root)
     data = load_federated(base.data, base.seed)
     forged: list[int] = []
-
-    def attack(att, step):
-        if step.kind == "train":
-            w = _upload_shapes(base, step)
-            for c in _theirs(step, 3, 2):
-                att.forged_update(step, c, "local03", {k: torch.full_like(v, -5.0) for k, v in w.items()},
-                                  len(data.clients[c].train))
-                forged.append(c)
+    attack = _forge_local03(base, data, forged)
 
     cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg",
                                  "rounds=1", "train.join_ratio=1.0", "aggregation.rule='clipped-mean'",
@@ -370,14 +378,7 @@ def test_trimmed_mean_votes_once_per_device(data_root, tmp_path, mosquitto, one_
     base = quick_config(data_root, "data.num_clients=6")
     data = load_federated(base.data, base.seed)
     forged: list[int] = []
-
-    def attack(att, step):
-        if step.kind == "train":
-            w = _upload_shapes(base, step)
-            for c in _theirs(step, 3, 2):
-                att.forged_update(step, c, "local03", {k: torch.full_like(v, -5.0) for k, v in w.items()},
-                                  len(data.clients[c].train))
-                forged.append(c)
+    attack = _forge_local03(base, data, forged)
 
     cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg",
                                  "rounds=1", "data.num_clients=6", "train.join_ratio=1.0",
