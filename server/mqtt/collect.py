@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Generator
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import DeployConfig
 from fedseq.common.protocol.messages import EvalResult
-from fedseq.server.mqtt.inbox import EvalArrived, UpdateArrived
+from fedseq.server.mqtt.inbox import EvalArrived, UpdateArrived, plausible
 from fedseq.server.mqtt.session import DeviceOffline, ServerSession, StepFailed
 from fedseq.server.pool import Progress, RoundOutcome, ScoreCheck, Scores, UpdateCheck
 
@@ -178,7 +177,7 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
                 results.update({c: (int(r[0]), int(r[1])) for c, r in res.results.items()})
                 if energy is not None:  # informational: only plausible figures, own clients
                     energy.update({c: j for c, j in (res.energy_j or {}).items()
-                                   if c in res.results and math.isfinite(j) and 0 <= j <= 1e7})
+                                   if c in res.results and plausible(j, 0.0, 1e7) is not None})
                 partial.pop(res.device, None)
                 owing.discard(res.device)
                 progress(sum(partial.values()) + len(results), total)

@@ -63,7 +63,8 @@ class EvalArrived:
 Event: TypeAlias = StatusArrived | UpdateArrived | EvalArrived
 
 
-def _plausible(v: float | None, lo: float, hi: float) -> float | None:
+def plausible(v: float | None, lo: float, hi: float) -> float | None:
+    """`v` if it is a finite number within [lo, hi], else None (a device's informational figure)."""
     return v if v is not None and math.isfinite(v) and lo <= v <= hi else None
 
 
@@ -72,16 +73,16 @@ def device_cost(head: UpdateHeader) -> dict[str, Any] | None:
     within physical bounds; anything else is dropped, never the update): they are informational
     and never touch aggregation. None when the device sent none."""
     rails = {str(k)[:40]: v for k, v in (head.energy_rails or {}).items()
-             if _plausible(v, 0.0, 1e7) is not None}
+             if plausible(v, 0.0, 1e7) is not None}
     mem = head.mem_available_mb
     cost: dict[str, Any] = {
-        "energy_j": _plausible(head.energy_j, 0.0, 1e7),
-        "energy_w": _plausible(head.energy_w, 0.0, 1e5),
+        "energy_j": plausible(head.energy_j, 0.0, 1e7),
+        "energy_w": plausible(head.energy_w, 0.0, 1e5),
         "energy_rails": rails or None,
         "energy_source": head.energy_source,
-        "max_temp_c": _plausible(head.max_temp_c, -60.0, 200.0),
+        "max_temp_c": plausible(head.max_temp_c, -60.0, 200.0),
         "throttled": head.throttled,
-        "gpu_load": _plausible(head.gpu_load, 0.0, 1.0),
+        "gpu_load": plausible(head.gpu_load, 0.0, 1.0),
         "mem_available_mb": mem if mem is not None and 0 <= mem <= 1 << 24 else None,
     }
     return cost if any(v is not None for v in cost.values()) else None
