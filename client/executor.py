@@ -56,12 +56,12 @@ class StepExecutor:
         cfg = run.cfg
         if run.data is None or run.data_clients != run.clients:
             run.data = None
-            run.data = load_federated(cfg.data, cfg.seed, only=run.clients)
+            run.data = load_federated(cfg.data, cfg.seed_for("data"), only=run.clients)
             run.data_clients = list(run.clients)
         if run.model is None:
             two = algorithm_class(cfg.algorithm.name).two_heads
             run.model = build_run_model(cfg.model.name, run.data.input_shape, run.data.num_classes,
-                                        two, cfg.seed).to(self.torch_device)
+                                        two, cfg.seed_for("init")).to(self.torch_device)
         return run.data, run.model
 
     def _personal(self, run: RunState, client: int, personal: Tuple[str, ...],
@@ -83,7 +83,7 @@ class StepExecutor:
             start = {**shared, **self._personal(run, c, plan.personal, before=step.round)}
             mark = self.meter.mark()
             update, personal = run_client_round(model, start, plan, data, data.clients[c],
-                                                run.cfg.seed, step.round)
+                                                run.cfg.seed_for("training"), step.round)
             cost = self._cost(mark)
             if plan.personal:
                 self.store.save(run.run_id, c, personal, step.round)
@@ -119,7 +119,7 @@ class StepExecutor:
             start = {**shared, **self._personal(run, c, tuple(step.personal))}
             mark = self.meter.mark()
             results[c] = finetune_and_score(model, start, plan, data, data.clients[c],
-                                            run.cfg.seed, tuple(step.eval_heads),
+                                            run.cfg.seed_for("training"), tuple(step.eval_heads),
                                             run.cfg.train.eval_batch_size)
             spent = self.meter.since(mark)
             if spent is not None:

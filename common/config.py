@@ -27,7 +27,11 @@ ALGORITHMS = (
     "fedreg",
     "fedseq-vanilla",
     "fedseq-anti",
+    "local",
 )
+
+#: The random streams a run draws from; each follows `seed` unless [seeds] pins it.
+SEED_STREAMS = ("data", "init", "selection", "training")
 
 
 class _Section(BaseModel):
@@ -72,6 +76,10 @@ class AlgorithmConfig(_Section):
     # (Algorithm 3, an input of Algorithm 1) or rebuilt with fresh augmentations every round.
     fedreg_passes: Literal["epochs", "one"] = "epochs"
     fedreg_rebalance: Literal["once", "every-round"] = "once"
+    # What the final fine-tuning (FedBABU, FedSeq, local) trains: "all" blocks (FedBABU's paper,
+    # Algorithm 1: the whole model) or the "head" alone (how FedReG section 5 describes FedBABU's
+    # re-tuning). docs/results.md, "Fine-tuning".
+    finetune_blocks: Literal["all", "head"] = "all"
 
 
 class TrainConfig(_Section):
@@ -179,6 +187,16 @@ class DeployConfig(_Section):
     allow_anonymous: bool = False
 
 
+class SeedsConfig(_Section):
+    """[seeds]: pin one random stream to its own seed; a stream left unset follows `seed`.
+    `fedseq-sim --seeds 0,1,2 --vary init` uses this to vary some streams and fix the others."""
+
+    data: Optional[int] = None  # the partition, each client's train/test split, data.fraction's subset
+    init: Optional[int] = None  # the initial model weights
+    selection: Optional[int] = None  # which clients join each round
+    training: Optional[int] = None  # batch order, augmentation, fine-tuning batches
+
+
 class ExperimentConfig(_Section):
     """One experiment: everything a run (simulated or deployed) is a function of, with the seed."""
 
@@ -190,6 +208,12 @@ class ExperimentConfig(_Section):
     train: TrainConfig = Field(default_factory=lambda: TrainConfig())
     aggregation: AggregationConfig = Field(default_factory=lambda: AggregationConfig())
     deploy: DeployConfig = Field(default_factory=lambda: DeployConfig())
+    seeds: SeedsConfig = Field(default_factory=lambda: SeedsConfig())
+
+    def seed_for(self, stream: str) -> int:
+        """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`."""
+        pinned = getattr(self.seeds, stream)
+        return self.seed if pinned is None else pinned
 
     @model_validator(mode="after")
     def _check_schedule(self) -> ExperimentConfig:
@@ -209,6 +233,8 @@ class ExperimentConfig(_Section):
                     "broker_password_file", "broker", "host"):
             data["deploy"].pop(key, None)
         data["data"].pop("root", None)
+        if not any(v is not None for v in data["seeds"].values()):
+            data.pop("seeds")  # nothing pinned: the config as devices before [seeds] read it
         return data
 
     def clients_per_round(self) -> int:

@@ -44,8 +44,9 @@ def _fail(exc: Exception) -> NoReturn:
     raise typer.Exit(2)
 
 
-def _interrupted(out: Path) -> NoReturn:
-    print(f"interrupted: {out} keeps every complete round; continue with --resume {out}",
+def _interrupted(out: Path, sweep: bool = False) -> NoReturn:
+    again = "run the same fedseq-sim --seeds command again" if sweep else f"--resume {out}"
+    print(f"interrupted: {out} keeps every complete round; continue with {again}",
           file=sys.stderr)
     raise typer.Exit(130)
 
@@ -89,12 +90,23 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else f"{100 * v:.2f}%"
 
 
+SeedsOpt = Annotated[str | None, typer.Option(
+    help="Run the config under several seeds, e.g. 0,1,2 or 0-4: one run directory per seed, "
+         "OUT/seed-<s>; the same command again continues the sweep (docs/results.md, Seeds)")]
+VaryOpt = Annotated[str, typer.Option(
+    help="With --seeds: the random streams the seed changes, 'all' or some of data (partition, "
+         "splits), init (initial weights), selection (clients per round), training (batches, "
+         "augmentation); the others stay at the config's value")]
+
+
 def sim(
     config: ConfigOpt = None,
     set_: SetOpt = None,
     out: OutOpt = None,
     resume: ResumeOpt = None,
     overwrite: OverwriteOpt = False,
+    seeds: SeedsOpt = None,
+    vary: VaryOpt = "all",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     version: VersionOpt = False,
 ) -> None:
@@ -105,16 +117,49 @@ def sim(
     # other work keeps going (measured beside one busy process, 2 threads: > 200 s per round
     # spinning, 52 s passive; idle: 16.2 s spinning, 19.6 s passive). OMP_WAIT_POLICY overrides.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if seeds is None and vary != "all":
+        _fail(ValueError("--vary chooses what --seeds changes; give --seeds too"))
+    if seeds is not None and resume is not None:
+        _fail(ValueError("--seeds continues a sweep by itself: run the same command again "
+                         "(without --resume)"))
+    cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
+    if seeds is None:
+        _simulate(cfg, out, mode, info, quiet)
+        _summary(out)
+        return
+    from fedseq.server.seeds import parse_seeds, parse_vary, seed_config, seed_dir, seed_state
+
+    try:
+        todo = [(s, seed_config(cfg, s, parse_vary(vary))) for s in parse_seeds(seeds)]
+        states = {s: "overwrite" if overwrite else seed_state(seed_dir(out, s), c) for s, c in todo}
+    except FedseqError as exc:
+        _fail(exc)
+    for s, seed_cfg in todo:
+        path, state = seed_dir(out, s), states[s]
+        if state == "finished":
+            print(f"seed {s}: finished before, kept ({path})", file=sys.stderr)
+            continue
+        print(f"seed {s}: {state} -> {path}", file=sys.stderr)
+        run_mode = {"restart": "overwrite"}.get(state, state)
+        _simulate(seed_cfg, path, run_mode, {**info, "sweep": str(out), "vary": vary}, quiet)
+        _summary(path)
+    print(f"sweep finished: {len(todo)} seeds in {out}  (fedseq report {out})", file=sys.stderr)
+
+
+def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],
+              quiet: bool) -> None:
+    """One simulated run with its progress bar; a one-line error (exit 2) or the resume line
+    (exit 130) where it stops early."""
     from fedseq.common.algorithms import algorithm_class
     from fedseq.server.simulation import run_simulation
 
-    cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
         TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=err, disable=quiet,
     )
     with progress:
-        task = progress.add_task(cfg.algorithm.name, total=cfg.rounds, status="loading data")
+        task = progress.add_task(f"{cfg.algorithm.name} seed {cfg.seed}", total=cfg.rounds,
+                                 status="loading data")
 
         def on_round(row: dict[str, Any]) -> None:
             status = (f"{row['phase']} global{'*' if row.get('global_model') else ''} "
@@ -138,8 +183,7 @@ def sim(
             _fail(exc)
         except KeyboardInterrupt:
             progress.stop()
-            _interrupted(out)
-    _summary(out)
+            _interrupted(out, sweep="sweep" in info)
 
 
 def _summary(out: Path) -> None:

@@ -192,7 +192,7 @@ class Coordinator:
     def run_round(self, t: int) -> dict[str, Any]:
         """Train, aggregate and (when due) evaluate round t; returns its metrics row."""
         start = time.perf_counter()
-        selected = select_clients(self.cfg.seed, t, self.cfg.data.num_clients,
+        selected = select_clients(self.cfg.seed_for("selection"), t, self.cfg.data.num_clients,
                                   self.cfg.clients_per_round())
         plan = self.alg.plan(t)
         # what a client must hold to run the plan: the whole base (every forward pass runs it,
@@ -401,6 +401,9 @@ class Coordinator:
                 "clients": sorted(tuned),
                 "finetune_epochs": self.cfg.algorithm.finetune_epochs,
                 "trainable_params": count_params(self.model, ft_plan.trainable),
+                # the fine-tuning's measured training compute (as a round's train_flops)
+                "train_flops": sum(plan_flops(self.model, ft_plan, self.data, self.data.clients[c],
+                                              self.flop_cache) for c in tuned),
                 "seconds": round(time.perf_counter() - start, 3),
             }
             spent = self.pool.step_energy()

@@ -25,7 +25,8 @@ def load_experiment(cfg: ExperimentConfig, test_images_only: bool = False) -> Ex
     """Load and partition the dataset, build the model and the algorithm. `test_images_only`:
     the coordinator of a deployment needs the test rows' images (its global evaluation) and the
     partition's sizes, never a training image."""
-    data = load_federated(cfg.data, cfg.seed, test_images_only=test_images_only)
+    data = load_federated(cfg.data, cfg.seed_for("data"), test_images_only=test_images_only)
     two_heads = algorithm_class(cfg.algorithm.name).two_heads
-    model = build_run_model(cfg.model.name, data.input_shape, data.num_classes, two_heads, cfg.seed)
+    model = build_run_model(cfg.model.name, data.input_shape, data.num_classes, two_heads,
+                            cfg.seed_for("init"))
     return Experiment(data, model, make_algorithm(cfg, model.spec))

@@ -63,7 +63,7 @@ def run_simulation(
     info["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     exp = load_experiment(cfg)
-    pool = InProcessPool(exp.data, exp.model, exp.algorithm.personal_blocks(), cfg.seed,
+    pool = InProcessPool(exp.data, exp.model, exp.algorithm.personal_blocks(), cfg.seed_for("training"),
                          cfg.train.eval_batch_size, device)
     run_dir = None
     if out is not None:

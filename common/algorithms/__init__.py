@@ -12,12 +12,14 @@ from fedseq.common.algorithms.fedrep import FedRep
 from fedseq.common.algorithms.fedrod import FedRoD
 from fedseq.common.algorithms.fedseq import FedSeq, FedSeqAnti
 from fedseq.common.algorithms.lgfedavg import LGFedAvg
+from fedseq.common.algorithms.local import Local
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.models import ModelSpec
 
 REGISTRY: dict[str, type[Algorithm]] = {
     cls.name: cls
-    for cls in (FedAvg, FedProx, FedPer, FedRep, LGFedAvg, FedBABU, FedRoD, FedReG, FedSeq, FedSeqAnti)
+    for cls in (FedAvg, FedProx, FedPer, FedRep, LGFedAvg, FedBABU, FedRoD, FedReG, FedSeq, FedSeqAnti,
+                Local)
 }
 
 

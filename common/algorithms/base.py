@@ -93,6 +93,17 @@ class Algorithm:
         return {block_of(k): float(update.num_samples) for k in update.deltas}
 
 
+def local_finetune_plan(cfg: ExperimentConfig, spec: ModelSpec) -> ClientPlan:
+    """Every client's final fine-tuning (FedBABU, FedSeq, local): algorithm.finetune_epochs on
+    its own rows, every block kept (nothing is uploaded); the whole model or, with
+    algorithm.finetune_blocks = "head", the head alone under the federated base."""
+    trained = spec.blocks if cfg.algorithm.finetune_blocks == "all" else (spec.head,)
+    phase = Phase(cfg.algorithm.finetune_epochs, (Objective((spec.head,), trained),))
+    t = cfg.train
+    return ClientPlan((phase,), upload=(), personal=spec.blocks, lr=t.lr, momentum=t.momentum,
+                      batch_size=t.batch_size)
+
+
 def base_only_phase(spec: ModelSpec, trainable_base: tuple[str, ...], epochs: int) -> Phase:
     """Train some base blocks under a frozen head (FedBABU, FedSeq)."""
     return Phase(epochs, (Objective((spec.head,), trainable_base),))

@@ -1,5 +1,6 @@
 """FedBABU (Oh et al.): the head stays at its random init during federation, only the body is
-trained and aggregated; every client fine-tunes the whole model after the last round.
+trained and aggregated; every client fine-tunes the whole model after the last round (or its head
+alone: algorithm.finetune_blocks = "head", how FedReG section 5 describes FedBABU's re-tuning).
 
 The paper zeroes the head's learning rate (gradient computed, not applied); here the head has
 requires_grad=False, which gives the same weights without computing the head's gradient.
@@ -7,8 +8,8 @@ requires_grad=False, which gives the same weights without computing the head's g
 
 from __future__ import annotations
 
-from fedseq.common.algorithms.base import Algorithm, base_only_phase
-from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
+from fedseq.common.algorithms.base import Algorithm, base_only_phase, local_finetune_plan
+from fedseq.common.algorithms.plan import ClientPlan, Phase
 
 
 class FedBABU(Algorithm):
@@ -26,10 +27,4 @@ class FedBABU(Algorithm):
         return (base_only_phase(self.spec, self.trainable_base(round), self.cfg.train.local_epochs),)
 
     def finetune_plan(self) -> ClientPlan | None:
-        if not self.finetunes(self.cfg):
-            return None
-        epochs = self.cfg.algorithm.finetune_epochs
-        t = self.cfg.train
-        phase = Phase(epochs, (Objective((self.spec.head,), self.spec.blocks),))
-        return ClientPlan((phase,), upload=(), personal=self.spec.blocks, lr=t.lr,
-                          momentum=t.momentum, batch_size=t.batch_size)
+        return local_finetune_plan(self.cfg, self.spec) if self.finetunes(self.cfg) else None
