@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,27 +27,38 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-# Published numbers (%), keyed by our algorithm names. FedReG Table 6: its Jetson testbed
-# (FMNIST, 30 clients, Dir(0.1), join 0.2, ConvNet; best global / best average client accuracy
-# over 100 rounds, mean of runs). FedSeq Table 2, MNIST column: accuracy at T = 100/200/300
-# (FedBABU and FedSeq after fine-tuning).
+# Published numbers (%), keyed by our algorithm names, and the metric of ours each column
+# compares with. FedReG Table 6: its Jetson testbed (FMNIST, 30 clients, Dir(0.1), join 0.2,
+# ConvNet; best global / best average client accuracy over 100 rounds, mean of five runs). Its
+# "P" scores each client's locally trained model (section 5), which is our L (every client's
+# latest local model, stale for clients not selected lately) or Lr (only the round's trainers'
+# fresh local models): section 5 admits both readings, so both sit beside it. FedSeq Table 2 of
+# the arXiv version, Table 4 of the Appl. Sci. 2024 version (same numbers), MNIST column:
+# accuracy at T = 100/200/300, FedBABU and FedSeq after fine-tuning: our P final.
 PAPERS: dict[str, dict[str, Any]] = {
     "fedreg-table6": {
-        "title": "FedReG Table 6 (testbed, FMNIST)",
+        "title": "FedReG Table 6 (testbed, FMNIST; mean of 5 runs)",
         "columns": ("G", "P"),
+        "compare": {"G": ("G best",), "P": ("L best", "Lr best")},
         "rows": {"fedavg": (82.13, 98.05), "fedprox": (81.18, 98.05), "fedper": (72.27, 98.29),
                  "fedrep": (59.75, 97.88), "fedbabu": (78.73, 97.76), "fedrod": (83.96, 98.01),
                  "fedreg": (86.12, 98.25)},
     },
     "fedseq-table2-mnist": {
-        "title": "FedSeq Table 2 (MNIST)",
+        "title": "FedSeq Table 2 (arXiv) = Table 4 (Appl. Sci. 2024), MNIST",
         "columns": ("T=100", "T=200", "T=300"),
+        "compare": {"T=100": ("P final",), "T=200": ("P final",), "T=300": ("P final",)},
         "rows": {"fedavg": (91.48, 96.32, 97.48), "fedper": (98.30, 98.63, 98.69),
                  "lg-fedavg": (97.95, 98.17, 98.13), "fedrep": (98.56, 98.69, 98.75),
                  "fedrod": (98.61, 98.95, 99.06), "fedbabu": (98.19, 98.77, 98.84),
                  "fedseq-vanilla": (98.21, 98.84, 98.99), "fedseq-anti": (98.34, 98.81, 98.96)},
     },
 }
+#: the accuracies of a summary row: (metrics.jsonl key, table name)
+ACCURACIES = (("global_acc", "G"), ("personal_acc", "P"), ("local_acc", "L"),
+              ("round_local_acc", "Lr"))
+#: how many evaluated rounds "last10" averages
+LAST = 10
 
 
 @dataclass
@@ -100,7 +113,8 @@ def _values(rows: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def summarize(run: Run) -> dict[str, Any]:
-    """One table row: final and best G, P and local accuracy (%), rounds, bytes, FLOPs, time."""
+    """One table row: final, best and last-10-rounds G, P, L and Lr (%), the per-client spread
+    of the final personalized accuracy, rounds, bytes, FLOPs, time, energy."""
     train = run.train_rows
     last = run.rows[-1] if run.rows else {}
     out: dict[str, Any] = {"run": run.label, "algorithm": run.algorithm,
@@ -110,13 +124,19 @@ def summarize(run: Run) -> dict[str, Any]:
                            "of": run.config.get("rounds", len(train)),
                            "finetuned": last.get("phase") == "finetune",
                            "state": run.status.get("state", "?")}
-    for key, name in (("global_acc", "G"), ("personal_acc", "P"), ("local_acc", "L")):
+    for key, name in ACCURACIES:
         vals = _values(run.rows, key)
+        tail = _values(train, key)[-LAST:]
         out[f"{name} final"] = round(100 * vals[-1], 2) if vals else None
         out[f"{name} best"] = round(100 * max(vals), 2) if vals else None
+        out[f"{name} last{LAST}"] = round(100 * sum(tail) / len(tail), 2) if tail else None
+    accs = sorted(100 * float(c["accuracy"]) for c in run.clients if c.get("accuracy"))
+    worst = accs[: max(1, math.ceil(0.1 * len(accs)))]
+    out["client sd"] = round(statistics.pstdev(accs), 2) if accs else None
+    out["worst 10%"] = round(sum(worst) / len(worst), 2) if accs else None
     out["global model"] = "init head/base" if run.init_global else "trained"
     out["MB moved"] = round(sum(r.get("bytes_down", 0) + r.get("bytes_up", 0) for r in train) / 1e6, 1)
-    out["train TFLOP"] = round(sum(r.get("train_flops", 0) for r in train) / 1e12, 2)
+    out["train TFLOP"] = round(sum(r.get("train_flops", 0) for r in run.rows) / 1e12, 2)
     out["wall s"] = round(sum(r.get("seconds", 0) for r in run.rows), 1)
     joules = _values(train, "energy_j")  # measured on the devices (deployments with a sensor)
     out["energy kJ"] = round(sum(joules) / 1e3, 3) if joules else None
@@ -124,6 +144,91 @@ def summarize(run: Run) -> dict[str, Any]:
     tuned = _values([r for r in run.rows if r.get("phase") == "finetune"], "energy_j")
     out["finetune kJ"] = round(sum(tuned) / 1e3, 3) if tuned else None
     return out
+
+
+# -- seeds: runs of one config that differ only by seed ------------------------------------
+STREAMS = ("data", "init", "selection", "training")
+
+
+def _seed_of(run: Run, stream: str) -> Any:
+    pinned = run.config.get("seeds", {}).get(stream)
+    return run.config.get("seed") if pinned is None else pinned
+
+
+def _group_key(run: Run) -> str:
+    """What a run is a function of, but its seeds: the config without `seed`, [seeds], the
+    deployment section and the data root."""
+    cfg = {k: v for k, v in run.config.items() if k not in ("seed", "seeds", "deploy")}
+    cfg["data"] = {k: v for k, v in cfg.get("data", {}).items() if k != "root"}
+    return json.dumps(cfg, sort_keys=True, default=str)
+
+
+@dataclass
+class Group:
+    """The runs of one config under several seeds (a group of one is a single run)."""
+
+    label: str
+    runs: list[Run]
+
+    @property
+    def varied(self) -> list[str]:
+        """The random streams whose seed differs between the runs."""
+        return [s for s in STREAMS if len({_seed_of(r, s) for r in self.runs}) > 1]
+
+    @property
+    def seeds(self) -> list[Any]:
+        return [r.config.get("seed") for r in self.runs]
+
+    @property
+    def init_global(self) -> bool:
+        return any(r.init_global for r in self.runs)
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    """Group runs whose configs differ only by seed, in order of first appearance. A group of
+    several is labelled by its runs' common parent folder (a sweep's OUT) or the first run."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(_group_key(run), []).append(run)
+    out = []
+    for members in groups.values():
+        label = members[0].label
+        if len(members) > 1:
+            parents = {r.path.resolve().parent for r in members}
+            label = parents.pop().name if len(parents) == 1 else f"{label} (+{len(members) - 1})"
+        out.append(Group(label, members))
+    return out
+
+
+def summarize_group(group: Group) -> dict[str, Any]:
+    """One table row for a group: for every number of `summarize`, the mean over the seeds (in
+    the metric's own column) and its sd, min and max (sample sd; none for a single run)."""
+    rows = [summarize(r) for r in group.runs]
+    first = rows[0]
+    out: dict[str, Any] = {"run": group.label, "algorithm": first["algorithm"],
+                           "dataset": first["dataset"], "model": first["model"],
+                           "seeds": len(rows),
+                           "varied": ",".join(group.varied) or "-",
+                           "rounds": min(r["rounds"] for r in rows), "of": first["of"],
+                           "finetuned": all(r["finetuned"] for r in rows),
+                           "state": first["state"] if len({r["state"] for r in rows}) == 1 else "mixed",
+                           "global model": first["global model"]}
+    spread: dict[str, Any] = {}
+    for key, value in first.items():
+        if key in out or key == "run" or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        if len(vals) < len(rows):  # not measured in every run: no mean
+            out[key] = None
+            continue
+        if len(vals) == 1:
+            out[key] = vals[0]
+            continue
+        out[key] = round(statistics.fmean(vals), 3)
+        spread[f"{key} sd"] = round(statistics.stdev(vals), 3)
+        spread[f"{key} min"] = min(vals)
+        spread[f"{key} max"] = max(vals)
+    return {**out, **spread}
 
 
 def _fmt(v: Any) -> str:
@@ -134,40 +239,98 @@ def _fmt(v: Any) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
+# The Markdown table's columns (summary.csv has every number, spreads included); an accuracy
+# shows mean ± sd where a group has several seeds.
+MD_COLUMNS = ("run", "algorithm", "dataset", "model", "seeds", "varied", "rounds", "finetuned",
+              "G best", f"G last{LAST}", "G final", "P best", "P final", "L best", "L final",
+              "Lr best", "client sd", "worst 10%", "global model", "MB moved", "train TFLOP",
+              "wall s", "energy kJ", "J/round", "finetune kJ")
+
+
+def _paper_columns(rows: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, str]:
+    """Add the paper's numbers to the rows; returns {paper column: the last of our columns it
+    is compared with}, where it goes in the Markdown table. FedSeq's T columns: only the one
+    equal to the runs' rounds, where there is one."""
+    rounds = {r["of"] for r in rows}
+    columns = [c for c in ref["columns"] if c.startswith("T=") and int(c[2:]) in rounds] \
+        or list(ref["columns"])
+    for row in rows:
+        published = ref["rows"].get(row["algorithm"])
+        for col in columns:
+            row[f"paper {col}"] = published[ref["columns"].index(col)] if published else None
+    return {f"paper {c}": ref["compare"][c][-1] for c in columns}
+
+
 def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[dict[str, Any]]:
-    rows = [summarize(r) for r in runs]
+    groups = group_runs(runs)
+    rows = [summarize_group(g) for g in groups]
     ref = PAPERS[paper] if paper else None
-    if ref is not None:
-        for row in rows:
-            published = ref["rows"].get(row["algorithm"])
-            for i, col in enumerate(ref["columns"]):
-                row[f"paper {col}"] = published[i] if published else None
-    keys = list(rows[0])
+    beside = _paper_columns(rows, ref) if ref is not None else {}
+    keys = list(dict.fromkeys(k for r in rows for k in r))
     with (out / "summary.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(_fmt(r[k]) for k in keys) + " |" for r in rows]
+    shown = [k for k in MD_COLUMNS if any(r.get(k) is not None for r in rows)]
+    for col, after in beside.items():  # the paper's number right of the metric it matches
+        shown.insert(shown.index(after) + 1 if after in shown else len(shown), col)
+
+    def cell(row: dict[str, Any], key: str) -> str:
+        sd = row.get(f"{key} sd")
+        return _fmt(row.get(key)) + (f" ± {sd:.2f}" if sd is not None and key in _ACC_KEYS else "")
+
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    lines += ["| " + " | ".join(cell(r, k) for k in shown) + " |" for r in rows]
     notes = [
         "",
         "G: global model on all clients' test rows; P: each client's personalized model after "
-        "aggregation (after fine-tuning for FedBABU/FedSeq); L: each client's most recent locally "
-        "trained model (FedReG's testbed definition). final = last evaluated row, best = best "
-        "evaluated round (what FedReG reports). Accuracies in %.",
+        "aggregation (after fine-tuning for FedBABU/FedSeq/local); L: each client's most recent "
+        "locally trained model (stale for clients not selected lately); Lr: the fresh local "
+        "models of each round's trainers only (FedReG section 5 admits both readings of its "
+        f"testbed's P). final = last evaluated row, best = best evaluated round (what FedReG "
+        f"reports), last{LAST} = mean of the last {LAST} evaluated training rounds. client sd / "
+        "worst 10%: spread of the final P over clients (sd; mean of the worst tenth). "
+        "Accuracies in %; with several seeds: mean ± sd over seeds (min/max in summary.csv), "
+        "varied = the random streams the seeds changed. train TFLOP: measured training compute, "
+        "fine-tuning included.",
     ]
     if ref is not None:
-        notes.append(f"paper columns: {ref['title']}.")
+        compared = "; ".join(f"paper {c} beside {' and '.join(v)}" for c, v in ref["compare"].items()
+                             if f"paper {c}" in beside)
+        notes.append(f"paper columns: {ref['title']}: {compared}.")
     (out / "summary.md").write_text("\n".join(lines + notes) + "\n")
     return rows
 
 
-def _style(run: Run, points: int) -> dict[str, Any]:
-    """A run's line against global accuracy: dashed and starred where the global model keeps an
-    untrained head or base, markers while there are few points."""
-    return {"label": run.label + ("*" if run.init_global else ""), "lw": 1.4,
+_ACC_KEYS = {f"{n} {w}" for _, n in ACCURACIES for w in ("final", "best", f"last{LAST}")} \
+    | {"client sd", "worst 10%"}
+
+
+def _style(run: Run, points: int, color: str, name: str, labelled: set[Any]) -> dict[str, Any]:
+    """A run's line against global accuracy in its group's colour, labelled with the group's
+    `name` once: dashed and starred where the global model keeps an untrained head or base,
+    markers while there are few points."""
+    label = name + ("*" if run.init_global else "")
+    first = color not in labelled
+    labelled.add(color)
+    return {"label": label if first else None, "lw": 1.4, "color": color,
             "ls": "--" if run.init_global else "-", "marker": "o" if points <= 30 else None,
             "ms": 3}
+
+
+def _seed_curve(runs: list[Run], key: str) -> tuple[list[int], list[float], list[float],
+                                                    list[float], list[float]] | None:
+    """Per evaluated round (those every run evaluated): the mean, sd, min and max of `key` over
+    the runs, in %."""
+    per_run = [{r["round"]: 100 * r[key] for r in run.train_rows if r.get(key) is not None}
+               for run in runs]
+    xs = sorted(set.intersection(*(set(p) for p in per_run)))
+    if not xs:
+        return None
+    vals = [[p[x] for p in per_run] for x in xs]
+    sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+    return (xs, [statistics.fmean(v) for v in vals], sd, [min(v) for v in vals],
+            [max(v) for v in vals])
 
 
 def write_figures(runs: list[Run], out: Path) -> list[Path]:
@@ -187,47 +350,64 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
         plt.close(fig)
         written.append(out / name)
 
+    groups = group_runs(runs)
+    colors = {id(r): f"C{i % 10}" for i, g in enumerate(groups) for r in g.runs}
+    names = {id(r): g.label for g in groups for r in g.runs}
+    labelled: set[Any] = set()  # the groups labelled in the current figure
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
     for ax, key, title in zip(axes, ("global_acc", "personal_acc", "local_acc"),
                               ("global model", "personalized (after aggregation)",
                                "local model (FedReG testbed)"), strict=True):
-        for run in runs:
-            pts = [(r["round"], 100 * r[key]) for r in run.train_rows if r.get(key) is not None]
-            if pts:
-                star = key == "global_acc" and run.init_global
-                line, = ax.plot(*zip(*pts, strict=True), label=run.label + ("*" if star else ""),
-                                lw=1.4, ls="--" if star else "-",
-                                marker="o" if len(pts) <= 30 else None, ms=3)
-                final = run.rows[-1]
-                if key != "global_acc" and final.get("phase") == "finetune" and final.get(key) is not None:
-                    ax.plot([final["round"]], [100 * final[key]], marker="*", ms=11,
-                            color=line.get_color())
+        for i, group in enumerate(groups):
+            star = key == "global_acc" and group.init_global
+            label = group.label + ("*" if star else "") + \
+                (f" ({len(group.runs)} seeds)" if len(group.runs) > 1 else "")
+            curve = _seed_curve(group.runs, key)
+            if not curve:
+                continue
+            xs, mean, sd, lo, hi = curve
+            color = f"C{i % 10}"
+            ax.plot(xs, mean, label=label, lw=1.4, ls="--" if star else "-", color=color,
+                    marker="o" if len(xs) <= 30 else None, ms=3)
+            if len(group.runs) > 1:
+                ax.fill_between(xs, [m - d for m, d in zip(mean, sd, strict=True)],
+                                [m + d for m, d in zip(mean, sd, strict=True)], color=color,
+                                alpha=0.25, lw=0)
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.1, lw=0)
+            tuned = [100 * r.rows[-1][key] for r in group.runs
+                     if r.rows[-1].get("phase") == "finetune" and r.rows[-1].get(key) is not None]
+            if key != "global_acc" and len(tuned) == len(group.runs):
+                ax.plot([group.runs[0].rows[-1]["round"]], [statistics.fmean(tuned)], marker="*",
+                        ms=11, color=color)
         ax.set_title(title)
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (%)")
     for ax in axes:
         ax.legend(fontsize=7, loc="lower right")
-    fig.suptitle("accuracy per round (star marker: after fine-tuning; dashed, name*: global model "
-                 "with its head or base at init)", fontsize=10)
+    fig.suptitle("accuracy per round (several seeds: mean, ± sd dark, min-max light; star: after "
+                 "fine-tuning; dashed, name*: global model with its head or base at init)",
+                 fontsize=10)
     save(fig, "accuracy.png")
 
-    with_clients = [r for r in runs if r.clients]
+    with_clients = [g for g in groups if all(r.clients for r in g.runs)]
     if with_clients:
         fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(with_clients) + 2), 4.2))
-        data = [[100 * float(c["accuracy"]) for c in r.clients if c.get("accuracy")]
-                for r in with_clients]
+        data = [[100 * float(c["accuracy"]) for r in g.runs for c in r.clients if c.get("accuracy")]
+                for g in with_clients]
         ax.boxplot(data, showmeans=True)
         for i, ys in enumerate(data, 1):
             ax.scatter([i] * len(ys), ys, s=8, alpha=0.5)
-        ax.set_xticks(range(1, len(data) + 1), [r.label for r in with_clients], rotation=30,
-                      ha="right", fontsize=8)
+        ax.set_xticks(range(1, len(data) + 1),
+                      [g.label + (f" ({len(g.runs)} seeds)" if len(g.runs) > 1 else "")
+                       for g in with_clients], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("final accuracy per client (%)")
-        ax.set_title("per-client accuracy (personalized model, own test rows)")
+        ax.set_title("per-client accuracy (personalized model, own test rows; all seeds pooled)")
         ax.grid(alpha=0.3, axis="y")
         save(fig, "clients.png")
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    labelled.clear()
     for run in runs:
         moved = flops = 0.0
         xb, xf, ys = [], [], []
@@ -238,7 +418,7 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
                 xb.append(moved / 1e6)
                 xf.append(flops / 1e12)
                 ys.append(100 * r["global_acc"])
-        style = _style(run, len(ys))
+        style = _style(run, len(ys), colors[id(run)], names[id(run)], labelled)
         axes[0].plot(xb, ys, **style)
         axes[1].plot(xf, ys, **style)
     axes[0].set_xlabel("cumulative MB moved (down + up)")
@@ -250,6 +430,7 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
     save(fig, "cost.png")
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    labelled.clear()
     measured = False
     for run in runs:
         wall = energy = 0.0
@@ -265,12 +446,14 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
                 if per_round:
                     xe.append(energy / 1e3)
                     ye.append(100 * r["global_acc"])
-        style = _style(run, len(yt))
+        style = _style(run, len(yt), colors[id(run)], names[id(run)], labelled)
         axes[0].plot(xt, yt, **style)
         if per_round:
             measured = True
             axes[1].plot(xe, ye, **style)
-            axes[2].plot(*zip(*per_round, strict=True), label=run.label, lw=1.2)
+            axes[2].plot(*zip(*per_round, strict=True), lw=1.2, color=colors[id(run)],
+                         label=names[id(run)] if ("e", colors[id(run)]) not in labelled else None)
+            labelled.add(("e", colors[id(run)]))
     axes[0].set_xlabel("cumulative wall time (s)")
     axes[0].set_ylabel("global accuracy (%)")
     axes[1].set_xlabel("cumulative energy on the devices (kJ)")
@@ -289,16 +472,40 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
     save(fig, "edge.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    labelled.clear()
     for run in runs:
         pts = [(r["round"], r["seconds"]) for r in run.train_rows if "seconds" in r]
         if pts:
-            ax.plot(*zip(*pts, strict=True), label=run.label, lw=1.2)
+            ax.plot(*zip(*pts, strict=True), lw=1.2, color=colors[id(run)],
+                    label=names[id(run)] if ("s", colors[id(run)]) not in labelled else None)
+            labelled.add(("s", colors[id(run)]))
     ax.set_xlabel("round")
     ax.set_ylabel("seconds per round")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save(fig, "seconds.png")
     return written
+
+
+def _expand_sweeps(paths: list[Path], labels: list[str] | None) -> list[Path]:
+    """A sweep's folder (fedseq-sim --seeds: seed-*/ run directories, no metrics.jsonl of its
+    own) stands for its seeds' runs."""
+    out: list[Path] = []
+    for p in map(Path, paths):
+        seeds = sorted(p.glob("seed-*/metrics.jsonl"), key=lambda m: _seed_number(m.parent))
+        if not (p / "metrics.jsonl").exists() and seeds:
+            if labels:
+                raise ConfigError(f"{p} is a sweep of {len(seeds)} seeds: --label names single "
+                                  "runs; drop --label (the sweep is labelled by its folder)")
+            out += [m.parent for m in seeds]
+        else:
+            out.append(p)
+    return out
+
+
+def _seed_number(path: Path) -> int:
+    tail = path.name.removeprefix("seed-")
+    return int(tail) if tail.isdigit() else -1
 
 
 def report(paths: list[Path], out: Path, paper: str | None = None, figures: bool = True,
@@ -309,6 +516,7 @@ def report(paths: list[Path], out: Path, paper: str | None = None, figures: bool
         raise ConfigError(f"--paper {paper!r} is unknown; use one of {', '.join(PAPERS)}")
     if labels and len(labels) != len(paths):
         raise ConfigError(f"{len(labels)} --label for {len(paths)} run directories; give one each")
+    paths = _expand_sweeps(paths, labels)
     runs = [load_run(p, labels[i] if labels else None) for i, p in enumerate(paths)]
     names = [r.label for r in runs]
     if not labels and len(set(names)) < len(names):  # same folder names: add their parents
