@@ -487,7 +487,7 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
     return written
 
 
-def _expand_sweeps(paths: list[Path], labels: list[str] | None) -> list[Path]:
+def expand_sweeps(paths: list[Path], labels: list[str] | None) -> list[Path]:
     """A sweep's folder (fedseq-sim --seeds: seed-*/ run directories, no metrics.jsonl of its
     own) stands for its seeds' runs."""
     out: list[Path] = []
@@ -516,7 +516,7 @@ def report(paths: list[Path], out: Path, paper: str | None = None, figures: bool
         raise ConfigError(f"--paper {paper!r} is unknown; use one of {', '.join(PAPERS)}")
     if labels and len(labels) != len(paths):
         raise ConfigError(f"{len(labels)} --label for {len(paths)} run directories; give one each")
-    paths = _expand_sweeps(paths, labels)
+    paths = expand_sweeps(paths, labels)
     runs = [load_run(p, labels[i] if labels else None) for i, p in enumerate(paths)]
     names = [r.label for r in runs]
     if not labels and len(set(names)) < len(names):  # same folder names: add their parents

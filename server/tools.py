@@ -129,6 +129,30 @@ def report_cmd(
           + "".join(f", {f}" for f in figures))
 
 
+export_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                         help="Export run directories to an experiment tracker.")
+app.add_typer(export_app, name="export")
+
+
+@export_app.command("tensorboard")
+def export_tensorboard_cmd(
+    runs: Annotated[list[Path], typer.Argument(help="run directories or sweep folders")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="TensorBoard log directory")
+                   ] = Path("tensorboard"),
+) -> None:
+    """TensorBoard event files of simulated or deployed runs (one folder per run; a sweep's
+    seeds side by side); run it again to follow a running experiment. Then:
+    tensorboard --logdir OUT"""
+    from fedseq.server.track import export_tensorboard
+
+    try:
+        written = export_tensorboard(runs, out)
+    except FedseqError as exc:
+        _fail(exc)
+    print(f"wrote {len(written)} runs to {out}: " + ", ".join(str(w.relative_to(out)) for w in written)
+          + f"\nview them with: tensorboard --logdir {out}")
+
+
 def main() -> None:
     app()
 
