@@ -83,7 +83,7 @@ def test_fine_tuning_is_declared_and_off_with_zero_epochs(name):
         alg = make_algorithm(cfg, build_model("cnn", (1, 28, 28), 10, cls.two_heads).spec)
         assert cls.finetunes(cfg) == (alg.finetune_plan() is not None)
         assert cls.finetunes(cfg) == (epochs > 0 and name in ("fedbabu", "fedseq-vanilla",
-                                                              "fedseq-anti"))
+                                                              "fedseq-anti", "local"))
 
 
 def test_fedreg_plans_only_after_prepare():
