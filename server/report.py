@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fedseq.common.config import SEED_STREAMS
 from fedseq.common.errors import ConfigError
+from fedseq.server.seeds import defining
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -147,7 +149,6 @@ def summarize(run: Run) -> dict[str, Any]:
 
 
 # -- seeds: runs of one config that differ only by seed ------------------------------------
-STREAMS = ("data", "init", "selection", "training")
 
 
 def _seed_of(run: Run, stream: str) -> Any:
@@ -156,10 +157,8 @@ def _seed_of(run: Run, stream: str) -> Any:
 
 
 def _group_key(run: Run) -> str:
-    """What a run is a function of, but its seeds: the config without `seed`, [seeds], the
-    deployment section and the data root."""
-    cfg = {k: v for k, v in run.config.items() if k not in ("seed", "seeds", "deploy")}
-    cfg["data"] = {k: v for k, v in cfg.get("data", {}).items() if k != "root"}
+    """What a run is a function of, but its seeds (seeds.defining without `seed`, [seeds])."""
+    cfg = {k: v for k, v in defining(run.config).items() if k not in ("seed", "seeds")}
     return json.dumps(cfg, sort_keys=True, default=str)
 
 
@@ -173,7 +172,7 @@ class Group:
     @property
     def varied(self) -> list[str]:
         """The random streams whose seed differs between the runs."""
-        return [s for s in STREAMS if len({_seed_of(r, s) for r in self.runs}) > 1]
+        return [s for s in SEED_STREAMS if len({_seed_of(r, s) for r in self.runs}) > 1]
 
     @property
     def seeds(self) -> list[Any]:

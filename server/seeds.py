@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from fedseq.common.config import SEED_STREAMS, ExperimentConfig, load_config
 from fedseq.common.errors import ConfigError
@@ -80,10 +81,14 @@ def seed_state(path: Path, cfg: ExperimentConfig) -> str:
     return "resume" if (path / "checkpoint.safetensors").exists() else "restart"
 
 
-def _comparable(cfg: ExperimentConfig) -> dict[str, object]:
-    """What defines a run's results: the config without the deployment section and the data
-    root (a resumed sweep may run from another folder or against another broker)."""
-    data = cfg.model_dump(mode="json")
-    data.pop("deploy")
-    data["data"].pop("root")
-    return data
+def defining(config: dict[str, Any]) -> dict[str, Any]:
+    """What defines a run's results, from a config as a dict (a model dump or a run directory's
+    config.toml): all of it but the deployment section and the data root (a resumed sweep may
+    run from another folder or against another broker, and give the same numbers)."""
+    out = {k: v for k, v in config.items() if k != "deploy"}
+    out["data"] = {k: v for k, v in out.get("data", {}).items() if k != "root"}
+    return out
+
+
+def _comparable(cfg: ExperimentConfig) -> dict[str, Any]:
+    return defining(cfg.model_dump(mode="json"))
