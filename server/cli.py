@@ -92,7 +92,7 @@ def _fmt(v: Any) -> str:
 
 SeedsOpt = Annotated[str | None, typer.Option(
     help="Run the config under several seeds, e.g. 0,1,2 or 0-4: one run directory per seed, "
-         "OUT/seed-<s>; the same command again continues the sweep (docs/results.md, Seeds)")]
+         "OUT/seed-<s>; the same command again continues the sweep (README, Seeds)")]
 VaryOpt = Annotated[str, typer.Option(
     help="With --seeds: the random streams the seed changes, 'all' or some of data (partition, "
          "splits), init (initial weights), selection (clients per round), training (batches, "

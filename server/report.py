@@ -179,6 +179,10 @@ class Group:
         return [r.config.get("seed") for r in self.runs]
 
     @property
+    def legend(self) -> str:
+        return self.label + (f" ({len(self.runs)} seeds)" if len(self.runs) > 1 else "")
+
+    @property
     def init_global(self) -> bool:
         return any(r.init_global for r in self.runs)
 
@@ -357,15 +361,14 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
     for ax, key, title in zip(axes, ("global_acc", "personal_acc", "local_acc"),
                               ("global model", "personalized (after aggregation)",
                                "local model (FedReG testbed)"), strict=True):
-        for i, group in enumerate(groups):
+        for group in groups:
             star = key == "global_acc" and group.init_global
-            label = group.label + ("*" if star else "") + \
-                (f" ({len(group.runs)} seeds)" if len(group.runs) > 1 else "")
+            label = group.legend + ("*" if star else "")
             curve = _seed_curve(group.runs, key)
             if not curve:
                 continue
             xs, mean, sd, lo, hi = curve
-            color = f"C{i % 10}"
+            color = colors[id(group.runs[0])]
             ax.plot(xs, mean, label=label, lw=1.4, ls="--" if star else "-", color=color,
                     marker="o" if len(xs) <= 30 else None, ms=3)
             if len(group.runs) > 1:
@@ -398,8 +401,7 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
         for i, ys in enumerate(data, 1):
             ax.scatter([i] * len(ys), ys, s=8, alpha=0.5)
         ax.set_xticks(range(1, len(data) + 1),
-                      [g.label + (f" ({len(g.runs)} seeds)" if len(g.runs) > 1 else "")
-                       for g in with_clients], rotation=30, ha="right", fontsize=8)
+                      [g.legend for g in with_clients], rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("final accuracy per client (%)")
         ax.set_title("per-client accuracy (personalized model, own test rows; all seeds pooled)")
         ax.grid(alpha=0.3, axis="y")
