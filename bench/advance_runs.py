@@ -6,7 +6,9 @@ and continued at any time (every round is checkpointed; a later call resumes eac
 
 Each run is `OUT/<algorithm>/`, a normal fedseq-sim run directory with rounds = --until (so its
 schedule, e.g. FedSeq's t_k, is the full run's). Fine-tuning happens when a run reaches --until.
-Extra `--set KEY=VALUE` apply to every run. Stop with Ctrl-C; call again to continue.
+Extra `--set KEY=VALUE` apply to every run (`--set seed=1` for another seed; one algorithm
+under several seeds in one command is `fedseq-sim --seeds 0-2`, README "Seeds"). Stop with
+Ctrl-C; call again to continue.
 """
 
 from __future__ import annotations
