@@ -10,9 +10,12 @@ seed is kept, an interrupted one resumes after its last complete round, a missin
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from fedseq.common.config import SEED_STREAMS, ExperimentConfig, load_config
 from fedseq.common.errors import ConfigError
@@ -84,7 +87,11 @@ def seed_state(path: Path, cfg: ExperimentConfig) -> str:
 def defining(config: dict[str, Any]) -> dict[str, Any]:
     """What defines a run's results, from a config as a dict (a model dump or a run directory's
     config.toml): all of it but the deployment section and the data root (a resumed sweep may
-    run from another folder or against another broker, and give the same numbers)."""
+    run from another folder or against another broker, and give the same numbers), with every
+    default filled in, so a run directory written before a key existed (its default then being
+    the only behaviour) compares equal to one that records the default."""
+    with contextlib.suppress(ValidationError):  # a config this version cannot read: as written
+        config = ExperimentConfig.model_validate(config).model_dump(mode="json")
     out = {k: v for k, v in config.items() if k != "deploy"}
     out["data"] = {k: v for k, v in out.get("data", {}).items() if k != "root"}
     return out

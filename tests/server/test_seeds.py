@@ -120,6 +120,11 @@ def test_report_groups_the_seeds_of_one_config(data_root, tmp_path):
         run_simulation(seed_config(base, s, ("init", "training")), tmp_path / "fedavg" / f"seed-{s}")
     run_simulation(quick_config(data_root, "algorithm.name=local", "train.threads=1", "rounds=2"),
                    tmp_path / "local")
+    # a run directory written before a key existed records no value for it: it is the default
+    old = tmp_path / "fedavg" / "seed-2" / "config.toml"
+    text = old.read_text()
+    assert 'finetune_blocks = "all"\n' in text
+    old.write_text(text.replace('finetune_blocks = "all"\n', ""))
     rows, _ = report([tmp_path / "fedavg", tmp_path / "local"], tmp_path / "rep", figures=False)
     assert [(r["run"], r["seeds"], r["varied"]) for r in rows] == [("fedavg", 3, "init,training"),
                                                                    ("local", 1, "-")]
