@@ -78,7 +78,7 @@ class AlgorithmConfig(_Section):
     fedreg_rebalance: Literal["once", "every-round"] = "once"
     # What the final fine-tuning (FedBABU, FedSeq, local) trains: "all" blocks (FedBABU's paper,
     # Algorithm 1: the whole model) or the "head" alone (how FedReG section 5 describes FedBABU's
-    # re-tuning). docs/results.md, "Fine-tuning".
+    # re-tuning). docs/results.md, "Deviations from the papers".
     finetune_blocks: Literal["all", "head"] = "all"
 
 

@@ -77,8 +77,10 @@ class Algorithm:
         return 0.0
 
     def finetune_plan(self) -> ClientPlan | None:
-        """After the last round: every client fine-tunes locally (FedBABU, FedSeq); None = no."""
-        return None
+        """After the last round: every client fine-tunes locally (`local_finetune_plan`) where
+        the algorithm declares it (`fine_tunes`: FedBABU, FedSeq, local) and
+        algorithm.finetune_epochs > 0; None = no fine-tuning."""
+        return local_finetune_plan(self.cfg, self.spec) if self.finetunes(self.cfg) else None
 
     @classmethod
     def finetunes(cls, cfg: ExperimentConfig) -> bool:

@@ -8,8 +8,8 @@ requires_grad=False, which gives the same weights without computing the head's g
 
 from __future__ import annotations
 
-from fedseq.common.algorithms.base import Algorithm, base_only_phase, local_finetune_plan
-from fedseq.common.algorithms.plan import ClientPlan, Phase
+from fedseq.common.algorithms.base import Algorithm, base_only_phase
+from fedseq.common.algorithms.plan import Phase
 
 
 class FedBABU(Algorithm):
@@ -25,6 +25,3 @@ class FedBABU(Algorithm):
 
     def phases(self, round: int) -> tuple[Phase, ...]:
         return (base_only_phase(self.spec, self.trainable_base(round), self.cfg.train.local_epochs),)
-
-    def finetune_plan(self) -> ClientPlan | None:
-        return local_finetune_plan(self.cfg, self.spec) if self.finetunes(self.cfg) else None

@@ -10,8 +10,7 @@ federated run of the same config. A client never selected keeps the initial mode
 
 from __future__ import annotations
 
-from fedseq.common.algorithms.base import Algorithm, local_finetune_plan
-from fedseq.common.algorithms.plan import ClientPlan
+from fedseq.common.algorithms.base import Algorithm
 
 
 class Local(Algorithm):
@@ -23,6 +22,3 @@ class Local(Algorithm):
 
     def personal_blocks(self) -> tuple[str, ...]:
         return self.spec.blocks
-
-    def finetune_plan(self) -> ClientPlan | None:
-        return local_finetune_plan(self.cfg, self.spec) if self.finetunes(self.cfg) else None
