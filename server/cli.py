@@ -57,7 +57,7 @@ def _default_out(cfg: ExperimentConfig) -> Path:
 
 ResumeOpt = Annotated[Path | None, typer.Option(
     help="Continue this run directory after its last complete round (its config.toml; --set "
-         "may still override e.g. deploy.* keys).")]
+         "may override only deploy.* keys and data.root).")]
 OverwriteOpt = Annotated[bool, typer.Option(
     "--overwrite", help="Replace the files of an existing, non-empty --out.")]
 
@@ -79,11 +79,28 @@ def _start(config: Path | None, overrides: list[str] | None, out: Path | None,
         if resume is not None and not (resume / "config.toml").is_file():
             raise ConfigError(f"--resume {resume}: no config.toml there; is it a run directory?")
         cfg = load_config(resume / "config.toml" if resume else config, overrides)
+        if resume is not None and overrides:
+            _refuse_result_changes(resume, cfg)
     except FedseqError as exc:
         _fail(exc)
     mode = "resume" if resume else "overwrite" if overwrite else "new"
     info = {"package_version": __version__, "command": " ".join(sys.argv)}
     return cfg, resume or out or _default_out(cfg), mode, info
+
+
+def _refuse_result_changes(run_dir: Path, cfg: ExperimentConfig) -> None:
+    """--resume continues the run its config.toml describes: a --set that would change its
+    results from here on (anything but deploy.* and data.root, seeds.defining) would make the
+    run directory describe a run that never happened, so it is refused."""
+    from fedseq.server.seeds import changed_keys, defining
+
+    recorded = defining(load_config(run_dir / "config.toml").model_dump(mode="json"))
+    changed = changed_keys(recorded, defining(cfg.model_dump(mode="json")))
+    if changed:
+        raise ConfigError(
+            f"--resume {run_dir}: --set would change {', '.join(changed)}, which the run's "
+            "results depend on; --resume accepts only deploy.* and data.root overrides. For other "
+            "settings copy the run directory and edit the copy's config.toml, or start a new run")
 
 
 def _fmt(v: Any) -> str:

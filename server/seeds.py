@@ -75,9 +75,11 @@ def seed_state(path: Path, cfg: ExperimentConfig) -> str:
     if not stored.is_file():
         raise ConfigError(f"{path} exists but is not a run directory; move it away or pass "
                           "another --out")
-    if _comparable(load_config(stored)) != _comparable(cfg):
-        raise ConfigError(f"{path} holds a run of another config (the sweep's --config or --set "
-                          "changed); pass another --out, or --overwrite to replace the sweep")
+    changed = changed_keys(_comparable(load_config(stored)), _comparable(cfg))
+    if changed:
+        raise ConfigError(f"{path} holds a run of another config ({', '.join(changed)}: the "
+                          "sweep's --config or --set changed); pass another --out, or --overwrite "
+                          "to replace the sweep")
     status = path / "status.json"
     if status.is_file() and json.loads(status.read_text()).get("state") == "finished":
         return "finished"
@@ -94,6 +96,19 @@ def defining(config: dict[str, Any]) -> dict[str, Any]:
         config = ExperimentConfig.model_validate(config).model_dump(mode="json")
     out = {k: v for k, v in config.items() if k != "deploy"}
     out["data"] = {k: v for k, v in out.get("data", {}).items() if k != "root"}
+    return out
+
+
+def changed_keys(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted keys whose values differ between two (nested) config dicts, with the values,
+    e.g. ["train.lr (0.01 -> 0.02)"]."""
+    out = []
+    for key in sorted(set(a) | set(b), key=str):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += changed_keys(x, y, f"{prefix}{key}.")
+        elif x != y:
+            out.append(f"{prefix}{key} ({x!r} -> {y!r})")
     return out
 
 

@@ -95,6 +95,30 @@ def test_existing_out_is_refused_without_resume_or_overwrite(data_root, tmp_path
     assert r.returncode == 2 and "config.toml" in r.stderr
 
 
+def test_resume_refuses_a_set_that_changes_the_results(data_root, tmp_path):
+    """A run directory describes one run: --resume with --set train.lr=... would continue it
+    under a config its config.toml does not record, so it is refused and nothing changes;
+    a key that cannot change the numbers (data.root) is still accepted."""
+    out = tmp_path / "run"
+    base = ["fedseq-sim", "-q", "--set", f"data.root={str(data_root)!r}", "--set",
+            "data.fraction=0.03", "--set", "data.num_clients=4", "--set", "rounds=1",
+            "--set", "train.local_epochs=1", "--set", "train.threads=1", "--out", str(out)]
+    r = subprocess.run(base, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    r = subprocess.run(["fedseq-sim", "-q", "--resume", str(out), "--set", "train.lr=0.5",
+                        "--set", "algorithm.name=fedprox"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2
+    assert "train.lr (0.01 -> 0.5)" in r.stderr and "algorithm.name" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    r = subprocess.run(["fedseq-sim", "-q", "--resume", str(out), "--set",
+                        f"data.root={str(data_root)!r}"], capture_output=True, text=True,
+                       timeout=300)
+    assert "would change" not in r.stderr, r.stderr
+
+
 def _server_sets(cfg, over: list[str]) -> list[str]:
     """--set arguments that make fedseq-server's config equal quick_config(..., *over)."""
     quick = ["data.root", "data.dataset", "data.fraction", "data.num_clients", "data.alpha",
