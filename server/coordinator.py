@@ -199,7 +199,11 @@ class Coordinator:
         # frozen blocks too) and the heads the plan reads, less its personal blocks
         needed = [b for b in ordered_union((self.model.spec.base, plan.uses))
                   if b not in plan.personal]
-        bytes_down = sum(self._bytes_down(c, needed) for c in selected)
+        # ... and, on its first round, the initial version of its personal blocks (a device starts
+        # a client's personal blocks from the published version 0)
+        bytes_down = sum(self._bytes_down(c, needed + [b for b in plan.personal
+                                                       if self.client_version[c][b] < 0])
+                         for c in selected)
         got = self._train(t, selected, plan, needed)
         self._no_device_can_train(selected, got.reported, got.outcome)
         refused = self._apply(t, got)

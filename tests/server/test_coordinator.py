@@ -70,6 +70,23 @@ def test_fedavg_bytes_are_full_model():
     assert "wire_bytes_out" not in rows[0]  # nothing crossed a wire
 
 
+@pytest.mark.parametrize("name", ["local", "fedper"])
+def test_personal_blocks_count_once_at_a_clients_first_round(name):
+    """A client starts its personal blocks from the initial model, which it downloads once (for
+    `local` that is the whole model, though nothing is ever aggregated)."""
+    coord, model = _coord(name)
+    rows = coord.run().rows
+    personal = coord.alg.personal_blocks()
+    shared = [b for b in model.spec.blocks if b not in personal]
+    first = sum(frame_size(get_blocks(model, [b])) for b in model.spec.blocks)
+    assert rows[0]["bytes_down"] == 2 * first  # two new clients: every block, personal ones too
+    new = len(set(rows[1]["clients"]) - set(rows[0]["clients"]))
+    again = 2 - new
+    # a returning client fetches only the shared blocks that changed, never its personal ones
+    changed = sum(frame_size(get_blocks(model, [b])) for b in shared)
+    assert rows[1]["bytes_down"] == new * first + again * changed
+
+
 class PoisonPool(InProcessPool):
     """Client 0 sends NaNs, a wrong shape or a personal block; the round must survive it."""
 
