@@ -279,6 +279,8 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
         shown.insert(shown.index(after) + 1 if after in shown else len(shown), col)
 
     def cell(row: dict[str, Any], key: str) -> str:
+        if key == "rounds" and row["state"] != "finished":  # never a partial run read as whole
+            return f"{row['rounds']} of {row['of']}, {row['state']}"
         sd = row.get(f"{key} sd")
         return _fmt(row.get(key)) + (f" ± {sd:.2f}" if sd is not None and key in _ACC_KEYS else "")
 
@@ -297,6 +299,10 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
         "varied = the random streams the seeds changed. train TFLOP: measured training compute, "
         "fine-tuning included.",
     ]
+    if any(r["state"] != "finished" for r in rows):
+        notes.append("rounds: a row not finished says so (\"45 of 100, interrupted\"); its final "
+                     "and last10 are those of its last row, and a \"mixed\" group averages runs "
+                     "stopped at different rounds: finish the runs before comparing them.")
     if ref is not None:
         compared = "; ".join(f"paper {c} beside {' and '.join(v)}" for c, v in ref["compare"].items()
                              if f"paper {c}" in beside)

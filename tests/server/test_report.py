@@ -53,6 +53,30 @@ def test_report_writes_figures_and_tables(two_runs, tmp_path):
     assert md in r.stdout
 
 
+def test_an_unfinished_run_says_so(two_runs, tmp_path, data_root):
+    """A run stopped after 2 of its 3 rounds is marked in the table, never shown as whole."""
+    part = tmp_path / "part"
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.threads=1")
+
+    def stop_after_round_1(row):
+        if row["round"] == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(cfg, part, stop_after_round_1)
+    r = _report(str(part), "--out", str(tmp_path / "rep"), "--no-figures")
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| part | fedavg | fmnist | cnn | 1 | - | 2 of 3, interrupted |" in md
+    assert "finish the runs" in md
+    # grouped with the finished run of the same config: the group says it mixes them
+    r = _report(str(two_runs / "fedavg"), str(part), "--out", str(tmp_path / "rep"),
+                "--no-figures")
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| fedavg (+1) | fedavg | fmnist | cnn | 2 | - | 2 of 3, mixed |" in md
+
+
 def test_report_bad_input_is_one_line(tmp_path, two_runs):
     r = _report(str(tmp_path), "--out", str(tmp_path / "rep"))
     assert r.returncode == 2 and "not a run directory" in r.stderr
