@@ -92,10 +92,9 @@ def _refuse_result_changes(run_dir: Path, cfg: ExperimentConfig) -> None:
     """--resume continues the run its config.toml describes: a --set that would change its
     results from here on (anything but deploy.* and data.root, seeds.defining) would make the
     run directory describe a run that never happened, so it is refused."""
-    from fedseq.server.seeds import changed_keys, defining
+    from fedseq.server.seeds import result_changes
 
-    recorded = defining(load_config(run_dir / "config.toml").model_dump(mode="json"))
-    changed = changed_keys(recorded, defining(cfg.model_dump(mode="json")))
+    changed = result_changes(load_config(run_dir / "config.toml"), cfg)
     if changed:
         raise ConfigError(
             f"--resume {run_dir}: --set would change {', '.join(changed)}, which the run's "

@@ -75,7 +75,7 @@ def seed_state(path: Path, cfg: ExperimentConfig) -> str:
     if not stored.is_file():
         raise ConfigError(f"{path} exists but is not a run directory; move it away or pass "
                           "another --out")
-    changed = changed_keys(_comparable(load_config(stored)), _comparable(cfg))
+    changed = result_changes(load_config(stored), cfg)
     if changed:
         raise ConfigError(f"{path} holds a run of another config ({', '.join(changed)}: the "
                           "sweep's --config or --set changed); pass another --out, or --overwrite "
@@ -99,18 +99,19 @@ def defining(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def changed_keys(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
-    """The dotted keys whose values differ between two (nested) config dicts, with the values,
-    e.g. ["train.lr (0.01 -> 0.02)"]."""
+def result_changes(before: ExperimentConfig, after: ExperimentConfig) -> list[str]:
+    """Where two configs differ in what defines a run's results (`defining`), as dotted keys
+    with both values, e.g. ["train.lr (0.01 -> 0.02)"]; empty where they give the same run."""
+    return _changed_keys(defining(before.model_dump(mode="json")),
+                         defining(after.model_dump(mode="json")))
+
+
+def _changed_keys(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
     out = []
     for key in sorted(set(a) | set(b), key=str):
         x, y = a.get(key), b.get(key)
         if isinstance(x, dict) and isinstance(y, dict):
-            out += changed_keys(x, y, f"{prefix}{key}.")
+            out += _changed_keys(x, y, f"{prefix}{key}.")
         elif x != y:
             out.append(f"{prefix}{key} ({x!r} -> {y!r})")
     return out
-
-
-def _comparable(cfg: ExperimentConfig) -> dict[str, Any]:
-    return defining(cfg.model_dump(mode="json"))
