@@ -1,7 +1,8 @@
 """`fedseq report RUN_DIR...`: figures and a summary table from run directories.
 
 Reads each run's metrics.jsonl, clients.csv, config.toml and status.json; writes PNG figures
-(matplotlib, the `report` extra) and summary.md / summary.csv, optionally beside a paper's table.
+(matplotlib, the `report` extra) and summary.md / summary.csv, optionally beside a paper's table,
+and paired.csv (every other run or sweep against the first, seed by seed, also in summary.md).
 Figures: accuracy.png (global, personalized and the testbed's local-model accuracy per round, all
 runs on one axis each), clients.png (per-client accuracy distribution), cost.png (cumulative bytes
 and training FLOPs against global accuracy), edge.png (global accuracy against cumulative wall
@@ -234,6 +235,56 @@ def summarize_group(group: Group) -> dict[str, Any]:
     return {**out, **spread}
 
 
+#: the accuracies the paired table compares
+PAIRED = ("G best", "G final", "P final", "L best", "Lr best")
+
+
+def _seed_key(run: Run) -> tuple[Any, ...]:
+    return tuple(_seed_of(run, s) for s in SEED_STREAMS)
+
+
+def paired_rows(groups: list[Group]) -> list[dict[str, Any]]:
+    """Every other group against the first, seed by seed. Runs of the same seeds share the
+    data partition, the client selection and the initial weights, so the per-seed difference
+    is free of what the seeds change in both, which a difference of means over seeds is not.
+    Per metric: the mean and sd of the differences (points) and in how many seeds the
+    difference has the mean's sign. Finished runs only; a group needs two seeds in common."""
+    ref, *others = groups
+    done = {_seed_key(r): summarize(r) for r in ref.runs if r.status.get("state") == "finished"}
+    out = []
+    for group in others:
+        pairs = [(done[_seed_key(r)], summarize(r)) for r in group.runs
+                 if _seed_key(r) in done and r.status.get("state") == "finished"]
+        if len(pairs) < 2:
+            continue
+        row: dict[str, Any] = {"run": group.label, "against": ref.label, "seeds": len(pairs)}
+        for key in PAIRED:
+            diffs = [b[key] - a[key] for a, b in pairs if a[key] is not None and b[key] is not None]
+            if len(diffs) < len(pairs):
+                continue
+            mean = statistics.fmean(diffs)
+            row[f"{key} diff"] = round(mean, 3)
+            row[f"{key} diff sd"] = round(statistics.stdev(diffs), 3)
+            row[f"{key} same sign"] = sum(1 for d in diffs if d * mean > 0)
+        out.append(row)
+    return out
+
+
+def _paired_table(rows: list[dict[str, Any]]) -> list[str]:
+    shown = [k for k in PAIRED if any(f"{k} diff" in r for r in rows)]
+    lines = ["", f"Paired by seed against {rows[0]['against']} (runs of one seed share the "
+             "partition, the client selection and the initial weights): mean ± sd over seeds of "
+             "this row minus the reference, in points, and (k/n) the seeds whose difference has "
+             "that sign.", "",
+             "| run | seeds | " + " | ".join(f"{k} diff" for k in shown) + " |",
+             "|" + "---|" * (len(shown) + 2)]
+    for r in rows:
+        cells = [f"{r[k + ' diff']:+.2f} ± {r[k + ' diff sd']:.2f} ({r[k + ' same sign']}/"
+                 f"{r['seeds']})" if f"{k} diff" in r else "-" for k in shown]
+        lines.append(f"| {r['run']} | {r['seeds']} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _fmt(v: Any) -> str:
     if v is None:
         return "-"
@@ -307,6 +358,13 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
         compared = "; ".join(f"paper {c} beside {' and '.join(v)}" for c, v in ref["compare"].items()
                              if f"paper {c}" in beside)
         notes.append(f"paper columns: {ref['title']}: {compared}.")
+    paired = paired_rows(groups)
+    if paired:
+        with (out / "paired.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in paired for k in r)))
+            w.writeheader()
+            w.writerows(paired)
+        notes += _paired_table(paired)
     (out / "summary.md").write_text("\n".join(lines + notes) + "\n")
     return rows
 

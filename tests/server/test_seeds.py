@@ -141,3 +141,33 @@ def test_report_groups_the_seeds_of_one_config(data_root, tmp_path):
     assert table[1]["G final sd"] == ""  # one run: no spread
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert f"{float(table[0]['G final']):.2f} ± {float(table[0]['G final sd']):.2f}" in md
+
+
+def test_report_pairs_seeds_against_the_first_group(data_root, tmp_path):
+    """Two sweeps of the same seeds: the paired table holds the per-seed differences' mean, sd
+    and sign count; a seed the reference lacks is left out; no pairs, no table."""
+    pytest.importorskip("matplotlib")
+    from fedseq.server.report import report
+
+    finals = {}
+    for name, seeds in (("fedavg", (0, 1)), ("fedprox", (0, 1, 2))):
+        base = quick_config(data_root, f"algorithm.name={name}", "train.threads=1", "rounds=2",
+                            "algorithm.mu=0.5")
+        for s in seeds:
+            out = tmp_path / name / f"seed-{s}"
+            run_simulation(seed_config(base, s, SEED_STREAMS), out)
+            last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+            finals[name, s] = round(100 * last["global_acc"], 2)
+    report([tmp_path / "fedavg", tmp_path / "fedprox"], tmp_path / "rep", figures=False)
+    paired = list(csv.DictReader((tmp_path / "rep" / "paired.csv").open()))
+    diffs = [finals["fedprox", s] - finals["fedavg", s] for s in (0, 1)]
+    assert [(r["run"], r["against"], r["seeds"]) for r in paired] == [("fedprox", "fedavg", "2")]
+    assert float(paired[0]["G final diff"]) == pytest.approx(statistics.fmean(diffs), abs=0.001)
+    assert float(paired[0]["G final diff sd"]) == pytest.approx(statistics.stdev(diffs), abs=0.001)
+    mean = statistics.fmean(diffs)
+    assert int(paired[0]["G final same sign"]) == sum(1 for d in diffs if d * mean > 0)
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "Paired by seed against fedavg" in md
+    assert f"{float(paired[0]['G final diff']):+.2f} ± " in md
+    report([tmp_path / "fedavg", tmp_path / "fedprox" / "seed-2"], tmp_path / "one", figures=False)
+    assert not (tmp_path / "one" / "paired.csv").exists()
