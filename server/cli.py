@@ -98,8 +98,8 @@ def _refuse_result_changes(run_dir: Path, cfg: ExperimentConfig) -> None:
     if changed:
         raise ConfigError(
             f"--resume {run_dir}: --set would change {', '.join(changed)}, which the run's "
-            "results depend on; --resume accepts only deploy.* and data.root overrides. For other "
-            "settings copy the run directory and edit the copy's config.toml, or start a new run")
+            "results depend on; --resume accepts only deploy.* and data.root overrides (other "
+            "fine-tuning settings: --finetune-from RUN_DIR --out NEW; anything else: a new run)")
 
 
 def _fmt(v: Any) -> str:
@@ -123,6 +123,10 @@ def sim(
     overwrite: OverwriteOpt = False,
     seeds: SeedsOpt = None,
     vary: VaryOpt = "all",
+    finetune_from: Annotated[Path | None, typer.Option(
+        help="Replay the final fine-tuning of this finished simulated run into a new --out, "
+             "under other algorithm.finetune_epochs / finetune_blocks (--set); its federated "
+             "rounds are reused, not retrained")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     version: VersionOpt = False,
 ) -> None:
@@ -138,6 +142,10 @@ def sim(
     if seeds is not None and resume is not None:
         _fail(ValueError("--seeds continues a sweep by itself: run the same command again "
                          "(without --resume)"))
+    if finetune_from is not None:
+        _finetune_again(finetune_from, set_ or [], out, quiet,
+                        config is not None or resume is not None or seeds is not None or overwrite)
+        return
     cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
     if seeds is None:
         _simulate(cfg, out, mode, info, quiet)
@@ -160,6 +168,25 @@ def sim(
         _simulate(seed_cfg, path, run_mode, {**info, "sweep": str(out), "vary": vary}, quiet)
         _summary(path)
     print(f"sweep finished: {len(todo)} seeds in {out}  (fedseq report {out})", file=sys.stderr)
+
+
+def _finetune_again(src: Path, overrides: list[str], out: Path | None, quiet: bool,
+                    conflicts: bool) -> None:
+    """fedseq-sim --finetune-from SRC --set algorithm.finetune_blocks=head --out NEW."""
+    from fedseq.common import __version__
+    from fedseq.server.rundir import copy_for_finetune, stop_on_sigterm
+
+    stop_on_sigterm()
+    if conflicts or out is None:
+        _fail(ValueError("--finetune-from RUN_DIR takes its config from RUN_DIR and needs a new "
+                         "--out; drop --config, --resume, --seeds and --overwrite"))
+    info = {"package_version": __version__, "command": " ".join(sys.argv)}
+    try:
+        cfg = copy_for_finetune(src, out, overrides, info)
+    except FedseqError as exc:
+        _fail(exc)
+    _simulate(cfg, out, "resume", {"finetuned_from": str(src.resolve()), **info}, quiet)
+    _summary(out)
 
 
 def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],

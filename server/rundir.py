@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from fedseq.common.config import ExperimentConfig, dump_config
+from fedseq.common.config import ExperimentConfig, dump_config, load_config
 from fedseq.common.errors import ConfigError
 from fedseq.common.files import atomic_write
 from fedseq.common.models import Weights
@@ -53,6 +53,56 @@ def _rows(metrics: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
+def write_config(path: Path, cfg: ExperimentConfig, info: dict[str, Any]) -> None:
+    """config.toml: the resolved config under a comment header of the run's facts."""
+    header = "".join(f"# {k}: {v}\n" for k, v in info.items())
+    (path / "config.toml").write_text(header + dump_config(resolved_paths(cfg)))
+
+
+#: what `fedseq-sim --finetune-from` may change: the final fine-tuning alone
+FINETUNE_KEYS = ("algorithm.finetune_epochs", "algorithm.finetune_blocks")
+
+
+def copy_for_finetune(src: Path, out: Path, overrides: list[str], info: dict[str, Any]
+                      ) -> ExperimentConfig:
+    """A new run directory `out` holding `src`'s federated rounds (rows and checkpoint) under
+    `src`'s config with other fine-tuning settings, so resuming it replays only the final
+    fine-tuning (bitwise the original where nothing changed). Raises ConfigError (one line) for
+    a run not through its rounds, a change to anything else, or a non-empty `out`."""
+    import shutil
+
+    from fedseq.common.algorithms import algorithm_class
+    from fedseq.server.checkpoint import FILE, load_checkpoint
+    from fedseq.server.seeds import result_changes
+
+    if not (src / "config.toml").is_file():
+        raise ConfigError(f"--finetune-from {src}: no config.toml there; is it a run directory?")
+    before = load_config(src / "config.toml")
+    cfg = load_config(src / "config.toml", overrides)
+    other = [c for c in result_changes(before, cfg) if not c.startswith(FINETUNE_KEYS)]
+    if other:
+        raise ConfigError(f"--finetune-from replays the fine-tuning alone: --set may change "
+                          f"{' and '.join(FINETUNE_KEYS)}, not {', '.join(other)}")
+    if not algorithm_class(cfg.algorithm.name).finetunes(cfg):
+        raise ConfigError(f"{cfg.algorithm.name} with algorithm.finetune_epochs = "
+                          f"{cfg.algorithm.finetune_epochs} has no final fine-tuning to replay")
+    ckpt = load_checkpoint(src)
+    if ckpt.state.get("pool") is not None:
+        raise ConfigError(f"--finetune-from {src}: that run was deployed (its devices hold the "
+                          "clients' state); only a simulated run's fine-tuning is replayed")
+    done = ckpt.next_round
+    if done < cfg.rounds:
+        raise ConfigError(f"--finetune-from {src}: {done} of its {cfg.rounds} rounds are done; "
+                          f"finish it first (fedseq-sim --resume {src})")
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} exists and is not empty; pass a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(src / FILE, out / FILE)
+    shutil.copyfile(src / "metrics.jsonl", out / "metrics.jsonl")  # resuming drops its finetune row
+    write_config(out, cfg, {"finetuned_from": str(src.resolve()), **info})
+    return cfg
+
+
 class RunDir:
     """`mode`: "new" refuses a non-empty folder (nothing is ever silently overwritten),
     "overwrite" replaces a previous run's files, "resume" keeps its rows before `resume_round`."""
@@ -77,8 +127,7 @@ class RunDir:
         else:
             for name in ("checkpoint.safetensors", "clients.csv", "model.safetensors"):
                 (self.path / name).unlink(missing_ok=True)
-            header = "".join(f"# {k}: {v}\n" for k, v in self.info.items())
-            (self.path / "config.toml").write_text(header + dump_config(resolved_paths(cfg)))
+            write_config(self.path, cfg, self.info)
             self._metrics = metrics.open("w")
         self.set_status("running")
 

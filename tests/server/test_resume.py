@@ -284,3 +284,44 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_finetune_from_replays_the_fine_tuning_alone(data_root, tmp_path):
+    """--finetune-from: the same settings give bitwise the original fine-tuning; other settings
+    (head only) a different one under the same federated rounds, recorded in config.toml;
+    anything else, an unfinished source or a used --out is refused in one line."""
+    from fedseq.server.coordinator import RunPaused
+
+    cfg = quick_config(data_root, "algorithm.name=fedbabu", "rounds=2", "train.threads=1",
+                       "algorithm.finetune_epochs=2")
+    src = tmp_path / "src"
+    run_simulation(cfg, src)
+    sim = ["fedseq-sim", "-q", "--finetune-from", str(src)]
+    same, head = tmp_path / "same", tmp_path / "head"
+    for out, extra in ((same, []), (head, ["--set", 'algorithm.finetune_blocks="head"'])):
+        r = subprocess.run([*sim, *extra, "--out", str(out)], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+    def timeless(run):
+        return [{k: v for k, v in row.items() if k != "seconds"} for row in _rows(run)]
+
+    original, again, tuned = timeless(src), timeless(same), timeless(head)
+    assert again == original and tuned[:-1] == original[:-1]  # the federated rows, unchanged
+    assert (same / "clients.csv").read_text() == (src / "clients.csv").read_text()
+    assert tuned[-1]["phase"] == "finetune"
+    assert tuned[-1]["trainable_params"] < original[-1]["trainable_params"]
+    assert tuned[-1]["personal_acc"] != original[-1]["personal_acc"]
+    text = (head / "config.toml").read_text()
+    assert 'finetune_blocks = "head"' in text and f"# finetuned_from: {src}" in text
+    for extra, words in ((["--set", "train.lr=0.5", "--out", str(tmp_path / "x")], "train.lr"),
+                         (["--out", str(same)], "not empty")):
+        r = subprocess.run([*sim, *extra], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and words in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "x").exists()
+    part = tmp_path / "part"
+    with pytest.raises(RunPaused):
+        run_simulation(cfg, part, pause_after=1)
+    r = subprocess.run(["fedseq-sim", "-q", "--finetune-from", str(part), "--out",
+                        str(tmp_path / "y")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "1 of its 2 rounds" in r.stderr, r.stderr
