@@ -61,7 +61,8 @@ class StepExecutor:
         if run.model is None:
             two = algorithm_class(cfg.algorithm.name).two_heads
             run.model = build_run_model(cfg.model.name, run.data.input_shape, run.data.num_classes,
-                                        two, cfg.seed_for("init")).to(self.torch_device)
+                                        two, cfg.seed_for("init"), cfg.model.head_init
+                                        ).to(self.torch_device)
         return run.data, run.model
 
     def _personal(self, run: RunState, client: int, personal: Tuple[str, ...],

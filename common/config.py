@@ -59,6 +59,10 @@ class ModelConfig(_Section):
 
     # cnn: the FedSeq paper's (FedAvg/PFLlib) CNN; convnet: FedReG's (FedDyn/FedRoD) ConvNet
     name: Literal["cnn", "convnet"] = "cnn"
+    # the heads' initial weights: "default" (PyTorch's, the same for every algorithm) or
+    # "orthogonal" (FedBABU section 3 credits its fixed random head to an orthogonal init, after
+    # Saxe et al.): nn.init.orthogonal_ on each head's weight, its bias as PyTorch initialises it
+    head_init: Literal["default", "orthogonal"] = "default"
 
 
 class AlgorithmConfig(_Section):
@@ -235,6 +239,8 @@ class ExperimentConfig(_Section):
         data["data"].pop("root", None)
         if not any(v is not None for v in data["seeds"].values()):
             data.pop("seeds")  # nothing pinned: the config as devices before [seeds] read it
+        if data["model"]["head_init"] == "default":
+            data["model"].pop("head_init")  # as devices before model.head_init read it
         return data
 
     def clients_per_round(self) -> int:

@@ -120,15 +120,20 @@ def _pool(x: torch.Tensor) -> torch.Tensor:
 
 def build_model(
     name: str, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool = False,
-    generator_seed: int | None = None,
+    generator_seed: int | None = None, head_init: str = "default",
 ) -> BlockModel:
-    """Build a model; with generator_seed the initial weights are a pure function of that seed."""
+    """Build a model; with generator_seed the initial weights are a pure function of that seed.
+    head_init "orthogonal" then re-draws each head's weight orthogonally (model.head_init)."""
     if name not in MODELS:
         raise ConfigError(f"model.name {name!r} is unknown; use one of {', '.join(MODELS)}")
     with torch.random.fork_rng(devices=[]):
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
         model = MODELS[name](in_shape, num_classes, two_heads)  # type: ignore[call-arg]
+        if head_init == "orthogonal":
+            with torch.no_grad():
+                for head in model.spec.heads:
+                    nn.init.orthogonal_(getattr(model, head).weight)
     return model
 
 
@@ -144,11 +149,11 @@ def in_blocks(weights: Weights, blocks: str | tuple[str, ...] | list[str] | set[
 
 
 def build_run_model(name: str, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool,
-                    seed: int) -> BlockModel:
+                    seed: int, head_init: str = "default") -> BlockModel:
     """The run's initial model, a pure function of the run seed: the coordinator, the in-process
     clients and every device build the same weights, so version 0 of every block never travels."""
     return build_model(name, in_shape, num_classes, two_heads,
-                       generator_seed=derive_seed(seed, "init"))
+                       generator_seed=derive_seed(seed, "init"), head_init=head_init)
 
 
 def block_keys(model: BlockModel, block: str) -> list[str]:

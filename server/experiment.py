@@ -28,5 +28,5 @@ def load_experiment(cfg: ExperimentConfig, test_images_only: bool = False) -> Ex
     data = load_federated(cfg.data, cfg.seed_for("data"), test_images_only=test_images_only)
     two_heads = algorithm_class(cfg.algorithm.name).two_heads
     model = build_run_model(cfg.model.name, data.input_shape, data.num_classes, two_heads,
-                            cfg.seed_for("init"))
+                            cfg.seed_for("init"), cfg.model.head_init)
     return Experiment(data, model, make_algorithm(cfg, model.spec))

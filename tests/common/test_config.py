@@ -103,6 +103,15 @@ def test_the_broadcast_config_carries_no_coordinator_paths_or_account():
     assert back.data.num_clients == cfg.data.num_clients
 
 
+def test_the_head_init_reaches_devices_only_where_chosen():
+    """model.head_init: a default config is broadcast as devices before the key read it."""
+    assert "head_init" not in load_config(None, []).for_devices()["model"]
+    sent = load_config(None, ['model.head_init="orthogonal"']).for_devices()
+    assert ExperimentConfig.model_validate(sent).model.head_init == "orthogonal"
+    with pytest.raises(ConfigError, match="head_init"):
+        load_config(None, ['model.head_init="xavier"'])
+
+
 def test_max_abs_delta_auto_follows_the_models_scale():
     auto = load_config(None, []).aggregation
     assert auto.max_abs_delta == "auto"

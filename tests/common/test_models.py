@@ -74,3 +74,19 @@ def test_get_set_weights_roundtrip():
     set_weights(b, w)
     assert torch.equal(b.conv1.weight, a.conv1.weight)
     assert not torch.equal(b.conv2.weight, a.conv2.weight)
+
+
+def test_orthogonal_head_init_changes_only_the_head_weights():
+    """model.head_init = "orthogonal": each head's weight has orthonormal rows, the same for the
+    same seed; every other tensor (head biases included) is the default init's, bit for bit."""
+    plain = build_model("convnet", (1, 28, 28), 10, True, generator_seed=7)
+    ortho = build_model("convnet", (1, 28, 28), 10, True, generator_seed=7, head_init="orthogonal")
+    again = build_model("convnet", (1, 28, 28), 10, True, generator_seed=7, head_init="orthogonal")
+    heads = {f"{h}.weight" for h in ortho.spec.heads}
+    assert len(heads) == 2
+    for key, value in ortho.state_dict().items():
+        assert torch.equal(value, again.state_dict()[key]), key
+        assert torch.equal(value, plain.state_dict()[key]) == (key not in heads), key
+    for key in heads:
+        w = ortho.state_dict()[key]
+        assert torch.allclose(w @ w.T, torch.eye(w.shape[0]), atol=1e-5)
