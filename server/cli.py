@@ -180,12 +180,13 @@ def _finetune_again(src: Path, overrides: list[str], out: Path | None, quiet: bo
     if conflicts or out is None:
         _fail(ValueError("--finetune-from RUN_DIR takes its config from RUN_DIR and needs a new "
                          "--out; drop --config, --resume, --seeds and --overwrite"))
-    info = {"package_version": __version__, "command": " ".join(sys.argv)}
+    info = {"finetuned_from": str(src.resolve()), "package_version": __version__,
+            "command": " ".join(sys.argv)}
     try:
         cfg = copy_for_finetune(src, out, overrides, info)
     except FedseqError as exc:
         _fail(exc)
-    _simulate(cfg, out, "resume", {"finetuned_from": str(src.resolve()), **info}, quiet)
+    _simulate(cfg, out, "resume", info, quiet)
     _summary(out)
 
 

@@ -67,8 +67,9 @@ def copy_for_finetune(src: Path, out: Path, overrides: list[str], info: dict[str
                       ) -> ExperimentConfig:
     """A new run directory `out` holding `src`'s federated rounds (rows and checkpoint) under
     `src`'s config with other fine-tuning settings, so resuming it replays only the final
-    fine-tuning (bitwise the original where nothing changed). Raises ConfigError (one line) for
-    a run not through its rounds, a change to anything else, or a non-empty `out`."""
+    fine-tuning (bitwise the original where nothing changed); `info` heads its config.toml.
+    Raises ConfigError (one line) for a run not through its rounds, a deployed run, a change to
+    anything else, or a non-empty `out`."""
     import shutil
 
     from fedseq.common.algorithms import algorithm_class
@@ -99,7 +100,7 @@ def copy_for_finetune(src: Path, out: Path, overrides: list[str], info: dict[str
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(src / FILE, out / FILE)
     shutil.copyfile(src / "metrics.jsonl", out / "metrics.jsonl")  # resuming drops its finetune row
-    write_config(out, cfg, {"finetuned_from": str(src.resolve()), **info})
+    write_config(out, cfg, info)
     return cfg
 
 
