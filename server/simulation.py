@@ -18,6 +18,19 @@ from fedseq.server.pool import InProcessPool
 from fedseq.server.rundir import RunDir, recorded
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo, else platform), recorded with every run."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def default_threads(cores: int | None = None, load: float | None = None) -> int:
     """The cores not already busy when the run starts: all of them on an idle machine, fewer
     beside other work. Measured on 2 cores (a FedAvg testbed round, `bench/sim_round.py`): idle,
@@ -61,6 +74,9 @@ def run_simulation(
     info = {**(info or {}), "threads": threads}
     device = torch_device(cfg.train.device)
     info["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
+    # what else bitwise reproducibility depends on (README, Reproducibility)
+    info["torch"] = torch.__version__
+    info["cpu"] = cpu_model()
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     exp = load_experiment(cfg)
     pool = InProcessPool(exp.data, exp.model, exp.algorithm.personal_blocks(), cfg.seed_for("training"),

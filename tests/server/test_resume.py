@@ -105,6 +105,8 @@ def test_resume_refuses_a_set_that_changes_the_results(data_root, tmp_path):
             "--set", "train.local_epochs=1", "--set", "train.threads=1", "--out", str(out)]
     r = subprocess.run(base, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    facts = json.loads((out / "status.json").read_text())  # what reproducing it depends on
+    assert facts["threads"] == 1 and facts["torch"] == torch.__version__ and facts["cpu"]
     before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     r = subprocess.run(["fedseq-sim", "-q", "--resume", str(out), "--set", "train.lr=0.5",
                         "--set", "algorithm.name=fedprox"], capture_output=True, text=True,
