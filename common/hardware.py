@@ -22,4 +22,18 @@ def torch_device(choice: str, setting: str = "train.device") -> torch.device:
         if index >= torch.cuda.device_count():
             raise ConfigError(f"{setting}={choice!r}, but this machine has "
                               f"{torch.cuda.device_count()} GPU(s); use cuda:0")
+        full_fp32_on_cuda()
     return torch.device(choice)
+
+
+def full_fp32_on_cuda() -> None:
+    """GPU runs compute in IEEE FP32 with cuDNN's deterministic kernels, as the CPU does.
+    Left alone, torch lets cuDNN convolve in TF32 on Ampere and newer GPUs (a Jetson Orin, an
+    A100, an H100; not a Nano's Maxwell): a 10-bit mantissa, which on an H100 moved the ConvNet's
+    weights after 3 rounds well past a CPU run's (tests/server/test_cuda.py), so the same config
+    would train a different model on an Orin than on a Nano or a CPU. The model is small: the
+    cost is negligible. A researcher who wants TF32 anyway sets the torch flags after this."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
