@@ -126,7 +126,9 @@ def summarize(run: Run) -> dict[str, Any]:
                            "rounds": len(train),
                            "of": run.config.get("rounds", len(train)),
                            "finetuned": last.get("phase") == "finetune",
-                           "state": run.status.get("state", "?")}
+                           "state": run.status.get("state", "?"),
+                           # where it trained: "cpu" or the GPU's name (runs made before 2026-11 say nothing)
+                           "device": run.status.get("device")}
     for key, name in ACCURACIES:
         vals = _values(run.rows, key)
         tail = _values(train, key)[-LAST:]
@@ -216,6 +218,7 @@ def summarize_group(group: Group) -> dict[str, Any]:
                            "rounds": min(r["rounds"] for r in rows), "of": first["of"],
                            "finetuned": all(r["finetuned"] for r in rows),
                            "state": first["state"] if len({r["state"] for r in rows}) == 1 else "mixed",
+                           "device": " + ".join(sorted({str(r["device"]) for r in rows})),
                            "global model": first["global model"]}
     spread: dict[str, Any] = {}
     for key, value in first.items():
@@ -296,7 +299,7 @@ def _fmt(v: Any) -> str:
 # The Markdown table's columns (summary.csv has every number, spreads included); an accuracy
 # shows mean ± sd where a group has several seeds.
 MD_COLUMNS = ("run", "algorithm", "dataset", "model", "seeds", "varied", "rounds", "finetuned",
-              "G best", f"G last{LAST}", "G final", "P best", "P final", "L best", "L final",
+              "device", "G best", f"G last{LAST}", "G final", "P best", "P final", "L best", "L final",
               "Lr best", "client sd", "worst 10%", "global model", "MB moved", "train TFLOP",
               "wall s", "energy kJ", "J/round", "finetune kJ")
 
@@ -326,6 +329,8 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
         w.writeheader()
         w.writerows(rows)
     shown = [k for k in MD_COLUMNS if any(r.get(k) is not None for r in rows)]
+    if all(r["device"] in ("cpu", "None") for r in rows):  # the usual case: no column for it
+        shown.remove("device")
     for col, after in beside.items():  # the paper's number right of the metric it matches
         shown.insert(shown.index(after) + 1 if after in shown else len(shown), col)
 

@@ -77,6 +77,26 @@ def test_an_unfinished_run_says_so(two_runs, tmp_path, data_root):
     assert "| fedavg (+1) | fedavg | fmnist | cnn | 2 | - | 2 of 3, mixed |" in md
 
 
+def test_a_group_trained_on_cpu_and_gpu_says_so(two_runs, tmp_path):
+    """The same config and seed on a GPU is another run (README, Reproducibility): a group that
+    mixes devices names them; CPU-only tables carry no device column."""
+    import shutil
+
+    gpu = tmp_path / "fedavg"
+    shutil.copytree(two_runs / "fedavg", gpu)
+    status = json.loads((gpu / "status.json").read_text())
+    assert status["device"] == "cpu"
+    (gpu / "status.json").write_text(json.dumps({**status, "device": "NVIDIA H100 80GB HBM3"}))
+    r = _report(str(two_runs / "fedavg"), "--out", str(tmp_path / "cpu"), "--no-figures")
+    assert r.returncode == 0, r.stderr
+    assert "device" not in (tmp_path / "cpu" / "summary.md").read_text().splitlines()[0]
+    r = _report(str(two_runs / "fedavg"), str(gpu), "--out", str(tmp_path / "rep"), "--no-figures")
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| rounds | finetuned | device | G best |" in md
+    assert "| NVIDIA H100 80GB HBM3 + cpu |" in md
+
+
 def test_report_bad_input_is_one_line(tmp_path, two_runs):
     r = _report(str(tmp_path), "--out", str(tmp_path / "rep"))
     assert r.returncode == 2 and "not a run directory" in r.stderr
