@@ -218,7 +218,7 @@ def summarize_group(group: Group) -> dict[str, Any]:
                            "rounds": min(r["rounds"] for r in rows), "of": first["of"],
                            "finetuned": all(r["finetuned"] for r in rows),
                            "state": first["state"] if len({r["state"] for r in rows}) == 1 else "mixed",
-                           "device": " + ".join(sorted({str(r["device"]) for r in rows})),
+                           "device": " + ".join(sorted({r["device"] for r in rows if r["device"]})) or None,
                            "global model": first["global model"]}
     spread: dict[str, Any] = {}
     for key, value in first.items():
@@ -328,9 +328,8 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
         w.writerows(rows)
-    shown = [k for k in MD_COLUMNS if any(r.get(k) is not None for r in rows)]
-    if all(r["device"] in ("cpu", "None") for r in rows):  # the usual case: no column for it
-        shown.remove("device")
+    gpu = any(r["device"] not in (None, "cpu") for r in rows)  # CPU only, the usual case: no column
+    shown = [k for k in MD_COLUMNS if any(r.get(k) is not None for r in rows) and (gpu or k != "device")]
     for col, after in beside.items():  # the paper's number right of the metric it matches
         shown.insert(shown.index(after) + 1 if after in shown else len(shown), col)
 
