@@ -29,10 +29,10 @@ def torch_device(choice: str, setting: str = "train.device") -> torch.device:
 def full_fp32_on_cuda() -> None:
     """GPU runs compute in IEEE FP32 with cuDNN's deterministic kernels, as the CPU does.
     Left alone, torch lets cuDNN convolve in TF32 on Ampere and newer GPUs (a Jetson Orin, an
-    A100, an H100; not a Nano's Maxwell): a 10-bit mantissa, which on an H100 moved the ConvNet's
-    weights after 3 rounds well past a CPU run's (tests/server/test_cuda.py), so the same config
-    would train a different model on an Orin than on a Nano or a CPU. The model is small: the
-    cost is negligible. A researcher who wants TF32 anyway sets the torch flags after this."""
+    A100, an H100; not a Nano's Maxwell): a 10-bit mantissa, which on an H100 doubled the largest
+    weight difference to a CPU run after 3 rounds (README, Reproducibility), so the same config
+    would train a different model on an Orin than on a Nano or a CPU. What this costs in speed
+    was not measured (on an H100 or a Jetson); there is no switch back to TF32."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = False
