@@ -33,6 +33,7 @@ from fedseq.common.protocol.messages import (
     PROTOCOL_VERSION,
     Assignment,
     Control,
+    DeviceInfo,
     DeviceStatus,
     RunConfig,
     ServerStatus,
@@ -111,7 +112,26 @@ class DeviceSession:
     # -- presence --------------------------------------------------------------------------
     def _connected(self) -> None:
         self._online_since = time.time()
+        self.describe()
         self.announce()
+
+    def describe(self) -> None:
+        """Publish what this device trains with (retained DeviceInfo): torch build, threads,
+        hardware; the coordinator records it with the run (devices.json)."""
+        import torch
+
+        from fedseq.client.stack import l4t_release
+        from fedseq.common.hardware import compute_record
+
+        try:
+            record = compute_record(torch.device(self.torch_device))
+            rel = l4t_release()
+            info = DeviceInfo(device=self.device, package_version=__version__,
+                              l4t=rel[1] if rel else "", **record)
+        except Exception as exc:  # informational: never in the way of training
+            log.warning("cannot describe this device's stack: %s", exc)
+            return
+        self.link.publish(self.topics.device_info(self.device), info, retain=True)
 
     def announce(self) -> None:
         """Publish this device's status (retained): online, versions, memory, its last error."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fedseq.common.errors import ConfigError
@@ -37,3 +39,38 @@ def full_fp32_on_cuda() -> None:
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
+
+
+def hardware_name(device_tree: str = "/proc/device-tree/model", cpuinfo: str = "/proc/cpuinfo") -> str:
+    """The board's model where the kernel names one (a Jetson: "NVIDIA Jetson Nano Developer
+    Kit"), else the CPU's model name (x86 Linux), else what `platform` knows."""
+    import platform
+
+    try:
+        with open(device_tree, "rb") as f:
+            model = f.read().decode("utf-8", "replace").strip("\x00 \n")
+        if model:
+            return model
+    except OSError:
+        pass
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def compute_record(device: torch.device) -> dict[str, Any]:
+    """What a model trained here depends on besides its config and seed (README,
+    Reproducibility): the torch build, its CPU threads, the hardware. Recorded with every
+    simulated run (status.json) and sent by every device (DeviceInfo, devices.json)."""
+    import platform
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "cuda": torch.version.cuda or "", "torch_device": str(device), "gpu": gpu,
+            "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "cpu": hardware_name()}

@@ -93,6 +93,14 @@ def stop_children(procs: list[subprocess.Popen], timeout: float = 15) -> None:
             p.kill()
 
 
+def record_devices(run_dir: RunDir, pool: MqttPool) -> None:
+    """devices.json: the stacks of the devices in the run (online at its start or holding
+    clients); one that never described itself is listed with no entry."""
+    devices = set(pool.devices) | set(pool.assignment)
+    stacks = pool.inbox.device_stacks()
+    run_dir.record_devices({d: stacks.get(d, []) for d in sorted(devices)})
+
+
 def run_deployment(
     cfg: ExperimentConfig,
     out: Path | None,
@@ -160,6 +168,7 @@ def run_deployment(
         if out is not None:
             run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0,
                              {"run_id": run_id, **(info or {})})
+            record_devices(run_dir, pool)
         coordinator = Coordinator(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir, on_round,
                                   on_progress, collect_threads=1)
         with recorded(run_dir):
@@ -171,6 +180,11 @@ def run_deployment(
         ended = (str(exc).splitlines() or [type(exc).__name__])[0]
         raise
     finally:
+        if pool is not None and run_dir is not None:
+            try:
+                record_devices(run_dir, pool)
+            except OSError as exc:  # the run's own outcome matters more than this record
+                log.warning("could not write %s/devices.json: %s", run_dir.path, exc)
         if pool is not None:
             pool.close(abort=ended)
         stop_children(children)

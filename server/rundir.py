@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
@@ -147,6 +148,24 @@ class RunDir:
         self._metrics.flush()
         os.fsync(self._metrics.fileno())
 
+    def record_devices(self, stacks: dict[str, list[dict[str, Any]]]) -> None:
+        """devices.json (deployments): what each device said it trains with (torch build,
+        threads, hardware; DeviceInfo), oldest first, one entry per change, kept across resumes.
+        A device listed with no entry never described itself (a fedseq older than DeviceInfo, or
+        a broker ACL that does not let it write fedseq/device/<name>/info)."""
+        path = self.path / "devices.json"
+        merged: dict[str, list[dict[str, Any]]] = {}
+        with contextlib.suppress(OSError, ValueError):
+            old = json.loads(path.read_text())
+            merged = {str(d): list(rows) for d, rows in old.items() if isinstance(rows, list)}
+        for device, rows in stacks.items():
+            kept = merged.setdefault(device, [])
+            for row in rows:
+                if not kept or _stack(kept[-1]) != _stack(row):
+                    kept.append(row)
+        atomic_write(path, (json.dumps(merged, indent=1, sort_keys=True) + "\n").encode(),
+                     durable=False)
+
     def write_clients(self, rows: list[dict[str, Any]]) -> None:
         """clients.csv: per-client sizes and final accuracy."""
         with (self.path / "clients.csv").open("w", newline="") as f:
@@ -161,6 +180,10 @@ class RunDir:
     def close(self) -> None:
         """Close metrics.jsonl."""
         self._metrics.close()
+
+
+def _stack(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k != "seen"}
 
 
 def stop_on_sigterm() -> None:

@@ -10,25 +10,12 @@ from typing import Any
 import torch
 
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.hardware import torch_device
+from fedseq.common.hardware import hardware_name, torch_device
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.experiment import load_experiment
 from fedseq.server.pool import InProcessPool
 from fedseq.server.rundir import RunDir, recorded
-
-
-def cpu_model() -> str:
-    """The CPU's model name (Linux /proc/cpuinfo, else platform), recorded with every run."""
-    import platform
-
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def default_threads(cores: int | None = None, load: float | None = None) -> int:
@@ -76,7 +63,7 @@ def run_simulation(
     info["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
     # what else bitwise reproducibility depends on (README, Reproducibility)
     info["torch"] = torch.__version__
-    info["cpu"] = cpu_model()
+    info["cpu"] = hardware_name()
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     exp = load_experiment(cfg)
     pool = InProcessPool(exp.data, exp.model, exp.algorithm.personal_blocks(), cfg.seed_for("training"),

@@ -92,6 +92,25 @@ class DeviceStatus(Message):
     last_round_j: Optional[float] = None
 
 
+class DeviceInfo(Message):
+    """What a device trains with (retained, published on every connect): what bitwise
+    reproducibility depends on besides the config and the seed (README, Reproducibility). The
+    coordinator records it in the run directory (devices.json). Informational: a device whose
+    broker account may not write this topic (an ACL from before it existed) still trains."""
+
+    device: str
+    package_version: str = Field("", max_length=100)
+    python: str = Field("", max_length=100)
+    torch: str = Field("", max_length=100)
+    cuda: str = Field("", max_length=100)  # the CUDA torch was built for ("" for a CPU build)
+    torch_device: str = Field("cpu", max_length=100)
+    gpu: str = Field("", max_length=200)  # the GPU's name when it trains on one
+    threads: int = Field(0, ge=0)  # torch's CPU threads
+    machine: str = Field("", max_length=100)  # aarch64, x86_64
+    cpu: str = Field("", max_length=200)  # the CPU's model (x86) or the board's (Jetson)
+    l4t: str = Field("", max_length=100)  # a Jetson's L4T release (JetPack generation)
+
+
 class RunConfig(Message):
     """The run's whole experiment config (retained): devices derive the partition, the model
     and the seeds from it."""

@@ -10,7 +10,7 @@ from typing import Optional
 class TopicRef:
     """A parsed topic: its kind and the names its levels carry (empty where it has none).
 
-    kind: server_status, device_status, assignment, run_config, step, weights, update, eval,
+    kind: server_status, device_status, device_info, assignment, run_config, step, weights, update, eval,
     control. Levels are kept as text: a client or chunk level that is not a number is the
     message handler's to refuse, with its reason."""
 
@@ -34,6 +34,9 @@ class Topics:
 
     def device_status(self, device: str = "+") -> str:  # retained, last will
         return f"{self.root}/device/{device}/status"
+
+    def device_info(self, device: str = "+") -> str:  # retained
+        return f"{self.root}/device/{device}/info"
 
     @property
     def run_config(self) -> str:  # retained
@@ -67,8 +70,9 @@ class Topics:
         shape = (p[0], len(p))
         if shape == ("server", 2) and p[1] == "status":
             return TopicRef("server_status")
-        if shape == ("device", 3) and p[2] in ("status", "assign"):
-            return TopicRef("device_status" if p[2] == "status" else "assignment", device=p[1])
+        if shape == ("device", 3) and p[2] in ("status", "info", "assign"):
+            kind = {"status": "device_status", "info": "device_info", "assign": "assignment"}[p[2]]
+            return TopicRef(kind, device=p[1])
         if shape == ("run", 2) and p[1] == "config":
             return TopicRef("run_config")
         if shape in (("step", 1), ("control", 1)):

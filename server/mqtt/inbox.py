@@ -18,6 +18,7 @@ from fedseq.common.errors import FedseqError, ProtocolError
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
 from fedseq.common.protocol.messages import (
     PROTOCOL_VERSION,
+    DeviceInfo,
     DeviceStatus,
     EvalResult,
     UpdateHeader,
@@ -35,6 +36,8 @@ MAX_EVENTS = 10_000
 UPDATES_PER_CLIENT = 4
 #: evaluation messages (progress and final) queued per assigned client and step
 EVALS_PER_CLIENT = 4
+#: distinct DeviceInfo messages kept per device (the first ones and the latest)
+STACKS_PER_DEVICE = 10
 
 
 @dataclass(frozen=True)
@@ -118,11 +121,13 @@ class Inbox:
         self._lock = threading.Lock()
         self._queued: dict[tuple[str, int, object], int] = {}
         self.dropped = 0
+        # device -> the distinct stacks it described (DeviceInfo), with when each was first seen
+        self._stacks: dict[str, list[tuple[float, DeviceInfo]]] = {}
         self.on_junk: Callable[[str], None] = lambda topic: None
 
     def subscriptions(self) -> list[str]:
         t = self.topics
-        return [t.device_status(), t.update(), t.evaluation()]
+        return [t.device_status(), t.device_info(), t.update(), t.evaluation()]
 
     def collect(self, seq: int) -> None:
         """Accept updates of step `seq` from now on (-1: none); partial frames of other steps go."""
@@ -136,6 +141,13 @@ class Inbox:
         """Coordinator thread: the latest status of `device` a StatusArrived stands for."""
         with self._lock:
             return self._status.pop(device, None)
+
+    def device_stacks(self) -> dict[str, list[dict[str, Any]]]:
+        """What each device said it trains with (DeviceInfo, oldest first), as JSON-ready rows
+        with the Unix time each was first seen: for the run directory's devices.json."""
+        with self._lock:
+            return {d: [{"seen": round(t, 3), **i.model_dump(exclude={"v", "device"})}
+                        for t, i in seen] for d, seen in self._stacks.items()}
 
     def _put(self, event: Event, key: tuple[str, int, object] | None = None, cap: int = 0) -> None:
         """Queue `event` unless its key (kind, step, who) already had `cap` events queued or the
@@ -169,6 +181,15 @@ class Inbox:
                     self._status[status.device] = status
                 if fresh:
                     self._put(StatusArrived(status.device))
+            elif ref is not None and ref.kind == "device_info":
+                info = DeviceInfo.decode(payload)
+                _same_device(info.device, ref.device)
+                with self._lock:  # a new entry only when the stack changed (a reboot, an upgrade)
+                    seen = self._stacks.setdefault(info.device, [])
+                    if not seen or seen[-1][1] != info:
+                        if len(seen) == STACKS_PER_DEVICE:
+                            seen.pop()
+                        seen.append((time.time(), info))
             elif ref is not None and ref.kind == "eval":
                 res = EvalResult.decode(payload)
                 _same_device(res.device, ref.device)

@@ -8,6 +8,7 @@ device install) with torch 1.12; .ci/run makes one. Without it this module is sk
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -96,3 +97,7 @@ def test_old_stack_device_completes_rounds(algorithm, data_root, tmp_path, mosqu
     # other rows or under another plan moves them by orders of magnitude more
     assert rel < 5e-3
     assert all(torch.isfinite(v).all() for v in dep.global_weights.values())
+    # the run records which stack trained it: the devices' torch, not the coordinator's
+    stacks = json.loads((tmp_path / "run" / "devices.json").read_text())
+    assert {v[-1]["torch"].split("+")[0] for v in stacks.values()} == {"1.12.1"}
+    assert all(v[-1]["python"].startswith("3.8.") for v in stacks.values())

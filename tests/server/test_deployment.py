@@ -51,6 +51,13 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
         assert torch.equal(dep.global_weights[k], v), k  # bitwise, same threads and order
     rows = [json.loads(x) for x in (tmp_path / "dep" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["bytes_down"] > 0 and rows[0]["bytes_up"] > 0
+    # what each device trained with is recorded beside the run (what bitwise depends on)
+    stacks = json.loads((tmp_path / "dep" / "devices.json").read_text())
+    assert sorted(stacks) == ["local01", "local02"]
+    for rows_of_device in stacks.values():
+        (only,) = rows_of_device  # one stack per device: no duplicate from the second write
+        assert only["torch"] == torch.__version__ and only["threads"] == 1
+        assert only["torch_device"] == "cpu" and only["cpu"] and only["machine"]
 
 
 def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):
@@ -76,6 +83,27 @@ def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):
         assert set(r["reporters"].values()) <= {"local01", "local02"}
         assert sorted(int(c) for c in r["reporters"]) == r["reported"]
         assert r["deadline_s"] > 0 and r["device_failures"] == {} and r["late_updates"] == 0
+    # the project's ACL lets each device describe itself on its own info topic
+    stacks = json.loads((tmp_path / "run" / "devices.json").read_text())
+    assert sorted(stacks) == ["local01", "local02"]
+    assert all(len(v) == 1 and v[0]["torch"] == torch.__version__ for v in stacks.values())
+
+
+def test_devices_json_keeps_each_stack_across_resumes_and_lists_the_silent(data_root, tmp_path):
+    from fedseq.server.rundir import RunDir
+
+    cfg = quick_config(data_root)
+    nano = {"seen": 1.0, "torch": "1.12.1", "threads": 4}
+    run = RunDir(tmp_path, cfg)
+    run.record_devices({"jetson01": [nano], "jetson02": []})  # jetson02 never described itself
+    run.close()
+    resumed = RunDir(tmp_path, cfg, "resume", 1)  # a later coordinator sees the retained stack
+    resumed.record_devices({"jetson01": [{**nano, "seen": 9.0},
+                                         {**nano, "seen": 9.5, "torch": "1.13.0"}],
+                            "jetson02": []})
+    resumed.close()
+    stacks = json.loads((tmp_path / "devices.json").read_text())
+    assert stacks == {"jetson01": [nano, {**nano, "seen": 9.5, "torch": "1.13.0"}], "jetson02": []}
 
 
 def test_device_lost_mid_round_fails_fast(data_root, tmp_path, mosquitto):

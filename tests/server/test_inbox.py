@@ -5,10 +5,16 @@ import hashlib
 import torch
 
 from fedseq.common.protocol.frames import FramePool, pack_chunk
-from fedseq.common.protocol.messages import DeviceStatus, EvalResult, UpdateHeader
+from fedseq.common.protocol.messages import DeviceInfo, DeviceStatus, EvalResult, UpdateHeader
 from fedseq.common.protocol.tensors import encode_tensors
 from fedseq.common.protocol.topics import Topics
-from fedseq.server.mqtt.inbox import EVALS_PER_CLIENT, UPDATES_PER_CLIENT, Inbox, StatusArrived
+from fedseq.server.mqtt.inbox import (
+    EVALS_PER_CLIENT,
+    STACKS_PER_DEVICE,
+    UPDATES_PER_CLIENT,
+    Inbox,
+    StatusArrived,
+)
 
 T = Topics()
 
@@ -63,3 +69,26 @@ def test_invalid_messages_on_device_topics_are_reported_for_clearing():
     assert junk == [T.update("dev01", 0, 0), T.evaluation("dev02")]
     assert box.queue.qsize() == 0
     assert box.heard == {}  # invalid messages prove nothing about a device being alive
+
+
+def test_device_stacks_keep_each_change_once_and_refuse_another_devices_claim():
+    box = _inbox()
+    nano = DeviceInfo(device="dev01", torch="1.12.1", threads=4, machine="aarch64",
+                      cpu="NVIDIA Jetson Nano Developer Kit", l4t="R32.7.1")
+    for _ in range(3):  # every reconnect re-publishes the same stack: one entry
+        box.on_message(T.device_info("dev01"), nano.encode())
+    upgraded = nano.model_copy(update={"torch": "1.13.0"})
+    box.on_message(T.device_info("dev01"), upgraded.encode())
+    # another device's login cannot describe dev01 from its own topic, nor send junk
+    box.on_message(T.device_info("dev02"), nano.encode())
+    box.on_message(T.device_info("dev02"), b'{"v": 3, "device": "dev02", "torch": 5}')
+    stacks = box.device_stacks()
+    assert list(stacks) == ["dev01"]
+    assert [r["torch"] for r in stacks["dev01"]] == ["1.12.1", "1.13.0"]
+    assert stacks["dev01"][0]["l4t"] == "R32.7.1" and stacks["dev01"][0]["seen"] > 0
+    assert box.queue.qsize() == 0  # informational: no event for the round loop
+    for i in range(100):  # a device that keeps changing its story stays bounded
+        box.on_message(T.device_info("dev01"), nano.model_copy(update={"threads": i + 5}).encode())
+    kept = box.device_stacks()["dev01"]
+    assert len(kept) == STACKS_PER_DEVICE
+    assert kept[0]["torch"] == "1.12.1" and kept[-1]["threads"] == 104  # the first and the latest

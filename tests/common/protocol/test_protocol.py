@@ -86,6 +86,7 @@ def test_topics():
                                                           chunk="0")
     assert t.parse(t.device_status("jetson07")) == TopicRef("device_status", device="jetson07")
     assert t.parse(t.assignment("jetson07")) == TopicRef("assignment", device="jetson07")
+    assert t.parse(t.device_info("jetson07")) == TopicRef("device_info", device="jetson07")
     assert t.parse(t.weights("fc1", 2)) == TopicRef("weights", block="fc1", chunk="2")
     for kind in ("server_status", "run_config", "step", "control"):
         assert t.parse(getattr(t, kind)) == TopicRef(kind)
