@@ -108,7 +108,30 @@ def load_run(path: Path, label: str | None = None) -> Run:
         with (path / "clients.csv").open() as f:
             clients = list(csv.DictReader(f))
     status = json.loads((path / "status.json").read_text()) if (path / "status.json").exists() else {}
+    if (path / "devices.json").exists():  # a deployment: where it trained is its devices
+        status["device"] = trained_on(json.loads((path / "devices.json").read_text()))
     return Run(path, label or path.name, config, rows, clients, status)
+
+
+def trained_on(stacks: dict[str, Any]) -> str:
+    """A deployment's devices.json in a few words: how many devices of each kind (the GPU or
+    else the CPU/board, with torch's device and version, as each device last described itself),
+    and how many never described themselves: "10 x NVIDIA Jetson Nano Developer Kit (cuda:0,
+    torch 1.12.1)"."""
+    kinds: dict[str, int] = {}
+    silent = 0
+    for rows in stacks.values():
+        if not isinstance(rows, list) or not rows or not isinstance(rows[-1], dict):
+            silent += 1
+            continue
+        last = rows[-1]
+        kind = (f"{last.get('gpu') or last.get('cpu') or '?'} "
+                f"({last.get('torch_device', '?')}, torch {last.get('torch', '?')})")
+        kinds[kind] = kinds.get(kind, 0) + 1
+    parts = [f"{n} x {k}" for k, n in sorted(kinds.items())]
+    if silent:
+        parts.append(f"{silent} undescribed")
+    return "; ".join(parts) or "no devices"
 
 
 def _values(rows: list[dict[str, Any]], key: str) -> list[float]:

@@ -97,6 +97,25 @@ def test_a_group_trained_on_cpu_and_gpu_says_so(two_runs, tmp_path):
     assert "| NVIDIA H100 80GB HBM3 + cpu |" in md
 
 
+def test_a_deployment_names_its_devices(two_runs, tmp_path):
+    """A run directory with devices.json (a deployment) says in the device column what trained
+    it, as each device last described itself, and how many devices never did."""
+    import shutil
+
+    dep = tmp_path / "fedavg"
+    shutil.copytree(two_runs / "fedavg", dep)
+    nano = {"seen": 1.0, "torch": "1.12.1", "torch_device": "cuda:0", "gpu": "Tegra",
+            "cpu": "NVIDIA Jetson Nano Developer Kit"}
+    stacks = {"jetson01": [nano], "jetson02": [{**nano, "torch": "1.10.0"}, nano],
+              "jetson03": [{**nano, "torch_device": "cpu", "gpu": ""}], "jetson04": []}
+    (dep / "devices.json").write_text(json.dumps(stacks))
+    r = _report(str(dep), "--out", str(tmp_path / "rep"), "--no-figures")
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert ("| 1 x NVIDIA Jetson Nano Developer Kit (cpu, torch 1.12.1); "
+            "2 x Tegra (cuda:0, torch 1.12.1); 1 undescribed |") in md
+
+
 def test_report_bad_input_is_one_line(tmp_path, two_runs):
     r = _report(str(tmp_path), "--out", str(tmp_path / "rep"))
     assert r.returncode == 2 and "not a run directory" in r.stderr
