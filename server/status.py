@@ -1,5 +1,5 @@
 """fedseq-server status: what the broker knows about the coordinator, the run and every device
-(with each device's health: free memory, temperature, throttling, the energy of its last
+(with each device's torch build and health: free memory, temperature, throttling, the energy of its last
 client-round and its power source, refreshed with its heartbeat).
 
 Everything shown is retained on the broker (server status, run config, current step, each
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fedseq.common.errors import ProtocolError
 from fedseq.common.protocol.link import Link, TlsOptions, session_id
-from fedseq.common.protocol.messages import DeviceStatus, RunConfig, ServerStatus, Step
+from fedseq.common.protocol.messages import DeviceInfo, DeviceStatus, RunConfig, ServerStatus, Step
 from fedseq.common.protocol.topics import Topics
 
 
@@ -26,6 +26,7 @@ class FleetView:
     run: RunConfig | None = None
     step: Step | None = None
     devices: dict[str, DeviceStatus] = field(default_factory=dict)
+    stacks: dict[str, DeviceInfo] = field(default_factory=dict)  # what each device trains with
     invalid: list[str] = field(default_factory=list)
 
 
@@ -48,6 +49,10 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
                     view.run = RunConfig.decode(payload)
                 elif topic == t.step:
                     view.step = Step.decode(payload)
+                elif getattr(t.parse(topic), "kind", "") == "device_info":
+                    info = DeviceInfo.decode(payload)
+                    if topic == t.device_info(info.device):
+                        view.stacks[info.device] = info
                 else:
                     status = DeviceStatus.decode(payload)
                     if topic == t.device_status(status.device):
@@ -56,7 +61,8 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
             view.invalid.append(f"{topic}: {exc}")
 
     link = Link(session_id("fedseq-status"), url,
-                [t.server_status, t.run_config, t.step, t.device_status()], on_message,
+                [t.server_status, t.run_config, t.step, t.device_status(), t.device_info()],
+                on_message,
                 username=username, password=password, tls=tls)
     link.start(attempts=1)
     try:
@@ -96,8 +102,10 @@ def format_fleet(view: FleetView, url: str) -> list[str]:
             error = f"step {d.error_seq}: {error}"
         temp = "-" if d.temp_c is None else f"{d.temp_c:.0f} C" + (" THROTTLED" if d.throttled else "")
         source = d.energy_source or "-"
+        info = view.stacks.get(name)  # its torch build, where the device described itself
+        torch = d.torch_device + (f" {info.torch}" if info is not None and info.torch else "")
         rows.append((name, d.state, _when(d.since) if d.state == "online" else "-",
-                     d.package_version or "-", f"v{d.v}", d.torch_device,
+                     d.package_version or "-", f"v{d.v}", torch,
                      f"{d.memory_mb} MB" if d.memory_mb else "-",
                      "-" if d.mem_available_mb is None else f"{d.mem_available_mb} MB", temp,
                      "-" if d.last_round_j is None else f"{d.last_round_j:.1f} J",

@@ -75,6 +75,7 @@ def test_daemon_with_a_wrong_password_exits_with_one_line(tmp_path):
 
 def test_status_command_shows_the_fleet(tmp_path, monkeypatch):
     import paho.mqtt.client as mqtt
+    import torch
 
     from fedseq.client.daemon import DeviceDaemon
     from fedseq.common.protocol.messages import PROTOCOL_VERSION, DeviceStatus
@@ -108,7 +109,8 @@ def test_status_command_shows_the_fleet(tmp_path, monkeypatch):
     out = r.stdout
     assert "coordinator never seen" in out and "1 of 2 devices online" in out, out
     dev01 = next(ln for ln in out.splitlines() if ln.startswith("dev01"))
-    assert "online" in dev01 and "0.1.0" in dev01 and f"v{PROTOCOL_VERSION}" in dev01 and "cpu" in dev01
+    assert "online" in dev01 and "0.1.0" in dev01 and f"v{PROTOCOL_VERSION}" in dev01
+    assert f"cpu {torch.__version__}" in dev01  # the torch build it described (DeviceInfo)
     assert "52 C" in dev01 and "jetson-iio" in dev01  # its health and power source
     dev02 = next(ln for ln in out.splitlines() if ln.startswith("dev02"))
     assert "offline" in dev02 and "step 4: dataset file missing" in dev02
