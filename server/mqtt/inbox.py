@@ -202,7 +202,8 @@ class Inbox:
                 self._on_update_chunk(ref.device, ref.client, ref.chunk, payload)
             else:
                 raise ProtocolError("not a topic the coordinator reads")
-            self.heard[ref.device] = time.monotonic()
+            if ref.kind != "device_info":  # a retained description says nothing of presence
+                self.heard[ref.device] = time.monotonic()
         except FedseqError as exc:
             if ref is not None and ref.kind in ("update", "eval"):
                 self.on_junk(topic)

@@ -87,6 +87,7 @@ def test_device_stacks_keep_each_change_once_and_refuse_another_devices_claim():
     assert [r["torch"] for r in stacks["dev01"]] == ["1.12.1", "1.13.0"]
     assert stacks["dev01"][0]["l4t"] == "R32.7.1" and stacks["dev01"][0]["seen"] > 0
     assert box.queue.qsize() == 0  # informational: no event for the round loop
+    assert "dev01" not in box.heard  # and not a sign of life (it is retained)
     for i in range(100):  # a device that keeps changing its story stays bounded
         box.on_message(T.device_info("dev01"), nano.model_copy(update={"threads": i + 5}).encode())
     kept = box.device_stacks()["dev01"]
