@@ -149,8 +149,30 @@ def export_tensorboard_cmd(
         written = export_tensorboard(runs, out)
     except FedseqError as exc:
         _fail(exc)
-    print(f"wrote {len(written)} runs to {out}: " + ", ".join(str(w.relative_to(out)) for w in written)
+    print(f"wrote {len(written)} runs to {out}: " + ", ".join(written)
           + f"\nview them with: tensorboard --logdir {out}")
+
+
+@export_app.command("mlflow")
+def export_mlflow_cmd(
+    runs: Annotated[list[Path], typer.Argument(help="run directories or sweep folders")],
+    tracking_uri: Annotated[str, typer.Option(
+        "--tracking-uri", envvar="MLFLOW_TRACKING_URI",
+        help="the MLflow tracking server, e.g. http://mlflow.lab:5000 (or MLFLOW_TRACKING_URI)")],
+    experiment: Annotated[str, typer.Option("--experiment", help="MLflow experiment name")
+                          ] = "fedseq",
+) -> None:
+    """One MLflow run per run directory (a sweep's seeds as <sweep>/seed-<s>): every round's
+    accuracies, bytes, FLOPs, seconds and energy as metrics, the config as params and as
+    config.toml; run it again to follow a running experiment (it replaces its earlier export)."""
+    from fedseq.server.track import export_mlflow
+
+    try:
+        written = export_mlflow(runs, tracking_uri, experiment)
+    except FedseqError as exc:
+        _fail(exc)
+    print(f"wrote {len(written)} runs to MLflow experiment {experiment!r} at {tracking_uri}: "
+          + ", ".join(written))
 
 
 def main() -> None:

@@ -1,14 +1,17 @@
-"""Export runs to an experiment tracker: TensorBoard event files (the `track` extra).
+"""Export runs to an experiment tracker: TensorBoard event files (the `track` extra) or an
+MLflow tracking server (the `mlflow` extra).
 
 One seam for simulation and deployment alike: both write the same run directory, and a
 `Tracker` takes a run's config once and its metrics.jsonl rows one by one. `fedseq export
-tensorboard RUN_DIR...` replays them (after the run, or again while it goes on: it rewrites that
-run's events, so TensorBoard follows a running experiment). Another tracker (MLflow, W&B) is a
-class with the same three methods. Nothing here runs on a device.
+tensorboard|mlflow RUN_DIR...` replays them (after the run, or again while it goes on: it
+replaces that run's earlier export, so the tracker follows a running experiment). Both log the
+same scalars under the same names (`row_scalars`). Another tracker (W&B) is a class with the
+same three methods. Nothing here runs on a device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,17 +27,44 @@ COST_TAGS = {"bytes_down": "cost/bytes_down", "bytes_up": "cost/bytes_up",
              "energy_j": "energy/joules_devices"}
 
 
+def row_scalars(row: dict[str, Any], totals: dict[str, float]) -> tuple[int, dict[str, float]]:
+    """One metrics.jsonl row as (step, {name: value}): the round is the step; the fine-tuning
+    row is logged at step = rounds as accuracy/P_after_finetuning; cumulative MB and TFLOP
+    beside the per-round values (`totals` carries the sums from row to row)."""
+    step = int(row["round"])
+    out: dict[str, float] = {}
+    if row.get("phase") == "finetune":
+        for key, tag in (("personal_acc", "accuracy/P_after_finetuning"),
+                         ("global_acc", "accuracy/G_global")):
+            if row.get(key) is not None:
+                out[tag] = 100 * row[key]
+        if row.get("train_flops"):
+            out["cost/finetune_flops"] = row["train_flops"]
+        return step, out
+    for key, tag in ACCURACY_TAGS.items():
+        if row.get(key) is not None:
+            out[tag] = 100 * row[key]
+    for key, tag in COST_TAGS.items():
+        if row.get(key) is not None:
+            out[tag] = row[key]
+    totals["moved"] = totals.get("moved", 0.0) + row.get("bytes_down", 0) + row.get("bytes_up", 0)
+    totals["flops"] = totals.get("flops", 0.0) + row.get("train_flops", 0)
+    out["cost/cumulative_MB"] = totals["moved"] / 1e6
+    out["cost/cumulative_TFLOP"] = totals["flops"] / 1e12
+    out["clients/reported"] = len(row.get("reported", []))
+    out["clients/missing_or_rejected"] = len(row.get("failed", [])) + len(row.get("rejected", {}))
+    return step, out
+
+
 class Tracker(Protocol):
-    def log_config(self, config_toml: str, info: dict[str, Any]) -> None: ...
+    def log_config(self, config_toml: str, config: dict[str, Any], info: dict[str, Any]) -> None: ...
     def log_row(self, row: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
 
 
 class TensorBoard:
     """Event files under `logdir` (one folder per run: TensorBoard overlays the runs, the seeds
-    of a sweep as seed-<s> beside each other). Rounds are the steps; the fine-tuning row is
-    logged at step = rounds as accuracy/P_after_finetuning; cumulative MB and TFLOP as well
-    as per-round values."""
+    of a sweep as seed-<s> beside each other), the scalars of `row_scalars`."""
 
     def __init__(self, logdir: Path):
         try:
@@ -43,10 +73,9 @@ class TensorBoard:
             raise ConfigError("TensorBoard export needs tensorboardX: pip install "
                               "'fedseq[track]' (the coordinator's side only)") from exc
         self.writer = SummaryWriter(logdir=str(logdir), flush_secs=10)
-        self.moved = 0.0
-        self.flops = 0.0
+        self.totals: dict[str, float] = {}
 
-    def log_config(self, config_toml: str, info: dict[str, Any]) -> None:
+    def log_config(self, config_toml: str, config: dict[str, Any], info: dict[str, Any]) -> None:
         lines = "\n".join(f"    {line}" for line in config_toml.splitlines())  # Markdown code
         facts = "\n".join(f"- {k}: {v}" for k, v in info.items())
         self.writer.add_text("run/config.toml", lines, 0)
@@ -54,54 +83,125 @@ class TensorBoard:
             self.writer.add_text("run/info", facts, 0)
 
     def log_row(self, row: dict[str, Any]) -> None:
-        step = int(row["round"])
-        if row.get("phase") == "finetune":
-            for key, tag in (("personal_acc", "accuracy/P_after_finetuning"),
-                             ("global_acc", "accuracy/G_global")):
-                if row.get(key) is not None:
-                    self.writer.add_scalar(tag, 100 * row[key], step)
-            if row.get("train_flops"):
-                self.writer.add_scalar("cost/finetune_flops", row["train_flops"], step)
-            return
-        for key, tag in ACCURACY_TAGS.items():
-            if row.get(key) is not None:
-                self.writer.add_scalar(tag, 100 * row[key], step)
-        for key, tag in COST_TAGS.items():
-            if row.get(key) is not None:
-                self.writer.add_scalar(tag, row[key], step)
-        self.moved += row.get("bytes_down", 0) + row.get("bytes_up", 0)
-        self.flops += row.get("train_flops", 0)
-        self.writer.add_scalar("cost/cumulative_MB", self.moved / 1e6, step)
-        self.writer.add_scalar("cost/cumulative_TFLOP", self.flops / 1e12, step)
-        self.writer.add_scalar("clients/reported", len(row.get("reported", [])), step)
-        self.writer.add_scalar("clients/missing_or_rejected",
-                               len(row.get("failed", [])) + len(row.get("rejected", {})), step)
+        step, scalars = row_scalars(row, self.totals)
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
         self.writer.close()
 
 
-def export_tensorboard(paths: list[Path], logdir: Path) -> list[Path]:
-    """Write every run's events to logdir/<run label>/ (a sweep's seeds: <sweep>/seed-<s>);
-    replaces the events an earlier export wrote there. Returns the folders written."""
-    import shutil
+def run_name(path: Path) -> str:
+    """A run's name in a tracker: its folder, a sweep's seeds as <sweep>/seed-<s>."""
+    return f"{path.resolve().parent.name}/{path.name}" if path.name.startswith("seed-") else path.name
 
+
+def replay(paths: list[Path], open_tracker: Callable[[Path, str], Tracker]) -> list[str]:
+    """Every run (a sweep's folder stands for its seeds) into the tracker `open_tracker(path,
+    name)` makes for it: the config, then its metrics.jsonl rows. Returns the names."""
     from fedseq.server.report import expand_sweeps, load_run
 
-    written = []
+    names = []
     for path in expand_sweeps(paths, None):
         run = load_run(path)
-        name = f"{path.resolve().parent.name}/{path.name}" if path.name.startswith("seed-") \
-            else path.name
-        target = logdir / name
-        if target.exists():
-            shutil.rmtree(target)
-        tb = TensorBoard(target)
+        name = run_name(path)
+        tracker = open_tracker(path, name)
         config = (path / "config.toml").read_text() if (path / "config.toml").exists() else ""
-        tb.log_config(config, {"state": run.status.get("state", "?"),
-                               "command": run.status.get("command", "?")})
+        tracker.log_config(config, run.config, {"state": run.status.get("state", "?"),
+                                                "command": run.status.get("command", "?")})
         for row in run.rows:
-            tb.log_row(row)
-        tb.close()
-        written.append(target)
-    return written
+            tracker.log_row(row)
+        tracker.close()
+        names.append(name)
+    return names
+
+
+def export_tensorboard(paths: list[Path], logdir: Path) -> list[str]:
+    """Write every run's events to logdir/<run name>/, replacing the events an earlier export
+    wrote there. Returns the run names."""
+    import shutil
+
+    def open_tracker(path: Path, name: str) -> Tracker:
+        if (logdir / name).exists():
+            shutil.rmtree(logdir / name)
+        return TensorBoard(logdir / name)
+
+    return replay(paths, open_tracker)
+
+
+#: a run directory's state as an MLflow run status
+MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
+
+
+class MLflow:
+    """One MLflow run per run directory in `experiment` (created if missing), tagged with the
+    directory's path (fedseq.run_dir): an earlier export of the same directory is deleted
+    first, so exporting again replaces it. The scalars of `row_scalars` are its metrics (steps
+    = rounds), the config's settings its params ("train.lr"), config.toml an artifact, the run's
+    state its status (a run still going stays RUNNING)."""
+
+    def __init__(self, tracking_uri: str, experiment: str, path: Path, name: str):
+        try:
+            from mlflow.tracking import MlflowClient
+        except ImportError as exc:
+            raise ConfigError("MLflow export needs mlflow: pip install 'fedseq[mlflow]' (the "
+                              "coordinator's side only)") from exc
+        try:
+            self.client = client = MlflowClient(tracking_uri)
+            found = client.get_experiment_by_name(experiment)
+            exp_id = found.experiment_id if found is not None else client.create_experiment(experiment)
+            where = str(path.resolve())
+            for old in client.search_runs([exp_id], max_results=5000):
+                if old.data.tags.get("fedseq.run_dir") == where:
+                    client.delete_run(old.info.run_id)
+            self.run_id = client.create_run(exp_id, run_name=name,
+                                            tags={"fedseq.run_dir": where}).info.run_id
+        except Exception as exc:  # MlflowException, a server that is not there, a bad URI
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(f"MLflow at {tracking_uri!r}: {first[:300]}") from exc
+        self.totals: dict[str, float] = {}
+        self.state = "?"
+
+    def log_config(self, config_toml: str, config: dict[str, Any], info: dict[str, Any]) -> None:
+        params: dict[str, str] = {}
+
+        def flatten(prefix: str, value: Any) -> None:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    flatten(f"{prefix}.{k}" if prefix else str(k), v)
+            else:
+                params[prefix] = str(value)[:500]
+
+        flatten("", config)
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(self.run_id, params=items[i:i + 100])
+        if config_toml:
+            self.client.log_text(self.run_id, config_toml, "config.toml")
+        for k, v in info.items():
+            self.client.set_tag(self.run_id, f"fedseq.{k}", str(v)[:5000])
+        self.state = str(info.get("state", "?"))
+
+    def log_row(self, row: dict[str, Any]) -> None:
+        import time
+
+        from mlflow.entities import Metric
+
+        step, scalars = row_scalars(row, self.totals)
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
+                                                    for k, v in scalars.items()])
+
+    def close(self) -> None:
+        status = MLFLOW_STATUS.get(self.state)
+        if status is not None:
+            self.client.set_terminated(self.run_id, status)
+
+
+def export_mlflow(paths: list[Path], tracking_uri: str, experiment: str) -> list[str]:
+    """Every run into the MLflow experiment `experiment` at `tracking_uri` (an MLflow server's
+    http(s) URL, or what else MLflow accepts), replacing earlier exports of the same run
+    directories. Returns the run names."""
+    return replay(paths, lambda path, name: MLflow(tracking_uri, experiment, path, name))

@@ -1,7 +1,9 @@
-"""fedseq export tensorboard: event files that hold every round's numbers of simulated runs, a
-sweep's seeds side by side; without tensorboardX a one-line hint."""
+"""fedseq export tensorboard|mlflow: event files (or MLflow runs) that hold every round's numbers
+of simulated runs, a sweep's seeds side by side; without the library, or with no tracker
+there, a one-line error."""
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -59,3 +61,51 @@ def test_export_writes_every_round_of_each_run(data_root, tmp_path):
                     str(tmp_path / "sweep"), "--out", str(tmp_path / "tb")], check=True,
                    capture_output=True, timeout=300)
     assert len(list((tmp_path / "tb" / "sweep" / "seed-0").iterdir())) == 1
+
+
+def test_mlflow_export_holds_every_round_and_replaces_itself(data_root, tmp_path):
+    """Into a real MLflow store (its local file store stands in for a tracking server: the
+    client calls are the same): metrics per round, params, artifact, status; again = replaced."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    cfg = quick_config(data_root, "algorithm.name=fedbabu", "train.threads=1", "rounds=2",
+                       "algorithm.finetune_epochs=1")
+    run_dir = tmp_path / "babu"
+    run_simulation(cfg, run_dir)
+    uri = (tmp_path / "mlruns").as_uri()
+    env = {**os.environ, "MLFLOW_ALLOW_FILE_STORE": "true"}  # MLflow 3 wants it for a folder
+    cmd = [sys.executable, "-m", "fedseq.server.tools", "export", "mlflow", str(run_dir),
+           "--tracking-uri", uri, "--experiment", "testbed"]
+    for _ in range(2):
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert r.returncode == 0, r.stderr
+    assert "wrote 1 runs to MLflow experiment 'testbed'" in r.stdout
+    os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+    try:
+        client = MlflowClient(uri)
+        exp = client.get_experiment_by_name("testbed")
+        (run,) = client.search_runs([exp.experiment_id])  # the second export replaced the first
+    finally:
+        del os.environ["MLFLOW_ALLOW_FILE_STORE"]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    history = client.get_metric_history(run.info.run_id, "accuracy/G_global")
+    assert {m.step: m.value for m in history} == pytest.approx(
+        {x["round"]: 100 * x["global_acc"] for x in rows})
+    tuned = client.get_metric_history(run.info.run_id, "accuracy/P_after_finetuning")
+    assert [(m.step, m.value) for m in tuned] == [(2, pytest.approx(100 * rows[-1]["personal_acc"]))]
+    assert run.data.params["algorithm.name"] == "fedbabu" and run.data.params["train.lr"] == "0.01"
+    assert run.info.status == "FINISHED" and run.info.run_name == "babu"
+    assert run.data.tags["fedseq.run_dir"] == str(run_dir.resolve())
+    assert "config.toml" in [a.path for a in client.list_artifacts(run.info.run_id)]
+
+
+def test_mlflow_export_to_nowhere_is_one_line(tmp_path, data_root):
+    pytest.importorskip("mlflow")
+    run_dir = tmp_path / "run"
+    run_simulation(quick_config(data_root, "rounds=1", "train.threads=1"), run_dir)
+    r = subprocess.run([sys.executable, "-m", "fedseq.server.tools", "export", "mlflow",
+                        str(run_dir), "--tracking-uri", "nosuchscheme://x"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.startswith("error: MLflow at 'nosuchscheme://x'"), r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
