@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.hardware import hardware_name, torch_device
+from fedseq.common.hardware import compute_record, torch_device
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.experiment import load_experiment
@@ -60,10 +60,10 @@ def run_simulation(
     torch.set_num_threads(threads)
     info = {**(info or {}), "threads": threads}
     device = torch_device(cfg.train.device)
-    info["device"] = str(device) if device.type == "cpu" else torch.cuda.get_device_name(device)
-    # what else bitwise reproducibility depends on (README, Reproducibility)
-    info["torch"] = torch.__version__
-    info["cpu"] = hardware_name()
+    # what else bitwise reproducibility depends on (README, Reproducibility); "device" is "cpu"
+    # or the GPU's name, as the report reads it
+    record = compute_record(device)
+    info.update(record, device=record["gpu"] or str(device))
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     exp = load_experiment(cfg)
     pool = InProcessPool(exp.data, exp.model, exp.algorithm.personal_blocks(), cfg.seed_for("training"),
