@@ -34,6 +34,33 @@ def _step_watcher(port, home, on_step):
     return watcher
 
 
+def _wait_online(port, home, device, timeout=120.0):
+    """Block until `device`'s retained status says online (generous: a daemon imports torch)."""
+    import threading
+
+    import paho.mqtt.client as mqtt
+
+    from fedseq.common.protocol.messages import DeviceStatus
+
+    online = threading.Event()
+
+    def on_status(client, userdata, msg):
+        if msg.payload and DeviceStatus.decode(msg.payload).state == "online":
+            online.set()
+
+    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"wait-{device}")
+    watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
+    watcher.on_message = on_status
+    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe(f"fedseq/device/{device}/status", qos=1)
+    watcher.connect("127.0.0.1", port)
+    watcher.loop_start()
+    try:
+        assert online.wait(timeout), f"{device} did not come online within {timeout} s"
+    finally:
+        watcher.loop_stop()
+        watcher.disconnect()
+
+
 def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
     cfg = quick_config(data_root, "algorithm.name=fedrod", "rounds=2", "train.join_ratio=0.6",
                        "deploy.port=0")
@@ -126,6 +153,10 @@ def test_device_lost_mid_round_fails_fast(data_root, tmp_path, mosquitto):
 
     watcher = _step_watcher(port, home, on_step)
     try:
+        # both online first: wait_devices_s (short, as it also bounds the wait for the lost
+        # device before each later step) must not race two daemons importing torch (CI, loaded)
+        for name in ("local01", "local02"):
+            _wait_online(port, home, name)
         cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.join_ratio=1.0",
                            "deploy.min_devices=2", "deploy.round_timeout_s=120",
                            "deploy.wait_devices_s=5", "deploy.username=coordinator",
@@ -152,17 +183,20 @@ def test_a_ghost_device_is_not_waited_for(data_root, tmp_path, mosquitto):
     from fedseq.common.protocol.messages import DeviceStatus
 
     port, home, _ = mosquitto
-    ghost = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="ghost-of-local02")
-    ghost.username_pw_set("local02", (home / "local02.pw").read_text().strip())
-    ghost.connect("127.0.0.1", port)
-    ghost.loop_start()
-    status = DeviceStatus(device="local02", state="online", heartbeat_s=2.0, since=time.time())
-    ghost.publish("fedseq/device/local02/status", status.encode(), qos=1,
-                  retain=True).wait_for_publish(10)
-    ghost.loop_stop()
-    ghost.socket().close()  # dies without a goodbye and without a last will
+    # the live device first, online before the ghost appears: the ghost's heartbeat runs out
+    # 6 s after the coordinator hears it, so a daemon slow to start must not be waited for then
     d1 = _device("local01", port, home, data_root)
     try:
+        _wait_online(port, home, "local01")
+        ghost = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="ghost-of-local02")
+        ghost.username_pw_set("local02", (home / "local02.pw").read_text().strip())
+        ghost.connect("127.0.0.1", port)
+        ghost.loop_start()
+        status = DeviceStatus(device="local02", state="online", heartbeat_s=2.0, since=time.time())
+        ghost.publish("fedseq/device/local02/status", status.encode(), qos=1,
+                      retain=True).wait_for_publish(10)
+        ghost.loop_stop()
+        ghost.socket().close()  # dies without a goodbye and without a last will
         cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.join_ratio=1.0",
                            "deploy.min_devices=2", "deploy.round_timeout_s=120",
                            "deploy.wait_devices_s=5", "deploy.username=coordinator",
