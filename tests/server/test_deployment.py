@@ -21,14 +21,15 @@ def _quiet(_msg: str) -> None:
     pass
 
 
-def _step_watcher(port, home, on_step):
-    """A paho client on the coordinator's login that calls on_step for every step message."""
+def _watcher(port, home, on_step, topic="fedseq/step"):
+    """A paho client on the coordinator's login that calls on_step for every message on `topic`
+    (the step, unless told otherwise)."""
     import paho.mqtt.client as mqtt
 
-    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
+    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"watcher-{topic}")
     watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
     watcher.on_message = on_step
-    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe("fedseq/step", qos=1)
+    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, qos=1)
     watcher.connect("127.0.0.1", port)
     watcher.loop_start()
     return watcher
@@ -38,8 +39,6 @@ def _wait_online(port, home, device, timeout=120.0):
     """Block until `device`'s retained status says online (generous: a daemon imports torch)."""
     import threading
 
-    import paho.mqtt.client as mqtt
-
     from fedseq.common.protocol.messages import DeviceStatus
 
     online = threading.Event()
@@ -48,12 +47,7 @@ def _wait_online(port, home, device, timeout=120.0):
         if msg.payload and DeviceStatus.decode(msg.payload).state == "online":
             online.set()
 
-    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"wait-{device}")
-    watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
-    watcher.on_message = on_status
-    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe(f"fedseq/device/{device}/status", qos=1)
-    watcher.connect("127.0.0.1", port)
-    watcher.loop_start()
+    watcher = _watcher(port, home, on_status, f"fedseq/device/{device}/status")
     try:
         assert online.wait(timeout), f"{device} did not come online within {timeout} s"
     finally:
@@ -151,7 +145,7 @@ def test_device_lost_mid_round_fails_fast(data_root, tmp_path, mosquitto):
                 d2.send_signal(signal.SIGKILL)
                 killed.append(time.monotonic())
 
-    watcher = _step_watcher(port, home, on_step)
+    watcher = _watcher(port, home, on_step)
     try:
         # both online first: wait_devices_s (short, as it also bounds the wait for the lost
         # device before each later step) must not race two daemons importing torch (CI, loaded)
@@ -327,7 +321,7 @@ def test_broker_killed_while_devices_train(data_root, tmp_path, mosquitto):
                 killed.append(True)
                 threading.Thread(target=restart_broker, args=(True,)).start()
 
-    watcher = _step_watcher(port, home, on_step)
+    watcher = _watcher(port, home, on_step)
     try:
         cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.join_ratio=1.0",
                            "deploy.min_devices=2", "deploy.round_timeout_s=120",
