@@ -160,6 +160,7 @@ class MLflow:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ConfigError(f"MLflow at {tracking_uri!r}: {first[:300]}") from exc
         self.totals: dict[str, float] = {}
+        self.pending: list[Any] = []  # mlflow.entities.Metric, sent by close()
         self.state = "?"
 
     def log_config(self, config_toml: str, config: dict[str, Any], info: dict[str, Any]) -> None:
@@ -191,10 +192,13 @@ class MLflow:
 
         step, scalars = row_scalars(row, self.totals)
         now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step)
-                                                    for k, v in scalars.items()])
+        self.pending += [Metric(k, float(v), now, step) for k, v in scalars.items()]
 
     def close(self) -> None:
+        # sent in batches at the end, not one request per round (MLflow: <= 1000 per batch)
+        for i in range(0, len(self.pending), 1000):
+            self.client.log_batch(self.run_id, metrics=self.pending[i:i + 1000])
+        self.pending = []
         status = MLFLOW_STATUS.get(self.state)
         if status is not None:
             self.client.set_terminated(self.run_id, status)
