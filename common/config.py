@@ -167,6 +167,9 @@ class DeployConfig(_Section):
     broker: Optional[str] = None  # mqtt://HOST:PORT of an external broker (Mosquitto); none = embedded
     topic_root: str = Field("fedseq", pattern=r"^[A-Za-z0-9_\-]+$")
     min_devices: int = Field(1, ge=1)
+    # how long to wait for min_devices: at the start, and before a step while fewer of the
+    # assigned devices are online; a device still missing then is not waited for again until
+    # it is back online (one wait per loss)
     wait_devices_s: float = Field(300, gt=0)
     # Round deadline: fixed when set; else factor x the slowest device's recent pace (seconds
     # per client x its clients this round), within [min, max]; max until every device was measured.

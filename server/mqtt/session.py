@@ -56,6 +56,7 @@ class ServerSession:
         self.inbox = inbox
         self.online: dict[str, DeviceStatus] = {}
         self.incompatible: dict[str, str] = {}  # device -> why it cannot run any step of this run
+        self.written_off: set[str] = set()  # waited for once in vain (await_devices)
         self._lock = threading.Lock()
         self._retained: dict[str, bytes] = {}
         self._republish_blocks: Callable[[], int] = lambda: 0
@@ -198,6 +199,7 @@ class ServerSession:
             return [DeviceOffline(st.device)]
         known = self.online.get(st.device)
         self.online[st.device] = st
+        self.written_off.discard(st.device)
         if not (st.error_seq == -1 and st.error_run_id == self.run_id):
             self.incompatible.pop(st.device, None)  # it could follow the run after all
         fresh = known is None or (known.error_seq, known.error) != (st.error_seq, st.error)
@@ -226,12 +228,14 @@ class ServerSession:
     def await_devices(self, assigned: set[str], minimum: int, wait_s: float) -> None:
         """Before a step: after a broker restart or a network drop, devices come back within
         seconds; wait up to `wait_s` for `minimum` of the assigned ones instead of failing the
-        step (their events while waiting only update presence)."""
+        step (their events while waiting only update presence). A device still missing when a
+        wait runs out is written off: later steps do not wait for it again (one wait per loss,
+        not one per step), until it is heard online again."""
         self.drain(0.0)
-        need = min(minimum, len(assigned))
+        need = min(minimum, len(assigned - self.written_off))
         if len(assigned & set(self.online)) >= need:
             return
-        log.warning("waiting for devices: %d of %d assigned online",
+        log.warning("waiting up to %.0f s for devices: %d of %d assigned online", wait_s,
                     len(assigned & set(self.online)), len(assigned))
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
@@ -240,7 +244,10 @@ class ServerSession:
                 time.sleep(0.5)  # let the others that reconnect together announce themselves
                 self.drain(0.0)
                 return
-        log.warning("continuing with %d devices online", len(assigned & set(self.online)))
+        missing = assigned - set(self.online)
+        self.written_off |= missing
+        log.warning("continuing with %d devices online; not waiting again for %s until it is "
+                    "back online", len(assigned & set(self.online)), ", ".join(sorted(missing)))
 
     def close(self, goodbye: Callable[[], None]) -> None:
         """Run `goodbye` (the last retained messages) if still connected, say offline, then
