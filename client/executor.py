@@ -86,7 +86,10 @@ class StepExecutor:
             update, personal = run_client_round(model, start, plan, data, data.clients[c],
                                                 run.cfg.seed_for("training"), step.round)
             cost = self._cost(mark)
-            if plan.personal:
+            if update.diverged_at is not None:  # refused by the coordinator; blocks kept as they were
+                log.warning("round %d: client %d's training diverged (NaN or Inf loss at batch %d)",
+                            step.round, c, update.diverged_at)
+            elif plan.personal:
                 self.store.save(run.run_id, c, personal, step.round)
             meta = dict(run_id=run.run_id, seq=step.seq, round=step.round, client=c,
                         device=self.session.device, num_samples=update.num_samples,
@@ -94,7 +97,7 @@ class StepExecutor:
                         train_seconds=update.train_seconds,
                         local_correct=update.local_score[0] if update.local_score else None,
                         local_total=update.local_score[1] if update.local_score else None,
-                        **cost)
+                        diverged_at=update.diverged_at, **cost)
             frame = encode_tensors(update.deltas)
             self.session.send(f"update/{c}", step.seq,
                               functools.partial(self._publish_update, c, meta, frame))
@@ -114,14 +117,20 @@ class StepExecutor:
         shared = self.session.weights(run, list(step.versions))
         results: Dict[int, Tuple[int, int]] = {}
         energy: Dict[int, float] = {}
+        diverged: Dict[int, int] = {}
         for c in mine:
             if self.abort(step):
                 return
             start = {**shared, **self._personal(run, c, tuple(step.personal))}
             mark = self.meter.mark()
-            results[c] = finetune_and_score(model, start, plan, data, data.clients[c],
-                                            run.cfg.seed_for("training"), tuple(step.eval_heads),
-                                            run.cfg.train.eval_batch_size)
+            results[c], at = finetune_and_score(model, start, plan, data, data.clients[c],
+                                                run.cfg.seed_for("training"),
+                                                tuple(step.eval_heads),
+                                                run.cfg.train.eval_batch_size)
+            if at is not None:
+                diverged[c] = at
+                log.warning("step %d: client %d's fine-tuning diverged (NaN or Inf loss at batch "
+                            "%d)", step.seq, c, at)
             spent = self.meter.since(mark)
             if spent is not None:
                 energy[c] = round(spent.joules, 3)
@@ -133,7 +142,7 @@ class StepExecutor:
                                      energy_j=dict(energy) or None)
                 self.session.link.publish(self.session.topics.evaluation(self.session.device),
                                           partial)
-        self._send_scores(run, step, results, energy or None)
+        self._send_scores(run, step, results, energy or None, diverged or None)
 
     def _cost(self, mark: Mark) -> Dict[str, Any]:
         """A client-round's energy and the device's health after it, for the update header (energy
@@ -151,10 +160,11 @@ class StepExecutor:
 
     # -- results ---------------------------------------------------------------------------
     def _send_scores(self, run: RunState, step: Step, results: Dict[int, Tuple[int, int]],
-                     energy: Optional[Dict[int, float]] = None) -> None:
+                     energy: Optional[Dict[int, float]] = None,
+                     diverged: Optional[Dict[int, int]] = None) -> None:
         s = self.session
         msg = EvalResult(run_id=run.run_id, seq=step.seq, device=s.device, results=results,
-                         energy_j=energy)
+                         energy_j=energy, diverged=diverged)
         s.send("eval", step.seq, lambda: s.link.publish(s.topics.evaluation(s.device), msg))
 
     def _publish_update(self, client: int, meta: dict, frame: bytes) -> None:

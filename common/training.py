@@ -6,6 +6,7 @@ requires_grad=False, so no gradient is computed for them and nothing is applied 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -35,6 +36,12 @@ class TrainStats:
     seconds: float
     batches: int
     mean_loss: float
+    # the batch (counted from 1) whose loss was NaN or Inf, where training stopped; None: finite
+    diverged_at: int | None = None
+
+
+class _Diverged(Exception):
+    """A non-finite loss: training stops there, as every later step would be NaN too."""
 
 
 class Sgd:
@@ -128,47 +135,54 @@ def train_plan(
     batches = 0
     loss_sum = 0.0
     effective = None
-    for phase in plan.phases:
-        rows, images, ys = shard.train, data.images, data.y
-        augment = None
-        if phase.data == "rebalanced":
-            assert plan.rebalance_threshold is not None, "rebalanced phase needs a threshold"
-            if plan.rebalance_once:
-                rb, xs = fixed_rebalanced(data, shard, plan.rebalance_threshold, seed)
-                rows, images, ys = torch.arange(len(xs)), xs.__getitem__, data.y[rb.indices]
-            else:
-                rb = rebalance(shard.train, data.y, plan.rebalance_threshold, g_aug)
-                rows, augment = rb.indices, rb.augment
-            effective = rb.effective
-        optimizers = []
-        for obj in phase.objectives:
-            params = set_trainable(model, obj.trainable)
-            optimizers.append(
-                Sgd(params, lr=plan.lr, momentum=plan.momentum)
-                if params else None
-            )
-        n = len(rows)
-        for _ in range(phase.epochs):
-            perm = torch.randperm(n, generator=g_batch)
-            for i in range(0, n, plan.batch_size):
-                pick = perm[i : i + plan.batch_size]
-                idx = rows[pick]
-                x = images(idx)
-                if augment is not None:
-                    aug = augment[pick]
-                    if aug.any():
-                        x[aug] = simple_augment(x[aug], g_aug)
-                y = ys[idx]
-                if dev.type != "cpu":
-                    x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-                cache: dict[str, torch.Tensor] = {}
-                for obj, opt in zip(phase.objectives, optimizers):
-                    if opt is None:
-                        continue
-                    if len(phase.objectives) > 1:
-                        set_trainable(model, obj.trainable)
-                    loss_sum += train_step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
-                batches += 1
+    diverged_at: int | None = None
+    try:
+        for phase in plan.phases:
+            rows, images, ys = shard.train, data.images, data.y
+            augment = None
+            if phase.data == "rebalanced":
+                assert plan.rebalance_threshold is not None, "rebalanced phase needs a threshold"
+                if plan.rebalance_once:
+                    rb, xs = fixed_rebalanced(data, shard, plan.rebalance_threshold, seed)
+                    rows, images, ys = torch.arange(len(xs)), xs.__getitem__, data.y[rb.indices]
+                else:
+                    rb = rebalance(shard.train, data.y, plan.rebalance_threshold, g_aug)
+                    rows, augment = rb.indices, rb.augment
+                effective = rb.effective
+            optimizers = []
+            for obj in phase.objectives:
+                params = set_trainable(model, obj.trainable)
+                optimizers.append(
+                    Sgd(params, lr=plan.lr, momentum=plan.momentum)
+                    if params else None
+                )
+            n = len(rows)
+            for _ in range(phase.epochs):
+                perm = torch.randperm(n, generator=g_batch)
+                for i in range(0, n, plan.batch_size):
+                    pick = perm[i : i + plan.batch_size]
+                    idx = rows[pick]
+                    x = images(idx)
+                    if augment is not None:
+                        aug = augment[pick]
+                        if aug.any():
+                            x[aug] = simple_augment(x[aug], g_aug)
+                    y = ys[idx]
+                    if dev.type != "cpu":
+                        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+                    cache: dict[str, torch.Tensor] = {}
+                    for obj, opt in zip(phase.objectives, optimizers):
+                        if opt is None:
+                            continue
+                        if len(phase.objectives) > 1:
+                            set_trainable(model, obj.trainable)
+                        loss = train_step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
+                        if not math.isfinite(loss):
+                            raise _Diverged
+                        loss_sum += loss
+                    batches += 1
+    except _Diverged:
+        diverged_at = batches + 1
     set_trainable(model, ())
     return TrainStats(
         num_samples=len(shard.train),
@@ -176,6 +190,7 @@ def train_plan(
         seconds=time.perf_counter() - start,
         batches=batches,
         mean_loss=loss_sum / max(1, batches),
+        diverged_at=diverged_at,
     )
 
 
@@ -234,7 +249,9 @@ def run_client_round(
     purpose: str = "batches",
 ) -> tuple[ClientUpdate, Weights]:
     """Load the client's weights (global blocks + its personal blocks), train under the plan and
-    return (update with deltas of the uploaded blocks, the client's new personal blocks)."""
+    return (update with deltas of the uploaded blocks, the client's new personal blocks). Where
+    training diverged (`update.diverged_at`), the update is refused by the round's contract and
+    the caller keeps the client's previous personal blocks."""
     set_weights(model, weights)
     before = get_blocks(model, plan.upload)
     stats = train_plan(model, data, shard, plan, seed, round, purpose)
@@ -251,6 +268,7 @@ def run_client_round(
         effective_samples=stats.effective_samples,
         train_seconds=compute,
         local_score=score,
+        diverged_at=stats.diverged_at,
     )
     return update, get_blocks(model, plan.personal)
 
@@ -277,14 +295,16 @@ def finetune_and_score(
     seed: int,
     eval_heads: tuple[str, ...],
     eval_batch: int = 128,
-) -> tuple[int, int]:
+) -> tuple[tuple[int, int], int | None]:
     """Fine-tune one client from `weights` (FedBABU/FedSeq's last step) and return its
-    (correct, total) on its own test rows."""
+    (correct, total) on its own test rows, and the batch where the fine-tuning diverged (a NaN
+    or Inf loss; None: it did not). A diverged client's score is its diverged model's, as the
+    algorithm produced it; the caller reports which clients diverged."""
     from fedseq.common.evaluation import evaluate
 
     plan = replace(plan, score_heads=())  # scored below, with the evaluation's code
-    _, tuned = run_client_round(model, weights, plan, data, shard, seed, round=0,
-                                purpose="finetune")
+    update, tuned = run_client_round(model, weights, plan, data, shard, seed, round=0,
+                                     purpose="finetune")
     rep = evaluate(model, data, tuned, {}, eval_heads, clients=[shard.client], batch=eval_batch,
                    with_global=False)
-    return rep.per_client[shard.client]
+    return rep.per_client[shard.client], update.diverged_at

@@ -409,7 +409,14 @@ class Coordinator:
                 "train_flops": sum(plan_flops(self.model, ft_plan, self.data, self.data.clients[c],
                                               self.flop_cache) for c in tuned),
                 "seconds": round(time.perf_counter() - start, 3),
+                # clients whose fine-tuning hit a NaN or Inf loss -> the batch where it stopped;
+                # their scores (in P) are their diverged models'
+                "diverged": {str(c): k for c, k in sorted(self.pool.step_diverged().items())},
             }
+            if row["diverged"]:
+                log.warning("fine-tuning diverged (NaN or Inf loss) for clients %s: their scores "
+                            "are their diverged models' (lower train.lr to avoid it)",
+                            ", ".join(row["diverged"]))
             spent = self.pool.step_energy()
             if spent is not None:  # a fleet: the fine-tuning's joules as the devices measured
                 row["energy_j"] = round(sum(spent.values()), 3) if spent else None

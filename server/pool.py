@@ -122,6 +122,11 @@ class ClientPool(Protocol):
         without a figure left out); None where nothing is measured (in-process)."""
         ...
 
+    def step_diverged(self) -> dict[int, int]:
+        """Clients whose fine-tuning in the last finetune step hit a NaN or Inf loss (and
+        stopped), with the batch where it did; their scores are their diverged models'."""
+        ...
+
 
 class InProcessPool:
     """All logical clients in this process; their personal blocks are kept in memory."""
@@ -144,6 +149,7 @@ class InProcessPool:
         self.personal: dict[int, Weights] = {
             c.client: {k: v.clone() for k, v in initial.items()} for c in data.clients
         }
+        self._diverged: dict[int, int] = {}  # the last finetune step's diverged clients
 
     def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
         """Nothing to announce: the clients live in this process."""
@@ -158,7 +164,8 @@ class InProcessPool:
             start = {**weights, **self.personal[c]}
             update, personal = run_client_round(
                 self.model, start, plan, self.data, self.data.clients[c], self.seed, round)
-            self.personal[c] = personal
+            if update.diverged_at is None:  # a diverged client keeps its previous blocks
+                self.personal[c] = personal
             if check(update) is None:
                 yield update
         return RoundOutcome()
@@ -171,10 +178,13 @@ class InProcessPool:
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
                  check: ScoreCheck, progress: Progress) -> Scores:
         per_client: Scores = {}
+        self._diverged = {}
         for shard in self.data.clients:
-            per_client[shard.client] = finetune_and_score(
+            per_client[shard.client], diverged = finetune_and_score(
                 self.model, {**weights, **self.personal[shard.client]}, plan, self.data, shard,
                 self.seed, eval_heads, self.eval_batch)
+            if diverged is not None:
+                self._diverged[shard.client] = diverged
             progress(len(per_client), len(self.data.clients))
         return per_client
 
@@ -189,3 +199,6 @@ class InProcessPool:
 
     def step_energy(self) -> dict[int, float] | None:
         return None
+
+    def step_diverged(self) -> dict[int, int]:
+        return dict(self._diverged)

@@ -87,6 +87,24 @@ class Run:
         return [r for r in self.rows if r.get("phase") == "train"]
 
 
+def divergence_note(run: Run) -> str | None:
+    """What diverged in a run (a NaN or Inf loss; recorded since protocol v4): training updates
+    refused as diverged, and clients whose fine-tuning diverged (their P is their diverged
+    model's score); None when nothing did."""
+    trained = sum(1 for r in run.train_rows for why in r.get("rejected", {}).values()
+                  if why.startswith("training diverged"))
+    tuned = sorted(int(c) for r in run.rows if r.get("phase") == "finetune"
+                   for c in r.get("diverged", {}))
+    if not trained and not tuned:
+        return None
+    parts = [f"{trained} training updates refused as diverged"] if trained else []
+    if tuned:
+        parts.append(f"fine-tuning diverged for client{'s' if len(tuned) > 1 else ''} "
+                     f"{', '.join(map(str, tuned))} (counted in P with their diverged models' "
+                     "scores)")
+    return f"{run.path}: NaN or Inf loss: " + "; ".join(parts) + "."
+
+
 def load_run(path: Path, label: str | None = None) -> Run:
     path = Path(path)
     metrics = path / "metrics.jsonl"
@@ -381,6 +399,7 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
         notes.append("rounds: a row not finished says so (\"45 of 100, interrupted\"); its final "
                      "and last10 are those of its last row, and a \"mixed\" group averages runs "
                      "stopped at different rounds: finish the runs before comparing them.")
+    notes += [n for g in groups for r in g.runs if (n := divergence_note(r)) is not None]
     if ref is not None:
         compared = "; ".join(f"paper {c} beside {' and '.join(v)}" for c, v in ref["compare"].items()
                              if f"paper {c}" in beside)

@@ -45,6 +45,9 @@ class RoundContract:
                 update.effective_samples != self.effective_samples.get(c)):
             return (f"effective_samples={update.effective_samples}, but client {c}'s rebalanced "
                     f"set holds {self.effective_samples.get(c)} original rows")
+        if update.diverged_at is not None:
+            return (f"training diverged: the loss was NaN or Inf at batch {update.diverged_at} "
+                    "(lower train.lr, or check the client's data)")
         if update.local_score is not None and self.test_samples is not None:
             correct, total = update.local_score
             if total != self.test_samples.get(c) or not 0 <= correct <= total:

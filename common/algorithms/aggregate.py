@@ -32,6 +32,9 @@ class ClientUpdate:
     # what the client-round cost on its device (energy, health), as the coordinator accepted it;
     # informational, never aggregated; None in simulation or where the device measured nothing
     cost: dict[str, Any] | None = None
+    # the batch (from 1) where the client's training hit a NaN or Inf loss and stopped; such an
+    # update is refused (server/validation.py); None: training stayed finite
+    diverged_at: int | None = None
 
 
 @dataclass

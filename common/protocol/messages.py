@@ -13,7 +13,8 @@ from fedseq.common.errors import ProtocolError, validation_problem
 
 # 2: Step.personal added; the never-used DeviceStatus.slots, UpdateHeader.train_flops and the
 # "stop" step kind removed; Control(abort) is sent when a run ends abnormally.
-PROTOCOL_VERSION = 3
+# 4: UpdateHeader.diverged_at and EvalResult.diverged (a NaN or Inf loss stops training).
+PROTOCOL_VERSION = 4
 #: seconds between an online device's status messages (its heartbeat)
 HEARTBEAT_S = 15.0
 
@@ -38,7 +39,7 @@ class Message(BaseModel):
     protocol version (a peer of another version is rejected loudly, see version_mismatch)."""
 
     model_config = ConfigDict(extra="forbid")
-    v: Literal[3] = 3  # PROTOCOL_VERSION
+    v: Literal[4] = 4  # PROTOCOL_VERSION
 
     def encode(self) -> bytes:
         """The message as compact JSON bytes."""
@@ -153,6 +154,9 @@ class EvalResult(Message):
     # fine-tuning: the joules each client's fine-tuning took on the device (informational; left
     # out where the device has no power sensor)
     energy_j: Optional[Dict[int, float]] = None
+    # fine-tuning: clients whose loss went NaN or Inf -> the batch (from 1) where it stopped;
+    # their scores are their diverged models'
+    diverged: Optional[Dict[int, int]] = None
 
 
 class Control(Message):
@@ -200,6 +204,8 @@ class UpdateHeader(Message):
     throttled: Optional[bool] = None
     gpu_load: Optional[float] = None
     mem_available_mb: Optional[int] = None
+    # the batch (from 1) where training hit a NaN or Inf loss and stopped; the update is refused
+    diverged_at: Optional[int] = Field(None, ge=1)
     chunk: int = Field(ge=0)
     chunks: int = Field(ge=1)
     size: int = Field(ge=0)

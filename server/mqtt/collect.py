@@ -114,6 +114,9 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
                 update = ev.update
                 # Validation comes first: an invalid update never displaces a valid one.
                 if check(update) is not None:
+                    if update.diverged_at is not None and owner.get(update.client) == ev.device:
+                        # its own device says training diverged: no other update will come
+                        owing.discard(update.client)
                     continue
                 if update.client in got:
                     log.info("round %d: duplicate update of client %d from %s ignored", round,
@@ -147,10 +150,12 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
 
 def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[int]],
                    check: ScoreCheck, timeout: float, progress: Progress,
-                   energy: dict[int, float] | None = None) -> Scores:
+                   energy: dict[int, float] | None = None,
+                   diverged: dict[int, int] | None = None) -> Scores:
     """Every online device's clients' scores for step `seq` (evaluate or finetune), until all
     came, their devices failed or went offline, or `timeout` passed. A device's message counts
-    whole or not at all: one false score rejects it."""
+    whole or not at all: one false score rejects it. `energy` and `diverged` (fine-tuning)
+    collect the joules and the diverged clients the final messages report."""
     owing = {d for d, cs in assignment.items()
              if cs and d in session.online and d not in session.incompatible}
     results: Scores = {}
@@ -178,6 +183,9 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
                 if energy is not None:  # informational: only plausible figures, own clients
                     energy.update({c: j for c, j in (res.energy_j or {}).items()
                                    if c in res.results and plausible(j, 0.0, 1e7) is not None})
+                if diverged is not None:
+                    diverged.update({c: k for c, k in (res.diverged or {}).items()
+                                     if c in res.results})
                 partial.pop(res.device, None)
                 owing.discard(res.device)
                 progress(sum(partial.values()) + len(results), total)

@@ -237,6 +237,6 @@ class Inbox:
                               train_seconds=head.train_seconds,
                               local_score=None if head.local_correct is None or head.local_total is
                               None else (head.local_correct, head.local_total), device=device,
-                              cost=device_cost(head))
+                              cost=device_cost(head), diverged_at=head.diverged_at)
         self._put(UpdateArrived(device, head.seq, update), ("update", head.seq, head.client),
                   UPDATES_PER_CLIENT)

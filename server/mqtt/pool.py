@@ -60,6 +60,7 @@ class MqttPool:
         self.owner: dict[int, str] = {}
         self.seq = 0
         self._energy: dict[int, float] = {}  # the last finetune step's joules per client
+        self._diverged: dict[int, int] = {}  # ... and its diverged clients (-> batch)
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -161,12 +162,16 @@ class MqttPool:
         versions = self._prepare_step(weights)
         step = self._publish_step(kind="finetune", plan=plan_to_dict(plan), versions=versions,
                                   eval_heads=list(eval_heads), personal=list(self.personal))
-        self._energy = {}
+        self._energy, self._diverged = {}, {}
         return collect_scores(self.session, step.seq, self.assignment, check,
-                              self.cfg.deploy.finetune_timeout_s, progress, self._energy)
+                              self.cfg.deploy.finetune_timeout_s, progress, self._energy,
+                              self._diverged)
 
     def wire_bytes(self) -> tuple[int, int] | None:
         return self.session.wire_bytes()
 
     def step_energy(self) -> dict[int, float] | None:
         return dict(self._energy)
+
+    def step_diverged(self) -> dict[int, int]:
+        return dict(self._diverged)

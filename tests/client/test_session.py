@@ -37,7 +37,7 @@ def test_a_step_waits_for_its_blocks_and_is_skipped_once_superseded(tmp_path):
     import torch
 
     s = _session(tmp_path)
-    s.on_message(T.assignment("dev01"), b'{"v": 3, "run_id": "r1", "device": "dev01", '
+    s.on_message(T.assignment("dev01"), b'{"v": 4, "run_id": "r1", "device": "dev01", '
                                         b'"clients": [4, 1]}')
     step = Step(run_id="r1", seq=1, kind="evaluate", versions={"conv1": 2})
     s.on_message(T.step, step.encode())

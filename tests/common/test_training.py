@@ -1,5 +1,7 @@
 """Trainer invariants on tiny synthetic data: frozen means untouched, runs are reproducible."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -176,3 +178,16 @@ def test_plan_flops_equal_what_training_really_does(name):
     with FlopCounterMode(display=False) as counter:
         train_plan(model, data, data.clients[2], plan, seed=0, round=4)
     assert plan_flops(model, plan, data, data.clients[2], {}) == counter.get_total_flops() > 0
+
+
+def test_nan_loss_stops_training_and_says_where():
+    cfg, model, alg, data = _setup("fedper", "train.local_epochs=3")
+    start = get_blocks(model, model.spec.blocks)
+    plan = replace(alg.plan(0), lr=1e4)  # explodes within the first epoch (4 batches of 8)
+    stats = train_plan(model, data, data.clients[0], plan, seed=0, round=0)
+    assert stats.diverged_at is not None and stats.diverged_at == stats.batches + 1 <= 4
+    update, _ = run_client_round(model, start, plan, data, data.clients[0], seed=0, round=0)
+    assert update.diverged_at == stats.diverged_at
+    update, _ = run_client_round(model, start, alg.plan(0), data, data.clients[0], seed=0, round=0)
+    assert update.diverged_at is None
+    assert all(torch.isfinite(d).all() for d in update.deltas.values())

@@ -283,7 +283,7 @@ def _junk(run_id: str = "r") -> list[tuple[str, bytes]]:
         (T.run_config, b'{"v": 1, "run_id": "x", "config": {"rounds": -5}}'),
         (T.assignment("local01"), b"[]"),
         (T.assignment("local01"), b'{"v": 1, "run_id": "x", "device": "local02", "clients": [0]}'),
-        (T.step, b'{"v": 1, "kind": "explode"}'), (T.step, b'{"v": 3}'),
+        (T.step, b'{"v": 1, "kind": "explode"}'), (T.step, b'{"v": 4}'),
         (T.weights("fc1", 0), pack_chunk(big, b"x" * 300)),
         (T.weights("conv1", 1), pack_chunk(short, b"y" * 250)),
         (T.weights("conv1", 0), b"\x00\x00\x00\x09garbage"), (T.control, b"[]"),
@@ -418,7 +418,7 @@ def test_retained_junk_below_a_devices_topics_does_not_accumulate(data_root, tmp
     def junk(tag: str) -> list[tuple[str, bytes]]:
         return ([(T.update("local02", 1000 + i, i % 3), f"junk {tag} {i}".encode()) for i in range(25)]
                 + [(f"{T.root}/update/local02/x/{tag}{i}", b"\x00" * 2048) for i in range(4)]
-                + [(T.evaluation("local02"), b'{"v": 3, "junk": 1}')])
+                + [(T.evaluation("local02"), b'{"v": 4, "junk": 1}')])
 
     def publish(items):
         _publish_all(port, items, True, ("local02", pw))

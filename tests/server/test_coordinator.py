@@ -1,6 +1,7 @@
 """Round loop on synthetic data: aggregation, personal state, byte accounting, bad updates."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -263,3 +264,26 @@ def test_a_stop_between_checkpoint_and_row_is_healed_on_resume(tmp_path, monkeyp
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows if r["phase"] == "train"] == [0, 1, 2, 3]
     assert all(torch.equal(result.global_weights[k], v) for k, v in expected.items())
+
+
+def test_diverged_training_is_refused_and_the_client_keeps_its_blocks():
+    coord, model = _coord("fedper", "train.lr=1e4", "rounds=2")
+    init = {k: v.clone() for k, v in coord.global_weights.items()}
+    personal0 = {c: {k: v.clone() for k, v in w.items()} for c, w in coord.pool.personal.items()}
+    rows = coord.run().rows
+    for row in rows:
+        assert row["rejected"] and all("training diverged" in r for r in row["rejected"].values())
+    assert all(torch.equal(coord.global_weights[k], v) for k, v in init.items())
+    for c, w in coord.pool.personal.items():  # never replaced by the NaN blocks
+        assert all(torch.equal(v, personal0[c][k]) for k, v in w.items())
+
+
+def test_diverged_finetuning_is_listed_in_its_row():
+    coord, _ = _coord("fedbabu", "rounds=2")
+    assert coord.run().rows[-1]["diverged"] == {}
+    coord, _ = _coord("fedbabu", "rounds=2")
+    plan = coord.alg.finetune_plan()
+    coord.alg.finetune_plan = lambda: replace(plan, lr=1e4)
+    row = coord.run().rows[-1]
+    assert row["phase"] == "finetune" and set(row["diverged"]) == {"0", "1", "2"}
+    assert all(k >= 1 for k in row["diverged"].values())

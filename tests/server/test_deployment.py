@@ -81,6 +81,27 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
         assert only["torch_device"] == "cpu" and only["cpu"] and only["machine"]
 
 
+def test_divergence_travels_from_the_devices(data_root, tmp_path, one_thread):
+    # lr 1e4 makes every client's loss NaN within its first epoch, in training and fine-tuning
+    # (a client whose update explodes without turning NaN is refused by the bound and waited
+    # for until the deadline: an invalid update never ends the wait for a valid one)
+    cfg = quick_config(data_root, "algorithm.name=fedbabu", "rounds=1", "train.lr=1e4",
+                       "deploy.port=0", "deploy.round_timeout_s=30")
+    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1, announce=_quiet)
+    sim = run_simulation(cfg, out=None)
+    train, ft = dep.rows
+    assert train["status"] == "failed" and train["failed"] == train["clients"]
+    assert sorted(int(c) for c in train["rejected"]) == train["clients"]
+    # most clients' loss turns NaN (refused as diverged), the rest explode past the bound
+    assert any(r.startswith("training diverged") for r in train["rejected"].values())
+    assert ft["phase"] == "finetune" and sorted(ft["diverged"]) == [str(c) for c in range(5)]
+    def diverged(row):  # (the bound's reason names the first tensor in the frame's order)
+        return {c: r for c, r in row["rejected"].items() if r.startswith("training diverged")}
+
+    assert diverged(dep.rows[0]) == diverged(sim.rows[0])
+    assert ft["diverged"] == sim.rows[1]["diverged"]  # the same batches, device and simulation
+
+
 def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):
     port, home, restart_broker = mosquitto
     devices = [_device(n, port, home, data_root) for n in ("local01", "local02")]

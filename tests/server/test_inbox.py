@@ -64,7 +64,7 @@ def test_invalid_messages_on_device_topics_are_reported_for_clearing():
     junk: list[str] = []
     box.on_junk = junk.append
     box.on_message(T.update("dev01", 0, 0), b"\x00junk")
-    box.on_message(T.evaluation("dev02"), b'{"v": 3}')
+    box.on_message(T.evaluation("dev02"), b'{"v": 4}')
     box.on_message(T.device_status("dev01"), b"not json")  # its own retained topic: kept
     assert junk == [T.update("dev01", 0, 0), T.evaluation("dev02")]
     assert box.queue.qsize() == 0
@@ -81,7 +81,7 @@ def test_device_stacks_keep_each_change_once_and_refuse_another_devices_claim():
     box.on_message(T.device_info("dev01"), upgraded.encode())
     # another device's login cannot describe dev01 from its own topic, nor send junk
     box.on_message(T.device_info("dev02"), nano.encode())
-    box.on_message(T.device_info("dev02"), b'{"v": 3, "device": "dev02", "torch": 5}')
+    box.on_message(T.device_info("dev02"), b'{"v": 4, "device": "dev02", "torch": 5}')
     stacks = box.device_stacks()
     assert list(stacks) == ["dev01"]
     assert [r["torch"] for r in stacks["dev01"]] == ["1.12.1", "1.13.0"]

@@ -122,3 +122,17 @@ def test_report_bad_input_is_one_line(tmp_path, two_runs):
     assert len(r.stderr.strip().splitlines()) == 1
     r = _report(str(two_runs / "fedavg"), "--paper", "nature2030", "--out", str(tmp_path / "rep"))
     assert r.returncode == 2 and "fedreg-table6" in r.stderr
+
+
+def test_a_run_that_diverged_says_so(data_root, tmp_path):
+    # lr 1e4: every client's loss turns NaN (or explodes) in training and in fine-tuning
+    run = tmp_path / "nan"
+    run_simulation(quick_config(data_root, "algorithm.name=fedbabu", "rounds=1", "train.lr=1e4",
+                                "train.threads=1"), run)
+    ft = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert ft["phase"] == "finetune" and sorted(ft["diverged"]) == ["0", "1", "2", "3", "4"]
+    r = _report(str(run), "--out", str(tmp_path / "rep"), "--no-figures")
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "NaN or Inf loss" in md and "fine-tuning diverged for clients 0, 1, 2, 3, 4" in md
+    assert "training updates refused as diverged" in md
