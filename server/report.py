@@ -91,6 +91,7 @@ def divergence_note(run: Run) -> str | None:
     """What diverged in a run (a NaN or Inf loss; recorded since protocol v4): training updates
     refused as diverged, and clients whose fine-tuning diverged (their P is their diverged
     model's score); None when nothing did."""
+    # the refusal's wording is server/validation.py's (not imported: it would load torch here)
     trained = sum(1 for r in run.train_rows for why in r.get("rejected", {}).values()
                   if why.startswith("training diverged"))
     tuned = sorted(int(c) for r in run.rows if r.get("phase") == "finetune"
