@@ -81,9 +81,19 @@ class AlgorithmConfig(_Section):
     fedreg_passes: Literal["epochs", "one"] = "epochs"
     fedreg_rebalance: Literal["once", "every-round"] = "once"
     # What the final fine-tuning (FedBABU, FedSeq, local) trains: "all" blocks (FedBABU's paper,
-    # Algorithm 1: the whole model) or the "head" alone (how FedReG section 5 describes FedBABU's
-    # re-tuning). docs/results.md, "Deviations from the papers".
-    finetune_blocks: Literal["all", "head"] = "all"
+    # Algorithm 1: the whole model), the "head" alone (how FedReG section 5 describes FedBABU's
+    # re-tuning), or a block name or list of them ("head" naming the model's head), e.g.
+    # ["conv1", "head"]; the names are checked against the model when the run starts. docs/results.md,
+    # "Deviations from the papers".
+    finetune_blocks: Union[str, List[str]] = "all"
+
+    @field_validator("finetune_blocks")
+    @classmethod
+    def _block_list(cls, v: Union[str, List[str]]) -> Union[str, List[str]]:
+        if isinstance(v, list) and (not v or len(set(v)) != len(v) or "all" in v):
+            raise ValueError(f"{v}: give \"all\", \"head\" or a list of distinct block names, "
+                             "e.g. [\"conv1\", \"head\"]")
+        return v
 
 
 class TrainConfig(_Section):

@@ -40,6 +40,13 @@ class BlockModel(nn.Module):
     """A base (feature extractor) and one or two linear heads whose logits are summed."""
 
     spec: ModelSpec
+    BASE: tuple[str, ...]  # the base blocks' module names, input to output
+    HEAD: str  # the global head's module name; a personal head is HEAD + "_p"
+
+    @classmethod
+    def block_spec(cls, two_heads: bool) -> ModelSpec:
+        """The block layout, known without building the model (the module names above)."""
+        return ModelSpec(cls.BASE, cls.HEAD, cls.HEAD + "_p" if two_heads else None)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -65,6 +72,9 @@ class CNN(BlockModel):
     convolutions ~20% slower (bench/sim_round.py; notes in docs/design.md).
     """
 
+    BASE = ("conv1", "conv2", "fc1")
+    HEAD = "fc2"
+
     def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool):
         super().__init__()
         c, h, w = in_shape
@@ -75,7 +85,7 @@ class CNN(BlockModel):
         self.fc2 = nn.Linear(512, num_classes)
         if two_heads:
             self.fc2_p = nn.Linear(512, num_classes)
-        self.spec = ModelSpec(("conv1", "conv2", "fc1"), "fc2", "fc2_p" if two_heads else None)
+        self.spec = self.block_spec(two_heads)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(_pool(self.conv1(x)))
@@ -91,6 +101,9 @@ class ConvNet(BlockModel):
     blocks (conv1, conv2, fc1, fc2), so FedSeq's K is 4 on it.
     """
 
+    BASE = ("conv1", "conv2", "fc1", "fc2")
+    HEAD = "fc3"
+
     def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool):
         super().__init__()
         c, h, w = in_shape
@@ -102,7 +115,7 @@ class ConvNet(BlockModel):
         self.fc3 = nn.Linear(192, num_classes)
         if two_heads:
             self.fc3_p = nn.Linear(192, num_classes)
-        self.spec = ModelSpec(("conv1", "conv2", "fc1", "fc2"), "fc3", "fc3_p" if two_heads else None)
+        self.spec = self.block_spec(two_heads)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(_pool(self.conv1(x)))
@@ -135,6 +148,13 @@ def build_model(
                 for head in model.spec.heads:
                     nn.init.orthogonal_(getattr(model, head).weight)
     return model
+
+
+def model_spec(name: str, two_heads: bool) -> ModelSpec:
+    """The block layout of model `name`, without building it (config checks before any data)."""
+    if name not in MODELS:
+        raise ConfigError(f"model.name {name!r} is unknown; use one of {', '.join(MODELS)}")
+    return MODELS[name].block_spec(two_heads)
 
 
 def block_of(key: str) -> str:

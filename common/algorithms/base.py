@@ -5,6 +5,7 @@ from __future__ import annotations
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase, ordered_union
 from fedseq.common.config import ExperimentConfig
+from fedseq.common.errors import ConfigError
 from fedseq.common.models import ModelSpec, block_of
 
 
@@ -29,6 +30,8 @@ class Algorithm:
     def __init__(self, cfg: ExperimentConfig, spec: ModelSpec):
         self.cfg = cfg
         self.spec = spec
+        if self.finetunes(cfg):
+            finetune_trained(cfg, spec)  # a block name the model lacks fails now, not at the end
 
     def prepare(self, train_sizes: list[int]) -> None:
         """Called once before the first plan with every client's training-set size (client
@@ -95,11 +98,28 @@ class Algorithm:
         return {block_of(k): float(update.num_samples) for k in update.deltas}
 
 
+def finetune_trained(cfg: ExperimentConfig, spec: ModelSpec) -> tuple[str, ...]:
+    """The blocks the final fine-tuning trains (algorithm.finetune_blocks), in the model's
+    order: every block for "all", the head for "head", else the listed blocks ("head" naming
+    the model's head). A name the model lacks is a ConfigError naming the model's blocks."""
+    chosen = cfg.algorithm.finetune_blocks
+    if chosen == "all":
+        return spec.blocks
+    names = {spec.head if n == "head" else n for n in ([chosen] if isinstance(chosen, str) else chosen)}
+    unknown = sorted(names - set(spec.blocks))
+    if unknown:
+        raise ConfigError(
+            f"algorithm.finetune_blocks names {', '.join(unknown)}, which the {cfg.model.name} "
+            f"model lacks; its blocks are {', '.join(spec.blocks)} (\"head\" = {spec.head}), "
+            f"e.g. --set 'algorithm.finetune_blocks=[\"{spec.base[0]}\", \"head\"]'")
+    return tuple(b for b in spec.blocks if b in names)
+
+
 def local_finetune_plan(cfg: ExperimentConfig, spec: ModelSpec) -> ClientPlan:
     """Every client's final fine-tuning (FedBABU, FedSeq, local): algorithm.finetune_epochs on
-    its own rows, every block kept (nothing is uploaded); the whole model or, with
-    algorithm.finetune_blocks = "head", the head alone under the federated base."""
-    trained = spec.blocks if cfg.algorithm.finetune_blocks == "all" else (spec.head,)
+    its own rows, every block kept (nothing is uploaded); the whole model, the head alone under
+    the federated base, or the blocks listed (`finetune_trained`)."""
+    trained = finetune_trained(cfg, spec)
     phase = Phase(cfg.algorithm.finetune_epochs, (Objective((spec.head,), trained),))
     t = cfg.train
     return ClientPlan((phase,), upload=(), personal=spec.blocks, lr=t.lr, momentum=t.momentum,

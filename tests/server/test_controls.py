@@ -3,10 +3,12 @@ simulation and on a real broker with device processes (pinned seed streams inclu
 
 import json
 
+import pytest
 import torch
 
 from conftest import quick_config
 from fedseq.common.algorithms import make_algorithm
+from fedseq.common.errors import ConfigError
 from fedseq.common.models import count_params
 from fedseq.server.deployment import run_deployment
 from fedseq.server.experiment import load_experiment
@@ -47,6 +49,31 @@ def test_head_only_finetuning_trains_the_head_alone(data_root, tmp_path):
     assert ft_whole["trainable_params"] == count_params(exp.model, exp.model.spec.blocks)
     assert ft_head["train_flops"] < ft_whole["train_flops"]
     assert ft_head["personal_acc"] != ft_whole["personal_acc"]
+
+
+def test_finetuning_a_list_of_blocks_trains_those_alone(data_root, tmp_path):
+    cfg = quick_config(data_root, "algorithm.name=fedseq-anti", "model.name=convnet",
+                       'algorithm.finetune_blocks=["head", "conv1"]', "train.threads=1")
+    exp = load_experiment(cfg)
+    spec = exp.model.spec
+    plan = exp.algorithm.finetune_plan()
+    assert plan is not None and plan.trainable == ("conv1", spec.head)  # the model's order
+    run_simulation(cfg, tmp_path / "conv1-head")
+    row = _rows(tmp_path / "conv1-head")[-1]
+    assert row["phase"] == "finetune"
+    assert row["trainable_params"] == count_params(exp.model, ("conv1", spec.head))
+    one = quick_config(data_root, "algorithm.name=fedbabu", "algorithm.finetune_blocks=conv2")
+    assert make_algorithm(one, exp.model.spec).finetune_plan().trainable == ("conv2",)
+
+
+def test_a_block_the_model_lacks_fails_before_any_data_loads(tmp_path):
+    cfg = quick_config(tmp_path / "no-data-here", "algorithm.name=fedbabu",
+                       'algorithm.finetune_blocks=["conv1", "fc3"]')  # cnn: its head is fc2
+    with pytest.raises(ConfigError, match=r"names fc3, which the cnn model lacks; its blocks are "
+                       r'conv1, conv2, fc1, fc2 \("head" = fc2\)'):
+        load_experiment(cfg)
+    with pytest.raises(ConfigError, match="list of distinct block names"):
+        quick_config(tmp_path, 'algorithm.finetune_blocks=["head", "head"]')
 
 
 def test_deployed_local_control_with_pinned_seeds_matches_simulation(data_root, tmp_path, one_thread):
