@@ -58,8 +58,10 @@ class RoundContract:
             extra, missing = sorted(got - want), sorted(want - got)
             return (f"tensors {extra or ''}{' are not uploadable this round' if extra else ''}"
                     f"{'; ' if extra and missing else ''}{f'missing {missing}' if missing else ''}")
-        for k, d in update.deltas.items():
-            ref = self.reference[k]
+        # in the model's order, not the frame's (a deployment's frames come in safetensors'
+        # sorted order): the reason names the same tensor in a simulation and a deployment
+        for k, ref in self.reference.items():
+            d = update.deltas[k]
             if d.dtype != ref.dtype or d.shape != ref.shape:
                 return (f"tensor {k} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
                         f"expected {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}")

@@ -58,3 +58,13 @@ def test_fedreg_effective_count_must_be_exact():
     assert c.check(u) is None
     u.effective_samples += 1
     assert "effective_samples" in c.check(u)
+
+
+def test_the_reason_names_the_same_tensor_whatever_the_frame_order():
+    """A deployment's frames come in sorted key order, a simulation's in the model's: the
+    first offending tensor is the model's first, either way."""
+    data, c = _contract()
+    bad = {"conv1.weight": torch.full((2, 1, 3, 3), float("nan")), "conv1.bias": torch.full((2,), 1e30)}
+    reasons = {c.check(ClientUpdate(0, 3, dict(order), len(data.clients[0].train)))
+               for order in (bad.items(), sorted(bad.items()))}
+    assert reasons == {"tensor conv1.weight contains NaN or Inf"}
