@@ -1,5 +1,6 @@
-"""The local-only control (every client alone, nothing federated) and head-only fine-tuning, in
-simulation and on a real broker with device processes (pinned seed streams included)."""
+"""The local-only control (every client alone, nothing federated) and fine-tuning part of the
+model (the head, or a list of blocks), in simulation and on a real broker with device processes
+(pinned seed streams included)."""
 
 import json
 
@@ -78,7 +79,7 @@ def test_a_block_the_model_lacks_fails_before_any_data_loads(tmp_path):
 
 def test_deployed_local_control_with_pinned_seeds_matches_simulation(data_root, tmp_path, one_thread):
     cfg = quick_config(data_root, "algorithm.name=local", "rounds=2", "train.join_ratio=0.6",
-                       "algorithm.finetune_blocks=head", "algorithm.finetune_epochs=1",
+                       'algorithm.finetune_blocks=["conv1", "head"]', "algorithm.finetune_epochs=1",
                        "seed=3", "seeds.data=1", "seeds.init=2", "deploy.port=0")
     dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
                          announce=lambda _msg: None)
