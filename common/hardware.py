@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -63,9 +64,39 @@ def hardware_name(device_tree: str = "/proc/device-tree/model", cpuinfo: str = "
     return platform.processor() or platform.machine()
 
 
+#: CPU features that decide which kernels torch's CPU code (ATen, oneDNN) dispatches to
+_KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve", "sve2")
+#: environment variables that cap those kernels' instruction set (README, Reproducibility)
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+
+
+def cpu_kernels(cpuinfo: str = "/proc/cpuinfo") -> str:
+    """Which instruction set torch's CPU kernels use, e.g. "AVX512 (avx2 avx512f avx512_bf16)":
+    ATen's dispatch level (torch >= 2.1), the CPU's deciding features, and any variable in
+    KERNEL_ENV that caps them. Two runs of one config and torch build differ in the last bits
+    where this differs (measured: an AVX2 and an AVX-512 AMD EPYC, docs/results.md), which a CPU
+    model name ("AMD EPYC" in a VM) does not show."""
+    capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
+    parts = [capability() if capability else "unknown"]
+    flags: set[str] = set()
+    try:
+        with open(cpuinfo) as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    found = [flag for flag in _KERNEL_FLAGS if flag in flags]
+    if found:
+        parts.append(f"({' '.join(found)})")
+    parts += [f"{var}={os.environ[var]}" for var in KERNEL_ENV if os.environ.get(var)]
+    return " ".join(parts)
+
+
 def compute_record(device: torch.device) -> dict[str, Any]:
     """What a model trained here depends on besides its config and seed (README,
-    Reproducibility): the torch build, its CPU threads, the hardware. Recorded with every
+    Reproducibility): the torch build, its CPU threads, the hardware and its CPU kernels. Recorded with every
     simulated run (status.json) and sent by every device (DeviceInfo, devices.json)."""
     import platform
 
@@ -73,4 +104,4 @@ def compute_record(device: torch.device) -> dict[str, Any]:
     return {"python": platform.python_version(), "torch": torch.__version__,
             "cuda": torch.version.cuda or "", "torch_device": str(device), "gpu": gpu,
             "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "cpu": hardware_name()}
+            "cpu": hardware_name(), "cpu_kernels": cpu_kernels()}

@@ -106,6 +106,22 @@ def divergence_note(run: Run) -> str | None:
     return f"{run.path}: NaN or Inf loss: " + "; ".join(parts) + "."
 
 
+def splice_note(run: Run) -> str | None:
+    """Where a resumed run's parts computed with something else (status.json `segments`,
+    recorded since 2026-11-25: threads, torch, device, CPU kernels): such a run is a valid run
+    of its config, not bitwise what one uninterrupted run gives. None when its parts agree."""
+    parts = run.status.get("segments", [])
+    changes = []
+    for before, after in zip(parts, parts[1:], strict=False):
+        diff = [f"{k} {before[k]} -> {after[k]}" for k in after
+                if k != "from_round" and k in before and before[k] != after[k]]
+        if diff:
+            changes.append(f"from round {after['from_round']}: {', '.join(diff)}")
+    if not changes:
+        return None
+    return f"{run.path}: resumed on other compute ({'; '.join(changes)}): not bitwise one run."
+
+
 def load_run(path: Path, label: str | None = None) -> Run:
     path = Path(path)
     metrics = path / "metrics.jsonl"
@@ -401,6 +417,7 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
                      "and last10 are those of its last row, and a \"mixed\" group averages runs "
                      "stopped at different rounds: finish the runs before comparing them.")
     notes += [n for g in groups for r in g.runs if (n := divergence_note(r)) is not None]
+    notes += [n for g in groups for r in g.runs if (n := splice_note(r)) is not None]
     if ref is not None:
         compared = "; ".join(f"paper {c} beside {' and '.join(v)}" for c, v in ref["compare"].items()
                              if f"paper {c}" in beside)

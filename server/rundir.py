@@ -124,6 +124,7 @@ class RunDir:
             kept = [ln for ln, row in _rows(metrics)
                     if row.get("phase") == "train" and row["round"] < resume_round]
             self.logged_rounds = {json.loads(ln)["round"] for ln in kept}
+            self.info["segments"] = _segments(self.path / "status.json", resume_round, self.info)
             atomic_write(metrics, "".join(ln + "\n" for ln in kept).encode())
             self._metrics = metrics.open("a")
         else:
@@ -180,6 +181,35 @@ class RunDir:
     def close(self) -> None:
         """Close metrics.jsonl."""
         self._metrics.close()
+
+
+#: what a run's rounds were computed with, besides config and seed (hardware.compute_record):
+#: a resumed run whose parts differ in any of these is not bitwise one uninterrupted run
+SEGMENT_KEYS = ("threads", "torch", "cuda", "device", "cpu", "cpu_kernels")
+
+
+def _segments(status: Path, resume_round: int, info: dict[str, Any]) -> list[dict[str, Any]]:
+    """status.json's `segments` for a run resumed at `resume_round`: the earlier parts (from the
+    previous status.json; a run from before segments existed gives one part from round 0) and
+    this one, each with the round it started from and SEGMENT_KEYS. Warns where this part
+    computes with something else than the last, e.g. other CPU kernels on another machine."""
+    old: dict[str, Any] = {}
+    with contextlib.suppress(OSError, ValueError):
+        old = json.loads(status.read_text())
+    parts = [p for p in old.get("segments", []) if p.get("from_round", 0) < resume_round]
+    if not parts and old:
+        parts = [{"from_round": 0, **{k: old[k] for k in SEGMENT_KEYS if k in old}}]
+    here = {"from_round": resume_round, **{k: info[k] for k in SEGMENT_KEYS if k in info}}
+    if parts:
+        before = parts[-1]
+        changed = [f"{k} {before.get(k, '?')!r} -> {here[k]!r}" for k in SEGMENT_KEYS
+                   if k in here and before.get(k, here[k]) != here[k]]
+        if changed:
+            log.warning("%s continues at round %d with other compute than round %d on (%s): "
+                        "the result will not be bitwise an uninterrupted run's (README, "
+                        "Reproducibility)", status.parent, resume_round, before["from_round"],
+                        "; ".join(changed))
+    return [*parts, here]
 
 
 def _stack(row: dict[str, Any]) -> dict[str, Any]:

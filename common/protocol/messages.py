@@ -109,6 +109,7 @@ class DeviceInfo(Message):
     threads: int = Field(0, ge=0)  # torch's CPU threads
     machine: str = Field("", max_length=100)  # aarch64, x86_64
     cpu: str = Field("", max_length=200)  # the CPU's model (x86) or the board's (Jetson)
+    cpu_kernels: str = Field("", max_length=200)  # hardware.cpu_kernels ("": an older device)
     l4t: str = Field("", max_length=100)  # a Jetson's L4T release (JetPack generation)
 
 

@@ -327,3 +327,39 @@ def test_finetune_from_replays_the_fine_tuning_alone(data_root, tmp_path):
     r = subprocess.run(["fedseq-sim", "-q", "--finetune-from", str(part), "--out",
                         str(tmp_path / "y")], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "1 of its 2 rounds" in r.stderr, r.stderr
+
+
+def test_a_resume_on_other_cpu_kernels_is_warned_and_recorded(data_root, tmp_path, caplog):
+    """A run carried to a machine whose torch uses other CPU kernels (measured: AVX2 against
+    AVX-512, docs/results.md) goes on, but says it is no longer bitwise one run: a warning,
+    status.json's segments, and a note in `fedseq report`."""
+    from fedseq.server.coordinator import RunPaused
+
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.threads=1",
+                       "train.join_ratio=0.6")
+    same, other = tmp_path / "same", tmp_path / "other"
+    for run in (same, other):
+        with pytest.raises(RunPaused):
+            run_simulation(cfg, run, pause_after=1)
+    here = json.loads((same / "status.json").read_text())["cpu_kernels"]
+    status = json.loads((other / "status.json").read_text())
+    status["cpu_kernels"] = "AVX2 (avx2)"  # as an older machine would have written it
+    (other / "status.json").write_text(json.dumps(status))
+    for run in (same, other):
+        caplog.clear()
+        run_simulation(cfg, run, mode="resume")
+        segments = json.loads((run / "status.json").read_text())["segments"]
+        assert [s["from_round"] for s in segments] == [0, 1]
+        warned = [r.getMessage() for r in caplog.records if "other compute" in r.getMessage()]
+        if run == same:
+            assert segments[0] == segments[1] | {"from_round": 0} and not warned
+        else:
+            assert segments[0]["cpu_kernels"] == "AVX2 (avx2)" and segments[1]["cpu_kernels"] == here
+            assert len(warned) == 1 and f"cpu_kernels 'AVX2 (avx2)' -> {here!r}" in warned[0]
+    r = subprocess.run([sys.executable, "-m", "fedseq.server.tools", "report", str(same), str(other),
+                        "--out", str(tmp_path / "rep"), "--no-figures"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert f"{other}: resumed on other compute (from round 1: cpu_kernels AVX2 (avx2) -> {here})" in md
+    assert f"{same}: resumed" not in md
