@@ -54,14 +54,20 @@ def hardware_name(device_tree: str = "/proc/device-tree/model", cpuinfo: str = "
             return model
     except OSError:
         pass
+    return _cpuinfo_value(cpuinfo, ("model name",)) or platform.processor() or platform.machine()
+
+
+def _cpuinfo_value(cpuinfo: str, keys: tuple[str, ...]) -> str:
+    """The value of the first line of /proc/cpuinfo that starts with one of `keys`; "" where
+    there is none or the file cannot be read."""
     try:
         with open(cpuinfo) as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(keys):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return ""
 
 
 #: CPU features that decide which kernels torch's CPU code (ATen, oneDNN) dispatches to
@@ -78,15 +84,7 @@ def cpu_kernels(cpuinfo: str = "/proc/cpuinfo") -> str:
     model name ("AMD EPYC" in a VM) does not show."""
     capability = getattr(getattr(torch.backends, "cpu", None), "get_cpu_capability", None)
     parts = [capability() if capability else "unknown"]
-    flags: set[str] = set()
-    try:
-        with open(cpuinfo) as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = set(_cpuinfo_value(cpuinfo, ("flags", "Features")).split())
     found = [flag for flag in _KERNEL_FLAGS if flag in flags]
     if found:
         parts.append(f"({' '.join(found)})")
@@ -96,8 +94,9 @@ def cpu_kernels(cpuinfo: str = "/proc/cpuinfo") -> str:
 
 def compute_record(device: torch.device) -> dict[str, Any]:
     """What a model trained here depends on besides its config and seed (README,
-    Reproducibility): the torch build, its CPU threads, the hardware and its CPU kernels. Recorded with every
-    simulated run (status.json) and sent by every device (DeviceInfo, devices.json)."""
+    Reproducibility): the torch build, its CPU threads, the hardware and its CPU kernels.
+    Recorded with every simulated run (status.json) and sent by every device (DeviceInfo,
+    devices.json)."""
     import platform
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
