@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from fedseq.client.daemon import DeviceDaemon
+    from fedseq.client.stack import numpy_facts
+
+    problem = numpy_facts()[1]
+    if problem:  # every round would fail on it: refuse before connecting
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     if s.threads:
         torch.set_num_threads(s.threads)

@@ -38,7 +38,8 @@ ROUTES = {
         "JetPack 6 system-wide and keep fedseq_client_system_site_packages: true"),
     "other": (
         "not a Jetson: Python >= 3.8 and torch >= 1.12 (CPU: pip install torch --index-url "
-        "https://download.pytorch.org/whl/cpu; CUDA: the wheel for your CUDA version)"),
+        "https://download.pytorch.org/whl/cpu; CUDA: the wheel for your CUDA version), with "
+        "numpy<2 beside a torch older than 2.3"),
 }
 
 
@@ -84,7 +85,31 @@ def facts(release_file="/etc/nv_tegra_release"):
     except Exception as exc:  # not installed, or a wheel built for another libc or Python
         first = str(exc).splitlines()[0] if str(exc) else ""
         out["torch_error"] = f"{type(exc).__name__}: {first}"
+    out["numpy"], out["numpy_error"] = numpy_facts() if out["torch"] else ("", "")
     return out
+
+
+def numpy_facts():
+    """(numpy's version, why torch cannot exchange arrays with it or ""). torch older than 2.3 was
+    built against numpy 1.x and cannot use numpy 2 ("Numpy is not available" in the first round);
+    pip picks numpy 2 on Python >= 3.9 unless told otherwise."""
+    try:
+        import numpy
+    except Exception as exc:
+        return "", f"numpy is not importable ({type(exc).__name__}: {exc})"
+    try:
+        import torch
+
+        back = torch.from_numpy(numpy.arange(3, dtype=numpy.float32)).numpy()
+        if back.tolist() != [0.0, 1.0, 2.0]:
+            raise RuntimeError("arrays do not round-trip")
+    except Exception as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return numpy.__version__, (
+            f"torch {torch.__version__} cannot use numpy {numpy.__version__} ({first}): torch "
+            "older than 2.3 was built against numpy 1.x; install numpy 1.x into this "
+            "environment: pip install \"numpy<2\"")
+    return numpy.__version__, ""
 
 
 def describe(f):
@@ -94,6 +119,8 @@ def describe(f):
              "glibc " + (f["glibc"] or "?"), "Python " + ".".join(map(str, f["python"])),
              ("torch " + f["torch"] + (", CUDA " + f["cuda"] if f["cuda"] else ", CPU build"))
              if f["torch"] else "no torch"]
+    if f.get("numpy"):
+        parts.append("numpy " + f["numpy"])
     return ", ".join(parts)
 
 
@@ -107,6 +134,8 @@ def verdict(f, need_torch=True):
         problems.append(f"torch is not importable ({f['torch_error'] or 'not installed'})")
     elif f["torch"] and _version(f["torch"]) < MIN_TORCH:
         problems.append(f"torch {f['torch']} is older than 1.12")
+    if f.get("numpy_error"):
+        problems.append(f["numpy_error"])
     if f["machine"] not in ("aarch64", "x86_64"):
         problems.append(f"architecture {f['machine']} is not supported (aarch64 and x86_64 are)")
     if not problems:

@@ -59,6 +59,17 @@ def quick_config(data_root: Path, *overrides: str) -> ExperimentConfig:
     return load_config(None, base + list(overrides))
 
 
+def coordinator_run(data_root: Path, out: Path | None, mosquitto, *overrides: str):
+    """(config, result) of a deployment on the test's Mosquitto as the coordinator account, with
+    quick_config and `overrides`; the devices are the caller's."""
+    from fedseq.server.deployment import run_deployment
+
+    port, home, _ = mosquitto
+    cfg = quick_config(data_root, "deploy.username=coordinator",
+                       f"deploy.password_file={str(home / 'coordinator.pw')!r}", *overrides)
+    return cfg, run_deployment(cfg, out, broker=f"mqtt://127.0.0.1:{port}", announce=lambda m: None)
+
+
 def synthetic_data(num_clients: int = 3, per_client: int = 40, classes: int = 4, seed: int = 0):
     """Random 28x28 images with a label-dependent offset: tiny, fast, learnable."""
     g = torch.Generator().manual_seed(seed)
@@ -118,9 +129,11 @@ def mosquitto(tmp_path):
     procs[-1].wait(10)
 
 
-def device_process(name, port, tmp_path, data_root, *extra):
+def device_process(name, port, tmp_path, data_root, *extra, python=sys.executable):
+    """A fedseq-client daemon on the test's Mosquitto, with its login (`python`: a device stack's
+    interpreter)."""
     return subprocess.Popen(
-        [sys.executable, "-m", "fedseq.client.cli", "--device", name, "--broker",
+        [python, "-m", "fedseq.client.cli", "--device", name, "--broker",
          f"mqtt://127.0.0.1:{port}", "--data-dir", str(data_root), "--state-dir",
          str(tmp_path / "state" / name), "--username", name, "--password-file",
          str(tmp_path / f"{name}.pw"), "--threads", "1", "--log-level", "WARNING", *extra],
@@ -184,3 +197,26 @@ def make_pki(folder: Path) -> dict[str, Path]:
     write("coordinator", *issue("coordinator", ca.subject, ca_key))
     write("expired", *issue("local01", ca.subject, ca_key, days=(-30, -1)))
     return out
+
+
+def connack(host: str, port: int, user: str | None = None, password: str | None = None) -> int:
+    """The broker's CONNACK reason code for this login, anonymous without `user` (0: accepted;
+    -1: no answer)."""
+    import paho.mqtt.client as mqtt
+
+    codes: list[int] = []
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"login-{time.monotonic_ns()}")
+    if user is not None:
+        c.username_pw_set(user, password)
+    c.on_connect = lambda cl, u, f, rc, p: codes.append(rc.value)
+    try:
+        c.connect(host, port)
+    except OSError:
+        return -1
+    c.loop_start()
+    deadline = time.monotonic() + 10
+    while not codes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    c.loop_stop()
+    c.disconnect()
+    return codes[0] if codes else -1

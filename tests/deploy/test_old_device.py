@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import quick_config
-from fedseq.server.deployment import run_deployment, stop_children
+from conftest import coordinator_run
+from fedseq.server.deployment import stop_children
 from fedseq.server.simulation import run_simulation
 
 DEVICE_PYTHON = os.environ.get("FEDSEQ_DEVICE_PYTHON", "")
@@ -71,12 +71,9 @@ def test_old_stack_device_completes_rounds(algorithm, data_root, tmp_path, mosqu
     port, home, _ = mosquitto
     devices = [_old_device(n, port, home, data_root) for n in ("local01", "local02")]
     try:
-        cfg = quick_config(data_root, f"algorithm.name={algorithm}", "rounds=3",
-                           "train.join_ratio=0.6", "train.threads=1", "deploy.min_devices=2",
-                           "deploy.username=coordinator",
-                           f"deploy.password_file={str(home / 'coordinator.pw')!r}")
-        dep = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
-                             announce=lambda m: None)
+        cfg, dep = coordinator_run(data_root, tmp_path / "run", mosquitto,
+                                   f"algorithm.name={algorithm}", "rounds=3", "train.join_ratio=0.6",
+                                   "train.threads=1", "deploy.min_devices=2")
     finally:
         stop_children(devices)
     assert [d.returncode for d in devices] == [0, 0]
