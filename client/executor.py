@@ -100,7 +100,7 @@ class StepExecutor:
                         diverged_at=update.diverged_at, **cost)
             frame = encode_tensors(update.deltas)
             self.session.send(f"update/{c}", step.seq,
-                              functools.partial(self._publish_update, c, meta, frame))
+                              functools.partial(self._publish_update, meta, frame))
 
     def _evaluate(self, run: RunState, step: Step, mine: List[int]) -> None:
         data, model = self.prepare(run)
@@ -167,9 +167,9 @@ class StepExecutor:
                          energy_j=energy, diverged=diverged)
         s.send("eval", step.seq, lambda: s.link.publish(s.topics.evaluation(s.device), msg))
 
-    def _publish_update(self, client: int, meta: dict, frame: bytes) -> None:
+    def _publish_update(self, meta: dict, frame: bytes) -> None:
         s = self.session
-        s.link.publish_frame(lambda i: s.topics.update(s.device, client, i),
+        s.link.publish_frame(lambda i: s.topics.update(s.device),
                              lambda **kw: UpdateHeader(**meta, **kw), frame)
 
 

@@ -24,7 +24,7 @@ class ClientSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    device: str = Field(pattern=r"^[A-Za-z0-9_\-]+$")
+    device: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")  # topics.DEVICE_NAME
     broker: str = "mqtt://127.0.0.1:1883"
     username: Optional[str] = None
     password_file: Optional[Path] = None

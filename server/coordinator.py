@@ -326,8 +326,11 @@ class Coordinator:
 
     def _no_device_can_train(self, selected: list[int], reported: list[int],
                              outcome: RoundOutcome) -> None:
-        """A run that cannot make progress stops with the devices' own reasons."""
-        if not reported and outcome.device_failures and set(selected) <= outcome.blocked:
+        """A run that cannot make progress stops with the devices' own reasons: nothing came, the
+        selected clients' devices said why, and no other device of the fleet could train (one
+        failing device holding a whole round's selection is that round's loss, not the run's)."""
+        if (not reported and outcome.device_failures and set(selected) <= outcome.blocked
+                and not outcome.able_devices):
             raise TransportError("no device can train: " + "; ".join(
                 f"{d}: {r}" for d, r in sorted(outcome.device_failures.items())) + " (fix it on "
                 "the devices, check with fedseq-client doctor, then start the run again)")

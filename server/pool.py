@@ -53,6 +53,9 @@ class RoundOutcome:
     #: the device that finished last, and how many seconds the round waited for it after the
     #: next slowest had finished (deployment only; None with fewer than two complete devices)
     slowest: tuple[str, float] | None = None
+    #: devices of the fleet that were online and able to train when the step ended (neither
+    #: failed in it nor unable to run the run); None: no devices (in-process)
+    able_devices: int | None = None
 
 
 class TrainRound:

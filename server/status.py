@@ -16,6 +16,7 @@ from fedseq.common.errors import ProtocolError
 from fedseq.common.protocol.link import Link, TlsOptions, session_id
 from fedseq.common.protocol.messages import DeviceInfo, DeviceStatus, RunConfig, ServerStatus, Step
 from fedseq.common.protocol.topics import Topics
+from fedseq.common.text import printable
 
 
 @dataclass
@@ -73,7 +74,14 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
 
 
 def _when(ts: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+    """A device's claimed Unix time as local time; "?" for one no clock can show (Inf, NaN,
+    1e300: a retained status of an older device, or a forged one)."""
+    if not ts:
+        return "-"
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts))
+    except (OverflowError, ValueError, OSError):
+        return "?"
 
 
 def format_fleet(view: FleetView, url: str) -> list[str]:
@@ -110,11 +118,13 @@ def format_fleet(view: FleetView, url: str) -> list[str]:
                      "-" if d.mem_available_mb is None else f"{d.mem_available_mb} MB", temp,
                      "-" if d.last_round_j is None else f"{d.last_round_j:.1f} J",
                      "none" if source.startswith("none") else source, error))
+    # every cell is a device's words: one line of plain text, of bounded length
+    rows = [tuple(printable(v, 40) for v in r[:-1]) + (printable(r[-1], 120),) for r in rows]
     if view.devices:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         for r in rows:
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[-1])
         online = sum(d.state == "online" for d in view.devices.values())
         lines.append(f"{online} of {len(view.devices)} devices online")
-    lines += [f"invalid retained message on {m}" for m in view.invalid]
+    lines += [f"invalid retained message on {printable(m, 300)}" for m in view.invalid]
     return lines

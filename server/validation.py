@@ -16,6 +16,7 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.models import Weights, block_of
+from fedseq.common.text import printable
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class RoundContract:
                         f"{self.test_samples.get(c)} test rows")
         got, want = set(update.deltas), set(self.reference)
         if got != want:
-            extra, missing = sorted(got - want), sorted(want - got)
+            extra, missing = _names(got - want), _names(want - got)
             return (f"tensors {extra or ''}{' are not uploadable this round' if extra else ''}"
                     f"{'; ' if extra and missing else ''}{f'missing {missing}' if missing else ''}")
         # in the model's order, not the frame's (a deployment's frames come in safetensors'
@@ -102,3 +103,12 @@ def score_problem(data: FederatedData, client: int, correct: int, total: int) ->
     if total != expected or not 0 <= correct <= total:
         return f"client {client}: {correct}/{total} correct, its test set has {expected} rows"
     return None
+
+
+def _names(names: set[str], shown: int = 5) -> str:
+    """A few tensor names for a refusal, each one line of bounded length, and how many more: a
+    reason is logged, recorded in metrics.jsonl and checkpointed every round, so it stays short
+    whatever a frame carried."""
+    first = sorted(names)[:shown]
+    more = f" (+{len(names) - shown} more)" if len(names) > shown else ""
+    return ("[" + ", ".join(repr(printable(n, 60)) for n in first) + "]" + more) if names else ""

@@ -14,7 +14,9 @@ from fedseq.common.errors import ProtocolError, validation_problem
 # 2: Step.personal added; the never-used DeviceStatus.slots, UpdateHeader.train_flops and the
 # "stop" step kind removed; Control(abort) is sent when a run ends abnormally.
 # 4: UpdateHeader.diverged_at and EvalResult.diverged (a NaN or Inf loss stops training).
-PROTOCOL_VERSION = 4
+# 5: updates on one topic per device (fedseq/update/<device>; client and chunk in the header), so
+# a device login can leave at most one retained message there (the ACL grants no deeper level).
+PROTOCOL_VERSION = 5
 #: seconds between an online device's status messages (its heartbeat)
 HEARTBEAT_S = 15.0
 
@@ -39,7 +41,7 @@ class Message(BaseModel):
     protocol version (a peer of another version is rejected loudly, see version_mismatch)."""
 
     model_config = ConfigDict(extra="forbid")
-    v: Literal[4] = 4  # PROTOCOL_VERSION
+    v: Literal[5] = 5  # PROTOCOL_VERSION
 
     def encode(self) -> bytes:
         """The message as compact JSON bytes."""
@@ -68,19 +70,20 @@ class DeviceStatus(Message):
 
     device: str
     state: Literal["online", "offline"]
-    package_version: str = ""
-    torch_device: str = "cpu"
+    package_version: str = Field("", max_length=100)
+    torch_device: str = Field("cpu", max_length=100)
     memory_mb: int = 0
     # The last step this device could not execute, and why (missing data, out of memory, CUDA
     # error, ...); the coordinator fails the device's clients in that step at once.
     error: str = Field("", max_length=2000)
     error_seq: Optional[int] = None
     error_run_id: Optional[str] = None
-    since: float = 0.0  # Unix time this state began (online: when the daemon connected)
+    # Unix time this state began (online: when the daemon connected); finite, before year 5000
+    since: float = Field(0.0, ge=0, le=1e11)
     # An online device re-publishes its status every heartbeat_s seconds (v3): the coordinator
     # treats one it has not heard from for 3 heartbeats as gone, whatever its retained status
     # says (a device that died while the broker was down leaves "online" retained forever).
-    heartbeat_s: float = Field(HEARTBEAT_S, gt=0, le=3600)
+    heartbeat_s: float = Field(HEARTBEAT_S, gt=0, le=4 * HEARTBEAT_S)  # silent 3 min at most
     # Health, refreshed with every heartbeat (informational; None where the device cannot tell):
     # the hottest thermal zone, a zone past a passive trip point, the Jetson GPU's load (0-1),
     # available memory, the power source its energy figures come from (or why there is none),

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
+
+#: what a device may be called (fedseq-client --device): so a name from a topic is plain text
+#: wherever it lands (logs, terminals, reports, paths)
+DEVICE_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 
 
 @dataclass(frozen=True)
@@ -11,13 +16,12 @@ class TopicRef:
     """A parsed topic: its kind and the names its levels carry (empty where it has none).
 
     kind: server_status, device_status, device_info, assignment, run_config, step, weights, update, eval,
-    control. Levels are kept as text: a client or chunk level that is not a number is the
-    message handler's to refuse, with its reason."""
+    control. Levels are kept as text: a chunk level that is not a number is the message
+    handler's to refuse, with its reason."""
 
     kind: str
     device: str = ""
     block: str = ""
-    client: str = ""
     chunk: str = ""
 
 
@@ -52,8 +56,10 @@ class Topics:
     def weights(self, block: str = "+", chunk: int | str = "+") -> str:  # retained, versioned
         return f"{self.root}/weights/{block}/{chunk}"
 
-    def update(self, device: str = "+", client: int | str = "+", chunk: int | str = "+") -> str:
-        return f"{self.root}/update/{device}/{client}/{chunk}"
+    def update(self, device: str = "+") -> str:
+        """One topic per device (v5): client and chunk travel in the header, so the broker keeps
+        at most one message per device here whatever a device login publishes."""
+        return f"{self.root}/update/{device}"
 
     def evaluation(self, device: str = "+") -> str:
         return f"{self.root}/eval/{device}"
@@ -68,6 +74,8 @@ class Topics:
             return None
         p = topic[len(self.root) + 1:].split("/")
         shape = (p[0], len(p))
+        if p[0] in ("device", "update", "eval") and len(p) > 1 and not DEVICE_NAME.fullmatch(p[1]):
+            return None  # not a device's name (fedseq-client's --device): nobody's topic
         if shape == ("server", 2) and p[1] == "status":
             return TopicRef("server_status")
         if shape == ("device", 3) and p[2] in ("status", "info", "assign"):
@@ -79,8 +87,8 @@ class Topics:
             return TopicRef(p[0])
         if shape == ("weights", 3):
             return TopicRef("weights", block=p[1], chunk=p[2])
-        if shape == ("update", 4):
-            return TopicRef("update", device=p[1], client=p[2], chunk=p[3])
+        if shape == ("update", 2):
+            return TopicRef("update", device=p[1])
         if shape == ("eval", 2):
             return TopicRef("eval", device=p[1])
         return None

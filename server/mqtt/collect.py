@@ -15,6 +15,21 @@ from fedseq.server.pool import Progress, RoundOutcome, ScoreCheck, Scores, Updat
 
 log = logging.getLogger(__name__)
 
+#: the most power a device can draw (a desktop GPU and its host): what a device says its
+#: clients' work cost in joules is kept only while its step's claims stay below this many watts
+#: times the seconds since the step went out (informational figures; one device's made-up
+#: joules must not dominate the fleet's totals)
+MAX_DEVICE_W = 1000.0
+
+
+def plausible_joules(claimed: dict[str, float], device: str, joules: float, seconds: float) -> bool:
+    """Whether `device` may add `joules` to what it `claimed` in this step, `seconds` after the
+    step went out (and if so, it is added)."""
+    if claimed.get(device, 0.0) + joules > MAX_DEVICE_W * max(seconds, 1.0):
+        return False
+    claimed[device] = claimed.get(device, 0.0) + joules
+    return True
+
 
 class DeadlinePolicy:
     """deploy.round_timeout_s if set; else factor x the time the round's slowest device needs at
@@ -77,6 +92,7 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
     started = time.monotonic()
     deadline = started + timeout
     last_arrival: dict[str, float] = {}
+    claimed: dict[str, float] = {}  # device -> joules its accepted updates claim in this step
     order = sorted(clients)
     handed = 0
 
@@ -122,6 +138,14 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
                     log.info("round %d: duplicate update of client %d from %s ignored", round,
                              update.client, ev.device)
                     continue
+                joules = (update.cost or {}).get("energy_j")
+                if joules is not None and not plausible_joules(
+                        claimed, ev.device, joules, time.monotonic() - started):
+                    log.warning("round %d: %s claims %.0f J for client %d, more than %.0f W since "
+                                "the step went out: its energy figures are dropped", round,
+                                ev.device, joules, update.client, MAX_DEVICE_W)
+                    update.cost = {**(update.cost or {}), "energy_j": None, "energy_w": None,
+                                   "energy_rails": None}
                 got[update.client] = update
                 outcome.reporters[update.client] = ev.device
                 last_arrival[ev.device] = time.monotonic()
@@ -141,6 +165,9 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
         order_f = sorted(finished, key=finished.__getitem__)
         outcome.slowest = (order_f[-1], finished[order_f[-1]] - finished[order_f[-2]])
     outcome.late_updates = session.inbox.late - late_before
+    outcome.able_devices = sum(1 for d in set(owner.values()) if d in session.online
+                               and d not in session.incompatible
+                               and d not in outcome.device_failures)
     if owing:
         log.warning("round %d: no update from clients %s before the deadline", round, sorted(owing))
     owing.clear()
@@ -161,7 +188,9 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
     results: Scores = {}
     partial: dict[str, int] = {}
     total = sum(len(assignment[d]) for d in owing)
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
+    claimed: dict[str, float] = {}
     while owing and time.monotonic() < deadline:
         for ev in session.drain(min(1.0, deadline - time.monotonic())):
             if isinstance(ev, DeviceOffline):
@@ -180,9 +209,11 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
                     progress(sum(partial.values()) + len(results), total)
                     continue
                 results.update({c: (int(r[0]), int(r[1])) for c, r in res.results.items()})
-                if energy is not None:  # informational: only plausible figures, own clients
-                    energy.update({c: j for c, j in (res.energy_j or {}).items()
-                                   if c in res.results and plausible(j, 0.0, 1e7) is not None})
+                joules = {c: j for c, j in (res.energy_j or {}).items()
+                          if c in res.results and plausible(j, 0.0, 1e7) is not None}
+                if energy is not None and plausible_joules(  # informational: plausible, own
+                        claimed, res.device, sum(joules.values()), time.monotonic() - started):
+                    energy.update(joules)
                 if diverged is not None:
                     diverged.update({c: k for c, k in (res.diverged or {}).items()
                                      if c in res.results})

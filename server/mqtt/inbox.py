@@ -26,11 +26,12 @@ from fedseq.common.protocol.messages import (
 )
 from fedseq.common.protocol.tensors import decode_tensors
 from fedseq.common.protocol.topics import Topics
+from fedseq.common.text import printable
 
 log = logging.getLogger(__name__)
 
 
-#: at most this many events wait for the coordinator thread
+#: at most this many events wait for the coordinator thread (all devices together)
 MAX_EVENTS = 10_000
 #: complete update frames queued per client and step (an invalid one must not hide a valid one)
 UPDATES_PER_CLIENT = 4
@@ -38,6 +39,24 @@ UPDATES_PER_CLIENT = 4
 EVALS_PER_CLIENT = 4
 #: distinct DeviceInfo messages kept per device (the first ones and the latest)
 STACKS_PER_DEVICE = 10
+#: bytes an evaluation message may carry per client its device holds (a score, joules, a batch
+#: number: well under 100 bytes of JSON), plus a fixed allowance for the envelope
+EVAL_BYTES_PER_CLIENT, EVAL_BYTES_BASE = 256, 4096
+#: messages a device may send at once and per second, plus per client it holds (statuses, update
+#: chunks, evaluations): an honest device sends a few per client and step, and re-sends its step's
+#: answers after a reconnect; a flood beyond this is dropped before it is parsed, so one login
+#: cannot spend the coordinator's network thread for everyone
+BURST_BASE, BURST_PER_CLIENT, RATE_BASE, RATE_PER_CLIENT = 100, 16, 20.0, 2.0
+#: warnings about one device's invalid or dropped messages logged per minute; the rest are counted
+#: and summed up in one line (journald's own rate limit would otherwise drop the operator's lines)
+WARNINGS_PER_MINUTE = 10
+
+
+def queue_share(clients: int) -> int:
+    """Events one device may have waiting for the coordinator thread at once, holding `clients`
+    clients: what its honest answers to one step can be (every update frame and evaluation
+    message it may have queued), so a flood from one login never takes another device's room."""
+    return (UPDATES_PER_CLIENT + EVALS_PER_CLIENT) * (clients + 1)
 
 
 @dataclass(frozen=True)
@@ -96,6 +115,10 @@ def _same_device(claimed: str, topic_device: str) -> None:
         raise ProtocolError(f"body names device {claimed!r} but was sent on {topic_device!r}'s topic")
 
 
+def _device_of(event: Event) -> str:
+    return event.result.device if isinstance(event, EvalArrived) else event.device
+
+
 class Inbox:
     """Turns the topics the coordinator reads into events on `queue`.
 
@@ -108,18 +131,25 @@ class Inbox:
         self.run_id = run_id
         self.queue: queue.Queue[Event] = queue.Queue(MAX_EVENTS)
         self.owner: dict[int, str] = {}
-        self.collecting = -1  # the step whose updates are being collected; others are late
+        self.collecting = -1  # the step whose answers are being collected; others are late
         self.late = 0
+        self.late_evals = 0
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized by the pool when a run opens
         self.heard: dict[str, float] = {}  # device -> monotonic time of its last valid message
-        # Bounded whatever arrives: a device's statuses are coalesced (one queued event, the
-        # latest status), at most UPDATES_PER_CLIENT frames per client and step and
-        # EVALS_PER_CLIENT messages per assigned client and step are queued, and the queue
-        # itself refuses more than MAX_EVENTS (logged). `on_junk(topic)` hears of every invalid
-        # message on a device-written topic (the session clears it in case it was retained).
+        # Bounded whatever arrives, per device: its statuses are coalesced (the latest one waits,
+        # never dropped: the queued event only wakes the coordinator thread), answers count only
+        # for the step being collected, at most UPDATES_PER_CLIENT frames per client and step and
+        # EVALS_PER_CLIENT messages per assigned client and step are queued, and no device has
+        # more than its queue_share waiting; the queue refuses more than MAX_EVENTS in all.
+        # `on_junk(topic)` hears of every invalid message on a device-written topic (the session
+        # clears it in case it was retained).
         self._status: dict[str, DeviceStatus] = {}
         self._lock = threading.Lock()
         self._queued: dict[tuple[str, int, object], int] = {}
+        self._held: dict[str, int] = {}  # device -> its events waiting in the queue
+        self._warned: dict[str, tuple[float, int]] = {}  # device -> (minute began, lines logged)
+        self._tokens: dict[str, tuple[float, float]] = {}  # device -> (messages left, when)
+        self.flooded = 0  # messages dropped unparsed: their device sent faster than its budget
         self.dropped = 0
         # device -> the distinct stacks it described (DeviceInfo), with when each was first seen
         self._stacks: dict[str, list[tuple[float, DeviceInfo]]] = {}
@@ -130,17 +160,33 @@ class Inbox:
         return [t.device_status(), t.device_info(), t.update(), t.evaluation()]
 
     def collect(self, seq: int) -> None:
-        """Accept updates of step `seq` from now on (-1: none); partial frames of other steps go."""
+        """Accept answers (updates, evaluations) of step `seq` from now on (-1: none); partial
+        frames and the per-step counts of other steps go."""
         self.collecting = seq
         self.frames.expire(lambda sender, tag: tag[1] == seq)
-        if seq >= 0:
-            with self._lock:
-                self._queued = {k: n for k, n in self._queued.items() if k[1] >= seq}
-
-    def take_status(self, device: str) -> DeviceStatus | None:
-        """Coordinator thread: the latest status of `device` a StatusArrived stands for."""
         with self._lock:
-            return self._status.pop(device, None)
+            self._queued = {k: n for k, n in self._queued.items() if k[1] == seq}
+
+    def next_event(self, timeout: float) -> Event | None:
+        """Coordinator thread: the next queued event within `timeout` seconds (0: only one that is
+        already there), or None; its device's share of the queue is freed."""
+        try:
+            ev = (self.queue.get(timeout=timeout) if timeout > 0 else self.queue.get_nowait())
+        except queue.Empty:
+            return None
+        if not isinstance(ev, StatusArrived):
+            with self._lock:
+                device = _device_of(ev)
+                self._held[device] = self._held.get(device, 1) - 1
+        return ev
+
+    def take_statuses(self) -> list[DeviceStatus]:
+        """Coordinator thread: every device's latest status not yet taken, in arrival order
+        (whether or not its wake-up event found room in the queue)."""
+        with self._lock:
+            out = list(self._status.values())
+            self._status.clear()
+        return out
 
     def device_stacks(self) -> dict[str, list[dict[str, Any]]]:
         """What each device said it trains with (DeviceInfo, oldest first), as JSON-ready rows
@@ -150,20 +196,62 @@ class Inbox:
                         for t, i in seen] for d, seen in self._stacks.items()}
 
     def _put(self, event: Event, key: tuple[str, int, object] | None = None, cap: int = 0) -> None:
-        """Queue `event` unless its key (kind, step, who) already had `cap` events queued or the
-        queue is full: the network thread never blocks, and memory stays bounded."""
+        """Queue `event` unless its key (kind, step, who) already had `cap` events queued, its
+        device has its whole share waiting, or the queue is full: the network thread never
+        blocks, and memory stays bounded."""
         if key is not None:
+            device = _device_of(event)
             with self._lock:
-                if self._queued.get(key, 0) >= cap:
+                share = queue_share(sum(d == device for d in self.owner.values()))
+                if self._queued.get(key, 0) >= cap or self._held.get(device, 0) >= share:
                     self.dropped += 1
+                    self._warn(device, "dropped a message from %s: it sent more than a step "
+                               "needs, or has its share of the coordinator's queue waiting", device)
                     return
                 self._queued[key] = self._queued.get(key, 0) + 1
+                self._held[device] = self._held.get(device, 0) + 1
         try:
             self.queue.put_nowait(event)
         except queue.Full:
+            if key is not None:
+                with self._lock:
+                    self._held[device] -= 1
             self.dropped += 1
-            log.warning("event queue full (%d): dropped a message from %s", MAX_EVENTS,
-                        getattr(event, "device", "?"))
+            self._warn(_device_of(event), "event queue full (%d): dropped a message from %s",
+                       MAX_EVENTS, _device_of(event))
+
+    def _within_rate(self, device: str) -> bool:
+        """Network thread: whether `device` still has budget for one more message (a token
+        bucket of BURST_* messages refilled at RATE_* a second, both growing with its clients)."""
+        mine = sum(d == device for d in self.owner.values())
+        burst = BURST_BASE + BURST_PER_CLIENT * mine
+        now = time.monotonic()
+        tokens, when = self._tokens.get(device, (float(burst), now))
+        tokens = min(float(burst), tokens + (now - when) * (RATE_BASE + RATE_PER_CLIENT * mine))
+        if tokens < 1.0:
+            self._tokens[device] = (tokens, now)
+            self.flooded += 1
+            self._warn(device, "dropped messages from %s unread: it sends faster than a device "
+                       "needs (%d at once, %.0f a second)", device, burst,
+                       RATE_BASE + RATE_PER_CLIENT * mine)
+            return False
+        self._tokens[device] = (tokens - 1.0, now)
+        return True
+
+    def _warn(self, device: str, msg: str, *args: object) -> None:
+        """A warning about `device`'s messages, at most WARNINGS_PER_MINUTE a minute per device;
+        the first one after a quiet spell says how many were left out. Every argument is printed
+        as one line of plain text (a device cannot forge a line of the coordinator's log)."""
+        now = time.monotonic()
+        began, logged = self._warned.get(device, (now, 0))
+        if now - began >= 60.0:
+            if logged > WARNINGS_PER_MINUTE:
+                log.warning("%d more warnings about %s's messages were not logged",
+                            logged - WARNINGS_PER_MINUTE, printable(device, 80))
+            began, logged = now, 0
+        self._warned[device] = (began, logged + 1)
+        if logged < WARNINGS_PER_MINUTE:
+            log.warning(msg, *(printable(a, 300) if isinstance(a, str) else a for a in args))
 
     def on_message(self, topic: str, payload: bytes) -> None:
         """Network thread: one message in, at most one event out; anything invalid is logged
@@ -173,10 +261,12 @@ class Inbox:
         ref = None
         try:
             ref = self.topics.parse(topic)
+            if ref is not None and ref.device and not self._within_rate(ref.device):
+                return
             if ref is not None and ref.kind == "device_status":
                 status = DeviceStatus.decode(payload)
                 _same_device(status.device, ref.device)
-                with self._lock:  # coalesced: one queued event, the latest status
+                with self._lock:  # coalesced: the latest status waits, its event only wakes up
                     fresh = status.device not in self._status
                     self._status[status.device] = status
                 if fresh:
@@ -191,15 +281,22 @@ class Inbox:
                             seen.pop()
                         seen.append((time.time(), info))
             elif ref is not None and ref.kind == "eval":
+                mine = sum(d == ref.device for d in self.owner.values())
+                limit = EVAL_BYTES_BASE + EVAL_BYTES_PER_CLIENT * mine
+                if len(payload) > limit:  # refused before parsing: never allocated as objects
+                    raise ProtocolError(f"evaluation of {len(payload)} bytes; {ref.device} holds "
+                                        f"{mine} clients, whose scores fit in {limit}")
                 res = EvalResult.decode(payload)
                 _same_device(res.device, ref.device)
                 if res.run_id != self.run_id:
                     raise ProtocolError(f"evaluation for run {res.run_id}, this is {self.run_id}")
-                mine = sum(d == res.device for d in self.owner.values())
+                if res.seq != self.collecting:
+                    self.late_evals += 1
+                    return  # a step that is over (or never was): nothing waits for it
                 self._put(EvalArrived(res), ("eval", res.seq, res.device),
                           EVALS_PER_CLIENT * (mine + 1))
             elif ref is not None and ref.kind == "update":
-                self._on_update_chunk(ref.device, ref.client, ref.chunk, payload)
+                self._on_update_chunk(ref.device, payload)
             else:
                 raise ProtocolError("not a topic the coordinator reads")
             if ref.kind != "device_info":  # a retained description says nothing of presence
@@ -210,14 +307,12 @@ class Inbox:
             other = version_mismatch(payload)
             hint = (f" (it speaks protocol v{other[0]}, this coordinator v{PROTOCOL_VERSION}: install "
                     "the same fedseq version on both sides)") if other else ""
-            log.warning("dropped message on %s: %s%s", topic, exc, hint)
+            self._warn(ref.device if ref is not None else "", "dropped message on %s: %s%s",
+                       topic, str(exc), hint)
 
-    def _on_update_chunk(self, device: str, client: str, chunk: str, payload: bytes) -> None:
+    def _on_update_chunk(self, device: str, payload: bytes) -> None:
         head, data = unpack_chunk(payload, UpdateHeader)
         _same_device(head.device, device)
-        if str(head.client) != client or str(head.chunk) != chunk:
-            raise ProtocolError(f"header says client {head.client} chunk {head.chunk}, topic "
-                                f"says {client}/{chunk}")
         if head.run_id != self.run_id:
             raise ProtocolError(f"update for run {head.run_id}, this is {self.run_id}")
         if self.owner.get(head.client) != device:
@@ -225,8 +320,8 @@ class Inbox:
         if head.seq != self.collecting:
             if head.chunk == 0:
                 self.late += 1
-                log.warning("late update of client %d from %s dropped: step %d, collecting step %d",
-                            head.client, device, head.seq, self.collecting)
+                self._warn(device, "late update of client %d from %s dropped: step %d, "
+                           "collecting step %d", head.client, device, head.seq, self.collecting)
             return
         frame = self.frames.add(device, (head.client, head.seq), head, data)
         if frame is None:

@@ -151,21 +151,26 @@ class MqttPool:
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
                  ) -> EvalReport:
         versions = self._prepare_step(weights)
+        self.inbox.collect(self.seq + 1)
         step = self._publish_step(kind="evaluate", versions=versions, eval_heads=list(eval_heads),
                                   personal=list(self.personal))
         scores = collect_scores(self.session, step.seq, self.assignment, check,
                                 self.cfg.deploy.eval_timeout_s, lambda done, total: None)
+        self.inbox.collect(-1)
         return EvalReport(None, None, scores)
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
                  check: ScoreCheck, progress: Progress) -> Scores:
         versions = self._prepare_step(weights)
+        self.inbox.collect(self.seq + 1)
         step = self._publish_step(kind="finetune", plan=plan_to_dict(plan), versions=versions,
                                   eval_heads=list(eval_heads), personal=list(self.personal))
         self._energy, self._diverged = {}, {}
-        return collect_scores(self.session, step.seq, self.assignment, check,
-                              self.cfg.deploy.finetune_timeout_s, progress, self._energy,
-                              self._diverged)
+        scores = collect_scores(self.session, step.seq, self.assignment, check,
+                                self.cfg.deploy.finetune_timeout_s, progress, self._energy,
+                                self._diverged)
+        self.inbox.collect(-1)
+        return scores
 
     def wire_bytes(self) -> tuple[int, int] | None:
         return self.session.wire_bytes()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from fedseq.common.errors import TransportError
 from fedseq.common.protocol.link import Link, TlsOptions, session_id
 from fedseq.common.protocol.messages import DeviceStatus, ServerStatus
 from fedseq.common.protocol.topics import Topics
+from fedseq.common.text import printable
 from fedseq.server.mqtt.inbox import EvalArrived, Inbox, StatusArrived, UpdateArrived
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,9 @@ class ServerSession:
         self.inbox = inbox
         self.online: dict[str, DeviceStatus] = {}
         self.incompatible: dict[str, str] = {}  # device -> why it cannot run any step of this run
-        self.written_off: set[str] = set()  # waited for once in vain (await_devices)
+        # device -> seconds the run may still wait for it (await_devices): each device's share,
+        # deploy.wait_devices_s over the whole run, however often it goes and comes back
+        self.wait_left: dict[str, float] = {}
         self._lock = threading.Lock()
         self._retained: dict[str, bytes] = {}
         self._republish_blocks: Callable[[], int] = lambda: 0
@@ -160,22 +162,16 @@ class ServerSession:
         """Apply status events to presence; return the events that arrived within `timeout`
         (a device going offline or failing a step among them)."""
         out: list[SessionEvent] = []
-        try:
-            ev: SessionEvent | StatusArrived | None = self.inbox.queue.get(
-                timeout=max(0.0, timeout))
-        except queue.Empty:
-            ev = None
+        ev = self.inbox.next_event(timeout)
         while ev is not None:
             if isinstance(ev, StatusArrived):
-                status = self.inbox.take_status(ev.device)
-                if status is not None:
+                for status in self.inbox.take_statuses():
                     out.extend(self._presence(status))
             else:
                 out.append(ev)
-            try:
-                ev = self.inbox.queue.get_nowait()
-            except queue.Empty:
-                ev = None
+            ev = self.inbox.next_event(0.0)
+        for status in self.inbox.take_statuses():  # one whose wake-up found the queue full
+            out.extend(self._presence(status))
         out.extend(self._silent())
         return out
 
@@ -199,15 +195,15 @@ class ServerSession:
             return [DeviceOffline(st.device)]
         known = self.online.get(st.device)
         self.online[st.device] = st
-        self.written_off.discard(st.device)
         if not (st.error_seq == -1 and st.error_run_id == self.run_id):
             self.incompatible.pop(st.device, None)  # it could follow the run after all
         fresh = known is None or (known.error_seq, known.error) != (st.error_seq, st.error)
         if not (st.error and st.error_run_id == self.run_id and fresh):
             return []
+        reason = printable(st.error, 300)  # a device's words: one plain line in logs and rows
         if st.error_seq == -1:  # it cannot run any step of this run
-            self.incompatible[st.device] = st.error
-        return [StepFailed(st.device, st.error_seq, st.error)]
+            self.incompatible[st.device] = reason
+        return [StepFailed(st.device, st.error_seq, reason)]
 
     def wait_for_devices(self, minimum: int, timeout: float) -> list[str]:
         """Block until `minimum` devices are online (TransportError after `timeout`)."""
@@ -227,27 +223,41 @@ class ServerSession:
 
     def await_devices(self, assigned: set[str], minimum: int, wait_s: float) -> None:
         """Before a step: after a broker restart or a network drop, devices come back within
-        seconds; wait up to `wait_s` for `minimum` of the assigned ones instead of failing the
-        step (their events while waiting only update presence). A device still missing when a
-        wait runs out is written off: later steps do not wait for it again (one wait per loss,
-        not one per step), until it is heard online again."""
+        seconds; wait for `minimum` of the assigned ones instead of failing the step (their
+        events while waiting only update presence). Each device has `wait_s` seconds of waiting
+        for the whole run, spent while the run waits for it: one that is gone for good costs one
+        wait, and one that goes offline before every step and comes back after it (flapping)
+        costs no more; a device whose share is spent is not waited for again."""
         self.drain(0.0)
-        need = min(minimum, len(assigned - self.written_off))
-        if len(assigned & set(self.online)) >= need:
+
+        def missing() -> set[str]:
+            return {d for d in assigned - set(self.online) if self.wait_left.get(d, wait_s) > 0}
+
+        def enough() -> bool:
+            waitable = len(assigned & set(self.online)) + len(missing())
+            return len(assigned & set(self.online)) >= min(minimum, waitable)
+
+        if enough():
             return
-        log.warning("waiting up to %.0f s for devices: %d of %d assigned online", wait_s,
-                    len(assigned & set(self.online)), len(assigned))
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
+        log.warning("waiting up to %.0f s for devices: %d of %d assigned online (%s missing)",
+                    max(self.wait_left.get(d, wait_s) for d in missing()),
+                    len(assigned & set(self.online)), len(assigned),
+                    ", ".join(sorted(missing())))
+        began = last = time.monotonic()
+        while not enough():
             self.drain(0.5)
-            if len(assigned & set(self.online)) >= need:
-                time.sleep(0.5)  # let the others that reconnect together announce themselves
-                self.drain(0.0)
-                return
-        missing = assigned - set(self.online)
-        self.written_off |= missing
-        log.warning("continuing with %d devices online; not waiting again for %s until it is "
-                    "back online", len(assigned & set(self.online)), ", ".join(sorted(missing)))
+            now = time.monotonic()
+            for d in missing():  # the time just waited is charged to every device waited for
+                self.wait_left[d] = self.wait_left.get(d, wait_s) - (now - last)
+            last = now
+        spent = sorted(d for d in assigned - set(self.online) if self.wait_left.get(d, wait_s) <= 0)
+        if not spent:
+            time.sleep(0.5)  # let the others that reconnect together announce themselves
+            self.drain(0.0)
+        log.warning("waited %.1f s for devices; continuing with %d online%s", time.monotonic() - began,
+                    len(assigned & set(self.online)),
+                    f"; not waiting again this run for {', '.join(spent)} (its share of "
+                    f"deploy.wait_devices_s={wait_s:.0f} is spent)" if spent else "")
 
     def close(self, goodbye: Callable[[], None]) -> None:
         """Run `goodbye` (the last retained messages) if still connected, say offline, then

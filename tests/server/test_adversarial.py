@@ -83,7 +83,7 @@ class Attacker:
                         device=device, num_samples=num_samples, chunk=i, chunks=len(parts),
                         size=len(frame), sha256=hashlib.sha256(frame).hexdigest())
             meta.update(head)
-            self.publish(T.update(device, client, i), pack_chunk(UpdateHeader(**meta), part))
+            self.publish(T.update(device), pack_chunk(UpdateHeader(**meta), part))
 
     def stop(self) -> None:
         self.client.loop_stop()
@@ -228,7 +228,7 @@ def test_truncated_and_oversized_chunks(data_root, tmp_path, mosquitto, one_thre
                 head = UpdateHeader(run_id=att.run_id, seq=step.seq, round=step.round, client=c,
                                     device="local02", num_samples=1, chunk=chunk, chunks=chunks,
                                     size=size, sha256="0" * 64)
-                att.publish(T.update("local02", c, chunk), pack_chunk(head, b"x" * 250))
+                att.publish(T.update("local02"), pack_chunk(head, b"x" * 250))
 
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg")
@@ -288,7 +288,7 @@ def _junk(run_id: str = "r") -> list[tuple[str, bytes]]:
         (T.weights("conv1", 1), pack_chunk(short, b"y" * 250)),
         (T.weights("conv1", 0), b"\x00\x00\x00\x09garbage"), (T.control, b"[]"),
         (T.device_status("local01"), b'{"v": 1, "device": "local01", "state": "maybe"}'),
-        (T.update("local01", 0, 0), b"\x00\x00\x10\x00"), (T.update("x", "y", "z"), b"junk"),
+        (T.update("local01"), b"\x00\x00\x10\x00"), (T.update("x"), b"junk"),
         (T.evaluation("local01"), b'{"v": 1}'), (f"{T.root}/eval/local01/extra", b"1"),
     ]
 
@@ -390,14 +390,20 @@ def test_trimmed_mean_votes_once_per_device(data_root, tmp_path, mosquitto, one_
     assert worst < 0.5, worst  # a surviving forged update would move weights by 5/4
 
 
-def _retained_below(port: int, home, prefixes: list[str], wait: float = 3.0) -> list[str]:
-    """Topics below `prefixes` on which the broker still retains a message (a fresh subscriber on
-    the coordinator's login receives retained messages at once)."""
-    seen: list[str] = []
+def _retained(port: int, home, wait: float = 3.0) -> dict[str, int]:
+    """Every topic under the root on which the broker retains a message, with its size (a fresh
+    subscriber on the coordinator's login receives retained messages at once; device logins can
+    write nowhere outside the root)."""
+    seen: dict[str, int] = {}
+
+    def message(cl, u, msg):
+        if msg.retain and msg.payload:
+            seen[msg.topic] = len(msg.payload)
+
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"probe-{time.monotonic_ns()}")
     c.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
-    c.on_message = lambda cl, u, msg: seen.append(msg.topic) if msg.retain and msg.payload else None
-    c.on_connect = lambda cl, u, f, rc, p: cl.subscribe([(f"{x}/#", 1) for x in prefixes])
+    c.on_message = message
+    c.on_connect = lambda cl, u, f, rc, p: cl.subscribe(f"{T.root}/#", 1)
     c.connect("127.0.0.1", port)
     c.loop_start()
     time.sleep(wait)
@@ -406,34 +412,197 @@ def _retained_below(port: int, home, prefixes: list[str], wait: float = 3.0) -> 
     return seen
 
 
-def test_retained_junk_below_a_devices_topics_does_not_accumulate(data_root, tmp_path, mosquitto,
-                                                                  one_thread):
-    """A device login may publish retained messages below its own update and evaluation topics
-    (the ACL cannot refuse the retain flag), and the broker would persist them and replay them on
-    every subscribe. Before the run and during it, local02's login leaves 60 retained junk messages
-    there: the run ends with the clean weights and the broker retains none of them afterwards."""
-    port, home, _ = mosquitto
-    pw = (home / "local02.pw").read_text().strip()
+def _flood_retained(port: int, login: tuple[str, str], tag: str, n: int) -> None:
+    """`n` retained messages from one device login at every depth below (and beside) its topics:
+    the exact update and evaluation topics, below them, below its status and info, new levels."""
+    dev = login[0]
+    shapes = [f"{T.root}/update/{dev}/{{i}}/{{j}}", f"{T.root}/update/{dev}/x/y/{{i}}",
+              f"{T.root}/eval/{dev}/{{i}}", f"{T.root}/device/{dev}/status/{{i}}",
+              f"{T.root}/device/{dev}/{{i}}", f"{T.root}/device/{dev}/info/{{j}}/{{i}}",
+              f"{T.root}/update/{dev}", f"{T.root}/eval/{dev}"]
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"flood-{time.monotonic_ns()}")
+    c.username_pw_set(*login)
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    info = None
+    for i in range(n):
+        topic = shapes[i % len(shapes)].format(i=f"{tag}{i}", j=i % 7)
+        info = c.publish(topic, f"junk {tag} {i}".encode() * 8, qos=1, retain=True)
+    assert info is not None
+    info.wait_for_publish(120)
+    c.loop_stop()
+    c.disconnect()
 
-    def junk(tag: str) -> list[tuple[str, bytes]]:
-        return ([(T.update("local02", 1000 + i, i % 3), f"junk {tag} {i}".encode()) for i in range(25)]
-                + [(f"{T.root}/update/local02/x/{tag}{i}", b"\x00" * 2048) for i in range(4)]
-                + [(T.evaluation("local02"), b'{"v": 4, "junk": 1}')])
 
-    def publish(items):
-        _publish_all(port, items, True, ("local02", pw))
-
-    publish(junk("before"))
-    assert len(_retained_below(port, home, [f"{T.root}/update", f"{T.root}/eval"], 1.0)) == 30
-    fired = threading.Event()
+def test_a_device_login_cannot_fill_the_broker_with_retained_messages(data_root, tmp_path, mosquitto,
+                                                                     one_thread):
+    """Severe finding 1 of hardening III. local02's login tries to leave 10,000 retained messages
+    at every depth below its topics before the run and 2,000 more during it; then the broker
+    restarts (it persists what it retains). The ACL grants a device exactly four topics and no
+    level below them, so the broker holds at most those four per login whatever it sends; the
+    coordinator clears what is left on its update and evaluation topics; the run ends with the
+    clean weights."""
+    port, home, restart = mosquitto
+    login = ("local02", (home / "local02.pw").read_text().strip())
+    _flood_retained(port, login, "before", 10_000)
+    mine = {f"{T.root}/update/local02", f"{T.root}/eval/local02",
+            f"{T.root}/device/local02/status", f"{T.root}/device/local02/info"}
+    left = _retained(port, home, 1.5)
+    assert set(left) <= mine and len(left) == 2, sorted(left)  # the exact update and eval topics
+    flood: list[threading.Thread] = []
 
     def attack(att, step):
-        if step.kind == "train" and not fired.is_set():
-            fired.set()
-            threading.Thread(target=publish, args=(junk("during"),)).start()
+        if step.kind == "train" and not flood:
+            flood.append(threading.Thread(target=_flood_retained,
+                                          args=(port, login, "during", 2_000)))
+            flood[0].start()
 
-    cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg")
-    assert fired.is_set()
+    cfg, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, "algorithm.name=fedavg",
+                                 "rounds=3")
+    assert flood
+    flood[0].join(120)
     _assert_clean(cfg, res)
-    left = _retained_below(port, home, [f"{T.root}/update", f"{T.root}/eval"])
-    assert left == [], left
+    restart()
+    time.sleep(1.0)
+    after = _retained(port, home)
+    devices = {t for t in after if t.startswith((f"{T.root}/update/", f"{T.root}/eval/"))
+               or (t.startswith(f"{T.root}/device/") and not t.endswith("/assign"))}
+    # what the daemons and the flood may leave: each device's own status and info, nothing else
+    assert devices <= mine | {f"{T.root}/device/local01/status", f"{T.root}/device/local01/info"}, \
+        sorted(devices)
+    assert not any(t.startswith((f"{T.root}/update/", f"{T.root}/eval/")) for t in after), after
+    assert sum(after.values()) < 4 << 20, sum(after.values())  # the run's own state included
+
+
+def _device_rounds(res, index: int, n_devices: int) -> list[tuple[list[int], list[int]]]:
+    """Per training round: (this device's selected clients, those of them that reported)."""
+    rows = [r for r in res.rows if r["phase"] == "train"]
+    return [([c for c in r["clients"] if c % n_devices == index],
+             [c for c in r.get("reported", r["clients"]) if c % n_devices == index]) for r in rows]
+
+
+FLOOD = """
+import sys, time
+import paho.mqtt.client as mqtt
+from fedseq.common.protocol.messages import DeviceStatus, EvalResult
+port, pw, run_id, count = int(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="flood")
+c.username_pw_set("local03", pw)
+c.connect("127.0.0.1", port)
+c.loop_start()
+scores = {c: (1, 2) for c in range(0, 30, 3)}
+for i in range(count):
+    c.publish("fedseq/eval/local03", EvalResult(run_id=run_id, seq=i, device="local03",
+                                                results=scores).encode(), qos=0)
+    if i % 20 == 0:
+        c.publish("fedseq/device/local03/status", DeviceStatus(
+            device="local03", state="online", memory_mb=i).encode(), qos=0)
+        time.sleep(0.002)
+c.loop_stop()
+c.disconnect()
+"""
+
+
+def test_a_flooding_login_does_not_silence_another_device(data_root, tmp_path, mosquitto, one_thread):
+    """Severe finding 2 of hardening III. local03's login floods the coordinator from its own
+    process with evaluations under every step number and with statuses (100,000 messages from the
+    first step on), while local02's daemon is killed and restarted in round 1: local02 is back
+    online and its clients report in every later round, and local01's in every round."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import device_process
+
+    port, home, _ = mosquitto
+    names = ["local01", "local02", "local03"]
+    daemons = {n: device_process(n, port, home, data_root) for n in names}
+    flood: list[subprocess.Popen] = []
+    restarted: list[float] = []
+
+    def attack(att, step):
+        if step.kind == "train" and step.round == 0 and not flood:
+            flood.append(subprocess.Popen([sys.executable, "-c", FLOOD, str(port),
+                                           (home / "local03.pw").read_text().strip(),
+                                           att.run_id, "100000"]))
+        if step.kind == "train" and step.round == 1 and not restarted:
+            daemons["local02"].send_signal(signal.SIGKILL)
+            daemons["local02"].wait(30)
+            daemons["local02"] = device_process("local02", port, home, data_root)
+            restarted.append(time.monotonic())
+
+    # local03's own daemon shares its login's budget: its round-0 updates may be dropped with the
+    # flood (its own loss), so that round ends at a short deadline
+    cfg = quick_config(data_root, "rounds=4", "data.num_clients=6", "train.join_ratio=1.0",
+                       "deploy.min_devices=3", "deploy.round_timeout_s=40",
+                       "deploy.eval_timeout_s=120", "deploy.wait_devices_s=120",
+                       "deploy.username=coordinator",
+                       f"deploy.password_file={str(home / 'coordinator.pw')!r}",
+                       "algorithm.name=fedavg")
+    attacker = Attacker(port, attack, "local03", (home / "local03.pw").read_text().strip())
+    try:
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=lambda s: None)
+    finally:
+        attacker.stop()
+        stop_children(list(daemons.values()) + flood)
+    assert restarted and flood
+    summary = [{k: r.get(k) for k in ("round", "reported", "failed", "missed_deadline", "seconds")}
+               for r in res.rows if r["phase"] == "train"]
+    for selected, reported in _device_rounds(res, 1, 3)[2:]:  # local02 (clients 1, 4), restarted
+        assert selected and reported == selected, summary
+    assert all(reported == selected for selected, reported in _device_rounds(res, 0, 3)), summary
+
+
+def test_a_flapping_device_costs_at_most_one_wait(data_root, tmp_path, mosquitto, one_thread, caplog):
+    """Severe finding 3 of hardening III. local02's login says offline after every step goes
+    out and online again when the next one is published, so the coordinator finds it missing
+    before every step, with deploy.min_devices = the fleet. Over the whole run the coordinator
+    waits for it at most deploy.wait_devices_s in all (before: that long before every step), and
+    local01's clients report in every round."""
+    from conftest import device_process
+
+    port, home, _ = mosquitto
+    wait_s = 8.0
+    d1 = device_process("local01", port, home, data_root)
+    flapper = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="flapper")
+    flapper.username_pw_set("local02", (home / "local02.pw").read_text().strip())
+    flapper.connect("127.0.0.1", port)
+    flapper.loop_start()
+
+    def say(state: str) -> None:
+        st = DeviceStatus(device="local02", state=state, since=time.time())
+        flapper.publish(T.device_status("local02"), st.encode(), qos=1, retain=True)
+
+    flaps: list[int] = []
+
+    def on_step(att, step):
+        if step.kind != "idle":
+            say("online")
+            time.sleep(1.0)
+            say("offline")
+            flaps.append(step.seq)
+
+    say("online")
+    watcher = Attacker(port, lambda a, s: threading.Thread(target=on_step, args=(a, s)).start(),
+                       "local02", (home / "local02.pw").read_text().strip())
+    cfg = quick_config(data_root, "rounds=4", "train.join_ratio=1.0", "train.eval_every=1",
+                       "deploy.min_devices=2", "deploy.round_timeout_s=120",
+                       "deploy.eval_timeout_s=120", f"deploy.wait_devices_s={wait_s}",
+                       "deploy.username=coordinator",
+                       f"deploy.password_file={str(home / 'coordinator.pw')!r}",
+                       "algorithm.name=fedavg")
+    try:
+        with caplog.at_level("WARNING", logger="fedseq.server.mqtt.session"):
+            res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                                 announce=lambda s: None)
+    finally:
+        watcher.stop()
+        flapper.loop_stop()
+        stop_children([d1])
+    waits = [float(re.search(r"waited ([\d.]+) s", r.getMessage()).group(1))
+             for r in caplog.records if r.getMessage().startswith("waited ")]
+    assert len(flaps) >= 6 and len(waits) >= 1, (flaps, waits)
+    assert sum(waits) <= wait_s + 3.0, waits  # one wait in all (plus drain granularity)
+    train = _device_rounds(res, 0, 2)
+    assert len(train) == 4 and all(reported == selected for selected, reported in train), res.rows

@@ -13,7 +13,7 @@ from fedseq.common.config import load_config
 from fedseq.common.models import build_model, get_blocks
 from fedseq.common.protocol.tensors import decode_tensors, frame_size
 from fedseq.server.coordinator import Coordinator, select_clients
-from fedseq.server.pool import InProcessPool, TrainRound
+from fedseq.server.pool import InProcessPool, RoundOutcome, TrainRound
 from fedseq.server.rundir import RunDir
 
 
@@ -287,3 +287,35 @@ def test_diverged_finetuning_is_listed_in_its_row():
     row = coord.run().rows[-1]
     assert row["phase"] == "finetune" and set(row["diverged"]) == {"0", "1", "2"}
     assert all(k >= 1 for k in row["diverged"].values())
+
+
+class FailingDevicePool(InProcessPool):
+    """A deployment's outcome, made by hand: every selected client's device said it cannot train;
+    `able` other devices of the fleet could."""
+
+    able = 1
+
+    def train(self, round, clients, plan, weights, check):
+        def nothing():
+            return RoundOutcome(blocked=set(clients), device_failures={"dev01": "out of memory"},
+                                deadline_s=60.0, able_devices=self.able)
+            yield  # a generator that yields no update
+
+        return TrainRound(nothing())
+
+
+def test_one_failing_device_holding_a_rounds_selection_does_not_end_the_run():
+    """Hardening III, finding 13: with another device able to train, a round whose selected
+    clients all sit on one failing device is a failed round; with no device able, the run stops
+    in one line with the devices' reasons."""
+    from fedseq.common.errors import TransportError
+
+    FailingDevicePool.able = 1
+    coord, _ = _coord("fedavg", pool_cls=FailingDevicePool)
+    row = coord.run_round(0)
+    assert row["reported"] == [] and row["failed"] == row["clients"]
+    assert row["device_failures"] == {"dev01": "out of memory"}
+    FailingDevicePool.able = 0
+    coord, _ = _coord("fedavg", pool_cls=FailingDevicePool)
+    with pytest.raises(TransportError, match="no device can train: dev01: out of memory"):
+        coord.run_round(0)

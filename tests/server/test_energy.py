@@ -80,3 +80,17 @@ def test_without_a_power_source_energy_is_null_never_zero(data_root, tmp_path, m
     assert row["energy"]["unmeasured"] == row["reported"]
     (dev,) = row["energy"]["devices"].values()
     assert dev["j"] is None and dev["w"] is None and dev["source"] is None
+
+
+def test_a_devices_energy_claims_are_bounded_by_power_and_time():
+    """Hardening III, finding 16: what one device says its clients' work cost counts only while
+    its claims in a step stay below MAX_DEVICE_W since the step went out; another device's
+    claims have their own budget."""
+    from fedseq.server.mqtt.collect import MAX_DEVICE_W, plausible_joules
+
+    claimed: dict[str, float] = {}
+    assert plausible_joules(claimed, "dev01", 0.5 * MAX_DEVICE_W, 1.0)
+    assert not plausible_joules(claimed, "dev01", 0.6 * MAX_DEVICE_W, 1.0)  # 1.1 kW for 1 s
+    assert plausible_joules(claimed, "dev02", 0.9 * MAX_DEVICE_W, 1.0)
+    assert plausible_joules(claimed, "dev01", 1.4 * MAX_DEVICE_W, 2.0)  # 1.9 kJ in 2 s
+    assert not plausible_joules(claimed, "dev03", 1e7, 60.0)  # the old bound, per client-round

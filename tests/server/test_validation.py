@@ -68,3 +68,14 @@ def test_the_reason_names_the_same_tensor_whatever_the_frame_order():
     reasons = {c.check(ClientUpdate(0, 3, dict(order), len(data.clients[0].train)))
                for order in (bad.items(), sorted(bad.items()))}
     assert reasons == {"tensor conv1.weight contains NaN or Inf"}
+
+
+def test_a_refusal_stays_short_whatever_the_frame_carried():
+    """Hardening III, finding 11: 100,000 extra tensors with long names (a 2.3 MB frame's worth)
+    give a reason of a few hundred characters, each name one line of plain text."""
+    data, c = _contract()
+    u = _good(data)
+    u.deltas.update({f"x{i:06d}\n" + "y" * 200: torch.zeros(0) for i in range(100_000)})
+    reason = c.check(u)
+    assert reason is not None and "not uploadable" in reason and "(+99995 more)" in reason
+    assert len(reason) < 600 and "\n" not in reason, len(reason)

@@ -60,6 +60,8 @@ def test_messages_validate_strictly():
     s = Step(run_id="r", seq=1, kind="train", round=0, clients=[1, 2])
     assert Step.decode(s.encode()) == s
     v = PROTOCOL_VERSION
+    assert s.v == v  # every message says the version this side speaks
+    assert Step.decode(b'{"v": %d, "run_id": "r", "seq": 1, "kind": "idle"}' % v).v == v
     for bad in (b"not json", b'{"v": %d, "run_id": "r", "seq": 1, "kind": "train"}' % (v + 1),
                 b'{"v": %d, "run_id": "r", "seq": 1, "kind": "dance"}' % v,
                 b'{"v": %d, "run_id": "r", "seq": -1, "kind": "train"}' % v,
@@ -67,6 +69,20 @@ def test_messages_validate_strictly():
                 b'{"v": %d, "run_id": "r", "seq": 1, "kind": "train", "extra": 1}' % v):
         with pytest.raises(ProtocolError):
             Step.decode(bad)
+
+
+@pytest.mark.parametrize("header", [b"[]", b"5", b'"x"', b"[" * 100_000 + b"]" * 100_000,
+                                    b'{"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 0]}}',
+                                    b'{"a": {"dtype": "F32", "shape": "ab", "data_offsets": [0, 4]}}',
+                                    b'{"a": {"dtype": "F32", "shape": [1e400], "data_offsets": [0, 4]}}',
+                                    b'{"a": []}',
+                                    b'{"a": {"dtype": [], "shape": [], "data_offsets": [0, 4]}}'])
+def test_a_malformed_frame_header_is_a_protocol_error(header):
+    """Hardening III, finding 12: whatever a header holds, decoding fails with ProtocolError
+    (so the coordinator drops and clears the message) and never with another exception."""
+    frame = len(header).to_bytes(8, "little") + header + b"\x00" * 4
+    with pytest.raises(ProtocolError):
+        decode_tensors(frame)
 
 
 def test_tensor_frames_reject_garbage_and_nan():
@@ -82,8 +98,8 @@ def test_tensor_frames_reject_garbage_and_nan():
 def test_topics():
     t = Topics("fedseq")
     assert t.weights("fc1", 2) == "fedseq/weights/fc1/2"
-    assert t.parse(t.update("jetson01", 3, 0)) == TopicRef("update", device="jetson01", client="3",
-                                                          chunk="0")
+    assert t.update("jetson01") == "fedseq/update/jetson01"
+    assert t.parse(t.update("jetson01")) == TopicRef("update", device="jetson01")
     assert t.parse(t.device_status("jetson07")) == TopicRef("device_status", device="jetson07")
     assert t.parse(t.assignment("jetson07")) == TopicRef("assignment", device="jetson07")
     assert t.parse(t.device_info("jetson07")) == TopicRef("device_info", device="jetson07")
@@ -91,7 +107,10 @@ def test_topics():
     for kind in ("server_status", "run_config", "step", "control"):
         assert t.parse(getattr(t, kind)) == TopicRef(kind)
     assert t.parse(t.evaluation("d1")) == TopicRef("eval", device="d1")
-    for junk in ("fedseq", "other/step", "fedseq/eval/d1/extra", "fedseq/update/x/y", "fedseqx/step",
+    for junk in ("fedseq", "other/step", "fedseq/eval/d1/extra", "fedseq/update/x/y", "fedseq/update/x/3/0",
+                 "fedseq/update/x\nERROR", "fedseq/device/\x1b[2J/status", "fedseq/eval/" + "a" * 65,
+                 "fedseq/device//status",
+                 "fedseqx/step",
                  "fedseq/device/d1/else", "fedseq/step/1"):
         assert t.parse(junk) is None, junk
 
