@@ -88,6 +88,10 @@ class DeviceSession:
         self.run: Optional[RunState] = None
         self.step: Optional[Step] = None
         self.next_step: Optional[Step] = None  # a step of a run whose config has not arrived yet
+        # the run a newer run config replaced, with its step: a stray run config on an open broker
+        # (the coordinator restores its own within seconds) must not cost the real run its step
+        # or its downloaded blocks; one run is kept, so memory stays bounded
+        self.parked: Optional[Tuple[RunState, Optional[Step]]] = None
         self.assignment: Optional[Assignment] = None  # the latest, applied once its run is known
         self.aborted: Set[str] = set()  # runs the coordinator aborted (Control)
         # run_id -> block -> (version, tensors)
@@ -247,12 +251,15 @@ class DeviceSession:
         with self.cond:
             if self.run is None or self.run.run_id != rc.run_id:
                 log.info("joined run %s: %s on %s", rc.run_id, cfg.algorithm.name, cfg.data.dataset)
-                self.run = RunState(rc.run_id, cfg, frames=weights_frame_pool(cfg))
-                for run_id in list(self.blocks):
-                    if run_id != rc.run_id:
+                back = self.parked if self.parked and self.parked[0].run_id == rc.run_id else None
+                left, left_step = self.run, self.step
+                self.run = back[0] if back else RunState(rc.run_id, cfg, frames=weights_frame_pool(cfg))
+                self.step = back[1] if back else None
+                self.parked = None if left is None else (
+                    left, left_step if left_step and left_step.run_id == left.run_id else None)
+                for run_id in list(self.blocks):  # this run's and the one it replaced
+                    if run_id not in (rc.run_id, left.run_id if left else None):
                         del self.blocks[run_id]
-                if self.step is not None and self.step.run_id != rc.run_id:
-                    self.step = None
                 if self.next_step is not None and self.next_step.run_id == rc.run_id:
                     self.step, self.next_step = self.next_step, None
             self.cond.notify_all()
@@ -270,7 +277,8 @@ class DeviceSession:
 
     def _on_weights_chunk(self, payload: bytes) -> None:
         head, data = unpack_chunk(payload, WeightsHeader)
-        run = self._current_run(head.run_id, f"weights {head.block}")
+        parked = self.parked[0] if self.parked and self.parked[0].run_id == head.run_id else None
+        run = parked or self._current_run(head.run_id, f"weights {head.block}")
         held = self.blocks.get(head.run_id, {}).get(head.block)
         if held is not None and held[0] >= head.version:
             return
@@ -280,7 +288,7 @@ class DeviceSession:
             return
         tensors = decode_tensors(frame, copy=False)
         with self.cond:
-            if self.run is not run:
+            if run is not self.run and not (self.parked and self.parked[0] is run):
                 return
             self.blocks.setdefault(head.run_id, {})[head.block] = (head.version, tensors)
             run.frames.expire(lambda _, tag: tag[0] != head.block or tag[1] > head.version)

@@ -3,7 +3,7 @@ are fed to its handler as paho's network thread would)."""
 
 from fedseq.client.session import DeviceSession
 from fedseq.common.config import load_config
-from fedseq.common.protocol.messages import Control, RunConfig, Step
+from fedseq.common.protocol.messages import PROTOCOL_VERSION, Control, RunConfig, Step
 from fedseq.common.protocol.topics import Topics
 
 T = Topics()
@@ -37,8 +37,8 @@ def test_a_step_waits_for_its_blocks_and_is_skipped_once_superseded(tmp_path):
     import torch
 
     s = _session(tmp_path)
-    s.on_message(T.assignment("dev01"), b'{"v": 4, "run_id": "r1", "device": "dev01", '
-                                        b'"clients": [4, 1]}')
+    s.on_message(T.assignment("dev01"), b'{"v": %d, "run_id": "r1", "device": "dev01", '
+                                        b'"clients": [4, 1]}' % PROTOCOL_VERSION)
     step = Step(run_id="r1", seq=1, kind="evaluate", versions={"conv1": 2})
     s.on_message(T.step, step.encode())
     with s.cond:
@@ -48,3 +48,39 @@ def test_a_step_waits_for_its_blocks_and_is_skipped_once_superseded(tmp_path):
         assert s.next_ready() == (s.run, step)
         s.blocks["r1"]["conv1"] = (3, {"conv1.weight": torch.zeros(1)})  # the coordinator moved on
         assert s.next_ready() is None and 1 in s.run.done
+
+
+def test_a_stray_run_config_costs_the_run_neither_its_step_nor_its_blocks(tmp_path):
+    """Hardening III, finding 10: on an open broker a stray client publishes another run's config;
+    the coordinator restores its own within seconds. The device keeps the run's downloaded blocks
+    and its current step meanwhile (and blocks of the run that arrive meanwhile), so it goes on
+    at once instead of waiting for every block to be published again."""
+    import hashlib
+
+    import torch
+
+    from fedseq.common.protocol.frames import pack_chunk
+    from fedseq.common.protocol.messages import WeightsHeader
+    from fedseq.common.protocol.tensors import encode_tensors
+
+    s = _session(tmp_path)
+    cfg = load_config(None, ["algorithm.name=fedper"])
+    step = Step(run_id="r1", seq=2, kind="evaluate", versions={"conv1": 2, "fc1": 1})
+    s.on_message(T.step, step.encode())
+    with s.cond:
+        s.blocks["r1"] = {"conv1": (2, {"conv1.weight": torch.zeros(1)})}
+    s.on_message(T.run_config, RunConfig(run_id="stray", config=cfg.model_dump(mode="json")).encode())
+    assert s.run.run_id == "stray" and s.step is None  # nothing of the stray run is executed
+    frame = encode_tensors({"fc1.weight": torch.ones(2)})
+    head = WeightsHeader(run_id="r1", block="fc1", version=1, chunk=0, chunks=1, size=len(frame),
+                         sha256=hashlib.sha256(frame).hexdigest())
+    s.on_message(T.weights("fc1", 0), pack_chunk(head, frame))
+    s.on_message(T.run_config, RunConfig(run_id="r1", config=cfg.model_dump(mode="json")).encode())
+    assert s.run.run_id == "r1" and s.step == step
+    with s.cond:
+        assert set(s.blocks["r1"]) == {"conv1", "fc1"}
+        assert s.next_ready() == (s.run, step)
+    for i in range(3):  # stray configs one after another keep one parked run, not all of them
+        s.on_message(T.run_config, RunConfig(run_id=f"stray{i}",
+                                             config=cfg.model_dump(mode="json")).encode())
+    assert set(s.blocks) <= {"stray1", "stray2"}
