@@ -364,6 +364,7 @@ def passwd(
         help="read the password from this file instead of asking")] = None,
 ) -> None:
     """Add or replace an account in the embedded broker's password file (argon2 hashes)."""
+    from fedseq.common.files import atomic_write
     from fedseq.server.broker import hash_password
 
     if ":" in user or not user.strip():
@@ -373,8 +374,7 @@ def passwd(
                     else typer.prompt("password", hide_input=True, confirmation_prompt=True))
         lines = file.read_text().splitlines() if file.exists() else []
         lines = [ln for ln in lines if ln.split(":", 1)[0] != user] + [f"{user}:{hash_password(password)}"]
-        file.write_text("\n".join(lines) + "\n")
-        file.chmod(0o600)
+        atomic_write(file, ("\n".join(lines) + "\n").encode(), mode=0o600)  # never readable by others
     except OSError as exc:
         _fail(ValueError(f"{exc.filename}: {exc.strerror}"))
     print(f"{user} written to {file}", file=sys.stderr)

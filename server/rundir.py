@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import fcntl
 import json
 import logging
 import math
 import os
 import signal
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from fedseq.common.config import ExperimentConfig, dump_config, load_config
 from fedseq.common.errors import ConfigError
@@ -115,7 +117,9 @@ class RunDir:
         if mode == "new" and self.path.exists() and any(self.path.iterdir()):
             raise ConfigError(f"--out {self.path} exists and is not empty: pass --resume {self.path} "
                               "to continue that run, or --overwrite to replace it")
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path.mkdir(mode=0o750, parents=True, exist_ok=True)
+        _check_owner(self.path)
+        self._lock = _lock(self.path)
         self.info = dict(info or {})
         #: the train rounds metrics.jsonl holds (a resumed run's kept rows)
         self.logged_rounds: set[int] = set()
@@ -165,7 +169,7 @@ class RunDir:
                 if not kept or _stack(kept[-1]) != _stack(row):
                     kept.append(row)
         atomic_write(path, (json.dumps(merged, indent=1, sort_keys=True) + "\n").encode(),
-                     durable=False)
+                     durable=False, mode=0o640)  # device facts: not for every local user
 
     def write_clients(self, rows: list[dict[str, Any]]) -> None:
         """clients.csv: per-client sizes and final accuracy."""
@@ -179,8 +183,38 @@ class RunDir:
         atomic_write(self.path / "model.safetensors", encode_tensors(weights, metadata))
 
     def close(self) -> None:
-        """Close metrics.jsonl."""
+        """Close metrics.jsonl and let go of the folder (another coordinator may resume it)."""
         self._metrics.close()
+        self._lock.close()
+
+
+def _check_owner(path: Path) -> None:
+    """A run folder is this user's to write: one that another account owns, or that every local
+    user may write, could hold links planted to make this process (root, in a rehearsal)
+    overwrite files elsewhere."""
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o002:
+        raise ConfigError(f"--out {path} is owned by uid {st.st_uid} or writable by others "
+                          f"(mode {stat.filemode(st.st_mode)}); pass a folder of your own")
+
+
+def _lock(path: Path) -> IO[str]:
+    """Hold the run folder for this process (an advisory lock, released when it ends): a second
+    coordinator on the same folder (`--resume` while the first still runs, say on a laptop that
+    slept) stops in one line instead of writing beside it."""
+    f = os.fdopen(os.open(path / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o640), "r+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = f.read().strip() or "?"
+        f.close()
+        raise ConfigError(f"{path} is in use by another fedseq process (pid {holder}): stop it, "
+                          "or wait for it to end, before resuming or overwriting this run") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 #: what a run's rounds were computed with, besides config and seed (hardware.compute_record):

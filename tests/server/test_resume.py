@@ -363,3 +363,48 @@ def test_a_resume_on_other_cpu_kernels_is_warned_and_recorded(data_root, tmp_pat
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert f"{other}: resumed on other compute (from round 1: cpu_kernels AVX2 (avx2) -> {here})" in md
     assert f"{same}: resumed" not in md
+
+
+def test_a_run_folder_is_held_by_one_process_and_only_ours(data_root, tmp_path):
+    """Hardening III, finding 14: a second coordinator on a run folder in use (`--resume` while
+    the first still runs) is refused in one line, and writes nothing; a folder every local user
+    may write is refused; links planted where the old fixed temporary names were are not followed;
+    device facts are not readable by every local user."""
+    import stat
+
+    from fedseq.common.errors import ConfigError
+    from fedseq.server.rundir import RunDir
+
+    cfg = quick_config(data_root)
+    out = tmp_path / "run"
+    first = RunDir(out, cfg)
+    before = (out / "status.json").read_bytes()
+    with pytest.raises(ConfigError, match=rf"in use by another fedseq process \(pid {os.getpid()}\)"):
+        RunDir(out, cfg, mode="resume", resume_round=0)
+    assert (out / "status.json").read_bytes() == before
+    victim = tmp_path / "victim"
+    victim.write_text("keep\n")
+    for name in ("status.json.tmp", "devices.json.tmp"):
+        (out / name).symlink_to(victim)
+    first.set_status("running")
+    first.record_devices({"dev01": [{"seen": 1.0, "torch": "1.12.1"}]})
+    assert victim.read_text() == "keep\n"
+    assert stat.S_IMODE((out / "devices.json").stat().st_mode) == 0o640
+    assert stat.S_IMODE(out.stat().st_mode) == 0o750
+    first.close()
+    RunDir(out, cfg, mode="resume", resume_round=0).close()  # free again once closed
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match="writable by others"):
+        RunDir(shared, cfg)
+
+
+def test_passwd_file_is_never_readable_by_others(tmp_path):
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    r = subprocess.run(["fedseq-server", "passwd", str(tmp_path / "passwd"), "dev01",
+                        "--password-file", str(pw)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "passwd").stat().st_mode & 0o077 == 0
+    assert (tmp_path / "passwd").read_text().startswith("dev01:")
