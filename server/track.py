@@ -92,8 +92,10 @@ class TensorBoard:
 
 
 def run_name(path: Path) -> str:
-    """A run's name in a tracker: its folder, a sweep's seeds as <sweep>/seed-<s>."""
-    return f"{path.resolve().parent.name}/{path.name}" if path.name.startswith("seed-") else path.name
+    """A run's name in a tracker: its folder, a sweep's seeds as <sweep>/seed-<s> (of the resolved
+    path: `.` and `..` name the folder they stand for)."""
+    path = path.resolve()
+    return f"{path.parent.name}/{path.name}" if path.name.startswith("seed-") else path.name
 
 
 def replay(paths: list[Path], open_tracker: Callable[[Path, str], Tracker]) -> list[str]:
@@ -117,14 +119,19 @@ def replay(paths: list[Path], open_tracker: Callable[[Path, str], Tracker]) -> l
 
 
 def export_tensorboard(paths: list[Path], logdir: Path) -> list[str]:
-    """Write every run's events to logdir/<run name>/, replacing the events an earlier export
-    wrote there. Returns the run names."""
-    import shutil
+    """Write every run's events to logdir/<run name>/, replacing the event files an earlier
+    export wrote there (and nothing else: no folder is removed, and a name that would lead
+    outside logdir is refused). Returns the run names."""
+    root = logdir.resolve()
 
     def open_tracker(path: Path, name: str) -> Tracker:
-        if (logdir / name).exists():
-            shutil.rmtree(logdir / name)
-        return TensorBoard(logdir / name)
+        target = (root / name).resolve()
+        if not name or root not in target.parents:
+            raise ConfigError(f"run {str(path)!r} would be exported to {str(target)!r}, outside "
+                              f"{str(root)!r}; name the run's own folder")
+        for old in target.glob("events.out.tfevents.*"):
+            old.unlink()
+        return TensorBoard(target)
 
     return replay(paths, open_tracker)
 

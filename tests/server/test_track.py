@@ -63,6 +63,26 @@ def test_export_writes_every_round_of_each_run(data_root, tmp_path):
     assert len(list((tmp_path / "tb" / "sweep" / "seed-0").iterdir())) == 1
 
 
+def test_export_from_inside_a_run_deletes_nothing_but_its_own_events(data_root, tmp_path):
+    """Hardening III, finding 7: `fedseq export tensorboard .` from a run's folder (the default
+    --out is a folder inside it) and `..` from a subfolder removed whole folders; now only event
+    files the export replaces go, and every other file stays."""
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "train.threads=1", "rounds=1",
+                       "train.eval_every=1")
+    run = tmp_path / "run"
+    run_simulation(cfg, run)
+    (run / "notes").mkdir()
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for where, target, out in ((run, ".", "tb"), (run / "notes", "..", "tb"), (run, ".", ".")):
+        r = subprocess.run([sys.executable, "-m", "fedseq.server.tools", "export", "tensorboard",
+                            target, "--out", out], capture_output=True, text=True, timeout=300,
+                           cwd=where)
+        assert r.returncode == 0, r.stderr
+        assert "run" in r.stdout
+    after = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    assert set(before) <= set(after), set(before) - set(after)
+
+
 def test_mlflow_export_holds_every_round_and_replaces_itself(data_root, tmp_path):
     """Into a real MLflow store (its local file store stands in for a tracking server: the
     client calls are the same): metrics per round, params, artifact, status; again = replaced."""
