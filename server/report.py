@@ -23,6 +23,7 @@ from typing import Any
 
 from fedseq.common.config import SEED_STREAMS
 from fedseq.common.errors import ConfigError
+from fedseq.common.text import csv_cell, markdown_cell, plot_label
 from fedseq.server.seeds import defining
 
 if sys.version_info >= (3, 11):
@@ -103,7 +104,7 @@ def divergence_note(run: Run) -> str | None:
         parts.append(f"fine-tuning diverged for client{'s' if len(tuned) > 1 else ''} "
                      f"{', '.join(map(str, tuned))} (counted in P with their diverged models' "
                      "scores)")
-    return f"{run.path}: NaN or Inf loss: " + "; ".join(parts) + "."
+    return f"{markdown_cell(run.path, 300)}: NaN or Inf loss: " + "; ".join(parts) + "."
 
 
 def splice_note(run: Run) -> str | None:
@@ -119,7 +120,8 @@ def splice_note(run: Run) -> str | None:
             changes.append(f"from round {after['from_round']}: {', '.join(diff)}")
     if not changes:
         return None
-    return f"{run.path}: resumed on other compute ({'; '.join(changes)}): not bitwise one run."
+    return (f"{markdown_cell(run.path, 300)}: resumed on other compute "
+            f"({markdown_cell('; '.join(changes), 600)}): not bitwise one run.")
 
 
 def load_run(path: Path, label: str | None = None) -> Run:
@@ -333,7 +335,7 @@ def paired_rows(groups: list[Group]) -> list[dict[str, Any]]:
 
 def _paired_table(rows: list[dict[str, Any]]) -> list[str]:
     shown = [k for k in PAIRED if any(f"{k} diff" in r for r in rows)]
-    lines = ["", f"Paired by seed against {rows[0]['against']} (runs of one seed share the "
+    lines = ["", f"Paired by seed against {markdown_cell(rows[0]['against'])} (runs of one seed share the "
              "partition, the client selection and the initial weights): mean ± sd over seeds of "
              "this row minus the reference, in points, and (k/n) the seeds whose difference has "
              "that sign.", "",
@@ -342,7 +344,7 @@ def _paired_table(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         cells = [f"{r[k + ' diff']:+.2f} ± {r[k + ' diff sd']:.2f} ({r[k + ' same sign']}/"
                  f"{r['seeds']})" if f"{k} diff" in r else "-" for k in shown]
-        lines.append(f"| {r['run']} | {r['seeds']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {markdown_cell(r['run'])} | {r['seeds']} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -385,7 +387,7 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
     with (out / "summary.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=keys)
         w.writeheader()
-        w.writerows(rows)
+        w.writerows({k: csv_cell(v) for k, v in r.items()} for r in rows)
     gpu = any(r["device"] not in (None, "cpu") for r in rows)  # CPU only, the usual case: no column
     shown = [k for k in MD_COLUMNS if any(r.get(k) is not None for r in rows) and (gpu or k != "device")]
     for col, after in beside.items():  # the paper's number right of the metric it matches
@@ -395,7 +397,8 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
         if key == "rounds" and row["state"] != "finished":  # never a partial run read as whole
             return f"{row['rounds']} of {row['of']}, {row['state']}"
         sd = row.get(f"{key} sd")
-        return _fmt(row.get(key)) + (f" ± {sd:.2f}" if sd is not None and key in _ACC_KEYS else "")
+        text = _fmt(row.get(key)) + (f" ± {sd:.2f}" if sd is not None and key in _ACC_KEYS else "")
+        return markdown_cell(text, 400)  # run folders and device names are anyone's words
 
     lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
     lines += ["| " + " | ".join(cell(r, k) for k in shown) + " |" for r in rows]
@@ -427,7 +430,7 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
         with (out / "paired.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in paired for k in r)))
             w.writeheader()
-            w.writerows(paired)
+            w.writerows({k: csv_cell(v) for k, v in r.items()} for r in paired)
         notes += _paired_table(paired)
     (out / "summary.md").write_text("\n".join(lines + notes) + "\n")
     return rows
@@ -483,7 +486,7 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
 
     groups = group_runs(runs)
     colors = {id(r): f"C{i % 10}" for i, g in enumerate(groups) for r in g.runs}
-    names = {id(r): g.label for g in groups for r in g.runs}
+    names = {id(r): plot_label(g.label) for g in groups for r in g.runs}  # folder names, shown as is
     labelled: set[Any] = set()  # the groups labelled in the current figure
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
     for ax, key, title in zip(axes, ("global_acc", "personal_acc", "local_acc"),
@@ -491,7 +494,7 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
                                "local model (FedReG testbed)"), strict=True):
         for group in groups:
             star = key == "global_acc" and group.init_global
-            label = group.legend + ("*" if star else "")
+            label = plot_label(group.legend) + ("*" if star else "")
             curve = _seed_curve(group.runs, key)
             if not curve:
                 continue
@@ -529,7 +532,8 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
         for i, ys in enumerate(data, 1):
             ax.scatter([i] * len(ys), ys, s=8, alpha=0.5)
         ax.set_xticks(range(1, len(data) + 1),
-                      [g.legend for g in with_clients], rotation=30, ha="right", fontsize=8)
+                      [plot_label(g.legend) for g in with_clients], rotation=30, ha="right",
+                      fontsize=8)
         ax.set_ylabel("final accuracy per client (%)")
         ax.set_title("per-client accuracy (personalized model, own test rows; all seeds pooled)")
         ax.grid(alpha=0.3, axis="y")

@@ -136,3 +136,32 @@ def test_a_run_that_diverged_says_so(data_root, tmp_path):
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "NaN or Inf loss" in md and "fine-tuning diverged for clients 0, 1, 2, 3, 4" in md
     assert "training updates refused as diverged" in md
+
+
+def test_strings_from_devices_and_folders_stay_data(two_runs, tmp_path):
+    """Hardening III, finding 4: device descriptions (devices.json) and run folder names reach
+    summary.md as literal cells (no broken table, heading, HTML or link), summary.csv without a
+    formula, the terminal without escape sequences, and the figures ($...$ is no mathtext)."""
+    import re
+    import shutil
+
+    runs = [tmp_path / "$\\foo$ a|b", tmp_path / "=HYPERLINK(x)"]
+    shutil.copytree(two_runs / "fedavg", runs[0])
+    shutil.copytree(two_runs / "fedbabu", runs[1])
+    evil = {"seen": 1.0, "torch": "1.12\x1b[31m", "torch_device": "cuda:0",
+            "gpu": "x|y\n# Heading <script>alert(1)</script> [a](http://e)"}
+    (runs[0] / "devices.json").write_text(json.dumps({"jetson01": [evil]}))
+    out = tmp_path / "rep"
+    r = _report(*map(str, runs), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "\x1b" not in r.stdout
+    md = (out / "summary.md").read_text()
+    table = [x for x in md.splitlines() if x.startswith("|")]
+    bars = {len(re.findall(r"(?<!\\)\|", x)) for x in table}
+    assert len(bars) == 1, table  # every row has the header's cells
+    assert not any(x.startswith("#") for x in md.splitlines())
+    assert "<script>" not in md and not re.search(r"(?<!\\)\[", md) and "\x1b" not in md
+    assert "\\$\\\\foo\\$ a\\|b" in md  # the folder's name, every character escaped
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [r["run"] for r in rows] == ["$\\foo$ a|b", "'=HYPERLINK(x)"]
+    assert (out / "accuracy.png").read_bytes().startswith(PNG)
