@@ -82,7 +82,7 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
 
     import paho.mqtt.client as mqtt
 
-    from conftest import MOSQUITTO, make_pki
+    from conftest import MOSQUITTO, connack, make_pki
 
     etc, tls = tmp_path / "etc", tmp_path / "tls"
     (etc / "certs").mkdir(parents=True)
@@ -95,6 +95,8 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
     subprocess.run(["mosquitto_passwd", "-c", "-b", str(etc / "fedseq.passwd"), "retired", "x"],
                    check=True)
     users = {"coordinator": "c-pw", "local01": "d1-pw", "local02": "d2-pw"}
+    crl = tmp_path / "crl.pem"  # the coordinator's certificate is revoked (a lost machine)
+    crl.write_bytes(_crl(pki["ca"], pki["ca_key"], pki["coordinator"]))
     play = tmp_path / "broker.yml"
     play.write_text(
         "- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n"
@@ -103,6 +105,7 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
     extra = {"fedseq_broker_etc": str(etc), "fedseq_broker_user": getpass.getuser(),
              "fedseq_broker_manage_service": False, "fedseq_broker_tls_dir": str(tls),
              "fedseq_broker_tls_identity_logins": True, "fedseq_broker_passwords": users,
+             "fedseq_broker_tls_crl": str(crl),
              "ansible_python_interpreter": sys.executable}
     env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles")}
     for _ in range(2):  # twice: the second run must change nothing
@@ -116,6 +119,14 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
     assert re.search(r"^use_identity_as_username true$", conf, re.M)
     accounts = [ln.split(":")[0] for ln in (etc / "fedseq.passwd").read_text().splitlines()]
     assert sorted(accounts) == sorted(users)  # "retired" was revoked
+    assert re.search(r"^crlfile .*/certs/crl\.pem$", conf, re.M)
+    assert (etc / "fedseq.passwd").stat().st_mode & 0o077 == 0o040  # the broker's group only
+    changed = {**extra, "fedseq_broker_passwords": {**users, "local02": "d2-new"}}
+    r = subprocess.run(["ansible-playbook", "-i", "localhost,", str(play), "-e",
+                        json.dumps(changed)], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert not re.search(r"localhost\s*:\s*ok=\d+\s+changed=0\s", r.stdout)  # applied
+    assert "d2-new" not in r.stdout + r.stderr
 
     plain, secure = free_port(), free_port()
     conf = conf.replace("listener 1883 127.0.0.1", f"listener {plain} 127.0.0.1")
@@ -151,6 +162,17 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
         dev.loop_stop()
         watcher.loop_stop()
         assert seen == ["fedseq/device/local01/status"], seen
+        assert connack("127.0.0.1", plain, "local02", "d2-new") == 0  # the new password applies
+        assert connack("127.0.0.1", plain, "local02", "d2-pw") != 0
+        revoked = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="revoked-cert")
+        revoked.tls_set(ca_certs=str(pki["ca"]), certfile=str(pki["coordinator"]),
+                        keyfile=str(pki["coordinator_key"]))
+        with pytest.raises(Exception):  # noqa: B017 - the broker refuses the revoked certificate
+            revoked.connect("127.0.0.1", secure)
+            revoked.loop_start()
+            time.sleep(1.0)
+            revoked.loop_stop()
+            assert revoked.is_connected(), "refused"
         bare = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="password-only")
         bare.tls_set(ca_certs=str(pki["ca"]))
         bare.username_pw_set("local01", "d1-pw")
@@ -163,3 +185,22 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
     finally:
         broker.terminate()
         broker.wait(10)
+
+
+def _crl(ca_cert, ca_key, revoked_cert) -> bytes:
+    """A CRL signed by the CA that lists `revoked_cert` (all PEM files)."""
+    import datetime as dt
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+
+    ca = x509.load_pem_x509_certificate(ca_cert.read_bytes())
+    key = serialization.load_pem_private_key(ca_key.read_bytes(), None)
+    cert = x509.load_pem_x509_certificate(revoked_cert.read_bytes())
+    now = dt.datetime.now(dt.timezone.utc)
+    entry = (x509.RevokedCertificateBuilder().serial_number(cert.serial_number)
+             .revocation_date(now).build())
+    crl = (x509.CertificateRevocationListBuilder().issuer_name(ca.subject).last_update(now)
+           .next_update(now + dt.timedelta(days=30)).add_revoked_certificate(entry)
+           .sign(key, hashes.SHA256()))
+    return crl.public_bytes(serialization.Encoding.PEM)
