@@ -40,6 +40,22 @@ def hash_password(password: str) -> str:
     return PasswordHash((Argon2Hasher(),)).hash(password)
 
 
+def one_run_login(folder: Path, user: str = "rehearsal") -> tuple[Path, Path]:
+    """A login that exists for one run: (the broker's password file, the file holding the
+    password), both readable by this user only, in `folder`. The rehearsal's embedded broker
+    listens on a bridge other namespaces of this machine reach; with this, only the processes
+    the coordinator starts can log in."""
+    import secrets
+
+    from fedseq.common.files import atomic_write
+
+    password = secrets.token_urlsafe(24)
+    broker_file, secret_file = folder / "broker.passwd", folder / f"{user}.pw"
+    atomic_write(broker_file, f"{user}:{hash_password(password)}\n".encode(), mode=0o600)
+    atomic_write(secret_file, f"{password}\n".encode(), mode=0o600)
+    return broker_file, secret_file
+
+
 class EmbeddedBroker:
     """amqtt on host:port (port 0 = a free one). On loopback it may be anonymous; bound to any
     other address it needs a password file (lines `user:argon2-hash`, see `fedseq-server passwd`)

@@ -18,7 +18,7 @@ from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.files import read_secret
 from fedseq.common.protocol.link import TlsOptions
-from fedseq.server.broker import EmbeddedBroker
+from fedseq.server.broker import EmbeddedBroker, one_run_login
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.experiment import load_experiment
@@ -121,6 +121,8 @@ def run_deployment(
     embedded = None
     children: list[subprocess.Popen] = []
     tmp = None
+    auth: tempfile.TemporaryDirectory[str] | None = None
+    cfg_login = cfg
     pool = None
     run_dir = None
     ended: str | None = None  # why the run ended early: the devices are told (Control abort)
@@ -129,10 +131,18 @@ def run_deployment(
             raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
                               "its bridge; leave out --broker and deploy.broker")
         if url is None:
-            # a rehearsal's bridge is reachable from this machine's namespaces only
+            # a rehearsal's bridge is reachable from this machine's namespaces only, and its
+            # broker takes one login made for this run (unless a password file is given): the
+            # daemons there run as root, and nobody else may publish to them
             host = rehearsal.broker_host if rehearsal is not None else cfg.deploy.host
-            embedded = EmbeddedBroker(host, cfg.deploy.port, cfg.deploy.broker_password_file,
-                                      cfg.deploy.allow_anonymous or rehearsal is not None)
+            passwords = cfg.deploy.broker_password_file
+            if rehearsal is not None and passwords is None:
+                auth = tempfile.TemporaryDirectory(prefix="fedseq-rehearsal-")
+                passwords, secret = one_run_login(Path(auth.name))
+                login = cfg.deploy.model_copy(update={"username": "rehearsal",
+                                                      "password_file": secret})
+                cfg_login = cfg.model_copy(update={"deploy": login})
+            embedded = EmbeddedBroker(host, cfg.deploy.port, passwords, cfg.deploy.allow_anonymous)
             embedded.start()
             url = embedded.url
             announce(f"embedded MQTT broker at {url} - start devices with: "
@@ -142,7 +152,7 @@ def run_deployment(
             raise ConfigError(f"--resume {out}: that run was simulated; resume it with fedseq-sim")
         run_id = (pool_state["run_id"] if pool_state
                   else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
-        d = cfg.deploy
+        d = cfg_login.deploy  # the run's login (a rehearsal's own), never written to its config
         tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
         # The broker first: a wrong address or password is said before minutes of data loading.
         pool = MqttPool(cfg, url, run_id, d.username,
@@ -157,7 +167,7 @@ def run_deployment(
             else:
                 tmp = tempfile.TemporaryDirectory(prefix="fedseq-local-")
                 state = Path(tmp.name)
-            children = spawn_local_clients(local_clients, url, cfg, state, client_threads,
+            children = spawn_local_clients(local_clients, url, cfg_login, state, client_threads,
                                            rehearsal)
             if rehearsal is not None:
                 announce(rehearsal.describe())
@@ -192,3 +202,5 @@ def run_deployment(
             tmp.cleanup()
         if embedded is not None:
             embedded.stop()
+        if auth is not None:
+            auth.cleanup()

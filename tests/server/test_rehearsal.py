@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import quick_config
+from conftest import connack, quick_config
 from fedseq.common.errors import ConfigError, TransportError
 from fedseq.server import rehearsal as rh
 from fedseq.server.deployment import run_deployment
@@ -57,11 +57,20 @@ def test_a_slow_link_shows_in_round_time(data_root, tmp_path, one_thread):
                         algorithm_class("fedavg").two_heads)
     seconds_at_4mbit = frame_size(model.state_dict()) * 8 / 4e6
     said: list[str] = []
+    anonymous: list[int] = []
+
+    def announce(line: str) -> None:
+        said.append(line)
+        m = re.search(r"mqtt://10\.77\.0\.1:(\d+)", line)
+        if m and not anonymous:  # hardening III, finding 15: the bridge's broker takes no stranger
+            anonymous.append(connack("10.77.0.1", int(m.group(1))))
+
     links = {"local01": rh.PROFILES["wifi-good"], "local02": rh.parse_profile("custom:down=4,up=4")}
     with rh.Rehearsal(["local01", "local02"], links) as r:
         run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
-                       announce=said.append, rehearsal=r)
+                       announce=announce, rehearsal=r)
         bridge = r.bridge
+    assert anonymous and anonymous[0] != 0, anonymous  # refused: not authorized
     rows = _rows(tmp_path / "run")
     assert all(x["reported"] == x["clients"] for x in rows)
     assert rows[0]["seconds"] >= 0.9 * seconds_at_4mbit, (rows[0]["seconds"], seconds_at_4mbit)
@@ -77,8 +86,15 @@ def test_a_device_that_loses_its_link_mid_round_rejoins(data_root, tmp_path, one
     again in the rounds after."""
     import paho.mqtt.client as mqtt
 
+    from fedseq.server.broker import hash_password
+
+    (tmp_path / "broker.passwd").write_text(f"coordinator:{hash_password('c-pw')}\n")
+    (tmp_path / "coordinator.pw").write_text("c-pw\n")
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=4", "deploy.port=0",
-                       "deploy.round_timeout_s=20")
+                       "deploy.round_timeout_s=20",
+                       f"deploy.broker_password_file={str(tmp_path / 'broker.passwd')!r}",
+                       "deploy.username=coordinator",
+                       f"deploy.password_file={str(tmp_path / 'coordinator.pw')!r}")
     cut: list[float] = []
     holder: dict[str, object] = {}
 
@@ -97,6 +113,7 @@ def test_a_device_that_loses_its_link_mid_round_rejoins(data_root, tmp_path, one
         m = re.search(r"mqtt://10\.77\.0\.1:(\d+)", line)
         if m and "w" not in holder:
             w = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
+            w.username_pw_set("coordinator", "c-pw")
             w.on_message = on_step
             w.on_connect = lambda c, u, f, rc, p: c.subscribe("fedseq/step", qos=1)
             w.connect("10.77.0.1", int(m.group(1)))
@@ -141,3 +158,4 @@ def test_a_killed_rehearsal_is_swept_by_the_next():
     assert f"fsq{rid}" not in left
     assert f"fsq{rid}" not in subprocess.run(["ip", "-o", "link"], capture_output=True,
                                              text=True).stdout
+
