@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from fedseq.common.algorithms import Algorithm
-from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
 from fedseq.common.algorithms.plan import ClientPlan, ordered_union
 from fedseq.common.algorithms.robust import Aggregator, make_aggregator, update_norm
 from fedseq.common.config import ExperimentConfig
@@ -82,11 +82,11 @@ class RoundUpdates:
     outliers: list[int] = field(default_factory=list)
     flops: int = 0
     bytes_up: int = 0
-    costs: dict[int, tuple[str | None, dict[str, Any] | None]] = field(default_factory=dict)
+    costs: dict[int, tuple[str | None, DeviceCost | None]] = field(default_factory=dict)
     outcome: RoundOutcome = field(default_factory=RoundOutcome)
 
 
-def energy_fields(costs: dict[int, tuple[str | None, dict[str, Any] | None]]) -> dict[str, Any]:
+def energy_fields(costs: dict[int, tuple[str | None, DeviceCost | None]]) -> dict[str, Any]:
     """A deployment round's energy and device health, as the devices measured them (informational):
     `energy_j`, the round's total over the updates that carried a figure (None if none did: never
     0), and `energy` with joules per client, per device its joules, mean watts, power source,
@@ -95,8 +95,8 @@ def energy_fields(costs: dict[int, tuple[str | None, dict[str, Any] | None]]) ->
     devices: dict[str, dict[str, Any]] = {}
     unmeasured: list[int] = []
     for c, (device, cost) in sorted(costs.items()):
-        cost = cost or {}
-        j = cost.get("energy_j")
+        cost = cost or DeviceCost()
+        j = cost.energy_j
         if j is None:
             unmeasured.append(c)
         else:
@@ -108,16 +108,15 @@ def energy_fields(costs: dict[int, tuple[str | None, dict[str, Any] | None]]) ->
                                         "mem_available_mb": None})
         if j is not None:
             d["j"] = (d["j"] or 0.0) + j
-            w = cost.get("energy_w")
-            if w:
-                d["seconds"] += j / w
-        d["source"] = cost.get("energy_source") or d["source"]
-        for key, pick in (("max_temp_c", max), ("gpu_load", max), ("mem_available_mb", min)):
-            v = cost.get(key)
+            if cost.energy_w:
+                d["seconds"] += j / cost.energy_w
+        d["source"] = cost.energy_source or d["source"]
+        for key, v, pick in (("max_temp_c", cost.max_temp_c, max), ("gpu_load", cost.gpu_load, max),
+                             ("mem_available_mb", cost.mem_available_mb, min)):
             if v is not None:
                 d[key] = v if d[key] is None else pick(d[key], v)
-        if cost.get("throttled") is not None:
-            d["throttled"] = bool(d["throttled"]) or cost["throttled"]
+        if cost.throttled is not None:
+            d["throttled"] = bool(d["throttled"]) or cost.throttled
     for d in devices.values():
         seconds = d.pop("seconds")
         d["w"] = round(d["j"] / seconds, 3) if d["j"] is not None and seconds else None
@@ -207,9 +206,10 @@ class Coordinator:
         got = self._train(t, selected, plan, needed)
         self._no_device_can_train(selected, got.reported, got.outcome)
         refused = self._apply(t, got)
-        report = None
+        report, wire = None, got.outcome.wire
         if (t + 1) % self.cfg.train.eval_every == 0 or t == self.cfg.rounds - 1:
-            report = self._evaluate()
+            report, eval_wire = self._evaluate()
+            wire = _add(wire, eval_wire)
         self._last_report = report
         counted = refused is None
         row = {
@@ -237,7 +237,6 @@ class Coordinator:
         row.update(self._transport_fields(got.outcome))
         if got.outcome.deadline_s is not None:  # a fleet: what the devices measured
             row.update(energy_fields(got.costs))
-        wire = self.pool.wire_bytes()
         if wire is not None:  # measured on the coordinator's connection, this round's steps
             row.update(wire_bytes_out=wire[0], wire_bytes_in=wire[1])
         if refused is not None:
@@ -354,15 +353,17 @@ class Coordinator:
     def _check_score(self, client: int, correct: int, total: int) -> str | None:
         return score_problem(self.data, client, correct, total)
 
-    def _evaluate(self) -> EvalReport:
+    def _evaluate(self) -> tuple[EvalReport, tuple[int, int] | None]:
         """Every client's personalized model (by the pool), and the global model on the union of
-        the clients' test rows (by the pool where it has them, else here)."""
-        report = self.pool.evaluate(self.global_weights, self.alg.eval_heads(), self._check_score)
+        the clients' test rows (by the pool where it has them, else here); with the step's wire
+        bytes."""
+        got = self.pool.evaluate(self.global_weights, self.alg.eval_heads(), self._check_score)
+        report = got.report
         if report.global_total is None:
             glob = evaluate(self.model, self.data, self.global_weights, {}, (self.model.spec.head,),
                             batch=self.cfg.train.eval_batch_size)
             report = EvalReport(glob.global_correct, glob.global_total, report.per_client)
-        return report
+        return report, got.wire
 
     def _local_acc(self, report: EvalReport) -> float | None:
         """FedReG's testbed personalized accuracy: every client's most recent locally trained
@@ -396,8 +397,9 @@ class Coordinator:
         ft_plan = self.alg.finetune_plan()
         if ft_plan is not None:
             start = time.perf_counter()
-            tuned = self.pool.finetune(ft_plan, self.global_weights, (self.model.spec.head,),
-                                       self._check_score, self.on_progress)
+            ft = self.pool.finetune(ft_plan, self.global_weights, (self.model.spec.head,),
+                                    self._check_score, self.on_progress)
+            tuned = ft.scores
             final = EvalReport(final.global_correct, final.global_total, tuned)
             row = {
                 "round": self.cfg.rounds,
@@ -414,13 +416,13 @@ class Coordinator:
                 "seconds": round(time.perf_counter() - start, 3),
                 # clients whose fine-tuning hit a NaN or Inf loss -> the batch where it stopped;
                 # their scores (in P) are their diverged models'
-                "diverged": {str(c): k for c, k in sorted(self.pool.step_diverged().items())},
+                "diverged": {str(c): k for c, k in sorted(ft.diverged.items())},
             }
             if row["diverged"]:
                 log.warning("fine-tuning diverged (NaN or Inf loss) for clients %s: their scores "
                             "are their diverged models' (lower train.lr to avoid it)",
                             ", ".join(row["diverged"]))
-            spent = self.pool.step_energy()
+            spent = ft.energy
             if spent is not None:  # a fleet: the fine-tuning's joules as the devices measured
                 row["energy_j"] = round(sum(spent.values()), 3) if spent else None
                 row["energy"] = {"clients": {str(c): j for c, j in sorted(spent.items())},
@@ -489,3 +491,10 @@ class Coordinator:
         self.run_dir.write_model(self.global_weights, {
             "algorithm": self.cfg.algorithm.name, "rounds": str(self.cfg.rounds),
             "seed": str(self.cfg.seed)})
+
+
+def _add(a: tuple[int, int] | None, b: tuple[int, int] | None) -> tuple[int, int] | None:
+    """Two steps' (sent, received) bytes together; None where neither was measured."""
+    if a is None or b is None:
+        return a or b
+    return a[0] + b[0], a[1] + b[1]

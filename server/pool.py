@@ -56,6 +56,31 @@ class RoundOutcome:
     #: devices of the fleet that were online and able to train when the step ended (neither
     #: failed in it nor unable to run the run); None: no devices (in-process)
     able_devices: int | None = None
+    #: payload bytes (sent, received) on the coordinator's connection since the previous step
+    #: measured, this one included; None where nothing crosses a wire (in-process)
+    wire: tuple[int, int] | None = None
+
+
+@dataclass
+class EvalOutcome:
+    """An evaluate step: the scores (`report`; a remote pool leaves the global model's fields
+    None) and the payload bytes (sent, received) its connection measured since the previous step
+    (None in-process)."""
+
+    report: EvalReport
+    wire: tuple[int, int] | None = None
+
+
+@dataclass
+class FinetuneOutcome:
+    """A finetune step: each client's score after fine-tuning; the clients whose fine-tuning hit
+    a NaN or Inf loss and stopped, with the batch where it did (their scores are their diverged
+    models'); the joules each client's fine-tuning took on its device (clients without a figure
+    left out; None where nothing is measured: in-process)."""
+
+    scores: Scores
+    diverged: dict[int, int] = field(default_factory=dict)
+    energy: dict[int, float] | None = None
 
 
 class TrainRound:
@@ -95,7 +120,7 @@ class ClientPool(Protocol):
         ...
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
-                 ) -> EvalReport:
+                 ) -> EvalOutcome:
         """Every client's personalized model (`weights` overridden by its personal blocks,
         `eval_heads` summed) on its own test rows. A pool that holds every client's test rows
         (in-process) also scores the global model in the same forward pass; a remote one leaves
@@ -103,7 +128,7 @@ class ClientPool(Protocol):
         ...
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
-                 check: ScoreCheck, progress: Progress) -> Scores:
+                 check: ScoreCheck, progress: Progress) -> FinetuneOutcome:
         """Every client fine-tunes from `weights` and reports accuracy on its own test rows."""
         ...
 
@@ -113,21 +138,6 @@ class ClientPool(Protocol):
 
     def restore(self, state: PoolState) -> None:
         """Continue from a checkpoint's `snapshot()` (before `open`)."""
-        ...
-
-    def wire_bytes(self) -> tuple[int, int] | None:
-        """(bytes sent, bytes received) on the coordinator's own connection since the last call,
-        as measured on the wire; None where nothing crosses a wire (in-process)."""
-        ...
-
-    def step_energy(self) -> dict[int, float] | None:
-        """Joules each client's fine-tuning took on its device in the last finetune step (clients
-        without a figure left out); None where nothing is measured (in-process)."""
-        ...
-
-    def step_diverged(self) -> dict[int, int]:
-        """Clients whose fine-tuning in the last finetune step hit a NaN or Inf loss (and
-        stopped), with the batch where it did; their scores are their diverged models'."""
         ...
 
 
@@ -152,7 +162,6 @@ class InProcessPool:
         self.personal: dict[int, Weights] = {
             c.client: {k: v.clone() for k, v in initial.items()} for c in data.clients
         }
-        self._diverged: dict[int, int] = {}  # the last finetune step's diverged clients
 
     def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
         """Nothing to announce: the clients live in this process."""
@@ -174,34 +183,24 @@ class InProcessPool:
         return RoundOutcome()
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
-                 ) -> EvalReport:
-        return evaluate(self.model, self.data, weights, self.personal, eval_heads,
-                        batch=self.eval_batch)
+                 ) -> EvalOutcome:
+        return EvalOutcome(evaluate(self.model, self.data, weights, self.personal, eval_heads,
+                                    batch=self.eval_batch))
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
-                 check: ScoreCheck, progress: Progress) -> Scores:
-        per_client: Scores = {}
-        self._diverged = {}
+                 check: ScoreCheck, progress: Progress) -> FinetuneOutcome:
+        out = FinetuneOutcome({})
         for shard in self.data.clients:
-            per_client[shard.client], diverged = finetune_and_score(
+            out.scores[shard.client], diverged = finetune_and_score(
                 self.model, {**weights, **self.personal[shard.client]}, plan, self.data, shard,
                 self.seed, eval_heads, self.eval_batch)
             if diverged is not None:
-                self._diverged[shard.client] = diverged
-            progress(len(per_client), len(self.data.clients))
-        return per_client
+                out.diverged[shard.client] = diverged
+            progress(len(out.scores), len(self.data.clients))
+        return out
 
     def snapshot(self) -> PoolState:
         return PoolState(None, self.personal)
 
     def restore(self, state: PoolState) -> None:
         self.personal.update(state.personal)
-
-    def wire_bytes(self) -> tuple[int, int] | None:
-        return None
-
-    def step_energy(self) -> dict[int, float] | None:
-        return None
-
-    def step_diverged(self) -> dict[int, int]:
-        return dict(self._diverged)

@@ -5,12 +5,27 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from fedseq.common.errors import AggregationError
 from fedseq.common.models import Weights, block_of
+
+
+@dataclass(frozen=True)
+class DeviceCost:
+    """What one client-round cost on its device, as the coordinator accepted it: informational,
+    never aggregated. Each figure is None where the device measured nothing or sent an
+    implausible value (server/mqtt/inbox.py)."""
+
+    energy_j: float | None = None
+    energy_w: float | None = None  # mean watts over the client-round
+    energy_rails: dict[str, float] | None = None  # joules per power rail
+    energy_source: str | None = None  # the power sensor, or why there is none
+    max_temp_c: float | None = None
+    throttled: bool | None = None
+    gpu_load: float | None = None  # 0-1, after the client-round
+    mem_available_mb: int | None = None  # after the client-round
 
 
 @dataclass
@@ -31,7 +46,7 @@ class ClientUpdate:
     device: str | None = None
     # what the client-round cost on its device (energy, health), as the coordinator accepted it;
     # informational, never aggregated; None in simulation or where the device measured nothing
-    cost: dict[str, Any] | None = None
+    cost: DeviceCost | None = None
     # the batch (from 1) where the client's training hit a NaN or Inf loss and stopped; such an
     # update is refused (server/validation.py); None: training stayed finite
     diverged_at: int | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Generator
@@ -11,7 +12,7 @@ from fedseq.common.config import DeployConfig
 from fedseq.common.protocol.messages import EvalResult
 from fedseq.server.mqtt.inbox import EvalArrived, UpdateArrived, plausible
 from fedseq.server.mqtt.session import DeviceOffline, ServerSession, StepFailed
-from fedseq.server.pool import Progress, RoundOutcome, ScoreCheck, Scores, UpdateCheck
+from fedseq.server.pool import FinetuneOutcome, Progress, RoundOutcome, ScoreCheck, UpdateCheck
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +139,14 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
                     log.info("round %d: duplicate update of client %d from %s ignored", round,
                              update.client, ev.device)
                     continue
-                joules = (update.cost or {}).get("energy_j")
+                joules = update.cost.energy_j if update.cost is not None else None
                 if joules is not None and not plausible_joules(
                         claimed, ev.device, joules, time.monotonic() - started):
                     log.warning("round %d: %s claims %.0f J for client %d, more than %.0f W since "
                                 "the step went out: its energy figures are dropped", round,
                                 ev.device, joules, update.client, MAX_DEVICE_W)
-                    update.cost = {**(update.cost or {}), "energy_j": None, "energy_w": None,
-                                   "energy_rails": None}
+                    update.cost = dataclasses.replace(update.cost, energy_j=None, energy_w=None,
+                                                      energy_rails=None)
                 got[update.client] = update
                 outcome.reporters[update.client] = ev.device
                 last_arrival[ev.device] = time.monotonic()
@@ -165,6 +166,7 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
         order_f = sorted(finished, key=finished.__getitem__)
         outcome.slowest = (order_f[-1], finished[order_f[-1]] - finished[order_f[-2]])
     outcome.late_updates = session.inbox.late - late_before
+    outcome.wire = session.wire_bytes()
     outcome.able_devices = sum(1 for d in set(owner.values()) if d in session.online
                                and d not in session.incompatible
                                and d not in outcome.device_failures)
@@ -176,16 +178,14 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
 
 
 def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[int]],
-                   check: ScoreCheck, timeout: float, progress: Progress,
-                   energy: dict[int, float] | None = None,
-                   diverged: dict[int, int] | None = None) -> Scores:
+                   check: ScoreCheck, timeout: float, progress: Progress) -> FinetuneOutcome:
     """Every online device's clients' scores for step `seq` (evaluate or finetune), until all
-    came, their devices failed or went offline, or `timeout` passed. A device's message counts
-    whole or not at all: one false score rejects it. `energy` and `diverged` (fine-tuning)
-    collect the joules and the diverged clients the final messages report."""
+    came, their devices failed or went offline, or `timeout` passed; with the joules and the
+    diverged clients the final messages report (fine-tuning) and the step's wire bytes. A
+    device's message counts whole or not at all: one false score rejects it."""
     owing = {d for d, cs in assignment.items()
              if cs and d in session.online and d not in session.incompatible}
-    results: Scores = {}
+    out = FinetuneOutcome({}, energy={})
     partial: dict[str, int] = {}
     total = sum(len(assignment[d]) for d in owing)
     started = time.monotonic()
@@ -206,23 +206,22 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
                     continue
                 if not res.final:  # fine-tuning progress: counted, replaced by the final one
                     partial[res.device] = len(res.results)
-                    progress(sum(partial.values()) + len(results), total)
+                    progress(sum(partial.values()) + len(out.scores), total)
                     continue
-                results.update({c: (int(r[0]), int(r[1])) for c, r in res.results.items()})
+                out.scores.update({c: (int(r[0]), int(r[1])) for c, r in res.results.items()})
                 joules = {c: j for c, j in (res.energy_j or {}).items()
                           if c in res.results and plausible(j, 0.0, 1e7) is not None}
-                if energy is not None and plausible_joules(  # informational: plausible, own
+                if out.energy is not None and plausible_joules(  # informational: plausible, own
                         claimed, res.device, sum(joules.values()), time.monotonic() - started):
-                    energy.update(joules)
-                if diverged is not None:
-                    diverged.update({c: k for c, k in (res.diverged or {}).items()
+                    out.energy.update(joules)
+                out.diverged.update({c: k for c, k in (res.diverged or {}).items()
                                      if c in res.results})
                 partial.pop(res.device, None)
                 owing.discard(res.device)
-                progress(sum(partial.values()) + len(results), total)
+                progress(sum(partial.values()) + len(out.scores), total)
     if owing:
         log.warning("step %d: no evaluation from %s", seq, sorted(owing))
-    return results
+    return out
 
 
 def _score_problem(res: EvalResult, assignment: dict[str, list[int]], check: ScoreCheck

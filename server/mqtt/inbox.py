@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
-from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
 from fedseq.common.errors import FedseqError, ProtocolError
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
 from fedseq.common.protocol.messages import (
@@ -90,24 +90,24 @@ def plausible(v: float | None, lo: float, hi: float) -> float | None:
     return v if v is not None and math.isfinite(v) and lo <= v <= hi else None
 
 
-def device_cost(head: UpdateHeader) -> dict[str, Any] | None:
+def device_cost(head: UpdateHeader) -> DeviceCost | None:
     """The update header's energy and health figures, each kept only if plausible (finite and
     within physical bounds; anything else is dropped, never the update): they are informational
     and never touch aggregation. None when the device sent none."""
     rails = {str(k)[:40]: v for k, v in (head.energy_rails or {}).items()
              if plausible(v, 0.0, 1e7) is not None}
     mem = head.mem_available_mb
-    cost: dict[str, Any] = {
-        "energy_j": plausible(head.energy_j, 0.0, 1e7),
-        "energy_w": plausible(head.energy_w, 0.0, 1e5),
-        "energy_rails": rails or None,
-        "energy_source": head.energy_source,
-        "max_temp_c": plausible(head.max_temp_c, -60.0, 200.0),
-        "throttled": head.throttled,
-        "gpu_load": plausible(head.gpu_load, 0.0, 1.0),
-        "mem_available_mb": mem if mem is not None and 0 <= mem <= 1 << 24 else None,
-    }
-    return cost if any(v is not None for v in cost.values()) else None
+    cost = DeviceCost(
+        energy_j=plausible(head.energy_j, 0.0, 1e7),
+        energy_w=plausible(head.energy_w, 0.0, 1e5),
+        energy_rails=rails or None,
+        energy_source=head.energy_source,
+        max_temp_c=plausible(head.max_temp_c, -60.0, 200.0),
+        throttled=head.throttled,
+        gpu_load=plausible(head.gpu_load, 0.0, 1.0),
+        mem_available_mb=mem if mem is not None and 0 <= mem <= 1 << 24 else None,
+    )
+    return None if cost == DeviceCost() else cost
 
 
 def _same_device(claimed: str, topic_device: str) -> None:

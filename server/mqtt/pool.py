@@ -23,7 +23,15 @@ from fedseq.server.mqtt.blocks import BlockPublisher
 from fedseq.server.mqtt.collect import DeadlinePolicy, collect_scores, collect_updates
 from fedseq.server.mqtt.inbox import Inbox
 from fedseq.server.mqtt.session import ServerSession
-from fedseq.server.pool import PoolState, Progress, ScoreCheck, Scores, TrainRound, UpdateCheck
+from fedseq.server.pool import (
+    EvalOutcome,
+    FinetuneOutcome,
+    PoolState,
+    Progress,
+    ScoreCheck,
+    TrainRound,
+    UpdateCheck,
+)
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +67,6 @@ class MqttPool:
         self.assignment: dict[str, list[int]] = {}
         self.owner: dict[int, str] = {}
         self.seq = 0
-        self._energy: dict[int, float] = {}  # the last finetune step's joules per client
-        self._diverged: dict[int, int] = {}  # ... and its diverged clients (-> batch)
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -149,7 +155,7 @@ class MqttPool:
                                           check, self.deadlines))
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
-                 ) -> EvalReport:
+                 ) -> EvalOutcome:
         versions = self._prepare_step(weights)
         self.inbox.collect(self.seq + 1)
         step = self._publish_step(kind="evaluate", versions=versions, eval_heads=list(eval_heads),
@@ -157,26 +163,15 @@ class MqttPool:
         scores = collect_scores(self.session, step.seq, self.assignment, check,
                                 self.cfg.deploy.eval_timeout_s, lambda done, total: None)
         self.inbox.collect(-1)
-        return EvalReport(None, None, scores)
+        return EvalOutcome(EvalReport(None, None, scores.scores), self.session.wire_bytes())
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
-                 check: ScoreCheck, progress: Progress) -> Scores:
+                 check: ScoreCheck, progress: Progress) -> FinetuneOutcome:
         versions = self._prepare_step(weights)
         self.inbox.collect(self.seq + 1)
         step = self._publish_step(kind="finetune", plan=plan_to_dict(plan), versions=versions,
                                   eval_heads=list(eval_heads), personal=list(self.personal))
-        self._energy, self._diverged = {}, {}
-        scores = collect_scores(self.session, step.seq, self.assignment, check,
-                                self.cfg.deploy.finetune_timeout_s, progress, self._energy,
-                                self._diverged)
+        out = collect_scores(self.session, step.seq, self.assignment, check,
+                             self.cfg.deploy.finetune_timeout_s, progress)
         self.inbox.collect(-1)
-        return scores
-
-    def wire_bytes(self) -> tuple[int, int] | None:
-        return self.session.wire_bytes()
-
-    def step_energy(self) -> dict[int, float] | None:
-        return dict(self._energy)
-
-    def step_diverged(self) -> dict[int, int]:
-        return dict(self._diverged)
+        return out

@@ -72,6 +72,20 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
         assert torch.equal(dep.global_weights[k], v), k  # bitwise, same threads and order
     rows = [json.loads(x) for x in (tmp_path / "dep" / "metrics.jsonl").read_text().splitlines()]
     assert rows[0]["bytes_down"] > 0 and rows[0]["bytes_up"] > 0
+    # the wire bytes of a round are its training step's and its evaluation's (every round is
+    # evaluated here): round 0's aggregate went out for round 0's evaluation (and round 1 trains
+    # from it), so round 1's shared blocks go out in its evaluation step; the updates come in
+    from fedseq.common.algorithms import algorithm_class, make_algorithm
+    from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+    from fedseq.common.models import build_model, get_blocks
+    from fedseq.common.protocol.tensors import frame_size
+
+    model = build_model(cfg.model.name, INPUT_SHAPES["fmnist"], NUM_CLASSES["fmnist"],
+                        algorithm_class("fedrod").two_heads)
+    personal = make_algorithm(cfg, model.spec).personal_blocks()
+    shared = sum(frame_size(get_blocks(model, [b])) for b in model.spec.blocks if b not in personal)
+    assert rows[1]["wire_bytes_out"] >= shared, (rows[1]["wire_bytes_out"], shared)
+    assert all(r["wire_bytes_in"] >= r["bytes_up"] for r in rows), rows
     # what each device trained with is recorded beside the run (what bitwise depends on)
     stacks = json.loads((tmp_path / "dep" / "devices.json").read_text())
     assert sorted(stacks) == ["local01", "local02"]
