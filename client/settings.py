@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError, validation_problem
+from fedseq.common.protocol.topics import DEVICE_NAME
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -24,7 +25,7 @@ class ClientSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    device: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")  # topics.DEVICE_NAME
+    device: str = Field(pattern=rf"^{DEVICE_NAME.pattern}$")
     broker: str = "mqtt://127.0.0.1:1883"
     username: Optional[str] = None
     password_file: Optional[Path] = None

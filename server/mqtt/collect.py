@@ -181,11 +181,12 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
                    check: ScoreCheck, timeout: float, progress: Progress) -> FinetuneOutcome:
     """Every online device's clients' scores for step `seq` (evaluate or finetune), until all
     came, their devices failed or went offline, or `timeout` passed; with the joules and the
-    diverged clients the final messages report (fine-tuning) and the step's wire bytes. A
-    device's message counts whole or not at all: one false score rejects it."""
+    diverged clients the final messages report (fine-tuning). A device's message counts whole or
+    not at all: one false score rejects it."""
     owing = {d for d, cs in assignment.items()
              if cs and d in session.online and d not in session.incompatible}
-    out = FinetuneOutcome({}, energy={})
+    energy: dict[int, float] = {}
+    out = FinetuneOutcome({}, energy=energy)
     partial: dict[str, int] = {}
     total = sum(len(assignment[d]) for d in owing)
     started = time.monotonic()
@@ -211,14 +212,15 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
                 out.scores.update({c: (int(r[0]), int(r[1])) for c, r in res.results.items()})
                 joules = {c: j for c, j in (res.energy_j or {}).items()
                           if c in res.results and plausible(j, 0.0, 1e7) is not None}
-                if out.energy is not None and plausible_joules(  # informational: plausible, own
+                if plausible_joules(  # informational: only plausible figures, own clients
                         claimed, res.device, sum(joules.values()), time.monotonic() - started):
-                    out.energy.update(joules)
+                    energy.update(joules)
                 out.diverged.update({c: k for c, k in (res.diverged or {}).items()
                                      if c in res.results})
                 partial.pop(res.device, None)
                 owing.discard(res.device)
                 progress(sum(partial.values()) + len(out.scores), total)
+    session.inbox.collect(-1)
     if owing:
         log.warning("step %d: no evaluation from %s", seq, sorted(owing))
     return out

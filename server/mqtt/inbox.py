@@ -9,6 +9,7 @@ import math
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -130,7 +131,7 @@ class Inbox:
         self.topics = topics
         self.run_id = run_id
         self.queue: queue.Queue[Event] = queue.Queue(MAX_EVENTS)
-        self.owner: dict[int, str] = {}
+        self.owner = {}
         self.collecting = -1  # the step whose answers are being collected; others are late
         self.late = 0
         self.late_evals = 0
@@ -154,6 +155,16 @@ class Inbox:
         # device -> the distinct stacks it described (DeviceInfo), with when each was first seen
         self._stacks: dict[str, list[tuple[float, DeviceInfo]]] = {}
         self.on_junk: Callable[[str], None] = lambda topic: None
+
+    @property
+    def owner(self) -> dict[int, str]:
+        """client -> the device that holds it (set by the pool when a run opens)."""
+        return self._owner
+
+    @owner.setter
+    def owner(self, owner: dict[int, str]) -> None:
+        self._owner = owner
+        self._clients = Counter(owner.values())  # device -> clients: read for every message
 
     def subscriptions(self) -> list[str]:
         t = self.topics
@@ -199,17 +210,19 @@ class Inbox:
         """Queue `event` unless its key (kind, step, who) already had `cap` events queued, its
         device has its whole share waiting, or the queue is full: the network thread never
         blocks, and memory stays bounded."""
+        device = _device_of(event)
         if key is not None:
-            device = _device_of(event)
             with self._lock:
-                share = queue_share(sum(d == device for d in self.owner.values()))
-                if self._queued.get(key, 0) >= cap or self._held.get(device, 0) >= share:
-                    self.dropped += 1
-                    self._warn(device, "dropped a message from %s: it sent more than a step "
-                               "needs, or has its share of the coordinator's queue waiting", device)
-                    return
-                self._queued[key] = self._queued.get(key, 0) + 1
-                self._held[device] = self._held.get(device, 0) + 1
+                full = (self._queued.get(key, 0) >= cap
+                        or self._held.get(device, 0) >= queue_share(self._clients[device]))
+                if not full:
+                    self._queued[key] = self._queued.get(key, 0) + 1
+                    self._held[device] = self._held.get(device, 0) + 1
+            if full:
+                self.dropped += 1
+                self._warn(device, "dropped a message from %s: it sent more than a step needs, or "
+                           "has its share of the coordinator's queue waiting", device)
+                return
         try:
             self.queue.put_nowait(event)
         except queue.Full:
@@ -217,13 +230,13 @@ class Inbox:
                 with self._lock:
                     self._held[device] -= 1
             self.dropped += 1
-            self._warn(_device_of(event), "event queue full (%d): dropped a message from %s",
-                       MAX_EVENTS, _device_of(event))
+            self._warn(device, "event queue full (%d): dropped a message from %s", MAX_EVENTS,
+                       device)
 
     def _within_rate(self, device: str) -> bool:
         """Network thread: whether `device` still has budget for one more message (a token
         bucket of BURST_* messages refilled at RATE_* a second, both growing with its clients)."""
-        mine = sum(d == device for d in self.owner.values())
+        mine = self._clients[device]
         burst = BURST_BASE + BURST_PER_CLIENT * mine
         now = time.monotonic()
         tokens, when = self._tokens.get(device, (float(burst), now))
@@ -281,7 +294,7 @@ class Inbox:
                             seen.pop()
                         seen.append((time.time(), info))
             elif ref is not None and ref.kind == "eval":
-                mine = sum(d == ref.device for d in self.owner.values())
+                mine = self._clients[ref.device]
                 limit = EVAL_BYTES_BASE + EVAL_BYTES_PER_CLIENT * mine
                 if len(payload) > limit:  # refused before parsing: never allocated as objects
                     raise ProtocolError(f"evaluation of {len(payload)} bytes; {ref.device} holds "

@@ -140,6 +140,7 @@ class MqttPool:
         return self.blocks.sync(weights)
 
     def _publish_step(self, **fields: Any) -> Step:
+        self.inbox.collect(self.seq + 1)  # before the step goes out: its answers may come fast
         self.seq += 1
         step = Step(run_id=self.run_id, seq=self.seq, **fields)
         self.session.retain(self.topics.step, step.encode())
@@ -148,7 +149,6 @@ class MqttPool:
     def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
               check: UpdateCheck) -> TrainRound:
         versions = self._prepare_step(weights)
-        self.inbox.collect(self.seq + 1)  # before the step goes out: its updates may come fast
         step = self._publish_step(kind="train", round=round, clients=clients,
                                   plan=plan_to_dict(plan), versions=versions)
         return TrainRound(collect_updates(self.session, step.seq, round, clients, self.owner,
@@ -157,21 +157,16 @@ class MqttPool:
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
                  ) -> EvalOutcome:
         versions = self._prepare_step(weights)
-        self.inbox.collect(self.seq + 1)
         step = self._publish_step(kind="evaluate", versions=versions, eval_heads=list(eval_heads),
                                   personal=list(self.personal))
         scores = collect_scores(self.session, step.seq, self.assignment, check,
                                 self.cfg.deploy.eval_timeout_s, lambda done, total: None)
-        self.inbox.collect(-1)
         return EvalOutcome(EvalReport(None, None, scores.scores), self.session.wire_bytes())
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
                  check: ScoreCheck, progress: Progress) -> FinetuneOutcome:
         versions = self._prepare_step(weights)
-        self.inbox.collect(self.seq + 1)
         step = self._publish_step(kind="finetune", plan=plan_to_dict(plan), versions=versions,
                                   eval_heads=list(eval_heads), personal=list(self.personal))
-        out = collect_scores(self.session, step.seq, self.assignment, check,
-                             self.cfg.deploy.finetune_timeout_s, progress)
-        self.inbox.collect(-1)
-        return out
+        return collect_scores(self.session, step.seq, self.assignment, check,
+                              self.cfg.deploy.finetune_timeout_s, progress)
