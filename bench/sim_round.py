@@ -96,15 +96,15 @@ def main() -> None:
         row = coord.run_round(t)
         wall = time.perf_counter() - start
         totals.append(wall)
-        samples = sum(len(data.clients[c].train) for c in row["clients"]) * cfg.train.local_epochs
-        rate = row["train_flops"] / pool.train_s / 1e9
+        samples = sum(len(data.clients[c].train) for c in row.clients) * cfg.train.local_epochs
+        rate = row.train_flops / pool.train_s / 1e9
         rates.append(rate)
         print(f"round {t}: {wall:6.2f} s = train {pool.train_s:6.2f} s ({samples} samples, "
               f"{1000 * pool.train_s / samples * cfg.train.batch_size:.2f} ms/batch, "
-              f"{row['train_flops'] / 1e9:,.0f} GFLOP at {rate:.0f} GFLOP/s = "
+              f"{row.train_flops / 1e9:,.0f} GFLOP at {rate:.0f} GFLOP/s = "
               f"{100 * rate / peak:.0f}% of the matmul rate) + "
               f"eval {pool.eval_s:5.2f} s + other {wall - pool.train_s - pool.eval_s:4.2f} s; "
-              f"global {row['global_acc']:.4f} personal {row['personal_acc']:.4f}")
+              f"global {row.global_acc:.4f} personal {row.personal_acc:.4f}")
     mean = statistics.mean(totals)
     print(f"mean {mean:.2f} s/round over {len(totals)} rounds; training at "
           f"{statistics.mean(rates):.0f} GFLOP/s = {100 * statistics.mean(rates) / peak:.0f}% of the "

@@ -34,6 +34,16 @@ def phase_rows(plan: ClientPlan, data: FederatedData, shard: ClientShard) -> lis
     return out
 
 
+def plan_steps(plan: ClientPlan, data: FederatedData, shard: ClientShard) -> int:
+    """Local optimizer steps of one client executing `plan`: every phase's epochs x its batches x
+    its objectives that train something (a FedRep phase is one objective, FedReG's two)."""
+    total = 0
+    for phase, n in zip(plan.phases, phase_rows(plan, data, shard), strict=True):
+        training = sum(1 for obj in phase.objectives if obj.trainable)
+        total += phase.epochs * -(-n // plan.batch_size) * training
+    return total
+
+
 def _batch_flops(model: BlockModel, plan: ClientPlan, phase: Phase, size: int,
                  in_shape: tuple[int, int, int], num_classes: int) -> int:
     from torch.utils.flop_counter import FlopCounterMode

@@ -18,30 +18,75 @@ from typing import Any
 from safetensors.torch import load as st_load
 
 from fedseq.common.errors import ConfigError
+from fedseq.common.evaluation import EvalReport
 from fedseq.common.files import atomic_write
 from fedseq.common.models import Weights
 from fedseq.common.protocol.tensors import encode_tensors
+from fedseq.server.pool import PoolState
+from fedseq.server.records import RoundRecord
 
 FILE = "checkpoint.safetensors"
 
 
 @dataclass
+class LoopState:
+    """The round loop's bookkeeping between rounds: block versions (the global model's and what
+    each client holds, for the byte accounting), each client's latest local score, the last
+    evaluation, and the last round's row (written again on resume if it never reached
+    metrics.jsonl)."""
+
+    version: dict[str, int]
+    client_version: dict[int, dict[str, int]]
+    local_scores: dict[int, tuple[int, int]] = field(default_factory=dict)
+    last_report: EvalReport | None = None
+    last_row: RoundRecord | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        rep = self.last_report
+        return {
+            "last_row": None if self.last_row is None else self.last_row.to_json(),
+            "version": self.version,
+            "client_version": {str(c): v for c, v in self.client_version.items()},
+            "local_scores": {str(c): list(r) for c, r in self.local_scores.items()},
+            "last_report": None if rep is None else [
+                rep.global_correct, rep.global_total,
+                {str(c): list(r) for c, r in rep.per_client.items()}],
+        }
+
+    @classmethod
+    def from_json(cls, state: dict[str, Any]) -> LoopState:
+        rep, row = state.get("last_report"), state.get("last_row")
+        return cls(
+            {b: int(v) for b, v in state["version"].items()},
+            {int(c): v for c, v in state["client_version"].items()},
+            {int(c): (r[0], r[1]) for c, r in state.get("local_scores", {}).items()},
+            None if rep is None else EvalReport(
+                rep[0], rep[1], {int(c): (r[0], r[1]) for c, r in rep[2].items()}),
+            None if row is None else RoundRecord.from_json(row),
+        )
+
+
+@dataclass
 class Checkpoint:
-    """A run after its last complete round: the next round, the global weights, the round loop's and
-    the pool's JSON state, and the personal blocks an in-process pool holds."""
+    """A run after its last complete round: the next round, the global weights, the round loop's
+    state and the pool's (its JSON bookkeeping and the personal blocks an in-process pool
+    holds)."""
 
     next_round: int
     global_weights: Weights
-    state: dict[str, Any] = field(default_factory=dict)  # JSON-able coordinator + pool state
-    personal: dict[int, Weights] = field(default_factory=dict)
+    loop: LoopState
+    pool: PoolState = field(default_factory=PoolState)
 
 
 def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
     """Write the checkpoint atomically (a crash leaves the previous one)."""
     tensors = {f"global/{k}": v for k, v in ckpt.global_weights.items()}
-    for c, weights in ckpt.personal.items():
+    for c, weights in ckpt.pool.personal.items():
         tensors.update({f"personal/{c}/{k}": v for k, v in weights.items()})
-    meta = {"fedseq": json.dumps({"next_round": ckpt.next_round, **ckpt.state})}
+    state = ckpt.loop.to_json()
+    if ckpt.pool.state is not None:
+        state["pool"] = ckpt.pool.state
+    meta = {"fedseq": json.dumps({"next_round": ckpt.next_round, **state})}
     atomic_write(Path(run_dir) / FILE, encode_tensors(tensors, meta))
 
 
@@ -56,7 +101,9 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
         tensors = st_load(raw)
         n = int.from_bytes(raw[:8], "little")
         meta = json.loads(json.loads(raw[8 : 8 + n])["__metadata__"]["fedseq"])
-    except (ValueError, KeyError) as exc:
+        next_round = int(meta.pop("next_round"))
+        loop = LoopState.from_json(meta)
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
         raise ConfigError(f"--resume {run_dir}: {FILE} is unreadable ({exc})") from exc
     glob = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("global/")}
     personal: dict[int, Weights] = {}
@@ -64,5 +111,4 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
         if k.startswith("personal/"):
             _, c, name = k.split("/", 2)
             personal.setdefault(int(c), {})[name] = v
-    next_round = int(meta.pop("next_round"))
-    return Checkpoint(next_round, glob, meta, personal)
+    return Checkpoint(next_round, glob, loop, PoolState(meta.get("pool"), personal))

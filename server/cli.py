@@ -6,7 +6,7 @@ import logging
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -14,6 +14,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from fedseq.common.config import ExperimentConfig, load_config
 from fedseq.common.errors import ConfigError, FedseqError
+
+if TYPE_CHECKING:
+    from fedseq.server.records import RoundRecord
 
 err = Console(stderr=True)
 
@@ -86,6 +89,19 @@ def _start(config: Path | None, overrides: list[str] | None, out: Path | None,
     mode = "resume" if resume else "overwrite" if overwrite else "new"
     info = {"package_version": __version__, "command": " ".join(sys.argv)}
     return cfg, resume or out or _default_out(cfg), mode, info
+
+
+def _login_flags(cfg: ExperimentConfig, no_verify_hostname: bool, **flags: Any) -> None:
+    """The broker login and TLS flags of start and status over the config's deploy.* keys (a
+    flag given wins); a bad value is a one-line error."""
+    try:
+        for key, value in flags.items():
+            if value is not None:
+                setattr(cfg.deploy, key, value)
+        if no_verify_hostname:
+            cfg.deploy.tls_verify_hostname = False
+    except ValueError as exc:
+        _fail(exc)
 
 
 def _refuse_result_changes(run_dir: Path, cfg: ExperimentConfig) -> None:
@@ -205,15 +221,15 @@ def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],
         task = progress.add_task(f"{cfg.algorithm.name} seed {cfg.seed}", total=cfg.rounds,
                                  status="loading data")
 
-        def on_round(row: dict[str, Any]) -> None:
-            status = (f"{row['phase']} global{'*' if row.get('global_model') else ''} "
-                      f"{_fmt(row['global_acc'])} personal {_fmt(row['personal_acc'])} "
-                      f"{row['seconds']:.1f}s")
-            progress.update(task, advance=1 if row["phase"] == "train" else 0, status=status)
-            if row.get("global_model") and not noted:
+        def on_round(row: RoundRecord) -> None:
+            status = (f"{row.phase} global{'*' if row.global_model else ''} "
+                      f"{_fmt(row.global_acc)} personal {_fmt(row.personal_acc)} "
+                      f"{row.seconds or 0:.1f}s")
+            progress.update(task, advance=1 if row.phase == "train" else 0, status=status)
+            if row.global_model and not noted:
                 noted.append(True)
-                progress.console.print(f"note: global* = {row['global_model']}")
-            if row["round"] == cfg.rounds - 1 and algorithm_class(cfg.algorithm.name).finetunes(cfg):
+                progress.console.print(f"note: global* = {row.global_model}")
+            if row.round == cfg.rounds - 1 and algorithm_class(cfg.algorithm.name).finetunes(cfg):
                 progress.update(task, status=status + " | fine-tuning")
 
         def on_progress(done: int, total: int) -> None:
@@ -242,8 +258,8 @@ def _summary(out: Path) -> None:
         final, best = s[f"{name} final"], s[f"{name} best"]
         return "-" if final is None else f"final {final:.2f}%, best {best:.2f}%"
 
-    failed = sum(len(r.get("failed", [])) for r in rows)
-    rejected = sum(len(r.get("rejected", {})) for r in rows)
+    failed = sum(len(r.failed) for r in rows)
+    rejected = sum(len(r.rejected) for r in rows)
     ft = " + fine-tuning" if s["finetuned"] else ""
     star = " (head/base at init: see the global_model note)" if s["global model"] != "trained" else ""
     print(f"run finished: {s['algorithm']} on {s['dataset']} ({s['model']}), {s['rounds']} rounds"
@@ -295,16 +311,8 @@ def start(
     from fedseq.server.deployment import run_deployment
 
     cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
-    flags = {"username": username, "password_file": password_file, "ca_file": ca_file,
-             "cert_file": cert_file, "key_file": key_file}
-    try:
-        for key, value in flags.items():
-            if value is not None:
-                setattr(cfg.deploy, key, value)
-        if no_verify_hostname:
-            cfg.deploy.tls_verify_hostname = False
-    except ValueError as exc:
-        _fail(exc)
+    _login_flags(cfg, no_verify_hostname, username=username, password_file=password_file,
+                 ca_file=ca_file, cert_file=cert_file, key_file=key_file)
     try:
         with _rehearsal(local_clients, link or [], cpu_quota or []) as rehearsal:
             run_deployment(cfg, out, broker, local_clients,
@@ -346,14 +354,15 @@ def _print_progress(done: int, total: int) -> None:
         print(f"fine-tuning: {done}/{total} clients", file=sys.stderr)
 
 
-def _print_row(row: dict[str, Any]) -> None:
-    if row.get("global_model") and not _shown.get("note"):
+def _print_row(row: RoundRecord) -> None:
+    if row.global_model and not _shown.get("note"):
         _shown["note"] = True
-        print(f"note: global* = {row['global_model']}", file=sys.stderr)
-    star = "*" if row.get("global_model") else ""
-    print(f"round {row['round']} {row['phase']}: global{star} {_fmt(row['global_acc'])} personal "
-          f"{_fmt(row['personal_acc'])} reported {len(row.get('reported', row['clients']))}/"
-          f"{len(row['clients'])} {row['seconds']:.1f}s", file=sys.stderr)
+        print(f"note: global* = {row.global_model}", file=sys.stderr)
+    star = "*" if row.global_model else ""
+    reported = row.reported if row.phase == "train" else row.clients
+    print(f"round {row.round} {row.phase}: global{star} {_fmt(row.global_acc)} personal "
+          f"{_fmt(row.personal_acc)} reported {len(reported)}/{len(row.clients)} "
+          f"{row.seconds or 0:.1f}s", file=sys.stderr)
 
 
 @server_app.command()
@@ -400,15 +409,16 @@ def status(
     from fedseq.server.status import format_fleet, read_fleet
 
     cfg, _, _, _ = _start(config, None, Path("unused"))
+    _login_flags(cfg, no_verify_hostname, username=username, password_file=password_file,
+                 ca_file=ca_file, cert_file=cert_file, key_file=key_file)
     d = cfg.deploy
     url = broker or d.broker
     if url is None:
         _fail(ValueError("no broker: pass --broker mqtt://HOST:PORT or a --config with deploy.broker"))
     try:
-        tls = TlsOptions(ca_file or d.ca_file, cert_file or d.cert_file, key_file or d.key_file,
-                         d.tls_verify_hostname and not no_verify_hostname)
-        view = read_fleet(url, d.topic_root, username or d.username,
-                          read_secret(password_file or d.password_file, "deploy.password_file"), tls, wait)
+        tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
+        view = read_fleet(url, d.topic_root, d.username,
+                          read_secret(d.password_file, "deploy.password_file"), tls, wait)
     except FedseqError as exc:
         _fail(exc)
     for line in format_fleet(view, url):

@@ -25,12 +25,13 @@ from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.errors import AggregationError, TransportError
 from fedseq.common.evaluation import EvalReport, evaluate, pooled_accuracy
-from fedseq.common.flops import FlopCache, plan_flops
+from fedseq.common.flops import FlopCache, plan_flops, plan_steps
 from fedseq.common.models import BlockModel, Weights, block_of, count_params, get_blocks, in_blocks
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.seeding import numpy_rng
-from fedseq.server.checkpoint import Checkpoint, save_checkpoint
-from fedseq.server.pool import ClientPool, PoolState, RoundOutcome
+from fedseq.server.checkpoint import Checkpoint, LoopState, save_checkpoint
+from fedseq.server.pool import ClientPool, RoundOutcome
+from fedseq.server.records import ClientEnergy, RoundRecord
 from fedseq.server.rundir import RunDir
 from fedseq.server.validation import round_contract, score_problem
 
@@ -81,59 +82,26 @@ class RoundUpdates:
     norms: dict[int, float] = field(default_factory=dict)
     outliers: list[int] = field(default_factory=list)
     flops: int = 0
+    steps: int = 0
     bytes_up: int = 0
     costs: dict[int, tuple[str | None, DeviceCost | None]] = field(default_factory=dict)
     outcome: RoundOutcome = field(default_factory=RoundOutcome)
 
 
-def energy_fields(costs: dict[int, tuple[str | None, DeviceCost | None]]) -> dict[str, Any]:
-    """A deployment round's energy and device health, as the devices measured them (informational):
-    `energy_j`, the round's total over the updates that carried a figure (None if none did: never
-    0), and `energy` with joules per client, per device its joules, mean watts, power source,
-    hottest temperature, throttling, GPU load and free memory, and the clients not measured."""
-    clients: dict[str, float] = {}
-    devices: dict[str, dict[str, Any]] = {}
-    unmeasured: list[int] = []
-    for c, (device, cost) in sorted(costs.items()):
-        cost = cost or DeviceCost()
-        j = cost.energy_j
-        if j is None:
-            unmeasured.append(c)
-        else:
-            clients[str(c)] = j
-        if device is None:
-            continue
-        d = devices.setdefault(device, {"j": None, "seconds": 0.0, "source": None,
-                                        "max_temp_c": None, "throttled": None, "gpu_load": None,
-                                        "mem_available_mb": None})
-        if j is not None:
-            d["j"] = (d["j"] or 0.0) + j
-            if cost.energy_w:
-                d["seconds"] += j / cost.energy_w
-        d["source"] = cost.energy_source or d["source"]
-        for key, v, pick in (("max_temp_c", cost.max_temp_c, max), ("gpu_load", cost.gpu_load, max),
-                             ("mem_available_mb", cost.mem_available_mb, min)):
-            if v is not None:
-                d[key] = v if d[key] is None else pick(d[key], v)
-        if cost.throttled is not None:
-            d["throttled"] = bool(d["throttled"]) or cost.throttled
-    for d in devices.values():
-        seconds = d.pop("seconds")
-        d["w"] = round(d["j"] / seconds, 3) if d["j"] is not None and seconds else None
-        if d["j"] is not None:
-            d["j"] = round(d["j"], 3)
-    return {"energy_j": round(sum(clients.values()), 3) if clients else None,
-            "energy": {"clients": clients, "devices": devices, "unmeasured": unmeasured}}
-
-
 @dataclass
 class RunResult:
     """The end of a run: the final global weights, the last evaluation (fine-tuned where the
-    algorithm fine-tunes) and every row written to metrics.jsonl."""
+    algorithm fine-tunes) and every round's record (this run's: a resumed run's earlier rounds
+    are in its metrics.jsonl)."""
 
     global_weights: Weights
     final: EvalReport
-    rows: list[dict[str, Any]]
+    records: list[RoundRecord]
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The records as metrics.jsonl holds them."""
+        return [r.to_json() for r in self.records]
 
 
 class Coordinator:
@@ -158,7 +126,7 @@ class Coordinator:
         data: FederatedData,
         pool: ClientPool,
         run_dir: RunDir | None = None,
-        on_round: Callable[[dict[str, Any]], None] | None = None,
+        on_round: Callable[[RoundRecord], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
         collect_threads: int | None = None,
     ):
@@ -188,8 +156,8 @@ class Coordinator:
         self.flop_cache: FlopCache = {}
 
     # -- one round -------------------------------------------------------------------------
-    def run_round(self, t: int) -> dict[str, Any]:
-        """Train, aggregate and (when due) evaluate round t; returns its metrics row."""
+    def run_round(self, t: int) -> RoundRecord:
+        """Train, aggregate and (when due) evaluate round t; returns its record."""
         start = time.perf_counter()
         selected = select_clients(self.cfg.seed_for("selection"), t, self.cfg.data.num_clients,
                                   self.cfg.clients_per_round())
@@ -212,36 +180,34 @@ class Coordinator:
             wire = _add(wire, eval_wire)
         self._last_report = report
         counted = refused is None
-        row = {
-            "round": t,
-            "phase": "train",
-            "global_acc": report.global_acc if report else None,
-            "personal_acc": report.personal_acc if report else None,
-            "local_acc": self._local_acc(report) if report else None,
-            "round_local_acc": pooled_accuracy(got.local_scores.values()) if counted else None,
-            "clients": selected,
-            "reported": got.reported if counted else [],
-            "status": "ok" if counted and got.reported else "failed",
-            "failed": sorted(set(selected) - set(got.reported if counted else [])),
-            "rejected": {str(c): r for c, r in sorted(got.rejected.items())},
-            "outliers": got.outliers if counted else [],
-            "bytes_down": bytes_down,
-            "bytes_up": got.bytes_up,
-            "trainable_params": count_params(self.model, plan.trainable),
-            "uploaded_blocks": list(plan.upload),
-            "train_flops": got.flops,
-            "seconds": round(time.perf_counter() - start, 3),
-        }
+        rec = RoundRecord(
+            round=t, phase="train",
+            global_acc=report.global_acc if report else None,
+            personal_acc=report.personal_acc if report else None,
+            local_acc=self._local_acc(report) if report else None,
+            round_local_acc=pooled_accuracy(got.local_scores.values()) if counted else None,
+            clients=selected,
+            reported=got.reported if counted else [],
+            status="ok" if counted and got.reported else "failed",
+            failed=sorted(set(selected) - set(got.reported if counted else [])),
+            rejected=dict(sorted(got.rejected.items())),
+            outliers=got.outliers if counted else [],
+            bytes_down=bytes_down, bytes_up=got.bytes_up,
+            trainable_params=count_params(self.model, plan.trainable),
+            uploaded_blocks=list(plan.upload),
+            train_flops=got.flops, client_steps=got.steps,
+            seconds=round(time.perf_counter() - start, 3),
+        )
         if self.alg.global_model_note:
-            row["global_model"] = self.alg.global_model_note
-        row.update(self._transport_fields(got.outcome))
-        if got.outcome.deadline_s is not None:  # a fleet: what the devices measured
-            row.update(energy_fields(got.costs))
+            rec.global_model = self.alg.global_model_note
+        if got.outcome.deadline_s is not None:  # a fleet: its deadlines, what the devices measured
+            rec.set_transport(got.outcome)
+            rec.set_device_energy(got.costs)
         if wire is not None:  # measured on the coordinator's connection, this round's steps
-            row.update(wire_bytes_out=wire[0], wire_bytes_in=wire[1])
+            rec.wire_bytes_out, rec.wire_bytes_in = wire
         if refused is not None:
-            row.update(quorum_failed=refused, received=sorted(got.reported))
-        return row
+            rec.quorum_failed, rec.received = refused, sorted(got.reported)
+        return rec
 
     def _train(self, t: int, selected: list[int], plan: ClientPlan, needed: list[str]
                ) -> RoundUpdates:
@@ -270,8 +236,9 @@ class Coordinator:
                 got.reported.append(update.client)
                 if update.local_score is not None:
                     got.local_scores[update.client] = update.local_score
-                got.flops += plan_flops(self.model, plan, self.data,
-                                        self.data.clients[update.client], self.flop_cache)
+                shard = self.data.clients[update.client]
+                got.flops += plan_flops(self.model, plan, self.data, shard, self.flop_cache)
+                got.steps += plan_steps(plan, self.data, shard)
                 got.bytes_up += frame_size(update.deltas)
                 got.costs[update.client] = (update.device, update.cost)
         got.outcome = dispatch.outcome
@@ -334,22 +301,6 @@ class Coordinator:
                 f"{d}: {r}" for d, r in sorted(outcome.device_failures.items())) + " (fix it on "
                 "the devices, check with fedseq-client doctor, then start the run again)")
 
-    @staticmethod
-    def _transport_fields(outcome: RoundOutcome) -> dict[str, Any]:
-        """The row's record of a transport with deadlines (deployment): the deadline, who sent
-        each update, which devices could not train, late updates."""
-        if outcome.deadline_s is None:
-            return {}
-        return {
-            "deadline_s": float(f"{outcome.deadline_s:.1f}"),
-            "reporters": {str(c): d for c, d in sorted(outcome.reporters.items())},
-            "device_failures": outcome.device_failures,
-            "late_updates": outcome.late_updates,
-            "missed_deadline": outcome.missed_deadline,
-            "slowest_device": None if outcome.slowest is None else
-            {"device": outcome.slowest[0], "waited_s": round(outcome.slowest[1], 3)},
-        }
-
     def _check_score(self, client: int, correct: int, total: int) -> str | None:
         return score_problem(self.data, client, correct, total)
 
@@ -374,123 +325,92 @@ class Coordinator:
     def run(self, resume: Checkpoint | None = None) -> RunResult:
         """All rounds (after the checkpoint's last complete one when resuming), a checkpoint
         after each, then the algorithm's fine-tuning; writes the run directory's outputs."""
-        rows = []
+        records = []
         first = self._restore(resume) if resume is not None else 0
         if resume is not None and self.run_dir is not None:
             # the pool's step numbers and block versions now start past the checkpoint's: record
             # that before anything is published, so that a crash before this run's first round
             # ends cannot make a second resume re-use numbers the devices have already seen
-            save_checkpoint(self.run_dir.path, self._checkpoint(first, resume.state.get("last_row")))
+            save_checkpoint(self.run_dir.path, self._checkpoint(first, resume.loop.last_row))
         self.pool.open(self.global_weights, self.alg.personal_blocks())
         for t in range(first, self.cfg.rounds):
-            row = self.run_round(t)
-            rows.append(row)
+            rec = self.run_round(t)
+            records.append(rec)
             # checkpoint first, then the row: a row in metrics.jsonl always has its checkpoint,
             # and a stop in between is healed on resume (the checkpoint holds the row)
             if self.run_dir is not None:
-                save_checkpoint(self.run_dir.path, self._checkpoint(t + 1, row))
-            self._emit(row)
+                save_checkpoint(self.run_dir.path, self._checkpoint(t + 1, rec))
+            self._emit(rec)
             if self.pause_after is not None and t + 1 >= self.pause_after and t + 1 < self.cfg.rounds:
                 raise RunPaused(f"paused after round {t} (resume to continue)")
         final = self._last_report
         assert final is not None
-        ft_plan = self.alg.finetune_plan()
-        if ft_plan is not None:
-            start = time.perf_counter()
-            ft = self.pool.finetune(ft_plan, self.global_weights, (self.model.spec.head,),
-                                    self._check_score, self.on_progress)
-            tuned = ft.scores
-            final = EvalReport(final.global_correct, final.global_total, tuned)
-            row = {
-                "round": self.cfg.rounds,
-                "phase": "finetune",
-                "global_acc": final.global_acc,
-                "personal_acc": final.personal_acc,
-                "local_acc": final.personal_acc,  # the fine-tuned models are the local ones
-                "clients": sorted(tuned),
-                "finetune_epochs": self.cfg.algorithm.finetune_epochs,
-                "trainable_params": count_params(self.model, ft_plan.trainable),
-                # the fine-tuning's measured training compute (as a round's train_flops)
-                "train_flops": sum(plan_flops(self.model, ft_plan, self.data, self.data.clients[c],
-                                              self.flop_cache) for c in tuned),
-                "seconds": round(time.perf_counter() - start, 3),
-                # clients whose fine-tuning hit a NaN or Inf loss -> the batch where it stopped;
-                # their scores (in P) are their diverged models'
-                "diverged": {str(c): k for c, k in sorted(ft.diverged.items())},
-            }
-            if row["diverged"]:
-                log.warning("fine-tuning diverged (NaN or Inf loss) for clients %s: their scores "
-                            "are their diverged models' (lower train.lr to avoid it)",
-                            ", ".join(row["diverged"]))
-            spent = ft.energy
-            if spent is not None:  # a fleet: the fine-tuning's joules as the devices measured
-                row["energy_j"] = round(sum(spent.values()), 3) if spent else None
-                row["energy"] = {"clients": {str(c): j for c, j in sorted(spent.items())},
-                                 "unmeasured": sorted(set(tuned) - set(spent))}
-            rows.append(row)
-            self._emit(row)
+        plan = self.alg.finetune_plan()
+        if plan is not None:
+            final, rec = self._finetune(plan, final)
+            records.append(rec)
+            self._emit(rec)
         if self.run_dir is not None:
-            self._write_outputs(final)
-        return RunResult(self.global_weights, final, rows)
+            self.run_dir.write_outputs(self.data, final.per_client, self.global_weights, self.cfg)
+        return RunResult(self.global_weights, final, records)
 
-    def _checkpoint(self, next_round: int, row: dict[str, Any] | None) -> Checkpoint:
-        rep = self._last_report
-        state: dict[str, Any] = {
-            "last_row": row,
-            "version": self.version,
-            "client_version": {str(c): v for c, v in self.client_version.items()},
-            "local_scores": {str(c): list(r) for c, r in self.local_scores.items()},
-            "last_report": None if rep is None else [
-                rep.global_correct, rep.global_total,
-                {str(c): list(r) for c, r in rep.per_client.items()}],
-        }
-        pool = self.pool.snapshot()
-        if pool.state is not None:
-            state["pool"] = pool.state
-        return Checkpoint(next_round, self.global_weights, state, pool.personal)
+    def _finetune(self, plan: ClientPlan, last: EvalReport) -> tuple[EvalReport, RoundRecord]:
+        """The algorithm's final fine-tuning on every client: the final evaluation (the last
+        global score, the fine-tuned personalized ones) and its row."""
+        start = time.perf_counter()
+        ft = self.pool.finetune(plan, self.global_weights, (self.model.spec.head,),
+                                self._check_score, self.on_progress)
+        final = EvalReport(last.global_correct, last.global_total, ft.scores)
+        tuned = sorted(ft.scores)
+        rec = RoundRecord(
+            round=self.cfg.rounds, phase="finetune",
+            global_acc=final.global_acc, personal_acc=final.personal_acc,
+            local_acc=final.personal_acc,  # the fine-tuned models are the local ones
+            clients=tuned,
+            finetune_epochs=self.cfg.algorithm.finetune_epochs,
+            trainable_params=count_params(self.model, plan.trainable),
+            # the fine-tuning's measured training compute (as a round's train_flops)
+            train_flops=sum(plan_flops(self.model, plan, self.data, self.data.clients[c],
+                                       self.flop_cache) for c in tuned),
+            client_steps=sum(plan_steps(plan, self.data, self.data.clients[c]) for c in tuned),
+            seconds=round(time.perf_counter() - start, 3),
+            # clients whose fine-tuning hit a NaN or Inf loss -> the batch where it stopped;
+            # their scores (in P) are their diverged models'
+            diverged=dict(sorted(ft.diverged.items())),
+        )
+        if rec.diverged:
+            log.warning("fine-tuning diverged (NaN or Inf loss) for clients %s: their scores "
+                        "are their diverged models' (lower train.lr to avoid it)",
+                        ", ".join(map(str, rec.diverged)))
+        if ft.energy is not None:  # a fleet: the fine-tuning's joules as the devices measured
+            rec.set_energy(ClientEnergy(clients=dict(sorted(ft.energy.items())),
+                                        unmeasured=sorted(set(tuned) - set(ft.energy))))
+        return final, rec
+
+    def _checkpoint(self, next_round: int, row: RoundRecord | None) -> Checkpoint:
+        return Checkpoint(next_round, self.global_weights,
+                          LoopState(self.version, self.client_version, self.local_scores,
+                                    self._last_report, row),
+                          self.pool.snapshot())
 
     def _restore(self, ckpt: Checkpoint) -> int:
         """Continue after the checkpoint's last complete round; returns the next round."""
         self.global_weights = {k: ckpt.global_weights[k].to(v.dtype) for k, v in
                                self.global_weights.items()}
-        self.version = {b: int(v) for b, v in ckpt.state["version"].items()}
-        self.client_version = {int(c): v for c, v in ckpt.state["client_version"].items()}
-        self.local_scores = {int(c): (r[0], r[1])
-                             for c, r in ckpt.state.get("local_scores", {}).items()}
-        rep = ckpt.state.get("last_report")
-        if rep is not None:
-            self._last_report = EvalReport(rep[0], rep[1],
-                                           {int(c): (r[0], r[1]) for c, r in rep[2].items()})
-        self.pool.restore(PoolState(ckpt.state.get("pool"), ckpt.personal))
-        row = ckpt.state.get("last_row")
+        loop = ckpt.loop
+        self.version, self.client_version = loop.version, loop.client_version
+        self.local_scores, self._last_report = loop.local_scores, loop.last_report
+        self.pool.restore(ckpt.pool)
+        row = loop.last_row
         if row is not None and self.run_dir is not None and \
-                row["round"] not in self.run_dir.logged_rounds:
+                row.round not in self.run_dir.logged_rounds:
             self._emit(row)  # stopped after the checkpoint, before its row was written
         return ckpt.next_round
 
-    def _emit(self, row: dict[str, Any]) -> None:
+    def _emit(self, row: RoundRecord) -> None:
         if self.run_dir is not None:
             self.run_dir.log_round(row)
         self.on_round(row)
-    def _write_outputs(self, final: EvalReport) -> None:
-        assert self.run_dir is not None
-        clients = []
-        for shard in self.data.clients:
-            correct, total = final.per_client.get(shard.client, (0, 0))
-            clients.append({
-                "client": shard.client,
-                "train_samples": len(shard.train),
-                "test_samples": len(shard.test),
-                "correct": correct,
-                "total": total,
-                "accuracy": round(correct / total, 6) if total else "",
-                "classes": int(np.count_nonzero(
-                    shard.train_class_counts(self.data.y, self.data.num_classes).numpy())),
-            })
-        self.run_dir.write_clients(clients)
-        self.run_dir.write_model(self.global_weights, {
-            "algorithm": self.cfg.algorithm.name, "rounds": str(self.cfg.rounds),
-            "seed": str(self.cfg.seed)})
 
 
 def _add(a: tuple[int, int] | None, b: tuple[int, int] | None) -> tuple[int, int] | None:

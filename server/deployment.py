@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -10,7 +11,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.experiment import load_experiment
 from fedseq.server.mqtt import MqttPool
+from fedseq.server.records import RoundRecord
 from fedseq.server.rehearsal import Rehearsal
 from fedseq.server.rundir import RunDir, recorded
 
@@ -101,12 +103,37 @@ def record_devices(run_dir: RunDir, pool: MqttPool) -> None:
     run_dir.record_devices({d: stacks.get(d, []) for d in sorted(devices)})
 
 
+@contextlib.contextmanager
+def _opened(pool: MqttPool) -> Iterator[MqttPool]:
+    """The pool connected, and closed at the end: a run that ends early tells its devices why
+    (Control abort) before the error ends the process."""
+    ended: str | None = None
+    try:
+        pool.start()
+        yield pool
+    except KeyboardInterrupt:
+        ended = "the coordinator was stopped (Ctrl-C or SIGTERM); it may be resumed"
+        raise
+    except BaseException as exc:
+        ended = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise
+    finally:
+        pool.close(abort=ended)
+
+
+def _record_devices_finally(run_dir: RunDir, pool: MqttPool) -> None:
+    try:
+        record_devices(run_dir, pool)
+    except OSError as exc:  # the run's own outcome matters more than this record
+        log.warning("could not write %s/devices.json: %s", run_dir.path, exc)
+
+
 def run_deployment(
     cfg: ExperimentConfig,
     out: Path | None,
     broker: str | None = None,
     local_clients: int = 0,
-    on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
     announce: Callable[[str], None] = print,
     client_threads: int | None = None,
     mode: str = "new",
@@ -117,19 +144,16 @@ def run_deployment(
     """mode "resume" continues `out` after its checkpoint's last complete round, under the same
     run id (devices keep their personal state) and the same assignment."""
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
-    url = broker or cfg.deploy.broker
-    embedded = None
-    children: list[subprocess.Popen] = []
-    tmp = None
-    auth: tempfile.TemporaryDirectory[str] | None = None
-    cfg_login = cfg
-    pool = None
-    run_dir = None
-    ended: str | None = None  # why the run ended early: the devices are told (Control abort)
-    try:
-        if rehearsal is not None and url is not None:
-            raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
-                              "its bridge; leave out --broker and deploy.broker")
+    if ckpt is not None and ckpt.pool.state is None:
+        raise ConfigError(f"--resume {out}: that run was simulated; resume it with fedseq-sim")
+    if rehearsal is not None and (broker or cfg.deploy.broker) is not None:
+        raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
+                          "its bridge; leave out --broker and deploy.broker")
+    # torn down in reverse: the devices' record, the pool (devices hear why a run ended), the
+    # local devices, their state folder, the embedded broker, the rehearsal's login
+    with contextlib.ExitStack() as stack:
+        url = broker or cfg.deploy.broker
+        cfg_login = cfg
         if url is None:
             # a rehearsal's bridge is reachable from this machine's namespaces only, and its
             # broker takes one login made for this run (unless a password file is given): the
@@ -137,70 +161,52 @@ def run_deployment(
             host = rehearsal.broker_host if rehearsal is not None else cfg.deploy.host
             passwords = cfg.deploy.broker_password_file
             if rehearsal is not None and passwords is None:
-                auth = tempfile.TemporaryDirectory(prefix="fedseq-rehearsal-")
-                passwords, secret = one_run_login(Path(auth.name))
+                auth = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-rehearsal-"))
+                passwords, secret = one_run_login(Path(auth))
                 login = cfg.deploy.model_copy(update={"username": "rehearsal",
                                                       "password_file": secret})
                 cfg_login = cfg.model_copy(update={"deploy": login})
             embedded = EmbeddedBroker(host, cfg.deploy.port, passwords, cfg.deploy.allow_anonymous)
+            stack.callback(embedded.stop)
             embedded.start()
             url = embedded.url
             announce(f"embedded MQTT broker at {url} - start devices with: "
                      f"fedseq-client --device NAME --broker {url}")
-        pool_state = ckpt.state.get("pool") if ckpt is not None else None
-        if ckpt is not None and pool_state is None:
-            raise ConfigError(f"--resume {out}: that run was simulated; resume it with fedseq-sim")
+        # the local devices' personal state lives in the run directory, so --resume keeps it
+        state = Path(out) / "local-devices" if out is not None else None
+        if local_clients and state is None:
+            state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-local-")))
+        children: list[subprocess.Popen] = []
+        stack.callback(stop_children, children)
+        pool_state = ckpt.pool.state if ckpt is not None else None
         run_id = (pool_state["run_id"] if pool_state
                   else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
         d = cfg_login.deploy  # the run's login (a rehearsal's own), never written to its config
         tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
         # The broker first: a wrong address or password is said before minutes of data loading.
-        pool = MqttPool(cfg, url, run_id, d.username,
-                        read_secret(d.password_file, "deploy.password_file"), tls)
-        pool.start()
+        pool = stack.enter_context(_opened(MqttPool(
+            cfg, url, run_id, d.username, read_secret(d.password_file, "deploy.password_file"),
+            tls)))
         # the coordinator's global evaluation reads the test rows and nothing else
         exp = load_experiment(cfg, test_images_only=True)
         if local_clients:
-            # the devices' personal state lives in the run directory, so --resume keeps it
-            if out is not None:
-                state = Path(out) / "local-devices"
-            else:
-                tmp = tempfile.TemporaryDirectory(prefix="fedseq-local-")
-                state = Path(tmp.name)
-            children = spawn_local_clients(local_clients, url, cfg_login, state, client_threads,
-                                           rehearsal)
+            assert state is not None
+            children += spawn_local_clients(local_clients, url, cfg_login, state, client_threads,
+                                            rehearsal)
             if rehearsal is not None:
                 announce(rehearsal.describe())
         devices = pool.wait_for_devices(max(cfg.deploy.min_devices, local_clients),
                                         cfg.deploy.wait_devices_s)
         announce(f"run {run_id}: {len(devices)} devices ({', '.join(devices)})"
                  + (f", resumed at round {ckpt.next_round}" if ckpt else ""))
+        run_dir = None
         if out is not None:
             run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0,
                              {"run_id": run_id, **(info or {})})
             record_devices(run_dir, pool)
+            stack.callback(_record_devices_finally, run_dir, pool)
         coordinator = Coordinator(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir, on_round,
                                   on_progress, collect_threads=1)
         with recorded(run_dir):
-            return coordinator.run(ckpt)
-    except KeyboardInterrupt:
-        ended = "the coordinator was stopped (Ctrl-C or SIGTERM); it may be resumed"
-        raise
-    except BaseException as exc:  # the devices hear why before the error ends the process
-        ended = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise
-    finally:
-        if pool is not None and run_dir is not None:
-            try:
-                record_devices(run_dir, pool)
-            except OSError as exc:  # the run's own outcome matters more than this record
-                log.warning("could not write %s/devices.json: %s", run_dir.path, exc)
-        if pool is not None:
-            pool.close(abort=ended)
-        stop_children(children)
-        if tmp is not None:
-            tmp.cleanup()
-        if embedded is not None:
-            embedded.stop()
-        if auth is not None:
-            auth.cleanup()
+            result = coordinator.run(ckpt)
+    return result

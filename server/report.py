@@ -24,6 +24,7 @@ from typing import Any
 from fedseq.common.config import SEED_STREAMS
 from fedseq.common.errors import ConfigError
 from fedseq.common.text import csv_cell, markdown_cell, plot_label
+from fedseq.server.records import RoundRecord
 from fedseq.server.seeds import defining
 
 if sys.version_info >= (3, 11):
@@ -58,9 +59,8 @@ PAPERS: dict[str, dict[str, Any]] = {
                  "fedseq-vanilla": (98.21, 98.84, 98.99), "fedseq-anti": (98.34, 98.81, 98.96)},
     },
 }
-#: the accuracies of a summary row: (metrics.jsonl key, table name)
-ACCURACIES = (("global_acc", "G"), ("personal_acc", "P"), ("local_acc", "L"),
-              ("round_local_acc", "Lr"))
+#: the accuracies of a summary row, by their table names (RoundRecord.accuracies)
+ACCURACIES = ("G", "P", "L", "Lr")
 #: how many evaluated rounds "last10" averages
 LAST = 10
 
@@ -70,7 +70,7 @@ class Run:
     path: Path
     label: str
     config: dict[str, Any]
-    rows: list[dict[str, Any]]
+    rows: list[RoundRecord]
     clients: list[dict[str, str]] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
 
@@ -81,11 +81,11 @@ class Run:
     @property
     def init_global(self) -> bool:
         """The global model keeps an untrained head or base (FedBABU, FedSeq, FedPer, ...)."""
-        return any(r.get("global_model") for r in self.rows)
+        return any(r.global_model for r in self.rows)
 
     @property
-    def train_rows(self) -> list[dict[str, Any]]:
-        return [r for r in self.rows if r.get("phase") == "train"]
+    def train_rows(self) -> list[RoundRecord]:
+        return [r for r in self.rows if r.phase == "train"]
 
 
 def divergence_note(run: Run) -> str | None:
@@ -93,10 +93,9 @@ def divergence_note(run: Run) -> str | None:
     refused as diverged, and clients whose fine-tuning diverged (their P is their diverged
     model's score); None when nothing did."""
     # the refusal's wording is server/validation.py's (not imported: it would load torch here)
-    trained = sum(1 for r in run.train_rows for why in r.get("rejected", {}).values()
+    trained = sum(1 for r in run.train_rows for why in r.rejected.values()
                   if why.startswith("training diverged"))
-    tuned = sorted(int(c) for r in run.rows if r.get("phase") == "finetune"
-                   for c in r.get("diverged", {}))
+    tuned = sorted(c for r in run.rows if r.phase == "finetune" for c in r.diverged)
     if not trained and not tuned:
         return None
     parts = [f"{trained} training updates refused as diverged"] if trained else []
@@ -134,9 +133,11 @@ def load_run(path: Path, label: str | None = None) -> Run:
     for n, line in enumerate(metrics.read_text().splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                rows.append(RoundRecord.from_json(json.loads(line)))
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{metrics}:{n}: not JSON ({exc}); the file is damaged") from exc
+            except ConfigError as exc:
+                raise ConfigError(f"{metrics}:{n}: {exc}; the file is damaged") from exc
     config = {}
     if (path / "config.toml").exists():
         config = tomllib.loads((path / "config.toml").read_text())
@@ -171,27 +172,28 @@ def trained_on(stacks: dict[str, Any]) -> str:
     return "; ".join(parts) or "no devices"
 
 
-def _values(rows: list[dict[str, Any]], key: str) -> list[float]:
-    return [r[key] for r in rows if r.get(key) is not None]
+def _values(rows: list[RoundRecord], name: str) -> list[float]:
+    """The accuracy `name` (G, P, L, Lr) of the rows that have it."""
+    return [a for r in rows if (a := r.accuracies()[name]) is not None]
 
 
 def summarize(run: Run) -> dict[str, Any]:
     """One table row: final, best and last-10-rounds G, P, L and Lr (%), the per-client spread
     of the final personalized accuracy, rounds, bytes, FLOPs, time, energy."""
     train = run.train_rows
-    last = run.rows[-1] if run.rows else {}
+    last = run.rows[-1] if run.rows else None
     out: dict[str, Any] = {"run": run.label, "algorithm": run.algorithm,
                            "dataset": run.config.get("data", {}).get("dataset", "?"),
                            "model": run.config.get("model", {}).get("name", "?"),
                            "rounds": len(train),
                            "of": run.config.get("rounds", len(train)),
-                           "finetuned": last.get("phase") == "finetune",
+                           "finetuned": last is not None and last.phase == "finetune",
                            "state": run.status.get("state", "?"),
                            # where it trained: "cpu" or the GPU's name (runs made before 2026-11 say nothing)
                            "device": run.status.get("device")}
-    for key, name in ACCURACIES:
-        vals = _values(run.rows, key)
-        tail = _values(train, key)[-LAST:]
+    for name in ACCURACIES:
+        vals = _values(run.rows, name)
+        tail = _values(train, name)[-LAST:]
         out[f"{name} final"] = round(100 * vals[-1], 2) if vals else None
         out[f"{name} best"] = round(100 * max(vals), 2) if vals else None
         out[f"{name} last{LAST}"] = round(100 * sum(tail) / len(tail), 2) if tail else None
@@ -200,13 +202,14 @@ def summarize(run: Run) -> dict[str, Any]:
     out["client sd"] = round(statistics.pstdev(accs), 2) if accs else None
     out["worst 10%"] = round(sum(worst) / len(worst), 2) if accs else None
     out["global model"] = "init head/base" if run.init_global else "trained"
-    out["MB moved"] = round(sum(r.get("bytes_down", 0) + r.get("bytes_up", 0) for r in train) / 1e6, 1)
-    out["train TFLOP"] = round(sum(r.get("train_flops", 0) for r in run.rows) / 1e12, 2)
-    out["wall s"] = round(sum(r.get("seconds", 0) for r in run.rows), 1)
-    joules = _values(train, "energy_j")  # measured on the devices (deployments with a sensor)
+    out["MB moved"] = round(sum(r.bytes_down + r.bytes_up for r in train) / 1e6, 1)
+    out["train TFLOP"] = round(sum(r.train_flops for r in run.rows) / 1e12, 2)
+    out["wall s"] = round(sum(r.seconds or 0 for r in run.rows), 1)
+    # measured on the devices (deployments with a sensor)
+    joules = [r.energy_j for r in train if r.energy_j is not None]
     out["energy kJ"] = round(sum(joules) / 1e3, 3) if joules else None
     out["J/round"] = round(sum(joules) / len(joules), 1) if joules else None
-    tuned = _values([r for r in run.rows if r.get("phase") == "finetune"], "energy_j")
+    tuned = [r.energy_j for r in run.rows if r.phase == "finetune" and r.energy_j is not None]
     out["finetune kJ"] = round(sum(tuned) / 1e3, 3) if tuned else None
     return out
 
@@ -436,28 +439,54 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
     return rows
 
 
-_ACC_KEYS = {f"{n} {w}" for _, n in ACCURACIES for w in ("final", "best", f"last{LAST}")} \
+_ACC_KEYS = {f"{n} {w}" for n in ACCURACIES for w in ("final", "best", f"last{LAST}")} \
     | {"client sd", "worst 10%"}
 
 
-def _style(run: Run, points: int, color: str, name: str, labelled: set[Any]) -> dict[str, Any]:
-    """A run's line against global accuracy in its group's colour, labelled with the group's
-    `name` once: dashed and starred where the global model keeps an untrained head or base,
-    markers while there are few points."""
-    label = name + ("*" if run.init_global else "")
-    first = color not in labelled
-    labelled.add(color)
-    return {"label": label if first else None, "lw": 1.4, "color": color,
-            "ls": "--" if run.init_global else "-", "marker": "o" if points <= 30 else None,
-            "ms": 3}
+@dataclass
+class _Palette:
+    """What the figures share: the runs grouped by seed, each run's colour (its group's) and
+    label (its group's folder name, shown as is), and the groups labelled in the current figure
+    (each once)."""
+
+    groups: list[Group]
+    colors: dict[int, str]
+    names: dict[int, str]
+    labelled: set[Any] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, runs: list[Run]) -> _Palette:
+        groups = group_runs(runs)
+        return cls(groups, {id(r): f"C{i % 10}" for i, g in enumerate(groups) for r in g.runs},
+                   {id(r): plot_label(g.label) for g in groups for r in g.runs})
+
+    def style(self, run: Run, points: int) -> dict[str, Any]:
+        """A run's line against global accuracy in its group's colour, labelled once: dashed and
+        starred where the global model keeps an untrained head or base, markers while there
+        are few points."""
+        color = self.colors[id(run)]
+        first = color not in self.labelled
+        self.labelled.add(color)
+        label = self.names[id(run)] + ("*" if run.init_global else "")
+        return {"label": label if first else None, "lw": 1.4, "color": color,
+                "ls": "--" if run.init_global else "-", "marker": "o" if points <= 30 else None,
+                "ms": 3}
+
+    def label_once(self, run: Run, kind: str) -> str | None:
+        """The run's label the first time its group appears in a `kind` of curve, else None."""
+        key = (kind, self.colors[id(run)])
+        if key in self.labelled:
+            return None
+        self.labelled.add(key)
+        return self.names[id(run)]
 
 
-def _seed_curve(runs: list[Run], key: str) -> tuple[list[int], list[float], list[float],
-                                                    list[float], list[float]] | None:
-    """Per evaluated round (those every run evaluated): the mean, sd, min and max of `key` over
-    the runs, in %."""
-    per_run = [{r["round"]: 100 * r[key] for r in run.train_rows if r.get(key) is not None}
-               for run in runs]
+def _seed_curve(runs: list[Run], name: str) -> tuple[list[int], list[float], list[float],
+                                                     list[float], list[float]] | None:
+    """Per evaluated round (those every run evaluated): the mean, sd, min and max of the
+    accuracy `name` (G, P, L) over the runs, in %."""
+    per_run = [{r.round: 100 * a for r in run.train_rows
+                if (a := r.accuracies()[name]) is not None} for run in runs]
     xs = sorted(set.intersection(*(set(p) for p in per_run)))
     if not xs:
         return None
@@ -467,39 +496,20 @@ def _seed_curve(runs: list[Run], key: str) -> tuple[list[int], list[float], list
             [max(v) for v in vals])
 
 
-def write_figures(runs: list[Run], out: Path) -> list[Path]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise ConfigError("the figures need matplotlib: pip install 'fedseq[report]' "
-                          "(or pass --no-figures for the tables alone)") from exc
-    written = []
-
-    def save(fig: Any, name: str) -> None:
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(out / name)
-
-    groups = group_runs(runs)
-    colors = {id(r): f"C{i % 10}" for i, g in enumerate(groups) for r in g.runs}
-    names = {id(r): plot_label(g.label) for g in groups for r in g.runs}  # folder names, shown as is
-    labelled: set[Any] = set()  # the groups labelled in the current figure
+def _accuracy_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
+    """accuracy.png: G, P and L per round, a group's seeds as mean, ± sd and min-max."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
-    for ax, key, title in zip(axes, ("global_acc", "personal_acc", "local_acc"),
-                              ("global model", "personalized (after aggregation)",
-                               "local model (FedReG testbed)"), strict=True):
-        for group in groups:
-            star = key == "global_acc" and group.init_global
+    for ax, name, title in zip(axes, ("G", "P", "L"),
+                               ("global model", "personalized (after aggregation)",
+                                "local model (FedReG testbed)"), strict=True):
+        for group in pal.groups:
+            star = name == "G" and group.init_global
             label = plot_label(group.legend) + ("*" if star else "")
-            curve = _seed_curve(group.runs, key)
+            curve = _seed_curve(group.runs, name)
             if not curve:
                 continue
             xs, mean, sd, lo, hi = curve
-            color = colors[id(group.runs[0])]
+            color = pal.colors[id(group.runs[0])]
             ax.plot(xs, mean, label=label, lw=1.4, ls="--" if star else "-", color=color,
                     marker="o" if len(xs) <= 30 else None, ms=3)
             if len(group.runs) > 1:
@@ -507,11 +517,12 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
                                 [m + d for m, d in zip(mean, sd, strict=True)], color=color,
                                 alpha=0.25, lw=0)
                 ax.fill_between(xs, lo, hi, color=color, alpha=0.1, lw=0)
-            tuned = [100 * r.rows[-1][key] for r in group.runs
-                     if r.rows[-1].get("phase") == "finetune" and r.rows[-1].get(key) is not None]
-            if key != "global_acc" and len(tuned) == len(group.runs):
-                ax.plot([group.runs[0].rows[-1]["round"]], [statistics.fmean(tuned)], marker="*",
-                        ms=11, color=color)
+            ends = [r.rows[-1] for r in group.runs]
+            tuned = [100 * a for e in ends
+                     if e.phase == "finetune" and (a := e.accuracies()[name]) is not None]
+            if name != "G" and len(tuned) == len(group.runs):
+                ax.plot([ends[0].round], [statistics.fmean(tuned)], marker="*", ms=11,
+                        color=color)
         ax.set_title(title)
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
@@ -521,37 +532,43 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
     fig.suptitle("accuracy per round (several seeds: mean, ± sd dark, min-max light; star: after "
                  "fine-tuning; dashed, name*: global model with its head or base at init)",
                  fontsize=10)
-    save(fig, "accuracy.png")
+    return fig
 
-    with_clients = [g for g in groups if all(r.clients for r in g.runs)]
-    if with_clients:
-        fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(with_clients) + 2), 4.2))
-        data = [[100 * float(c["accuracy"]) for r in g.runs for c in r.clients if c.get("accuracy")]
-                for g in with_clients]
-        ax.boxplot(data, showmeans=True)
-        for i, ys in enumerate(data, 1):
-            ax.scatter([i] * len(ys), ys, s=8, alpha=0.5)
-        ax.set_xticks(range(1, len(data) + 1),
-                      [plot_label(g.legend) for g in with_clients], rotation=30, ha="right",
-                      fontsize=8)
-        ax.set_ylabel("final accuracy per client (%)")
-        ax.set_title("per-client accuracy (personalized model, own test rows; all seeds pooled)")
-        ax.grid(alpha=0.3, axis="y")
-        save(fig, "clients.png")
 
+def _clients_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
+    """clients.png: the final per-client accuracy of each group (None if a run has no
+    clients.csv)."""
+    with_clients = [g for g in pal.groups if all(r.clients for r in g.runs)]
+    if not with_clients:
+        return None
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(with_clients) + 2), 4.2))
+    data = [[100 * float(c["accuracy"]) for r in g.runs for c in r.clients if c.get("accuracy")]
+            for g in with_clients]
+    ax.boxplot(data, showmeans=True)
+    for i, ys in enumerate(data, 1):
+        ax.scatter([i] * len(ys), ys, s=8, alpha=0.5)
+    ax.set_xticks(range(1, len(data) + 1), [plot_label(g.legend) for g in with_clients],
+                  rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("final accuracy per client (%)")
+    ax.set_title("per-client accuracy (personalized model, own test rows; all seeds pooled)")
+    ax.grid(alpha=0.3, axis="y")
+    return fig
+
+
+def _cost_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
+    """cost.png: global accuracy against cumulative bytes moved and training FLOPs."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
-    labelled.clear()
     for run in runs:
         moved = flops = 0.0
         xb, xf, ys = [], [], []
         for r in run.train_rows:
-            moved += r.get("bytes_down", 0) + r.get("bytes_up", 0)
-            flops += r.get("train_flops", 0)
-            if r.get("global_acc") is not None:
+            moved += r.bytes_down + r.bytes_up
+            flops += r.train_flops
+            if r.global_acc is not None:
                 xb.append(moved / 1e6)
                 xf.append(flops / 1e12)
-                ys.append(100 * r["global_acc"])
-        style = _style(run, len(ys), colors[id(run)], names[id(run)], labelled)
+                ys.append(100 * r.global_acc)
+        style = pal.style(run, len(ys))
         axes[0].plot(xb, ys, **style)
         axes[1].plot(xf, ys, **style)
     axes[0].set_xlabel("cumulative MB moved (down + up)")
@@ -560,33 +577,35 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8, loc="lower right")
-    save(fig, "cost.png")
+    return fig
 
+
+def _edge_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
+    """edge.png: global accuracy against cumulative wall time and against the devices' measured
+    energy, and energy per round."""
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
-    labelled.clear()
     measured = False
     for run in runs:
         wall = energy = 0.0
         xt, xe, yt, ye, per_round = [], [], [], [], []
         for r in run.train_rows:
-            wall += r.get("seconds", 0.0)
-            if r.get("energy_j") is not None:
-                energy += r["energy_j"]
-                per_round.append((r["round"], r["energy_j"]))
-            if r.get("global_acc") is not None:
+            wall += r.seconds or 0.0
+            if r.energy_j is not None:
+                energy += r.energy_j
+                per_round.append((r.round, r.energy_j))
+            if r.global_acc is not None:
                 xt.append(wall)
-                yt.append(100 * r["global_acc"])
+                yt.append(100 * r.global_acc)
                 if per_round:
                     xe.append(energy / 1e3)
-                    ye.append(100 * r["global_acc"])
-        style = _style(run, len(yt), colors[id(run)], names[id(run)], labelled)
+                    ye.append(100 * r.global_acc)
+        style = pal.style(run, len(yt))
         axes[0].plot(xt, yt, **style)
         if per_round:
             measured = True
             axes[1].plot(xe, ye, **style)
-            axes[2].plot(*zip(*per_round, strict=True), lw=1.2, color=colors[id(run)],
-                         label=names[id(run)] if ("e", colors[id(run)]) not in labelled else None)
-            labelled.add(("e", colors[id(run)]))
+            axes[2].plot(*zip(*per_round, strict=True), lw=1.2, color=pal.colors[id(run)],
+                         label=pal.label_once(run, "energy"))
     axes[0].set_xlabel("cumulative wall time (s)")
     axes[0].set_ylabel("global accuracy (%)")
     axes[1].set_xlabel("cumulative energy on the devices (kJ)")
@@ -602,21 +621,49 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
-    save(fig, "edge.png")
+    return fig
 
+
+def _seconds_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
+    """seconds.png: seconds per round."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    labelled.clear()
     for run in runs:
-        pts = [(r["round"], r["seconds"]) for r in run.train_rows if "seconds" in r]
+        pts = [(r.round, r.seconds) for r in run.train_rows if r.seconds is not None]
         if pts:
-            ax.plot(*zip(*pts, strict=True), lw=1.2, color=colors[id(run)],
-                    label=names[id(run)] if ("s", colors[id(run)]) not in labelled else None)
-            labelled.add(("s", colors[id(run)]))
+            ax.plot(*zip(*pts, strict=True), lw=1.2, color=pal.colors[id(run)],
+                    label=pal.label_once(run, "seconds"))
     ax.set_xlabel("round")
     ax.set_ylabel("seconds per round")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    save(fig, "seconds.png")
+    return fig
+
+
+FIGURES = {"accuracy.png": _accuracy_figure, "clients.png": _clients_figure,
+           "cost.png": _cost_figure, "edge.png": _edge_figure, "seconds.png": _seconds_figure}
+
+
+def write_figures(runs: list[Run], out: Path) -> list[Path]:
+    """The figures (FIGURES) of the runs into `out`; returns the files written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise ConfigError("the figures need matplotlib: pip install 'fedseq[report]' "
+                          "(or pass --no-figures for the tables alone)") from exc
+    written = []
+    pal = _Palette.of(runs)
+    for name, draw in FIGURES.items():
+        pal.labelled.clear()
+        fig = draw(plt, runs, pal)
+        if fig is None:
+            continue
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
     return written
 
 

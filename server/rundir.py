@@ -18,10 +18,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from fedseq.common.config import ExperimentConfig, dump_config, load_config
+from fedseq.common.data.federated import FederatedData
 from fedseq.common.errors import ConfigError
 from fedseq.common.files import atomic_write
 from fedseq.common.models import Weights
 from fedseq.common.protocol.tensors import encode_tensors
+from fedseq.server.records import RoundRecord
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ def copy_for_finetune(src: Path, out: Path, overrides: list[str], info: dict[str
         raise ConfigError(f"{cfg.algorithm.name} with algorithm.finetune_epochs = "
                           f"{cfg.algorithm.finetune_epochs} has no final fine-tuning to replay")
     ckpt = load_checkpoint(src)
-    if ckpt.state.get("pool") is not None:
+    if ckpt.pool.state is not None:
         raise ConfigError(f"--finetune-from {src}: that run was deployed (its devices hold the "
                           "clients' state); only a simulated run's fine-tuning is replayed")
     done = ckpt.next_round
@@ -145,10 +147,11 @@ class RunDir:
         atomic_write(self.path / "status.json", (json.dumps(body, indent=1) + "\n").encode(),
                      durable=False)
 
-    def log_round(self, row: dict[str, Any]) -> None:
+    def log_round(self, row: RoundRecord) -> None:
         """Append one row to metrics.jsonl, on disk before this returns (fsync): the round's
         checkpoint is already written, and a resume trusts the rows it finds."""
-        clean = {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in row.items()}
+        clean = {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                 for k, v in row.to_json().items()}
         self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
         os.fsync(self._metrics.fileno())
@@ -171,16 +174,21 @@ class RunDir:
         atomic_write(path, (json.dumps(merged, indent=1, sort_keys=True) + "\n").encode(),
                      durable=False, mode=0o640)  # device facts: not for every local user
 
-    def write_clients(self, rows: list[dict[str, Any]]) -> None:
-        """clients.csv: per-client sizes and final accuracy."""
+    def write_outputs(self, data: FederatedData, scores: dict[int, tuple[int, int]],
+                      weights: Weights, cfg: ExperimentConfig) -> None:
+        """The run's results: clients.csv (per client its sizes, classes and final score) and
+        model.safetensors (the final global weights with the run's metadata)."""
         with (self.path / "clients.csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
-            w.writeheader()
-            w.writerows(rows)
-
-    def write_model(self, weights: Weights, metadata: dict[str, str]) -> None:
-        """model.safetensors: the final global weights with the run's metadata."""
-        atomic_write(self.path / "model.safetensors", encode_tensors(weights, metadata))
+            w = csv.writer(f)
+            w.writerow(("client", "train_samples", "test_samples", "correct", "total", "accuracy",
+                        "classes"))
+            for shard in data.clients:
+                correct, total = scores.get(shard.client, (0, 0))
+                classes = shard.train_class_counts(data.y, data.num_classes).count_nonzero()
+                w.writerow((shard.client, len(shard.train), len(shard.test), correct, total,
+                            round(correct / total, 6) if total else "", int(classes)))
+        atomic_write(self.path / "model.safetensors", encode_tensors(weights, {
+            "algorithm": cfg.algorithm.name, "rounds": str(cfg.rounds), "seed": str(cfg.seed)}))
 
     def close(self) -> None:
         """Close metrics.jsonl and let go of the folder (another coordinator may resume it)."""

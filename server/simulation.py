@@ -15,6 +15,7 @@ from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.experiment import load_experiment
 from fedseq.server.pool import InProcessPool
+from fedseq.server.records import RoundRecord
 from fedseq.server.rundir import RunDir, recorded
 
 
@@ -48,7 +49,7 @@ def sim_threads(setting: int | str | None) -> int:
 def run_simulation(
     cfg: ExperimentConfig,
     out: Path | None,
-    on_round: Callable[[dict[str, Any]], None] | None = None,
+    on_round: Callable[[RoundRecord], None] | None = None,
     mode: str = "new",
     info: dict[str, Any] | None = None,
     on_progress: Callable[[int, int], None] | None = None,

@@ -16,49 +16,46 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fedseq.common.errors import ConfigError
+from fedseq.server.records import RoundRecord
 
-# metrics.jsonl keys -> TensorBoard tags (accuracies in %, as the report shows them; tags of
-# letters, digits and _ only, which TensorBoard keeps as written)
-ACCURACY_TAGS = {"global_acc": "accuracy/G_global", "personal_acc": "accuracy/P_personalized",
-                 "local_acc": "accuracy/L_local_all_clients",
-                 "round_local_acc": "accuracy/Lr_local_round_trainers"}
-COST_TAGS = {"bytes_down": "cost/bytes_down", "bytes_up": "cost/bytes_up",
-             "train_flops": "cost/train_flops", "seconds": "time/seconds",
-             "energy_j": "energy/joules_devices"}
+# accuracies (RoundRecord.accuracies' names) -> TensorBoard tags (in %, as the report shows them;
+# tags of letters, digits and _ only, which TensorBoard keeps as written)
+ACCURACY_TAGS = {"G": "accuracy/G_global", "P": "accuracy/P_personalized",
+                 "L": "accuracy/L_local_all_clients", "Lr": "accuracy/Lr_local_round_trainers"}
 
 
-def row_scalars(row: dict[str, Any], totals: dict[str, float]) -> tuple[int, dict[str, float]]:
+def row_scalars(row: RoundRecord, totals: dict[str, float]) -> tuple[int, dict[str, float]]:
     """One metrics.jsonl row as (step, {name: value}): the round is the step; the fine-tuning
     row is logged at step = rounds as accuracy/P_after_finetuning; cumulative MB and TFLOP
     beside the per-round values (`totals` carries the sums from row to row)."""
-    step = int(row["round"])
     out: dict[str, float] = {}
-    if row.get("phase") == "finetune":
-        for key, tag in (("personal_acc", "accuracy/P_after_finetuning"),
-                         ("global_acc", "accuracy/G_global")):
-            if row.get(key) is not None:
-                out[tag] = 100 * row[key]
-        if row.get("train_flops"):
-            out["cost/finetune_flops"] = row["train_flops"]
-        return step, out
-    for key, tag in ACCURACY_TAGS.items():
-        if row.get(key) is not None:
-            out[tag] = 100 * row[key]
-    for key, tag in COST_TAGS.items():
-        if row.get(key) is not None:
-            out[tag] = row[key]
-    totals["moved"] = totals.get("moved", 0.0) + row.get("bytes_down", 0) + row.get("bytes_up", 0)
-    totals["flops"] = totals.get("flops", 0.0) + row.get("train_flops", 0)
+    if row.phase == "finetune":
+        if row.personal_acc is not None:
+            out["accuracy/P_after_finetuning"] = 100 * row.personal_acc
+        if row.global_acc is not None:
+            out["accuracy/G_global"] = 100 * row.global_acc
+        if row.train_flops:
+            out["cost/finetune_flops"] = row.train_flops
+        return row.round, out
+    for name, acc in row.accuracies().items():
+        if acc is not None:
+            out[ACCURACY_TAGS[name]] = 100 * acc
+    costs = {"cost/bytes_down": row.bytes_down, "cost/bytes_up": row.bytes_up,
+             "cost/train_flops": row.train_flops, "cost/client_steps": row.client_steps,
+             "time/seconds": row.seconds, "energy/joules_devices": row.energy_j}
+    out.update({tag: v for tag, v in costs.items() if v is not None})
+    totals["moved"] = totals.get("moved", 0.0) + row.bytes_down + row.bytes_up
+    totals["flops"] = totals.get("flops", 0.0) + row.train_flops
     out["cost/cumulative_MB"] = totals["moved"] / 1e6
     out["cost/cumulative_TFLOP"] = totals["flops"] / 1e12
-    out["clients/reported"] = len(row.get("reported", []))
-    out["clients/missing_or_rejected"] = len(row.get("failed", [])) + len(row.get("rejected", {}))
-    return step, out
+    out["clients/reported"] = len(row.reported)
+    out["clients/missing_or_rejected"] = len(row.failed) + len(row.rejected)
+    return row.round, out
 
 
 class Tracker(Protocol):
     def log_config(self, config_toml: str, config: dict[str, Any], info: dict[str, Any]) -> None: ...
-    def log_row(self, row: dict[str, Any]) -> None: ...
+    def log_row(self, row: RoundRecord) -> None: ...
     def close(self) -> None: ...
 
 
@@ -82,7 +79,7 @@ class TensorBoard:
         if facts:
             self.writer.add_text("run/info", facts, 0)
 
-    def log_row(self, row: dict[str, Any]) -> None:
+    def log_row(self, row: RoundRecord) -> None:
         step, scalars = row_scalars(row, self.totals)
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, step)
@@ -192,7 +189,7 @@ class MLflow:
             self.client.set_tag(self.run_id, f"fedseq.{k}", str(v)[:5000])
         self.state = str(info.get("state", "?"))
 
-    def log_row(self, row: dict[str, Any]) -> None:
+    def log_row(self, row: RoundRecord) -> None:
         import time
 
         from mlflow.entities import Metric

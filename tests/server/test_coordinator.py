@@ -117,7 +117,7 @@ class PoisonPool(InProcessPool):
 def test_bad_update_rejected_model_stays_finite(mode):
     PoisonPool.mode = mode
     coord, _ = _coord("fedrod", pool_cls=PoisonPool)
-    row = coord.run_round(0)
+    row = coord.run_round(0).to_json()  # the row as metrics.jsonl holds it
     assert len(row["rejected"]) == 1 and [int(c) for c in row["rejected"]] == row["failed"]
     assert len(row["reported"]) == 1
     assert all(torch.isfinite(v).all() for v in coord.global_weights.values())
@@ -159,7 +159,7 @@ def test_late_update_ignored():
             return TrainRound(with_a_late_one())
 
     coord, _ = _coord("fedavg", pool_cls=LatePool)
-    row = coord.run_round(1)
+    row = coord.run_round(1).to_json()  # the row as metrics.jsonl holds it
     assert len(row["reported"]) == 2
 
 
@@ -177,7 +177,7 @@ def test_local_acc_scores_each_clients_last_locally_trained_model(name):
     last: dict[int, tuple[int, int]] = {}
     for t in range(3):
         global_w = dict(coord.global_weights)
-        row = coord.run_round(t)
+        row = coord.run_round(t).to_json()  # the row as metrics.jsonl holds it
         fresh = {}
         for c in row["clients"]:
             _, personal[c] = run_client_round(ref_model, {**global_w, **personal[c]}, alg.plan(t),
@@ -202,7 +202,7 @@ def test_updates_streamed_before_a_quorum_failure_are_discarded():
     streamed in and were folded in, then the round missed its quorum of three."""
     coord, model = _coord("fedavg", "deploy.min_updates=3")
     before = {k: v.clone() for k, v in coord.global_weights.items()}
-    row = coord.run_round(0)
+    row = coord.run_round(0).to_json()  # the row as metrics.jsonl holds it
     assert row["status"] == "failed" and row["reported"] == [] and row["round_local_acc"] is None
     assert row["quorum_failed"] == "2 valid updates < deploy.min_updates=3"
     assert row["received"] == row["clients"]
@@ -225,7 +225,7 @@ def test_a_non_finite_aggregate_refuses_the_round_and_keeps_the_model(monkeypatc
         self.sums[next(iter(self.sums))].view(-1)[0] = float("inf")
 
     monkeypatch.setattr(aggregate.WeightedDeltaSum, "add", add_inf)
-    row = coord.run_round(0)
+    row = coord.run_round(0).to_json()  # the row as metrics.jsonl holds it
     assert row["status"] == "failed" and "NaN or Inf" in row["quorum_failed"]
     assert all(torch.equal(coord.global_weights[k], v) for k, v in before.items())
 
@@ -244,7 +244,7 @@ def test_a_stop_between_checkpoint_and_row_is_healed_on_resume(tmp_path, monkeyp
     real = RunDir.log_round
 
     def stop_at_round_1(self, row):
-        if row["round"] == 1:
+        if row.round == 1:
             raise KeyboardInterrupt
         real(self, row)
 
@@ -312,10 +312,34 @@ def test_one_failing_device_holding_a_rounds_selection_does_not_end_the_run():
 
     FailingDevicePool.able = 1
     coord, _ = _coord("fedavg", pool_cls=FailingDevicePool)
-    row = coord.run_round(0)
+    row = coord.run_round(0).to_json()  # the row as metrics.jsonl holds it
     assert row["reported"] == [] and row["failed"] == row["clients"]
     assert row["device_failures"] == {"dev01": "out of memory"}
     FailingDevicePool.able = 0
     coord, _ = _coord("fedavg", pool_cls=FailingDevicePool)
     with pytest.raises(TransportError, match="no device can train: dev01: out of memory"):
         coord.run_round(0)
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedrep", "fedreg"])
+def test_client_steps_count_the_local_optimizer_steps(name):
+    """The round's client_steps, recomputed from the plan: per reported client, every phase's
+    epochs x its batches x its training objectives (FedReG's rebalanced phase iterates over its
+    rebalanced rows); the fine-tuning row counts its own."""
+    import math
+
+    from fedseq.common.flops import phase_rows
+
+    coord, _ = _coord(name, "deploy.min_updates=1")
+    records = coord.run().records
+    plan, bs = coord.alg.plan(0), coord.cfg.train.batch_size
+    rec = records[0]
+    expected = sum(p.epochs * math.ceil(n / bs) * sum(1 for o in p.objectives if o.trainable)
+                   for c in rec.reported
+                   for p, n in zip(plan.phases, phase_rows(plan, coord.data, coord.data.clients[c]),
+                                   strict=True))
+    assert rec.client_steps == expected > 0
+    if name == "fedavg":  # one phase, one objective: the batches themselves
+        assert expected == sum(math.ceil(len(coord.data.clients[c].train) / bs)
+                               for c in rec.reported)
+    assert all(r.client_steps for r in records if r.reported or r.phase == "finetune")

@@ -258,7 +258,7 @@ def test_survives_broker_restart(data_root, tmp_path, mosquitto):
     restarted = []
 
     def on_round(row):
-        if row["round"] == 0 and not restarted:
+        if row.round == 0 and not restarted:
             restart_broker()
             restarted.append(True)
 
@@ -301,7 +301,7 @@ def test_broker_loses_everything_then_a_device_reboots(data_root, tmp_path, mosq
     events = []
 
     def on_round(row):
-        if row["round"] == 0 and not events:
+        if row.round == 0 and not events:
             stop_children([devices[1]])
             restart_broker(lose_everything=True)
             devices.append(_device("local02", port, home, data_root))  # boots after the loss

@@ -59,7 +59,7 @@ def test_an_unfinished_run_says_so(two_runs, tmp_path, data_root):
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.threads=1")
 
     def stop_after_round_1(row):
-        if row["round"] == 1:
+        if row.round == 1:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):

@@ -35,7 +35,7 @@ def test_simulation_resume_is_bitwise(data_root, tmp_path, algorithm):
     full = run_simulation(cfg, tmp_path / "full")
 
     def stop_after_round_1(row):
-        if row["round"] == 1:
+        if row.round == 1:
             raise KeyboardInterrupt
 
     part = tmp_path / "part"
