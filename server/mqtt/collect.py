@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import DeployConfig
@@ -75,106 +75,132 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
     """The valid updates of step `seq`, in client order as soon as they can be folded in (the
     same order as the simulation: bitwise parity), until every selected client answered, failed
     or went offline with its device, or the deadline passed."""
-    outcome = RoundOutcome()
-    for device, reason in session.incompatible.items():
-        if any(owner.get(c) == device for c in clients):
-            outcome.device_failures[device] = reason
-            outcome.blocked |= {c for c in clients if owner.get(c) == device}
-            log.warning("round %d: %s cannot train (%s)", round, device, reason)
-    owing = {c for c in clients if owner.get(c) in session.online
-             and owner.get(c) not in outcome.device_failures}
-    got: dict[int, ClientUpdate] = {}
-    load: dict[str, int] = {}
-    for c in clients:
-        if c in owner:
-            load[owner[c]] = load.get(owner[c], 0) + 1
-    outcome.deadline_s = timeout = policy.deadline(load)
-    late_before = session.inbox.late
-    started = time.monotonic()
-    deadline = started + timeout
-    last_arrival: dict[str, float] = {}
-    claimed: dict[str, float] = {}  # device -> joules its accepted updates claim in this step
-    order = sorted(clients)
-    handed = 0
+    step = _TrainStep(session, seq, round, clients, owner, check, policy)
+    while step.owing and time.monotonic() < step.deadline:
+        for ev in session.drain(min(1.0, step.deadline - time.monotonic())):
+            step.take(ev)
+        yield from step.ready()
+    outcome = step.close()
+    yield from step.ready()  # those that waited for a client that never came
+    return outcome
 
-    def ready() -> Generator[ClientUpdate, None, None]:
+
+class _TrainStep:
+    """One training step's collection: who still owes an update, the valid updates not yet
+    handed on in client order, and what the step's outcome records."""
+
+    def __init__(self, session: ServerSession, seq: int, round: int, clients: list[int],
+                 owner: dict[int, str], check: UpdateCheck, policy: DeadlinePolicy):
+        self.session, self.seq, self.round, self.check = session, seq, round, check
+        self.clients, self.owner, self.policy = clients, owner, policy
+        self.outcome = RoundOutcome()
+        for device, reason in session.incompatible.items():
+            if any(owner.get(c) == device for c in clients):
+                self._device_failed(device, reason)
+                log.warning("round %d: %s cannot train (%s)", round, device, reason)
+        self.owing = {c for c in clients if owner.get(c) in session.online
+                      and owner.get(c) not in self.outcome.device_failures}
+        self.got: dict[int, ClientUpdate] = {}
+        #: device -> its clients in this step
+        self.load: dict[str, int] = {}
+        for c in clients:
+            if c in owner:
+                self.load[owner[c]] = self.load.get(owner[c], 0) + 1
+        self.outcome.deadline_s = self.timeout = policy.deadline(self.load)
+        self.late_before = session.inbox.late
+        self.started = time.monotonic()
+        self.deadline = self.started + self.timeout
+        self.last_arrival: dict[str, float] = {}
+        self.claimed: dict[str, float] = {}  # device -> joules its accepted updates claim
+        self.order = sorted(clients)
+        self.handed = 0  # updates handed on (or skipped) in client order
+
+    def _device_failed(self, device: str, reason: str) -> None:
+        self.outcome.device_failures[device] = reason
+        self.outcome.blocked |= {c for c in self.clients if self.owner.get(c) == device}
+
+    def _lost(self, device: str) -> set[int]:
+        """The clients of `device` that owed an update: none will come."""
+        lost = {c for c in self.owing if self.owner.get(c) == device}
+        self.owing -= lost
+        return lost
+
+    def take(self, ev: object) -> None:
+        """One event of the session: a device offline or failing, or an update."""
+        if isinstance(ev, DeviceOffline):
+            lost = self._lost(ev.device)
+            if lost:
+                log.warning("round %d: device %s went offline; clients %s fail", self.round,
+                            ev.device, sorted(lost))
+        elif isinstance(ev, StepFailed) and ev.seq in (self.seq, -1):
+            log.warning("round %d: %s cannot train (%s); clients %s fail", self.round, ev.device,
+                        ev.reason, sorted(self._lost(ev.device)))
+            self._device_failed(ev.device, ev.reason)
+        elif isinstance(ev, UpdateArrived) and ev.seq == self.seq:  # else: a frame completed
+            self._update(ev.update, ev.device)                      # just as the step changed
+
+    def _update(self, update: ClientUpdate, device: str) -> None:
+        # Validation comes first: an invalid update never displaces a valid one.
+        if self.check(update) is not None:
+            if update.diverged_at is not None and self.owner.get(update.client) == device:
+                self.owing.discard(update.client)  # its own device says training diverged
+            return
+        if update.client in self.got:
+            log.info("round %d: duplicate update of client %d from %s ignored", self.round,
+                     update.client, device)
+            return
+        joules = update.cost.energy_j if update.cost is not None else None
+        if joules is not None and not plausible_joules(
+                self.claimed, device, joules, time.monotonic() - self.started):
+            log.warning("round %d: %s claims %.0f J for client %d, more than %.0f W since the "
+                        "step went out: its energy figures are dropped", self.round, device,
+                        joules, update.client, MAX_DEVICE_W)
+            update.cost = dataclasses.replace(update.cost, energy_j=None, energy_w=None,
+                                              energy_rails=None)
+        self.got[update.client] = update
+        self.outcome.reporters[update.client] = device
+        self.last_arrival[device] = time.monotonic()
+        self.owing.discard(update.client)
+
+    def ready(self) -> Iterator[ClientUpdate]:
         """The updates that are next in client order."""
-        nonlocal handed
-        while handed < len(order):
-            c = order[handed]
-            if c in got:
-                handed += 1
-                yield got[c]
-            elif c not in owing:  # failed, offline or not assigned: never coming
-                handed += 1
+        while self.handed < len(self.order):
+            c = self.order[self.handed]
+            if c in self.got:
+                self.handed += 1
+                yield self.got[c]
+            elif c not in self.owing:  # failed, offline or not assigned: never coming
+                self.handed += 1
             else:
                 return
 
-    while owing and time.monotonic() < deadline:
-        for ev in session.drain(min(1.0, deadline - time.monotonic())):
-            if isinstance(ev, DeviceOffline):
-                lost = {c for c in owing if owner.get(c) == ev.device}
-                if lost:
-                    log.warning("round %d: device %s went offline; clients %s fail", round,
-                                ev.device, sorted(lost))
-                owing -= lost
-            elif isinstance(ev, StepFailed) and ev.seq in (seq, -1):
-                lost = {c for c in owing if owner.get(c) == ev.device}
-                log.warning("round %d: %s cannot train (%s); clients %s fail", round, ev.device,
-                            ev.reason, sorted(lost))
-                owing -= lost
-                outcome.device_failures[ev.device] = ev.reason
-                outcome.blocked |= {c for c in clients if owner.get(c) == ev.device}
-            elif isinstance(ev, UpdateArrived):
-                if ev.seq != seq:
-                    continue  # a frame completed just as the step changed
-                update = ev.update
-                # Validation comes first: an invalid update never displaces a valid one.
-                if check(update) is not None:
-                    if update.diverged_at is not None and owner.get(update.client) == ev.device:
-                        # its own device says training diverged: no other update will come
-                        owing.discard(update.client)
-                    continue
-                if update.client in got:
-                    log.info("round %d: duplicate update of client %d from %s ignored", round,
-                             update.client, ev.device)
-                    continue
-                joules = update.cost.energy_j if update.cost is not None else None
-                if joules is not None and not plausible_joules(
-                        claimed, ev.device, joules, time.monotonic() - started):
-                    log.warning("round %d: %s claims %.0f J for client %d, more than %.0f W since "
-                                "the step went out: its energy figures are dropped", round,
-                                ev.device, joules, update.client, MAX_DEVICE_W)
-                    update.cost = dataclasses.replace(update.cost, energy_j=None, energy_w=None,
-                                                      energy_rails=None)
-                got[update.client] = update
-                outcome.reporters[update.client] = ev.device
-                last_arrival[ev.device] = time.monotonic()
-                owing.discard(update.client)
-        yield from ready()
-    session.inbox.collect(-1)
-    finished: dict[str, float] = {}  # device -> seconds until its last update, if it sent all
-    for device in load:
-        mine = [c for c in clients if owner.get(c) == device]
-        if all(c in got for c in mine):
-            finished[device] = last_arrival[device] - started
-            policy.measured(device, len(mine), finished[device])
-        elif device not in outcome.device_failures and any(c in owing for c in mine):
-            outcome.missed_deadline.append(device)  # still training when the deadline passed
-            policy.missed(device, sum(c in got for c in mine), timeout)
-    if len(finished) >= 2:  # what the slowest device cost the round
-        order_f = sorted(finished, key=finished.__getitem__)
-        outcome.slowest = (order_f[-1], finished[order_f[-1]] - finished[order_f[-2]])
-    outcome.late_updates = session.inbox.late - late_before
-    outcome.wire = session.wire_bytes()
-    outcome.able_devices = sum(1 for d in set(owner.values()) if d in session.online
-                               and d not in session.incompatible
-                               and d not in outcome.device_failures)
-    if owing:
-        log.warning("round %d: no update from clients %s before the deadline", round, sorted(owing))
-    owing.clear()
-    yield from ready()  # those that waited for a client that never came
-    return outcome
+    def close(self) -> RoundOutcome:
+        """The step is over (all answered, or the deadline passed): measure the devices' pace,
+        record who missed the deadline and the slowest device; nobody owes anything now."""
+        session, outcome = self.session, self.outcome
+        session.inbox.collect(-1)
+        finished: dict[str, float] = {}  # device -> seconds until its last update, if it sent all
+        for device in self.load:
+            mine = [c for c in self.clients if self.owner.get(c) == device]
+            if all(c in self.got for c in mine):
+                finished[device] = self.last_arrival[device] - self.started
+                self.policy.measured(device, len(mine), finished[device])
+            elif device not in outcome.device_failures and any(c in self.owing for c in mine):
+                outcome.missed_deadline.append(device)  # still training when the deadline passed
+                self.policy.missed(device, sum(c in self.got for c in mine), self.timeout)
+        if len(finished) >= 2:  # what the slowest device cost the round
+            by_time = sorted(finished, key=finished.__getitem__)
+            outcome.slowest = (by_time[-1], finished[by_time[-1]] - finished[by_time[-2]])
+        outcome.late_updates = session.inbox.late - self.late_before
+        outcome.wire = session.wire_bytes()
+        outcome.able_devices = sum(1 for d in set(self.owner.values()) if d in session.online
+                                   and d not in session.incompatible
+                                   and d not in outcome.device_failures)
+        if self.owing:
+            log.warning("round %d: no update from clients %s before the deadline", self.round,
+                        sorted(self.owing))
+        self.owing.clear()
+        return outcome
 
 
 def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[int]],
