@@ -9,12 +9,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
-from fedseq.common.algorithms.plan import ClientPlan, Objective
+from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 from fedseq.common.data.federated import ClientShard, FederatedData
 from fedseq.common.data.rebalance import Rebalanced, rebalance, simple_augment
 from fedseq.common.models import BlockModel, Weights, get_blocks, set_weights
@@ -138,49 +139,25 @@ def train_plan(
     diverged_at: int | None = None
     try:
         for phase in plan.phases:
-            rows, images, ys = shard.train, data.images, data.y
-            augment = None
-            if phase.data == "rebalanced":
-                assert plan.rebalance_threshold is not None, "rebalanced phase needs a threshold"
-                if plan.rebalance_once:
-                    rb, xs = fixed_rebalanced(data, shard, plan.rebalance_threshold, seed)
-                    rows, images, ys = torch.arange(len(xs)), xs.__getitem__, data.y[rb.indices]
-                else:
-                    rb = rebalance(shard.train, data.y, plan.rebalance_threshold, g_aug)
-                    rows, augment = rb.indices, rb.augment
-                effective = rb.effective
+            rows = _PhaseRows.of(phase, plan, data, shard, seed, g_aug)
+            effective = rows.effective if rows.effective is not None else effective
             optimizers = []
             for obj in phase.objectives:
                 params = set_trainable(model, obj.trainable)
-                optimizers.append(
-                    Sgd(params, lr=plan.lr, momentum=plan.momentum)
-                    if params else None
-                )
-            n = len(rows)
-            for _ in range(phase.epochs):
-                perm = torch.randperm(n, generator=g_batch)
-                for i in range(0, n, plan.batch_size):
-                    pick = perm[i : i + plan.batch_size]
-                    idx = rows[pick]
-                    x = images(idx)
-                    if augment is not None:
-                        aug = augment[pick]
-                        if aug.any():
-                            x[aug] = simple_augment(x[aug], g_aug)
-                    y = ys[idx]
-                    if dev.type != "cpu":
-                        x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
-                    cache: dict[str, torch.Tensor] = {}
-                    for obj, opt in zip(phase.objectives, optimizers):
-                        if opt is None:
-                            continue
-                        if len(phase.objectives) > 1:
-                            set_trainable(model, obj.trainable)
-                        loss = train_step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
-                        if not math.isfinite(loss):
-                            raise _Diverged
-                        loss_sum += loss
-                    batches += 1
+                optimizers.append(Sgd(params, lr=plan.lr, momentum=plan.momentum)
+                                  if params else None)
+            for x, y in rows.batches(phase.epochs, plan.batch_size, g_batch, g_aug, dev):
+                cache: dict[str, torch.Tensor] = {}
+                for obj, opt in zip(phase.objectives, optimizers):
+                    if opt is None:
+                        continue
+                    if len(phase.objectives) > 1:
+                        set_trainable(model, obj.trainable)
+                    loss = train_step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
+                    if not math.isfinite(loss):
+                        raise _Diverged
+                    loss_sum += loss
+                batches += 1
     except _Diverged:
         diverged_at = batches + 1
     set_trainable(model, ())
@@ -192,6 +169,50 @@ def train_plan(
         mean_loss=loss_sum / max(1, batches),
         diverged_at=diverged_at,
     )
+
+
+@dataclass
+class _PhaseRows:
+    """The rows one phase trains on: the client's own, or FedReG's rebalanced set (its rows,
+    which of them to augment, and its effective size)."""
+
+    rows: torch.Tensor
+    images: Callable[[torch.Tensor], torch.Tensor]
+    ys: torch.Tensor
+    augment: torch.Tensor | None = None
+    effective: int | None = None
+
+    @classmethod
+    def of(cls, phase: Phase, plan: ClientPlan, data: FederatedData, shard: ClientShard,
+           seed: int, g_aug: torch.Generator) -> _PhaseRows:
+        if phase.data != "rebalanced":
+            return cls(shard.train, data.images, data.y)
+        assert plan.rebalance_threshold is not None, "rebalanced phase needs a threshold"
+        if plan.rebalance_once:
+            rb, xs = fixed_rebalanced(data, shard, plan.rebalance_threshold, seed)
+            return cls(torch.arange(len(xs)), xs.__getitem__, data.y[rb.indices],
+                       effective=rb.effective)
+        rb = rebalance(shard.train, data.y, plan.rebalance_threshold, g_aug)
+        return cls(rb.indices, data.images, data.y, rb.augment, rb.effective)
+
+    def batches(self, epochs: int, size: int, g_batch: torch.Generator, g_aug: torch.Generator,
+                dev: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(images, labels) of every batch of every epoch, in the generator's order, on `dev`."""
+        n = len(self.rows)
+        for _ in range(epochs):
+            perm = torch.randperm(n, generator=g_batch)
+            for i in range(0, n, size):
+                pick = perm[i : i + size]
+                idx = self.rows[pick]
+                x = self.images(idx)
+                if self.augment is not None:
+                    aug = self.augment[pick]
+                    if aug.any():
+                        x[aug] = simple_augment(x[aug], g_aug)
+                y = self.ys[idx]
+                if dev.type != "cpu":
+                    x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+                yield x, y
 
 
 def fixed_rebalanced(
