@@ -143,11 +143,22 @@ def sim(
         help="Replay the final fine-tuning of this finished simulated run into a new --out, "
              "under other algorithm.finetune_epochs / finetune_blocks (--set); its federated "
              "rounds are reused, not retrained")] = None,
+    workers: Annotated[int, typer.Option(
+        help="Train the clients in N worker processes (torch.distributed, Gloo), train.threads "
+             "each (default 1): the numbers of an in-process run with as many threads; N = "
+             "the cores is the fast setting. Under torchrun the group is torchrun's "
+             "(README, Scaling out)", min=0)] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     version: VersionOpt = False,
 ) -> None:
-    """Run a federated experiment in one process and write a run directory."""
+    """Run a federated experiment (in one process, or with --workers) and write a run directory."""
     import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0":
+        from fedseq.server.distributed import worker_main
+
+        worker_main()  # a rank of torchrun's group: rank 0 runs the round loop and writes
+        return         # the run directory
 
     # Before torch loads OpenMP: waiting threads sleep instead of spinning, so a run that meets
     # other work keeps going (measured beside one busy process, 2 threads: > 200 s per round
@@ -163,8 +174,12 @@ def sim(
                         config is not None or resume is not None or seeds is not None or overwrite)
         return
     cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and mode == "new" \
+            and (out / "checkpoint.safetensors").exists():
+        mode = "resume"  # torchrun --max-restarts started the group again: continue the run
+        _refuse_result_changes(out, cfg)
     if seeds is None:
-        _simulate(cfg, out, mode, info, quiet)
+        _simulate(cfg, out, mode, info, quiet, workers)
         _summary(out)
         return
     from fedseq.server.seeds import parse_seeds, parse_vary, seed_config, seed_dir, seed_state
@@ -181,7 +196,8 @@ def sim(
             continue
         print(f"seed {s}: {state} -> {path}", file=sys.stderr)
         run_mode = {"restart": "overwrite"}.get(state, state)
-        _simulate(seed_cfg, path, run_mode, {**info, "sweep": str(out), "vary": vary}, quiet)
+        _simulate(seed_cfg, path, run_mode, {**info, "sweep": str(out), "vary": vary}, quiet,
+                  workers)
         _summary(path)
     print(f"sweep finished: {len(todo)} seeds in {out}  (fedseq report {out})", file=sys.stderr)
 
@@ -207,7 +223,7 @@ def _finetune_again(src: Path, overrides: list[str], out: Path | None, quiet: bo
 
 
 def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],
-              quiet: bool) -> None:
+              quiet: bool, workers: int = 0) -> None:
     """One simulated run with its progress bar; a one-line error (exit 2) or the resume line
     (exit 130) where it stops early."""
     from fedseq.common.algorithms import algorithm_class
@@ -237,7 +253,7 @@ def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],
 
         noted: list[bool] = []
         try:
-            run_simulation(cfg, out, on_round, mode, info, on_progress)
+            run_simulation(cfg, out, on_round, mode, info, on_progress, workers=workers)
         except FedseqError as exc:
             progress.stop()
             _fail(exc)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from fedseq.common.config import ExperimentConfig
+from fedseq.common.errors import ConfigError
 from fedseq.common.hardware import compute_record, torch_device
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
@@ -54,9 +55,15 @@ def run_simulation(
     info: dict[str, Any] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     pause_after: int | None = None,
+    workers: int = 0,
 ) -> RunResult:
-    """Load data, build the seed-derived model, run all rounds (and fine-tuning) in-process.
-    mode "resume" continues `out` after its checkpoint's last complete round."""
+    """Load data, build the seed-derived model, run all rounds (and fine-tuning): in-process, or
+    with `workers` > 0 by that many worker processes (server/distributed.py; under torchrun, the
+    group's). mode "resume" continues `out` after its checkpoint's last complete round."""
+    from fedseq.server.distributed import under_torchrun
+
+    if workers > 0 or under_torchrun():
+        return _run_distributed(cfg, out, on_round, mode, info, on_progress, pause_after, workers)
     threads = sim_threads(cfg.train.threads)
     torch.set_num_threads(threads)
     info = {**(info or {}), "threads": threads}
@@ -77,3 +84,51 @@ def run_simulation(
     coordinator.pause_after = pause_after
     with recorded(run_dir):
         return coordinator.run(ckpt)
+
+
+def _run_distributed(
+    cfg: ExperimentConfig,
+    out: Path | None,
+    on_round: Callable[[RoundRecord], None] | None,
+    mode: str,
+    info: dict[str, Any] | None,
+    on_progress: Callable[[int, int], None] | None,
+    pause_after: int | None,
+    workers: int,
+) -> RunResult:
+    """Rank 0 of a distributed simulation: the same round loop over a DistributedPool. Every
+    worker and rank 0 use train.threads torch threads (default 1: one thread per client and a
+    worker per core is the fast setting, and its numbers are the in-process run's with
+    train.threads = 1)."""
+    from fedseq.server.distributed import DistributedPool, end_group, start_group
+
+    if torch_device(cfg.train.device).type != "cpu":
+        raise ConfigError(f"train.device = {cfg.train.device!r}: --workers trains on CPU cores "
+                          "for now; drop --workers to train on the GPU in one process")
+    threads = cfg.train.threads if isinstance(cfg.train.threads, int) else 1
+    torch.set_num_threads(threads)
+    ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
+    # rank 0 never trains: the partition's sizes and labels and the test images are enough
+    exp = load_experiment(cfg, test_images_only=True)
+    procs = start_group(cfg, workers, threads)
+    try:
+        import torch.distributed as dist
+
+        workers = dist.get_world_size() - 1
+        info = {**(info or {}), "threads": threads, "workers": workers,
+                **compute_record(torch.device("cpu")), "device": "cpu"}
+        pool = DistributedPool({c.client: (len(c.train), len(c.test)) for c in exp.data.clients},
+                               exp.model, exp.algorithm.personal_blocks(),
+                               cfg.seed_for("training"), cfg.train.eval_batch_size)
+        run_dir = None
+        if out is not None:
+            run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0, info)
+        coordinator = Coordinator(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir,
+                                  on_round, on_progress)
+        coordinator.pause_after = pause_after
+        with recorded(run_dir):
+            result = coordinator.run(ckpt)
+        pool.stop()
+        return result
+    finally:
+        end_group(procs)

@@ -1,0 +1,399 @@
+"""fedseq-sim --workers N: a simulation's clients trained by worker processes over torch.distributed.
+
+Rank 0 runs the round loop with a `DistributedPool`; ranks 1..N are workers (`serve`). One
+machine: `fedseq-sim --workers N` starts the workers itself (Gloo over loopback). Several
+machines: the same command under `torchrun` (every rank runs fedseq-sim; rank 0 is the one that
+writes the run directory).
+
+Every step goes out to all workers at once (one broadcast: the step, the weights, which worker
+trains which client, and those clients' personal blocks) and comes back in one gather. The round
+loop folds the updates in client order, as in-process. A client's result depends on its data,
+seeds, weights and torch thread count, never on which process trains it, so with the same threads
+per client a run with any number of workers is bitwise the in-process run (tests/server/
+test_distributed.py). The selected clients are spread over the workers each step by their rows
+(largest first to the least loaded worker): a fixed client-to-worker assignment leaves one worker
+with two thirds of a 6-client round about half the time. Rank 0 keeps every client's personal
+blocks (as the in-process pool does: its checkpoints are the same, so a run resumes with another
+number of workers, or in-process).
+
+Workers are trusted peers of rank 0 (a cluster's own processes): messages are torch.distributed
+objects (pickles), unlike the MQTT wire to devices.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+# A rank started as `python -m fedseq.server.distributed` (or fedseq-sim under torchrun, cli.py):
+# c10d's own log lines (a stack trace per connection retry) before torch loads; every failure of
+# the group is said in one line here instead.
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from fedseq.common import __version__
+from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.plan import ClientPlan
+from fedseq.common.config import ExperimentConfig, dump_config, tomllib
+from fedseq.common.errors import ConfigError, FedseqError, TransportError
+from fedseq.common.evaluation import EvalReport, evaluate
+from fedseq.common.models import BlockModel, Weights, get_blocks
+from fedseq.common.training import finetune_and_score, run_client_round
+from fedseq.server.pool import (
+    EvalOutcome,
+    FinetuneOutcome,
+    PoolState,
+    Progress,
+    RoundOutcome,
+    ScoreCheck,
+    TrainRound,
+    UpdateCheck,
+)
+
+log = logging.getLogger(__name__)
+
+#: how long a step's collectives may wait: a dead worker is noticed at once (its sockets close),
+#: a round's training may take long at paper scale. Joining and the greeting use JOIN_TIMEOUT.
+STEP_TIMEOUT = datetime.timedelta(hours=6)
+_STEPS: list[Any] = []  # the group of the steps (every rank), made once the group is joined
+
+
+def steps_group() -> Any:
+    """The process group the steps run in: every rank, with STEP_TIMEOUT (the default group,
+    used to join and greet, has JOIN_TIMEOUT: a missing rank is said within it)."""
+    if not _STEPS:
+        _STEPS.append(dist.new_group(backend="gloo", timeout=STEP_TIMEOUT))
+    return _STEPS[0]
+#: how long a rank waits to reach the rendezvous (FEDSEQ_JOIN_TIMEOUT_S overrides it)
+JOIN_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("FEDSEQ_JOIN_TIMEOUT_S", 300)))
+
+
+def balance(clients: list[int], rows: dict[int, int], workers: int) -> list[list[int]]:
+    """Each worker's clients for one step: largest first to the least loaded worker (ties: the
+    lower client, the lower worker), each worker's list in client order. Deterministic."""
+    shares: list[list[int]] = [[] for _ in range(workers)]
+    load = [0] * workers
+    for c in sorted(clients, key=lambda c: (-rows[c], c)):
+        w = min(range(workers), key=lambda w: (load[w], w))
+        shares[w].append(c)
+        load[w] += rows[c]
+    return [sorted(s) for s in shares]
+
+
+@dataclass
+class StepTiming:
+    """One step as rank 0 saw it: its wall time from broadcast to gathered answers, and the
+    compute seconds of its busiest worker; the difference is the distribution's overhead."""
+
+    kind: str
+    wall_s: float
+    busiest_s: float
+
+
+class DistributedPool:
+    """The clients of a simulation, trained by the workers of a torch.distributed process group
+    (this process is rank 0). Their personal blocks are kept here."""
+
+    def __init__(self, data_sizes: dict[int, tuple[int, int]], model: BlockModel,
+                 personal_blocks: tuple[str, ...], seed: int, eval_batch: int):
+        #: client -> (training rows, test rows): what a step's share is balanced by
+        self.sizes = data_sizes
+        self.seed = seed
+        self.eval_batch = eval_batch
+        self.workers = dist.get_world_size() - 1
+        #: every step's wall time here and its busiest worker's compute (bench/workers.py)
+        self.timings: list[StepTiming] = []
+        initial = get_blocks(model, personal_blocks)
+        self.personal: dict[int, Weights] = {
+            c: {k: v.clone() for k, v in initial.items()} for c in data_sizes}
+
+    def _step(self, kind: str, **body: Any) -> list[Any]:
+        """Send a step to every worker and gather their answers (rank 1 first)."""
+        answers: list[Any] = [None] * (self.workers + 1)
+        start = time.perf_counter()
+        try:
+            dist.broadcast_object_list([(kind, body)], src=0, group=steps_group())
+            dist.gather_object(None, answers, dst=0, group=steps_group())
+        except (RuntimeError, dist.DistError) as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise TransportError(f"a simulation worker stopped during a {kind} step ({first}); "
+                                 "the run directory resumes after its last complete round: "
+                                 "fedseq-sim --resume OUT") from exc
+        for a in answers[1:]:
+            if isinstance(a, str):  # a worker's own error, in one line
+                raise TransportError(f"a simulation worker failed a {kind} step: {a}")
+        self.timings.append(StepTiming(kind, time.perf_counter() - start,
+                                       max(seconds for seconds, _ in answers[1:])))
+        return [answer for _, answer in answers[1:]]
+
+    def _shares(self, clients: list[int], which: int) -> list[list[int]]:
+        return balance(clients, {c: self.sizes[c][which] for c in clients}, self.workers)
+
+    def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
+        """Nothing to announce: every step carries what its clients need."""
+
+    def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
+              check: UpdateCheck) -> TrainRound:
+        return TrainRound(self._train(round, clients, plan, weights, check))
+
+    def _train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
+               check: UpdateCheck) -> Generator[ClientUpdate, None, RoundOutcome]:
+        got: dict[int, tuple[ClientUpdate, Weights]] = {}
+        for answer in self._step("train", round=round, plan=plan, weights=weights,
+                                 shares=self._shares(clients, 0),
+                                 personal={c: self.personal[c] for c in clients}):
+            got.update(answer)
+        for c in clients:
+            update, personal = got[c]
+            if update.diverged_at is None:  # a diverged client keeps its previous blocks
+                self.personal[c] = personal
+            if check(update) is None:
+                yield update
+        return RoundOutcome()
+
+    def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
+                 ) -> EvalOutcome:
+        """Every client's personalized model, and the global model in shards (each worker on its
+        clients' test rows)."""
+        clients = sorted(self.sizes)
+        g_correct = g_total = 0
+        per_client: dict[int, tuple[int, int]] = {}
+        for rep in self._step("evaluate", weights=weights, eval_heads=eval_heads,
+                              shares=self._shares(clients, 1), personal=self.personal):
+            g_correct += rep.global_correct
+            g_total += rep.global_total
+            per_client.update(rep.per_client)
+        return EvalOutcome(EvalReport(g_correct, g_total, dict(sorted(per_client.items()))))
+
+    def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
+                 check: ScoreCheck, progress: Progress) -> FinetuneOutcome:
+        clients = sorted(self.sizes)
+        out = FinetuneOutcome({})
+        for scores, diverged in self._step("finetune", plan=plan, weights=weights,
+                                           eval_heads=eval_heads, shares=self._shares(clients, 0),
+                                           personal=self.personal):
+            out.scores.update(scores)
+            out.diverged.update(diverged)
+        out.scores = dict(sorted(out.scores.items()))
+        out.diverged = dict(sorted(out.diverged.items()))
+        progress(len(out.scores), len(clients))
+        return out
+
+    def snapshot(self) -> PoolState:
+        return PoolState(None, self.personal)
+
+    def restore(self, state: PoolState) -> None:
+        self.personal.update(state.personal)
+
+    def stop(self) -> None:
+        """Tell the workers the run is over (they exit)."""
+        dist.broadcast_object_list([("stop", {})], src=0, group=steps_group())
+
+
+# -- rank 0: the group and its workers ----------------------------------------------------------
+
+
+def start_group(cfg: ExperimentConfig, workers: int, threads: int) -> list[subprocess.Popen]:
+    """Rank 0 of a new group: under torchrun (RANK/WORLD_SIZE set) join it, else start `workers`
+    worker processes on this machine (Gloo over loopback). Then hand every worker the config and
+    its thread count, and check what each says (its fedseq and torch versions, its data); returns
+    the processes started here. Refuses in one line what cannot work."""
+    procs: list[subprocess.Popen] = []
+    if under_torchrun():
+        join_from_env()
+    else:
+        store = dist.TCPStore("127.0.0.1", 0, workers + 1, is_master=True,
+                              timeout=JOIN_TIMEOUT, wait_for_workers=False)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        env.setdefault("MALLOC_ARENA_MAX", "2")
+        from fedseq.server.deployment import _die_with_parent
+
+        for rank in range(1, workers + 1):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "fedseq.server.distributed", "127.0.0.1", str(store.port),
+                 str(rank), str(workers + 1)], env=env, preexec_fn=_die_with_parent))
+        try:
+            dist.init_process_group("gloo", store=store, rank=0, world_size=workers + 1,
+                                    timeout=JOIN_TIMEOUT)
+        except (RuntimeError, dist.DistError) as exc:
+            stop_workers(procs)
+            raise TransportError(f"the {workers} simulation workers did not join within "
+                                 f"{JOIN_TIMEOUT.total_seconds():.0f} s: {str(exc).splitlines()[0]}") from exc
+    try:
+        # versions first, in plain types (a worker of another fedseq may not read our objects)
+        hellos: list[Any] = [None] * dist.get_world_size()
+        dist.gather_object(None, hellos, dst=0)
+        mine = (__version__, torch.__version__)
+        problems = [f"rank {h['rank']} on {h['host']} runs fedseq {h['fedseq']} with torch "
+                    f"{h['torch']}, rank 0 fedseq {mine[0]} with torch {mine[1]}"
+                    for h in hellos[1:] if (h["fedseq"], h["torch"]) != mine]
+        dist.broadcast_object_list([None if problems else (dump_config(cfg), threads)], src=0)
+        if not problems:  # then the experiment: the data must be there
+            ready: list[Any] = [None] * dist.get_world_size()
+            dist.gather_object(None, ready, dst=0)
+            problems = [f"rank {h['rank']} on {h['host']}: {h['error']}" for h in ready[1:]
+                        if h["error"]]
+            if problems:
+                dist.broadcast_object_list([("stop", {})], src=0)
+        if problems:
+            raise ConfigError("a simulation worker cannot run this experiment: " + problems[0]
+                              + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                              + "; install the same fedseq, torch and dataset everywhere")
+    except BaseException:
+        end_group(procs)
+        raise
+    return procs
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a group a launcher made (torchrun, srun)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def join_from_env() -> None:
+    """Join the group torchrun (or srun with MASTER_ADDR/PORT) describes. The rendezvous store is
+    reached within JOIN_TIMEOUT or the process ends in one line (not after the steps' timeout)."""
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"a distributed simulation needs RANK, WORLD_SIZE, MASTER_ADDR and "
+                          f"MASTER_PORT (torchrun sets them): {exc}") from exc
+    # torchrun's agent hosts the store itself; a plain launcher leaves it to rank 0
+    master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        store: Any = dist.TCPStore(host, port, world, is_master=master, timeout=JOIN_TIMEOUT)
+        # after a restart (torchrun --max-restarts) the store still holds the last attempt's
+        # addresses: each attempt has its own keys, as torch's env:// rendezvous does it
+        store = dist.PrefixStore(
+            f"/fedseq/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=JOIN_TIMEOUT)
+    except (RuntimeError, dist.DistError) as exc:
+        why = str(exc).strip().splitlines()[0][:200]
+        raise TransportError(f"rank {rank} could not join the group at {host}:{port} within "
+                             f"{JOIN_TIMEOUT.total_seconds():.0f} s ({why}); check MASTER_ADDR/"
+                             "MASTER_PORT and that rank 0 runs") from exc
+
+
+def stop_workers(procs: list[subprocess.Popen]) -> None:
+    from fedseq.server.deployment import stop_children
+
+    stop_children(procs, timeout=10)
+
+
+def end_group(procs: list[subprocess.Popen]) -> None:
+    """Leave the process group and stop the workers started here."""
+    _STEPS.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    stop_workers(procs)
+
+
+# -- ranks 1..N: the workers --------------------------------------------------------------------
+
+
+def serve() -> None:
+    """A worker's life: join, load the experiment rank 0 sends, say hello, run steps until
+    told to stop."""
+    from fedseq.server.experiment import load_experiment
+
+    rank = dist.get_rank()
+    hello = {"rank": rank, "host": platform.node(), "fedseq": __version__,
+             "torch": torch.__version__, "error": None}
+    dist.gather_object(hello, None, dst=0)
+    [job] = _receive()
+    if job is None:  # rank 0 refused our versions
+        return
+    config, threads = job
+    torch.set_num_threads(threads)
+    exp = None
+    try:
+        cfg = ExperimentConfig.model_validate(tomllib.loads(config))
+        exp = load_experiment(cfg)
+    except (FedseqError, ValueError) as exc:
+        hello["error"] = str(exc).splitlines()[0]
+    dist.gather_object(hello, None, dst=0)
+    if exp is None:
+        _receive()  # rank 0 says stop
+        return
+    model, data, seed = exp.model, exp.data, cfg.seed_for("training")
+    eval_batch = cfg.train.eval_batch_size
+    while True:
+        [(kind, body)] = _receive(steps_group())
+        if kind == "stop":
+            return
+        mine = body["shares"][rank - 1]
+        start = time.perf_counter()
+        try:
+            if kind == "train":
+                answer: Any = {}
+                for c in mine:
+                    answer[c] = run_client_round(
+                        model, {**body["weights"], **body["personal"][c]}, body["plan"], data,
+                        data.clients[c], seed, body["round"])
+            elif kind == "evaluate":
+                answer = evaluate(model, data, body["weights"], body["personal"],
+                                  body["eval_heads"], clients=mine, batch=eval_batch)
+            else:
+                scores, diverged = {}, {}
+                for c in mine:
+                    scores[c], d = finetune_and_score(
+                        model, {**body["weights"], **body["personal"][c]}, body["plan"], data,
+                        data.clients[c], seed, body["eval_heads"], eval_batch)
+                    if d is not None:
+                        diverged[c] = d
+                answer = (scores, diverged)
+        except Exception as exc:  # noqa: BLE001 - said to rank 0 in one line, which ends the run
+            log.exception("worker %d: %s step failed", rank, kind)
+            why = str(exc).splitlines()[0] if str(exc) else ""
+            dist.gather_object(f"rank {rank}: {type(exc).__name__}: {why}", None, dst=0,
+                               group=steps_group())
+            continue
+        dist.gather_object((time.perf_counter() - start, answer), None, dst=0,
+                           group=steps_group())
+
+
+def _receive(group: Any = None) -> list[Any]:
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box
+
+
+def worker_main() -> None:
+    """`python -m fedseq.server.distributed HOST PORT RANK WORLD` (started by rank 0), or a rank
+    other than 0 of a launcher's group (fedseq-sim under torchrun)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if len(sys.argv) == 5 and not under_torchrun():
+            host, port, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+            store = dist.TCPStore(host, port, world, is_master=False, timeout=JOIN_TIMEOUT)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                    timeout=JOIN_TIMEOUT)
+        else:
+            join_from_env()
+        serve()
+    except FedseqError as exc:
+        print(f"fedseq worker: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except (RuntimeError, dist.DistError) as exc:  # rank 0 went away: nothing left to do
+        print(f"fedseq worker: the run ended ({str(exc).splitlines()[0] if str(exc) else exc})",
+              file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker_main()

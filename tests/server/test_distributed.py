@@ -1,0 +1,287 @@
+"""fedseq-sim --workers: the simulation's clients trained by torch.distributed worker processes
+(Gloo on loopback, real process groups): the in-process numbers, resume with another number of
+workers, the failures a cluster has."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import quick_config
+from fedseq.common.errors import ConfigError, TransportError
+from fedseq.server.checkpoint import load_checkpoint
+from fedseq.server.distributed import balance
+from fedseq.server.simulation import run_simulation
+
+# 3 of 5 clients a round: the rounds' selections differ and are split unevenly over workers
+OVER = ("rounds=3", "train.join_ratio=0.6", "train.threads=1", "model.name=convnet",
+        "algorithm.unfreeze_rounds=[0,1,1,2]", "algorithm.finetune_epochs=1")
+
+
+def _same(a, b):
+    """Bitwise the same run: weights, every row but its seconds, every client's final score."""
+    assert all(torch.equal(a.global_weights[k], v) for k, v in b.global_weights.items())
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert strip(a.rows) == strip(b.rows)
+    assert a.final.per_client == b.final.per_client
+
+
+def test_balance_spreads_a_steps_rows_and_is_deterministic():
+    rows = {0: 500, 1: 400, 2: 300, 3: 300, 4: 100}
+    # by hand, largest first to the least loaded: 0 -> w0 (500), 1 -> w1 (400), 2 -> w1 (700),
+    # 3 -> w0 (800), 4 -> w1 (800)
+    assert balance([0, 1, 2, 3, 4], rows, 2) == [[0, 3], [1, 2, 4]]
+    shares = balance(list(rows), rows, 2)
+    assert sorted(c for s in shares for c in s) == list(rows)
+    assert balance([1, 2], rows, 4) == [[1], [2], [], []]
+
+
+@pytest.mark.parametrize("name,workers", [("fedavg", 2), ("fedper", 3), ("fedreg", 2),
+                                          ("fedseq-anti", 2)])
+def test_workers_give_bitwise_the_in_process_run(data_root, one_thread, name, workers):
+    """A plain, a personalized, a two-head and a fine-tuned algorithm: weights, rows (accuracies,
+    bytes, FLOPs, client steps) and per-client scores equal the in-process run's."""
+    cfg = quick_config(data_root, f"algorithm.name={name}", *OVER)
+    _same(run_simulation(cfg, None, workers=workers), run_simulation(cfg, None))
+
+
+def test_a_run_resumes_with_another_number_of_workers(data_root, tmp_path, one_thread):
+    cfg = quick_config(data_root, "algorithm.name=fedper", *OVER)
+    whole = run_simulation(cfg, None)
+    with pytest.raises(KeyboardInterrupt):  # RunPaused: stopped after round 0's checkpoint
+        run_simulation(cfg, tmp_path / "run", workers=2, pause_after=1)
+    assert load_checkpoint(tmp_path / "run").next_round == 1
+    resumed = run_simulation(cfg, tmp_path / "run", mode="resume", workers=3)
+    assert all(torch.equal(resumed.global_weights[k], v) for k, v in whole.global_weights.items())
+    assert resumed.final.per_client == whole.final.per_client
+
+
+def _workers_of_this_process() -> list[int]:
+    me, out = os.getpid(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"fedseq.server.distributed" in cmd:
+            out.append(int(pid))
+    return out
+
+
+def test_a_killed_worker_ends_the_run_in_one_line_and_it_resumes(data_root, tmp_path, one_thread):
+    cfg = quick_config(data_root, "algorithm.name=fedavg", *OVER)
+    killed = []
+
+    def kill_one(row):
+        if row.round == 0:
+            pids = _workers_of_this_process()
+            assert len(pids) == 2
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(time.monotonic())
+
+    with pytest.raises(TransportError) as err:
+        run_simulation(cfg, tmp_path / "run", on_round=kill_one, workers=2)
+    assert killed and time.monotonic() - killed[0] < 60
+    assert "a simulation worker stopped" in str(err.value) and "\n" not in str(err.value)
+    assert "--resume" in str(err.value)
+    deadline = time.monotonic() + 30  # the other worker is stopped with the run
+    while _workers_of_this_process() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _workers_of_this_process()
+    resumed = run_simulation(cfg, tmp_path / "run", mode="resume", workers=2)
+    whole = run_simulation(cfg, None)
+    assert all(torch.equal(resumed.global_weights[k], v) for k, v in whole.global_weights.items())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun_env(monkeypatch, port: int) -> dict[str, str]:
+    """Rank 0 here, as torchrun would set it up; the worker's environment."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port), "FEDSEQ_JOIN_TIMEOUT_S": "60"}.items():
+        monkeypatch.setenv(k, v)
+    return {**os.environ, "RANK": "1", "OMP_NUM_THREADS": "1"}
+
+
+def test_a_worker_without_the_dataset_is_refused_in_one_line(data_root, tmp_path, monkeypatch,
+                                                             one_thread):
+    """Under a launcher's group (torchrun's environment): rank 1 runs where data.root (relative)
+    is not there."""
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank1").mkdir()
+    (tmp_path / "rank0" / "data").symlink_to(data_root)
+    monkeypatch.chdir(tmp_path / "rank0")
+    env = _torchrun_env(monkeypatch, _free_port())
+    worker = subprocess.Popen([sys.executable, "-m", "fedseq.server.distributed"], env=env,
+                              cwd=tmp_path / "rank1", stderr=subprocess.PIPE, text=True)
+    try:
+        cfg = quick_config(Path("data"), "algorithm.name=fedavg", *OVER)
+        with pytest.raises(ConfigError) as err:
+            run_simulation(cfg, None)
+        assert worker.wait(60) == 0
+    finally:
+        worker.kill()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("a simulation worker cannot run this experiment: rank 1")
+    assert "missing dataset file" in msg
+
+
+def test_a_worker_of_another_fedseq_is_refused_in_one_line(data_root, monkeypatch, one_thread):
+    env = _torchrun_env(monkeypatch, _free_port())
+    other = ("import fedseq.server.distributed as d; d.__version__ = '0.0.0-other'; "
+             "d.worker_main()")
+    worker = subprocess.Popen([sys.executable, "-c", other], env=env)
+    try:
+        cfg = quick_config(data_root, "algorithm.name=fedavg", *OVER)
+        with pytest.raises(ConfigError, match=r"rank 1 on .* runs fedseq 0.0.0-other with torch"):
+            run_simulation(cfg, None)
+        assert worker.wait(60) == 0
+    finally:
+        worker.kill()
+
+
+def test_an_unreachable_rendezvous_is_one_line_not_a_hang(tmp_path):
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(_free_port()), "FEDSEQ_JOIN_TIMEOUT_S": "3"}
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "fedseq.server.distributed"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and time.monotonic() - start < 60
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rank 1 could not join the group at 127.0.0.1:" in lines[0]
+
+
+def _cli_over(data_root: Path, *more: str) -> tuple[str, ...]:
+    """quick_config's settings and OVER as fedseq-sim --set values."""
+    return (f"data.root={str(data_root)!r}", "data.dataset=fmnist", "data.fraction=0.05",
+            "data.num_clients=5", "data.alpha=0.5", "data.min_samples=40",
+            "train.local_epochs=1", "train.batch_size=20", *OVER, *more)
+
+
+def _sim_command(out: Path, *over: str) -> list[str]:
+    sets = [a for o in over for a in ("--set", o)]
+    return [str(Path(sys.executable).parent / "fedseq-sim"), *sets, "--out", str(out), "--quiet"]
+
+
+def _metrics(out: Path) -> list[dict]:
+    return [{k: v for k, v in json.loads(x).items() if k != "seconds"}
+            for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _weights(out: Path) -> dict[str, torch.Tensor]:
+    from fedseq.common.protocol.tensors import decode_tensors
+
+    return decode_tensors((out / "model.safetensors").read_bytes())
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args, "--no-python"]
+
+
+def test_fedseq_sim_under_torchrun_gives_the_in_process_run(data_root, tmp_path):
+    """The same program under torchrun (one node, 3 ranks): rank 0 writes the run directory."""
+    over = _cli_over(data_root, "algorithm.name=fedper")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(_torchrun("--nnodes", "1", "--nproc-per-node", "3")
+                          + _sim_command(tmp_path / "dist", *over), env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    alone = subprocess.run(_sim_command(tmp_path / "one", *over), env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert _metrics(tmp_path / "dist") == _metrics(tmp_path / "one")
+    a, b = _weights(tmp_path / "dist"), _weights(tmp_path / "one")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    status = json.loads((tmp_path / "dist" / "status.json").read_text())
+    assert status["state"] == "finished" and status["workers"] == 2
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp_path):
+    """Several machines rehearsed on one: two "nodes" (network namespaces joined by the
+    rehearsal's bridge), torchrun's rendezvous across them at node1's address; 2 ranks each."""
+    from fedseq.server.rehearsal import Rehearsal
+
+    over = _cli_over(data_root, "algorithm.name=fedreg")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with Rehearsal(["node1", "node2"], {}) as net:
+        # each node's hostname resolves to 127.0.0.1 here: Gloo is told the node's interface
+        nodes = [subprocess.Popen(
+            net.command(f"node{r + 1}", _torchrun(
+                "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "2",
+                "--master-addr", "10.77.0.2", "--master-port", "29417")
+                + _sim_command(tmp_path / f"node{r + 1}", *over)),
+            env={**env, "GLOO_SOCKET_IFNAME": f"fsq{net.id}d{r + 1}"}, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)
+            for r in (0, 1)]
+        try:
+            logs = [n.communicate(timeout=600)[0] for n in nodes]
+        finally:
+            for n in nodes:
+                n.kill()
+    assert [n.returncode for n in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
+    assert not (tmp_path / "node2").exists()  # only rank 0 writes a run directory
+    alone = subprocess.run(_sim_command(tmp_path / "one", *over), env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert _metrics(tmp_path / "node1") == _metrics(tmp_path / "one")
+    a, b = _weights(tmp_path / "node1"), _weights(tmp_path / "one")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    assert json.loads((tmp_path / "node1" / "status.json").read_text())["workers"] == 3
+
+
+def _rank_process(rank: int) -> int | None:
+    """The pid of a fedseq-sim process started by torchrun as `rank`."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"fedseq-sim" in cmd and f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in \
+                b"".join(env):
+            return int(pid)
+    return None
+
+
+def test_a_worker_killed_under_torchrun_max_restarts_resumes_the_run(data_root, tmp_path):
+    """torchrun starts the group again after a worker dies; rank 0 continues the run directory
+    after its last complete round, and the result is the uninterrupted run's."""
+    over = _cli_over(data_root, "algorithm.name=fedavg", "rounds=4")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen(_torchrun("--nnodes", "1", "--nproc-per-node", "3", "--max-restarts",
+                                     "1") + _sim_command(tmp_path / "dist", *over), env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        metrics = tmp_path / "dist" / "metrics.jsonl"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and run.poll() is None and not (
+                metrics.exists() and metrics.read_text().count("\n") >= 1):
+            time.sleep(0.1)
+        victim = _rank_process(2)
+        assert victim is not None and run.poll() is None
+        os.kill(victim, signal.SIGKILL)
+        log = run.communicate(timeout=600)[0]
+    finally:
+        run.kill()
+    assert run.returncode == 0, log[-3000:]
+    status = json.loads((tmp_path / "dist" / "status.json").read_text())
+    assert status["state"] == "finished" and len(status["segments"]) >= 2, status  # resumed
+    alone = subprocess.run(_sim_command(tmp_path / "one", *over), env=env, capture_output=True,
+                           text=True, timeout=600)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert _metrics(tmp_path / "dist") == _metrics(tmp_path / "one")
+    a, b = _weights(tmp_path / "dist"), _weights(tmp_path / "one")
+    assert all(torch.equal(a[k], b[k]) for k in b)
