@@ -1,0 +1,116 @@
+"""fedseq-sim in one process against fedseq-sim --workers N, on the same machine in one run.
+
+For each workload, a few rounds of: in-process with 1 torch thread, in-process with all cores'
+threads, and `--workers N` (1 thread each; default N = the cores). Per mode: seconds per round
+(training rounds only: evaluation happens only in the last round, which is not timed),
+training samples per second and client steps (local optimizer steps) per second; for the workers,
+the overhead per round beside the training: the step's wall time on rank 0 from broadcast to
+gathered answers minus its busiest worker's compute.
+
+Workloads: `peers` is issue 33's comparison with Flower and pfl-research (FedAvg, the FedSeq/PFLlib
+CNN, Fashion-MNIST, 30 IID clients of 2,000 training images, 6 a round, 1 local epoch, batch 20,
+SGD lr 0.01); `testbed` is examples/fmnist-testbed.toml with FedAvg; `fedseq-mnist` is
+examples/mnist-fedseq.toml (FedSeq Anti, 100 clients, 10 a round).
+
+    python bench/workers.py [--rounds 4] [--workers 2] [--workloads peers testbed fedseq-mnist]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fedseq.common.config import load_config
+from fedseq.server.experiment import load_experiment
+from fedseq.server.records import RoundRecord
+from fedseq.server.simulation import run_simulation
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {
+    "peers": (None, ["algorithm.name=fedavg", "model.name=cnn", "data.dataset=fmnist",
+                     "data.partition=iid", "data.num_clients=30", "data.train_fraction=0.8571429",
+                     "train.join_ratio=0.2", "train.local_epochs=1", "train.batch_size=20",
+                     "train.lr=0.01", "train.momentum=0.0"]),
+    "testbed": (ROOT / "examples" / "fmnist-testbed.toml", ["algorithm.name=fedavg"]),
+    "fedseq-mnist": (ROOT / "examples" / "mnist-fedseq.toml", []),
+}
+
+
+def measure(cfg, workers: int, train_rows: dict[int, int]) -> dict[str, float]:
+    rows: list[RoundRecord] = []
+    pool_timings: list = []
+    if workers:
+        from fedseq.server import distributed
+
+        real = distributed.DistributedPool.__init__
+
+        def keep(self, *a, **k):
+            real(self, *a, **k)
+            pool_timings.append(self.timings)
+
+        distributed.DistributedPool.__init__ = keep  # type: ignore[method-assign]
+    try:
+        run_simulation(cfg, None, on_round=rows.append, workers=workers)
+    finally:
+        if workers:
+            distributed.DistributedPool.__init__ = real  # type: ignore[method-assign]
+    timed = [r for r in rows if r.phase == "train"][1:-1]  # not the first (warm-up), not the last (evaluates)
+    seconds = sum(r.seconds or 0 for r in timed)
+    samples = sum(train_rows[c] for r in timed for c in r.reported) * cfg.train.local_epochs
+    out = {"s/round": seconds / len(timed), "samples/s": samples / seconds,
+           "steps/s": sum(r.client_steps or 0 for r in timed) / seconds}
+    if workers:
+        trains = [t for t in pool_timings[0] if t.kind == "train"][1:-1]
+        out["overhead s/round"] = statistics.fmean(t.wall_s - t.busiest_s for t in trains)
+        out["busiest s/round"] = statistics.fmean(t.busiest_s for t in trains)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
+    ap.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    args = ap.parse_args()
+    cores = os.cpu_count() or 1
+    print(f"torch {torch.__version__}, {cores} cores, load {os.getloadavg()[0]:.2f}")
+    for name in args.workloads:
+        path, over = WORKLOADS[name]
+        base = [f"data.root={args.data_root!r}", f"rounds={args.rounds}",
+                f"train.eval_every={args.rounds}", "algorithm.finetune_epochs=0"]
+        cfg = load_config(path, base + over)
+        exp = load_experiment(cfg)
+        train_rows = {c.client: len(c.train) for c in exp.data.clients}
+        del exp
+        print(f"\n{name}: {cfg.algorithm.name}, {cfg.model.name}, {cfg.data.dataset}, "
+              f"{cfg.data.num_clients} clients, {cfg.clients_per_round()} a round, "
+              f"{cfg.train.local_epochs} epochs, batch {cfg.train.batch_size}; rounds 1-"
+              f"{args.rounds - 2} timed")
+        results = {}
+        for label, threads, workers in (("in-process, 1 thread", 1, 0),
+                                        (f"in-process, {cores} threads", cores, 0),
+                                        (f"--workers {args.workers}, 1 thread each", 1,
+                                         args.workers)):
+            torch.set_num_threads(threads)
+            run_cfg = load_config(path, base + over + [f"train.threads={threads}"])
+            start = time.perf_counter()
+            results[label] = r = measure(run_cfg, workers, train_rows)
+            extra = (f", overhead {1000 * r['overhead s/round']:.0f} ms/round "
+                     f"({100 * r['overhead s/round'] / r['s/round']:.1f}% of the round; busiest "
+                     f"worker {r['busiest s/round']:.2f} s)") if workers else ""
+            print(f"  {label:28s} {r['s/round']:6.2f} s/round  {r['samples/s']:7,.0f} samples/s  "
+                  f"{r['steps/s']:6.1f} steps/s{extra}  [{time.perf_counter() - start:.0f} s]",
+                  flush=True)
+        one = results["in-process, 1 thread"]["samples/s"]
+        for label, r in results.items():
+            print(f"  {label:28s} x{r['samples/s'] / one:.2f} the 1-thread in-process rate")
+
+
+if __name__ == "__main__":
+    main()
