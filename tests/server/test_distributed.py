@@ -2,6 +2,7 @@
 (Gloo on loopback, real process groups): the in-process numbers, resume with another number of
 workers, the failures a cluster has."""
 
+import contextlib
 import json
 import os
 import signal
@@ -194,7 +195,8 @@ def test_fedseq_sim_under_torchrun_gives_the_in_process_run(data_root, tmp_path)
     """The same program under torchrun (one node, 3 ranks): rank 0 writes the run directory."""
     over = _cli_over(data_root, "algorithm.name=fedper")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(_torchrun("--nnodes", "1", "--nproc-per-node", "3")
+    done = subprocess.run(_torchrun("--nnodes", "1", "--nproc-per-node", "3", "--master-port",
+                                    str(_free_port()))
                           + _sim_command(tmp_path / "dist", *over), env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -224,13 +226,14 @@ def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp
                 "--master-addr", "10.77.0.2", "--master-port", "29417")
                 + _sim_command(tmp_path / f"node{r + 1}", *over)),
             env={**env, "GLOO_SOCKET_IFNAME": f"fsq{net.id}d{r + 1}"}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
+            stderr=subprocess.STDOUT, text=True, start_new_session=True)
             for r in (0, 1)]
         try:
             logs = [n.communicate(timeout=600)[0] for n in nodes]
         finally:
-            for n in nodes:
-                n.kill()
+            for n in nodes:  # torchrun and its ranks, should the test fail
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(n.pid, signal.SIGKILL)
     assert [n.returncode for n in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     assert not (tmp_path / "node2").exists()  # only rank 0 writes a run directory
     alone = subprocess.run(_sim_command(tmp_path / "one", *over), env=env, capture_output=True,
@@ -262,7 +265,8 @@ def test_a_worker_killed_under_torchrun_max_restarts_resumes_the_run(data_root, 
     over = _cli_over(data_root, "algorithm.name=fedavg", "rounds=4")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.Popen(_torchrun("--nnodes", "1", "--nproc-per-node", "3", "--max-restarts",
-                                     "1") + _sim_command(tmp_path / "dist", *over), env=env,
+                                     "1", "--master-port", str(_free_port()))
+                           + _sim_command(tmp_path / "dist", *over), env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         metrics = tmp_path / "dist" / "metrics.jsonl"
