@@ -58,6 +58,7 @@ from fedseq.server.pool import (
     ScoreCheck,
     TrainRound,
     UpdateCheck,
+    hand_on,
 )
 
 log = logging.getLogger(__name__)
@@ -153,13 +154,7 @@ class DistributedPool:
                                  shares=self._shares(clients, 0),
                                  personal={c: self.personal[c] for c in clients}):
             got.update(answer)
-        for c in clients:
-            update, personal = got[c]
-            if update.diverged_at is None:  # a diverged client keeps its previous blocks
-                self.personal[c] = personal
-            if check(update) is None:
-                yield update
-        return RoundOutcome()
+        return (yield from hand_on((got[c] for c in clients), self.personal, check))
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
                  ) -> EvalOutcome:

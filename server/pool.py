@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -141,6 +141,19 @@ class ClientPool(Protocol):
         ...
 
 
+def hand_on(trained: Iterable[tuple[ClientUpdate, Weights]], personal: dict[int, Weights],
+            check: UpdateCheck) -> Generator[ClientUpdate, None, RoundOutcome]:
+    """A pool's clients' (update, new personal blocks), in client order: keep each client's new
+    personal blocks (a diverged client keeps its previous ones) and yield the updates the round
+    loop's check accepts."""
+    for update, blocks in trained:
+        if update.diverged_at is None:
+            personal[update.client] = blocks
+        if check(update) is None:
+            yield update
+    return RoundOutcome()
+
+
 class InProcessPool:
     """All logical clients in this process; their personal blocks are kept in memory."""
 
@@ -172,15 +185,9 @@ class InProcessPool:
 
     def _train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
                check: UpdateCheck) -> Generator[ClientUpdate, None, RoundOutcome]:
-        for c in clients:
-            start = {**weights, **self.personal[c]}
-            update, personal = run_client_round(
-                self.model, start, plan, self.data, self.data.clients[c], self.seed, round)
-            if update.diverged_at is None:  # a diverged client keeps its previous blocks
-                self.personal[c] = personal
-            if check(update) is None:
-                yield update
-        return RoundOutcome()
+        trained = (run_client_round(self.model, {**weights, **self.personal[c]}, plan, self.data,
+                                    self.data.clients[c], self.seed, round) for c in clients)
+        return (yield from hand_on(trained, self.personal, check))
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
                  ) -> EvalOutcome:
