@@ -187,6 +187,17 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
     return decode_tensors((out / "model.safetensors").read_bytes())
 
 
+def _same_as_one_process(out: Path, one: Path, over: tuple[str, ...], env: dict[str, str]) -> None:
+    """The run directory `out` holds bitwise the run plain fedseq-sim writes to `one`: every row
+    but its seconds, the final weights."""
+    alone = subprocess.run(_sim_command(one, *over), env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert _metrics(out) == _metrics(one)
+    a, b = _weights(out), _weights(one)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args, "--no-python"]
 
@@ -200,12 +211,7 @@ def test_fedseq_sim_under_torchrun_gives_the_in_process_run(data_root, tmp_path)
                           + _sim_command(tmp_path / "dist", *over), env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    alone = subprocess.run(_sim_command(tmp_path / "one", *over), env=env, capture_output=True,
-                           text=True, timeout=600)
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    assert _metrics(tmp_path / "dist") == _metrics(tmp_path / "one")
-    a, b = _weights(tmp_path / "dist"), _weights(tmp_path / "one")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    _same_as_one_process(tmp_path / "dist", tmp_path / "one", over, env)
     status = json.loads((tmp_path / "dist" / "status.json").read_text())
     assert status["state"] == "finished" and status["workers"] == 2
 
@@ -236,12 +242,7 @@ def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp
                     os.killpg(n.pid, signal.SIGKILL)
     assert [n.returncode for n in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
     assert not (tmp_path / "node2").exists()  # only rank 0 writes a run directory
-    alone = subprocess.run(_sim_command(tmp_path / "one", *over), env=env, capture_output=True,
-                           text=True, timeout=600)
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    assert _metrics(tmp_path / "node1") == _metrics(tmp_path / "one")
-    a, b = _weights(tmp_path / "node1"), _weights(tmp_path / "one")
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    _same_as_one_process(tmp_path / "node1", tmp_path / "one", over, env)
     assert json.loads((tmp_path / "node1" / "status.json").read_text())["workers"] == 3
 
 
@@ -283,9 +284,4 @@ def test_a_worker_killed_under_torchrun_max_restarts_resumes_the_run(data_root, 
     assert run.returncode == 0, log[-3000:]
     status = json.loads((tmp_path / "dist" / "status.json").read_text())
     assert status["state"] == "finished" and len(status["segments"]) >= 2, status  # resumed
-    alone = subprocess.run(_sim_command(tmp_path / "one", *over), env=env, capture_output=True,
-                           text=True, timeout=600)
-    assert alone.returncode == 0, alone.stderr[-3000:]
-    assert _metrics(tmp_path / "dist") == _metrics(tmp_path / "one")
-    a, b = _weights(tmp_path / "dist"), _weights(tmp_path / "one")
-    assert all(torch.equal(a[k], b[k]) for k in b)
+    _same_as_one_process(tmp_path / "dist", tmp_path / "one", over, env)
