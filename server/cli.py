@@ -148,12 +148,18 @@ def sim(
              "each (default 1): the numbers of an in-process run with as many threads; N = "
              "the cores is the fast setting. Under torchrun the group is torchrun's "
              "(README, Scaling out)", min=0)] = 0,
+    workers_per_gpu: Annotated[int, typer.Option(
+        help="With train.device on GPUs: K workers share each GPU (without --workers: K per GPU "
+             "of this machine). Workers fill a machine's GPUs in turn, K to a GPU", min=0)] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     version: VersionOpt = False,
 ) -> None:
     """Run a federated experiment (in one process, or with --workers) and write a run directory."""
     import os
 
+    from fedseq.server.distributed import adopt_slurm_env
+
+    adopt_slurm_env()  # srun's tasks are a group's ranks, as torchrun's are
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0":
         from fedseq.server.distributed import worker_main
 
@@ -179,7 +185,7 @@ def sim(
         mode = "resume"  # torchrun --max-restarts started the group again: continue the run
         _refuse_result_changes(out, cfg)
     if seeds is None:
-        _simulate(cfg, out, mode, info, quiet, workers)
+        _simulate(cfg, out, mode, info, quiet, (workers, workers_per_gpu))
         _summary(out)
         return
     from fedseq.server.seeds import parse_seeds, parse_vary, seed_config, seed_dir, seed_state
@@ -197,7 +203,7 @@ def sim(
         print(f"seed {s}: {state} -> {path}", file=sys.stderr)
         run_mode = {"restart": "overwrite"}.get(state, state)
         _simulate(seed_cfg, path, run_mode, {**info, "sweep": str(out), "vary": vary}, quiet,
-                  workers)
+                  (workers, workers_per_gpu))
         _summary(path)
     print(f"sweep finished: {len(todo)} seeds in {out}  (fedseq report {out})", file=sys.stderr)
 
@@ -223,9 +229,9 @@ def _finetune_again(src: Path, overrides: list[str], out: Path | None, quiet: bo
 
 
 def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],
-              quiet: bool, workers: int = 0) -> None:
-    """One simulated run with its progress bar; a one-line error (exit 2) or the resume line
-    (exit 130) where it stops early."""
+              quiet: bool, workers: tuple[int, int] = (0, 0)) -> None:
+    """One simulated run with its progress bar (`workers`: --workers and --workers-per-gpu); a
+    one-line error (exit 2) or the resume line (exit 130) where it stops early."""
     from fedseq.common.algorithms import algorithm_class
     from fedseq.server.simulation import run_simulation
 
@@ -253,7 +259,8 @@ def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],
 
         noted: list[bool] = []
         try:
-            run_simulation(cfg, out, on_round, mode, info, on_progress, workers=workers)
+            run_simulation(cfg, out, on_round, mode, info, on_progress, workers=workers[0],
+                           workers_per_gpu=workers[1])
         except FedseqError as exc:
             progress.stop()
             _fail(exc)

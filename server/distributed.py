@@ -47,6 +47,7 @@ from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig, dump_config, tomllib
 from fedseq.common.errors import ConfigError, FedseqError, TransportError
 from fedseq.common.evaluation import EvalReport, evaluate
+from fedseq.common.hardware import torch_device
 from fedseq.common.models import BlockModel, Weights, get_blocks
 from fedseq.common.training import finetune_and_score, run_client_round
 from fedseq.server.pool import (
@@ -59,6 +60,7 @@ from fedseq.server.pool import (
     TrainRound,
     UpdateCheck,
     hand_on,
+    on_device,
 )
 
 log = logging.getLogger(__name__)
@@ -89,6 +91,48 @@ def balance(clients: list[int], rows: dict[int, int], workers: int) -> list[list
         shares[w].append(c)
         load[w] += rows[c]
     return [sorted(s) for s in shares]
+
+
+def placement(hellos: list[dict[str, Any]], choice: str, per_gpu: int) -> dict[int, str]:
+    """Each worker's torch device: `choice` is train.device (cpu, cuda, cuda:N, auto). On GPUs,
+    a machine's workers (by rank) fill its GPUs in turn, `per_gpu` to a GPU before the next
+    (0: one each in turn); cuda:N puts every worker on GPU N; auto is cuda where every worker's
+    machine has a GPU, else cpu (a run never mixes the two). Refuses in one line a GPU choice a
+    worker's machine cannot honour."""
+    ranks = sorted(h["rank"] for h in hellos)
+    by_rank = {h["rank"]: h for h in hellos}
+    if choice == "auto":
+        choice = "cuda" if all(h["gpus"] > 0 for h in hellos) else "cpu"
+    if not choice.startswith("cuda"):
+        return {r: "cpu" for r in ranks}
+    fixed = int(choice.split(":")[1]) if ":" in choice else None
+    out: dict[int, str] = {}
+    seen: dict[str, int] = {}  # host -> its workers placed so far
+    for r in ranks:
+        h = by_rank[r]
+        if h["gpus"] <= (fixed or 0):
+            has = f"{h['gpus']} GPU(s)" if h["gpus"] else f"no GPU (torch {h['torch']})"
+            raise ConfigError(f"train.device = {choice!r}, but rank {r} on {h['host']} sees "
+                              f"{has}; run the workers where the GPUs are, or use "
+                              "train.device = 'cpu'")
+        i = seen.get(h["host"], 0)
+        seen[h["host"]] = i + 1
+        gpu = fixed if fixed is not None else (i // per_gpu if per_gpu else i) % h["gpus"]
+        out[r] = f"cuda:{gpu}"
+    return out
+
+
+def adopt_slurm_env() -> None:
+    """Under `srun` (a step of several tasks), RANK, WORLD_SIZE and LOCAL_RANK from Slurm's
+    SLURM_PROCID, SLURM_STEP_NUM_TASKS and SLURM_LOCALID, as torchrun would set them (MASTER_ADDR
+    and MASTER_PORT stay the job script's to export). A batch script's own shell, which has
+    SLURM_PROCID but is no step, is left alone; so is a launcher's RANK."""
+    env = os.environ
+    if "RANK" in env or int(env.get("SLURM_STEP_NUM_TASKS", "1") or 1) < 2:
+        return
+    env["RANK"] = env.get("SLURM_PROCID", "0")
+    env["WORLD_SIZE"] = env["SLURM_STEP_NUM_TASKS"]
+    env.setdefault("LOCAL_RANK", env.get("SLURM_LOCALID", "0"))
 
 
 @dataclass
@@ -198,11 +242,21 @@ class DistributedPool:
 # -- rank 0: the group and its workers ----------------------------------------------------------
 
 
-def start_group(cfg: ExperimentConfig, workers: int, threads: int) -> list[subprocess.Popen]:
+@dataclass
+class Group:
+    """What rank 0 started and decided: the worker processes it runs itself (none under a
+    launcher), each worker's torch device, and the GPU they train on ("" on CPU)."""
+
+    procs: list[subprocess.Popen]
+    devices: dict[int, str]
+    gpu: str
+
+
+def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int = 0) -> Group:
     """Rank 0 of a new group: under torchrun (RANK/WORLD_SIZE set) join it, else start `workers`
-    worker processes on this machine (Gloo over loopback). Then hand every worker the config and
-    its thread count, and check what each says (its fedseq and torch versions, its data); returns
-    the processes started here. Refuses in one line what cannot work."""
+    worker processes on this machine (Gloo over loopback). Then hand every worker the config, its
+    thread count and its device (`placement`), and check what each says (its fedseq and torch
+    versions, its GPUs, its data). Refuses in one line what cannot work."""
     procs: list[subprocess.Popen] = []
     if under_torchrun():
         join_from_env()
@@ -232,7 +286,17 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int) -> list[subpr
         problems = [f"rank {h['rank']} on {h['host']} runs fedseq {h['fedseq']} with torch "
                     f"{h['torch']}, rank 0 fedseq {mine[0]} with torch {mine[1]}"
                     for h in hellos[1:] if (h["fedseq"], h["torch"]) != mine]
-        dist.broadcast_object_list([None if problems else (dump_config(cfg), threads)], src=0)
+        devices: dict[int, str] = {}
+        refused: ConfigError | None = None
+        if not problems:
+            try:
+                devices = placement(hellos[1:], cfg.train.device, per_gpu)
+            except ConfigError as exc:
+                refused = exc
+        go = not problems and refused is None
+        dist.broadcast_object_list([(dump_config(cfg), threads, devices) if go else None], src=0)
+        if refused is not None:
+            raise refused
         if not problems:  # then the experiment: the data must be there
             ready: list[Any] = [None] * dist.get_world_size()
             dist.gather_object(None, ready, dst=0)
@@ -247,7 +311,10 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int) -> list[subpr
     except BaseException:
         end_group(procs)
         raise
-    return procs
+    by_rank = {h["rank"]: h for h in hellos[1:]}
+    gpus = sorted({by_rank[r]["gpu_names"][int(d.split(":")[1])] for r, d in devices.items()
+                   if d.startswith("cuda")})
+    return Group(procs, devices, " + ".join(gpus))
 
 
 def under_torchrun() -> bool:
@@ -263,7 +330,8 @@ def join_from_env() -> None:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"a distributed simulation needs RANK, WORLD_SIZE, MASTER_ADDR and "
-                          f"MASTER_PORT (torchrun sets them): {exc}") from exc
+                          f"MASTER_PORT (torchrun sets them; under srun, export MASTER_ADDR and "
+                          f"MASTER_PORT in the job script): {exc} is not set") from exc
     # torchrun's agent hosts the store itself; a plain launcher leaves it to rank 0
     master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
@@ -304,17 +372,20 @@ def serve() -> None:
     from fedseq.server.experiment import load_experiment
 
     rank = dist.get_rank()
+    gpus = torch.cuda.device_count()
     hello = {"rank": rank, "host": platform.node(), "fedseq": __version__,
-             "torch": torch.__version__, "error": None}
+             "torch": torch.__version__, "gpus": gpus,
+             "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)], "error": None}
     dist.gather_object(hello, None, dst=0)
     [job] = _receive()
     if job is None:  # rank 0 refused our versions
         return
-    config, threads = job
+    config, threads, devices = job
     torch.set_num_threads(threads)
     exp = None
     try:
         cfg = ExperimentConfig.model_validate(tomllib.loads(config))
+        device = torch_device(devices[rank])
         exp = load_experiment(cfg)
     except (FedseqError, ValueError) as exc:
         hello["error"] = str(exc).splitlines()[0]
@@ -322,7 +393,8 @@ def serve() -> None:
     if exp is None:
         _receive()  # rank 0 says stop
         return
-    model, data, seed = exp.model, exp.data, cfg.seed_for("training")
+    model, data = on_device(exp.model, exp.data, device)
+    seed = cfg.seed_for("training")
     eval_batch = cfg.train.eval_batch_size
     while True:
         [(kind, body)] = _receive(steps_group())

@@ -154,6 +154,16 @@ def hand_on(trained: Iterable[tuple[ClientUpdate, Weights]], personal: dict[int,
     return RoundOutcome()
 
 
+def on_device(model: BlockModel, data: FederatedData, device: torch.device | None
+              ) -> tuple[BlockModel, FederatedData]:
+    """The model and images where clients train: on an accelerator a copy of the model and the
+    images there too (70,000 28x28 images are 220 MB); labels, updates and personal blocks stay
+    on the host."""
+    if device is None or device.type == "cpu":
+        return model, data
+    return copy.deepcopy(model).to(device), dataclasses.replace(data, x=data.x.to(device))
+
+
 class InProcessPool:
     """All logical clients in this process; their personal blocks are kept in memory."""
 
@@ -161,11 +171,7 @@ class InProcessPool:
         self, data: FederatedData, model: BlockModel, personal_blocks: tuple[str, ...], seed: int,
         eval_batch: int = 128, device: torch.device | None = None,
     ):
-        if device is not None and device.type != "cpu":
-            # the pool trains a copy on the accelerator, with the images there too (70,000 28x28
-            # images are 220 MB); labels, updates and personal blocks stay on the host
-            model = copy.deepcopy(model).to(device)
-            data = dataclasses.replace(data, x=data.x.to(device))
+        model, data = on_device(model, data, device)
         self.data = data
         self.model = model
         self.seed = seed

@@ -56,14 +56,18 @@ def run_simulation(
     on_progress: Callable[[int, int], None] | None = None,
     pause_after: int | None = None,
     workers: int = 0,
+    workers_per_gpu: int = 0,
 ) -> RunResult:
     """Load data, build the seed-derived model, run all rounds (and fine-tuning): in-process, or
     with `workers` > 0 by that many worker processes (server/distributed.py; under torchrun, the
-    group's). mode "resume" continues `out` after its checkpoint's last complete round."""
+    group's; `workers_per_gpu` workers share a GPU, and without `workers` there are that many per
+    GPU of this machine). mode "resume" continues `out` after its checkpoint's last complete
+    round."""
     from fedseq.server.distributed import under_torchrun
 
-    if workers > 0 or under_torchrun():
-        return _run_distributed(cfg, out, on_round, mode, info, on_progress, pause_after, workers)
+    if workers > 0 or workers_per_gpu > 0 or under_torchrun():
+        return _run_distributed(cfg, out, on_round, mode, info, on_progress, pause_after, workers,
+                                workers_per_gpu)
     threads = sim_threads(cfg.train.threads)
     torch.set_num_threads(threads)
     info = {**(info or {}), "threads": threads}
@@ -95,28 +99,36 @@ def _run_distributed(
     on_progress: Callable[[int, int], None] | None,
     pause_after: int | None,
     workers: int,
+    per_gpu: int,
 ) -> RunResult:
     """Rank 0 of a distributed simulation: the same round loop over a DistributedPool. Every
     worker and rank 0 use train.threads torch threads (default 1: one thread per client and a
     worker per core is the fast setting, and its numbers are the in-process run's with
-    train.threads = 1)."""
-    from fedseq.server.distributed import DistributedPool, end_group, start_group
+    train.threads = 1). With train.device on GPUs, each worker trains on the GPU `placement`
+    gives it (rank 0 needs none)."""
+    from fedseq.server.distributed import DistributedPool, end_group, start_group, under_torchrun
 
-    if torch_device(cfg.train.device).type != "cpu":
-        raise ConfigError(f"train.device = {cfg.train.device!r}: --workers trains on CPU cores "
-                          "for now; drop --workers to train on the GPU in one process")
+    if workers == 0 and not under_torchrun():
+        workers = per_gpu * torch.cuda.device_count()
+        if workers == 0:
+            raise ConfigError(f"--workers-per-gpu {per_gpu}: torch {torch.__version__} sees no "
+                              "GPU here; give --workers N to train on CPU cores")
     threads = cfg.train.threads if isinstance(cfg.train.threads, int) else 1
     torch.set_num_threads(threads)
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     # rank 0 never trains: the partition's sizes and labels and the test images are enough
     exp = load_experiment(cfg, test_images_only=True)
-    procs = start_group(cfg, workers, threads)
+    group = start_group(cfg, workers, threads, per_gpu)
     try:
         import torch.distributed as dist
 
         workers = dist.get_world_size() - 1
+        on_gpu = sorted({d for d in group.devices.values() if d != "cpu"})
         info = {**(info or {}), "threads": threads, "workers": workers,
-                **compute_record(torch.device("cpu")), "device": "cpu"}
+                **compute_record(torch.device("cpu")), "device": group.gpu or "cpu"}
+        if on_gpu:
+            info.update(gpu=group.gpu, torch_device=", ".join(on_gpu),
+                        workers_per_gpu=per_gpu or None)
         pool = DistributedPool({c.client: (len(c.train), len(c.test)) for c in exp.data.clients},
                                exp.model, exp.algorithm.personal_blocks(),
                                cfg.seed_for("training"), cfg.train.eval_batch_size)
@@ -131,4 +143,4 @@ def _run_distributed(
         pool.stop()
         return result
     finally:
-        end_group(procs)
+        end_group(group.procs)

@@ -18,7 +18,7 @@ import torch
 from conftest import quick_config
 from fedseq.common.errors import ConfigError, TransportError
 from fedseq.server.checkpoint import load_checkpoint
-from fedseq.server.distributed import balance
+from fedseq.server.distributed import adopt_slurm_env, balance, placement
 from fedseq.server.simulation import run_simulation
 
 # 3 of 5 clients a round: the rounds' selections differ and are split unevenly over workers
@@ -42,6 +42,65 @@ def test_balance_spreads_a_steps_rows_and_is_deterministic():
     shares = balance(list(rows), rows, 2)
     assert sorted(c for s in shares for c in s) == list(rows)
     assert balance([1, 2], rows, 4) == [[1], [2], [], []]
+
+
+def _hello(rank, host, gpus):
+    return {"rank": rank, "host": host, "gpus": gpus, "torch": "2.13.0+cpu"}
+
+
+def test_placement_fills_each_machines_gpus_k_workers_to_a_gpu():
+    hellos = [_hello(r, "a" if r <= 5 else "b", 2) for r in range(1, 9)]
+    assert placement(hellos, "cpu", 2) == {r: "cpu" for r in range(1, 9)}
+    # machine a: ranks 1-5 on 2 GPUs, 2 to a GPU, the fifth wraps; machine b: ranks 6-8
+    assert placement(hellos, "cuda", 2) == {1: "cuda:0", 2: "cuda:0", 3: "cuda:1", 4: "cuda:1",
+                                            5: "cuda:0", 6: "cuda:0", 7: "cuda:0", 8: "cuda:1"}
+    assert placement(hellos, "cuda", 0) == {1: "cuda:0", 2: "cuda:1", 3: "cuda:0", 4: "cuda:1",
+                                            5: "cuda:0", 6: "cuda:0", 7: "cuda:1", 8: "cuda:0"}
+    assert set(placement(hellos, "cuda:1", 2).values()) == {"cuda:1"}
+    assert set(placement(hellos, "auto", 1).values()) == {"cuda:0", "cuda:1"}
+    mixed = hellos[:-1] + [_hello(8, "c", 0)]
+    assert set(placement(mixed, "auto", 1).values()) == {"cpu"}  # never a mix of devices
+    with pytest.raises(ConfigError, match="rank 8 on c sees no GPU"):
+        placement(mixed, "cuda", 1)
+    with pytest.raises(ConfigError, match="rank 1 on a sees 2 GPU"):
+        placement(hellos, "cuda:2", 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs workers without a GPU")
+def test_gpu_workers_without_a_gpu_are_refused_in_one_line(data_root, one_thread):
+    """Real worker processes say they have no GPU; rank 0 refuses before any round."""
+    cfg = quick_config(data_root, "algorithm.name=fedavg", *OVER, "train.device='cuda'")
+    with pytest.raises(ConfigError, match=r"rank \d on .* sees no GPU") as exc:
+        run_simulation(cfg, None, workers=2)
+    assert "\n" not in str(exc.value)
+    with pytest.raises(ConfigError, match="--workers-per-gpu 2: .* sees no GPU"):
+        run_simulation(cfg, None, workers_per_gpu=2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_workers_give_bitwise_the_in_process_gpu_run(data_root, one_thread):
+    """Workers sharing the GPU(s), K = 2 to a GPU, train what one process trains on the GPU."""
+    for name in ("fedavg", "fedseq-anti"):
+        cfg = quick_config(data_root, f"algorithm.name={name}", *OVER, "train.device='cuda'")
+        _same(run_simulation(cfg, None, workers_per_gpu=2), run_simulation(cfg, None))
+
+
+def test_srun_tasks_become_a_groups_ranks(monkeypatch):
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()  # a copy to change
+                                        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")})
+    # a batch script's own shell: Slurm sets SLURM_PROCID there too, but it is no step
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    adopt_slurm_env()
+    assert "RANK" not in os.environ
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "4")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    adopt_slurm_env()
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("3", "4", "1")
+    monkeypatch.setenv("SLURM_PROCID", "2")
+    adopt_slurm_env()  # a launcher's RANK stays
+    assert os.environ["RANK"] == "3"
 
 
 @pytest.mark.parametrize("name,workers", [("fedavg", 2), ("fedper", 3), ("fedreg", 2),
@@ -214,6 +273,28 @@ def test_fedseq_sim_under_torchrun_gives_the_in_process_run(data_root, tmp_path)
     _same_as_one_process(tmp_path / "dist", tmp_path / "one", over, env)
     status = json.loads((tmp_path / "dist" / "status.json").read_text())
     assert status["state"] == "finished" and status["workers"] == 2
+
+
+def test_fedseq_sim_as_srun_tasks_gives_the_in_process_run(data_root, tmp_path):
+    """Three fedseq-sim processes with the environment srun gives a step's tasks (and the
+    MASTER_ADDR/MASTER_PORT a job script exports) are one group: rank 0 writes the run."""
+    over = _cli_over(data_root, "algorithm.name=fedavg")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(OMP_NUM_THREADS="1")
+    srun = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), SLURM_STEP_NUM_TASKS="3",
+                SLURM_NTASKS="3", SLURM_JOB_ID="77")
+    tasks = [subprocess.Popen(_sim_command(tmp_path / "dist", *over),
+                              env={**env, **srun, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(3)]
+    try:
+        logs = [t.communicate(timeout=600)[0] for t in tasks]
+    finally:
+        for t in tasks:
+            t.kill()
+    assert [t.returncode for t in tasks] == [0, 0, 0], "\n".join(log[-1500:] for log in logs)
+    _same_as_one_process(tmp_path / "dist", tmp_path / "one", over, env)
+    assert json.loads((tmp_path / "dist" / "status.json").read_text())["workers"] == 2
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
