@@ -12,14 +12,23 @@ CNN, Fashion-MNIST, 30 IID clients of 2,000 training images, 6 a round, 1 local 
 SGD lr 0.01); `testbed` is examples/fmnist-testbed.toml with FedAvg; `fedseq-mnist` is
 examples/mnist-fedseq.toml (FedSeq Anti, 100 clients, 10 a round).
 
+With --flower-python / --pfl-python (a Python of a venv that has Flower 1.42 with Ray, or
+pfl-research 0.6 with torch), the peers workload also runs on Flower's simulation engine
+(bench/flower_peer.py: Ray, one CPU per client, as many actors as --workers) and on pfl-research
+under torchrun (bench/pfl_peer.py: --workers processes, one thread each), in the same run, with
+the same rounds timed.
+
     python bench/workers.py [--rounds 4] [--workers 2] [--workloads peers testbed fedseq-mnist]
+                            [--flower-python /tmp/flwr/bin/python] [--pfl-python /tmp/pfl/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -71,12 +80,28 @@ def measure(cfg, workers: int, train_rows: dict[int, int]) -> dict[str, float]:
     return out
 
 
+def peer(command: list[str], rounds: int) -> dict[str, float]:
+    """A peer framework's run of the peers workload (bench/flower_peer.py, bench/pfl_peer.py):
+    its rounds 1..rounds-2 timed, as fedseq's (the first is its warm-up)."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    if done.returncode or not lines:
+        raise SystemExit(f"{command[0]} failed: {done.stderr[-2000:]}")
+    got = json.loads(lines[-1])
+    timed = got["round_s"][1:rounds - 1]
+    seconds = statistics.fmean(timed)
+    return {"s/round": seconds, "samples/s": got["samples_per_round"] / seconds}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data"))
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
+    ap.add_argument("--flower-python", help="a Python with flwr[simulation] 1.42 (peers workload)")
+    ap.add_argument("--pfl-python", help="a Python with pfl[pytorch] 0.6 (peers workload)")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     print(f"torch {torch.__version__}, {cores} cores, load {os.getloadavg()[0]:.2f}")
@@ -110,6 +135,25 @@ def main() -> None:
         one = results["in-process, 1 thread"]["samples/s"]
         for label, r in results.items():
             print(f"  {label:28s} x{r['samples/s'] / one:.2f} the 1-thread in-process rate")
+        if name != "peers":
+            continue
+        here = Path(__file__).resolve().parent
+        peers = {}
+        if args.flower_python:
+            peers[f"Flower 1.42, Ray, {args.workers} actors"] = [
+                args.flower_python, str(here / "flower_peer.py"), args.data_root,
+                str(args.rounds), str(args.workers)]
+        if args.pfl_python:
+            peers[f"pfl-research, torchrun x{args.workers}"] = [
+                args.pfl_python, "-m", "torch.distributed.run", "--nproc-per-node",
+                str(args.workers), str(here / "pfl_peer.py"), args.data_root, str(args.rounds)]
+        ours = results[f"--workers {args.workers}, 1 thread each"]["samples/s"]
+        for label, command in peers.items():
+            start = time.perf_counter()
+            r = peer(command, args.rounds)
+            print(f"  {label:28s} {r['s/round']:6.2f} s/round  {r['samples/s']:7,.0f} samples/s"
+                  f"  (--workers {args.workers} x{ours / r['samples/s']:.2f} its rate)"
+                  f"  [{time.perf_counter() - start:.0f} s]", flush=True)
 
 
 if __name__ == "__main__":
