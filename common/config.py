@@ -41,13 +41,18 @@ class _Section(BaseModel):
 class DataConfig(_Section):
     """[data]: dataset, where its files are, and how it is split over clients."""
 
-    dataset: Literal["mnist", "fmnist", "cifar10", "cifar100"] = "fmnist"
+    dataset: Literal["mnist", "fmnist", "cifar10", "cifar100", "emnist-letters", "emnist-digits",
+                     "emnist-balanced", "emnist-byclass", "emnist-bymerge", "emnist-mnist"
+                     ] = "fmnist"
     # the folder holding MNIST/raw, FashionMNIST/raw, cifar-10-batches-py, ...; default: the one
     # data root of every command ($FEDSEQ_DATA, else ~/.local/share/fedseq/data; `fedseq data`)
     root: Path = Field(default_factory=default_data_root)
-    partition: Literal["dirichlet", "shards", "iid"] = "dirichlet"
+    partition: Literal["dirichlet", "shards", "iid", "classes"] = "dirichlet"
     alpha: float = Field(0.1, gt=0)
     shards_per_client: int = Field(2, ge=1)
+    # "classes" (FedPer's CIFAR split): every client holds at most this many classes, each class
+    # shared equally by the clients that hold it; k >= the classes is an IID split by class
+    classes_per_client: int = Field(2, ge=1)
     num_clients: int = Field(30, ge=1)
     train_fraction: float = Field(0.75, gt=0, lt=1)
     min_samples: int = Field(40, ge=1, description="Dirichlet: redraw until every client has this many")
@@ -73,6 +78,9 @@ class AlgorithmConfig(_Section):
     finetune_epochs: int = Field(10, ge=0)
     mu: float = Field(0.001, ge=0, description="FedProx proximal weight")
     head_epochs: int = Field(1, ge=0, description="FedRep head epochs before the body epochs")
+    # FedPer's K_P: the personalization layers in blocks, the head and the last K_P - 1 base
+    # blocks (1: the head alone, FedPer's default; its section 4.3 tries 1 to 4)
+    personal_layers: int = Field(1, ge=1)
     rebalance_threshold: Literal["mean", "median", "max"] = "mean"
     # FedReG's local procedure (docs/design.md, "FedReG"): passes over the original and over the
     # rebalanced set per round ("epochs": train.local_epochs each, section 4.1; "one": one each,

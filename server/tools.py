@@ -26,7 +26,9 @@ app.add_typer(data_app, name="data")
 
 RootOpt = Annotated[Path | None, typer.Option(
     "--root", help="data root (default: $FEDSEQ_DATA, else ~/.local/share/fedseq/data)")]
-DatasetsArg = Annotated[list[str], typer.Argument(help="mnist, fmnist, cifar10, cifar100")]
+DatasetsArg = Annotated[list[str], typer.Argument(
+    help="mnist, fmnist, cifar10, cifar100, emnist-letters (or another EMNIST split: -digits, "
+         "-balanced, -byclass, -bymerge, -mnist)")]
 
 
 def _fail(exc: Exception) -> None:

@@ -3,13 +3,32 @@
 from __future__ import annotations
 
 from fedseq.common.algorithms.base import Algorithm
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.errors import ConfigError
+from fedseq.common.models import ModelSpec
 
 
 class FedPer(Algorithm):
-    """FedPer (Arivazhagan et al.): the base is federated, the head stays personal."""
+    """FedPer (Arivazhagan et al.): the base is federated, the personalization layers stay
+    personal: the head and, with algorithm.personal_layers = K_P > 1, the last K_P - 1 base
+    blocks (FedPer section 4.3 counts K_P in basic blocks: K_P = 1 is the classifier alone)."""
 
     name = "fedper"
     global_model_note = "aggregated base + head at its initial weights (heads are personal)"
 
+    def __init__(self, cfg: ExperimentConfig, spec: ModelSpec):
+        super().__init__(cfg, spec)
+        k = cfg.algorithm.personal_layers
+        if k > len(spec.base):
+            raise ConfigError(
+                f"algorithm.personal_layers = {k}: the model's {len(spec.base)} base blocks "
+                f"({', '.join(spec.base)}) and its head leave nothing federated at K_P > "
+                f"{len(spec.base)}; use 1 (the head alone) to {len(spec.base)}")
+        if k > 1:
+            self.global_model_note = (f"aggregated {', '.join(self.shared_blocks())} + the "
+                                      f"personal {', '.join(self.personal_blocks())} at their "
+                                      "initial weights")
+
     def personal_blocks(self) -> tuple[str, ...]:
-        return (self.spec.head,)
+        k = self.cfg.algorithm.personal_layers
+        return (*self.spec.base[len(self.spec.base) - (k - 1):], self.spec.head)

@@ -11,6 +11,7 @@ import torch
 
 from fedseq.common.config import DataConfig
 from fedseq.common.data.partition import (
+    classes_partition,
     dirichlet_partition,
     iid_partition,
     shard_partition,
@@ -87,6 +88,8 @@ def client_indices(labels: np.ndarray, cfg: DataConfig, seed: int) -> list[np.nd
         return dirichlet_partition(labels, cfg.num_clients, cfg.alpha, cfg.min_samples, seed)
     if cfg.partition == "shards":
         return shard_partition(labels, cfg.num_clients, cfg.shards_per_client, seed)
+    if cfg.partition == "classes":
+        return classes_partition(labels, cfg.num_clients, cfg.classes_per_client, seed)
     return iid_partition(len(labels), cfg.num_clients, seed)
 
 

@@ -60,6 +60,33 @@ def shard_partition(
     ]
 
 
+def classes_partition(labels: np.ndarray, num_clients: int, k: int, seed: int
+                      ) -> list[np.ndarray]:
+    """FedPer's split (its section 4.1): each client holds at most k classes, and a class's rows
+    are dealt equally to the clients that hold it. The classes, in a seed-drawn order, are laid
+    around the clients cyclically (client i gets positions i*k .. i*k+k-1 mod C), so every class
+    has num_clients*k/C holders when that divides, and client volumes are equal when the classes
+    are; a class's rows are shuffled, then cut into equal parts."""
+    rng = numpy_rng(seed, "partition")
+    classes = np.unique(labels)
+    k = min(k, len(classes))
+    order = rng.permutation(classes)
+    held = [[order[(i * k + j) % len(classes)] for j in range(k)] for i in range(num_clients)]
+    holders = {c: [i for i in range(num_clients) if c in held[i]] for c in classes.tolist()}
+    empty = [c for c, h in holders.items() if not h]
+    if empty:
+        raise ConfigError(f"data.num_clients={num_clients} x data.classes_per_client={k} leaves "
+                          f"{len(empty)} of the {len(classes)} classes with no client; raise "
+                          "either so that their product reaches the classes")
+    parts: list[list[int]] = [[] for _ in range(num_clients)]
+    for c in classes.tolist():
+        idx = np.flatnonzero(labels == c)
+        rng.shuffle(idx)
+        for i, chunk in zip(holders[c], np.array_split(idx, len(holders[c]))):
+            parts[i].extend(chunk.tolist())
+    return [np.array(sorted(p), dtype=np.int64) for p in parts]
+
+
 def iid_partition(num_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
     rng = numpy_rng(seed, "partition")
     perm = rng.permutation(num_samples)

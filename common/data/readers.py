@@ -24,6 +24,25 @@ NUM_CLASSES = {"mnist": 10, "fmnist": 10, "cifar10": 10, "cifar100": 100}
 #: (channels, height, width) of each dataset's images, known without reading the files
 INPUT_SHAPES = {"mnist": (1, 28, 28), "fmnist": (1, 28, 28), "cifar10": (3, 32, 32),
                 "cifar100": (3, 32, 32)}
+#: EMNIST's six splits (Cohen et al. 2017), each a dataset `emnist-<split>` of its own, with its
+#: classes; all are IDX files of one NIST archive, named emnist-<split>-train-images-idx3-ubyte.
+#: The images are stored as NIST wrote them (transposed against MNIST's), as torchvision reads
+#: them. `letters` labels 1-26 in the files; they are read as 0-25.
+EMNIST_SPLITS = {"byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "digits": 10,
+                 "mnist": 10}
+for _split, _classes in EMNIST_SPLITS.items():
+    IDX_LAYOUT[f"emnist-{_split}"] = "EMNIST/raw"
+    NUM_CLASSES[f"emnist-{_split}"] = _classes
+    INPUT_SHAPES[f"emnist-{_split}"] = (1, 28, 28)
+
+
+def idx_stems(dataset: str, split: str) -> tuple[str, str]:
+    """The (images, labels) file names of a split ("train", "test") of an IDX dataset."""
+    if dataset.startswith("emnist-"):
+        kind = dataset[len("emnist-"):]
+        return (f"emnist-{kind}-{split}-images-idx3-ubyte",
+                f"emnist-{kind}-{split}-labels-idx1-ubyte")
+    return IDX_FILES[split]
 
 
 @dataclass(frozen=True)
@@ -110,21 +129,27 @@ def read_idx_dataset(root: Path, dataset: str, rows: np.ndarray | None = None) -
     parts = []
     offset = 0
     for split in ("train", "test"):
+        stems = idx_stems(dataset, split)
         if rows is None:
-            images = _read_idx_file(folder, IDX_FILES[split][0], dataset)
-            labels = _read_idx_file(folder, IDX_FILES[split][1], dataset)
+            images = _read_idx_file(folder, stems[0], dataset)
+            labels = _read_idx_file(folder, stems[1], dataset)
             if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
                 raise DatasetError(
                     f"{folder}: {split} images {images.shape} and labels {labels.shape} do not match"
                 )
         else:
-            labels = _read_idx_file(folder, IDX_FILES[split][1], dataset)
+            labels = _read_idx_file(folder, stems[1], dataset)
             local = rows[(rows >= offset) & (rows < offset + len(labels))] - offset
-            images = _read_idx_rows(folder, IDX_FILES[split][0], dataset, local, len(labels))
+            images = _read_idx_rows(folder, stems[0], dataset, local, len(labels))
         offset += len(labels)
         parts.append((images, labels))
     images = np.concatenate([p[0] for p in parts])[:, None, :, :]
     labels = np.concatenate([p[1] for p in parts]).astype(np.int64)
+    if dataset == "emnist-letters":
+        labels -= 1
+    if len(labels) and not 0 <= labels.min() <= labels.max() < NUM_CLASSES[dataset]:
+        raise DatasetError(f"{folder}: labels {labels.min()}..{labels.max()} are not the "
+                           f"{NUM_CLASSES[dataset]} classes of {dataset}; re-copy the files")
     return RawDataset(images, labels, NUM_CLASSES[dataset], len(parts[0][1]))
 
 

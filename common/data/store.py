@@ -3,7 +3,8 @@ their md5 sums (torchvision's), download from the official mirrors with fallback
 import from a folder a user already has. Standard library only, so a device can use it too.
 
 The layout under the data root is torchvision's: MNIST/raw/*.gz, FashionMNIST/raw/*.gz,
-cifar-10-batches-py/, cifar-100-python/ (the CIFAR archives are extracted after their check).
+cifar-10-batches-py/, cifar-100-python/ (the CIFAR archives are extracted after their check),
+EMNIST/raw/*.gz (from NIST's zip, likewise).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import shutil
 import tarfile
 import urllib.error
 import urllib.request
+import zipfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable  # subscripted at run time below: typing works on Python 3.8
 
 from fedseq.common.errors import DatasetError
@@ -87,16 +89,39 @@ DATASETS: dict[str, DatasetSpec] = {
         "", (DataFile("cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85", 169001437),),
         ("https://www.cs.toronto.edu/~kriz/",), extract="cifar-100-python.tar.gz",
     ),
+    # NIST's one archive of all six EMNIST splits (md5 as torchvision checks it); its gzip/*.gz
+    # members are extracted into EMNIST/raw, the archive removed
+    "emnist": DatasetSpec(
+        "EMNIST/raw", (DataFile("gzip.zip", "58c8d27c78d21e728a6bc7b3cc06412e", 561753746),),
+        ("https://biometrics.nist.gov/cs_links/EMNIST/",), extract="gzip.zip",
+    ),
 }
-EXTRACTED = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
+EXTRACTED = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python",
+             "emnist": "EMNIST/raw"}
 
 Progress = Callable[[str, int, int], None]  # (file name, bytes so far, bytes in all)
 
 
+def archive_of(dataset: str) -> str:
+    """The DATASETS entry that holds `dataset`'s files: emnist-letters is in emnist's archive."""
+    return "emnist" if dataset.startswith("emnist-") else dataset
+
+
 def spec_of(dataset: str) -> DatasetSpec:
-    if dataset not in DATASETS:
-        raise DatasetError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)}")
-    return DATASETS[dataset]
+    if archive_of(dataset) not in DATASETS:
+        raise DatasetError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)} "
+                           "(EMNIST as emnist-letters, -digits, -balanced, -byclass, -bymerge "
+                           "or -mnist)")
+    return DATASETS[archive_of(dataset)]
+
+
+def _extracted_files(dataset: str) -> list[str]:
+    """What an extracted archive must hold for `dataset` (relative to its folder)."""
+    if dataset.startswith("emnist-"):
+        split = dataset[len("emnist-"):]
+        return [f"emnist-{split}-{part}-ubyte.gz" for part in
+                ("train-images-idx3", "train-labels-idx1", "test-images-idx3", "test-labels-idx1")]
+    return []
 
 
 def md5_of(path: Path) -> str:
@@ -128,8 +153,11 @@ def verify(root: Path, dataset: str) -> list[str]:
     CIFAR is checked by its extracted folder, whose archive is not kept."""
     spec = spec_of(dataset)
     if spec.extract is not None:
-        folder = Path(root) / EXTRACTED[dataset]
-        return [] if folder.is_dir() and any(folder.iterdir()) else [f"{folder} is missing"]
+        folder = Path(root) / EXTRACTED[archive_of(dataset)]
+        if not (folder.is_dir() and any(folder.iterdir())):
+            return [f"{folder} is missing"]
+        return [f"{folder / f} is missing" for f in _extracted_files(dataset)
+                if not (folder / f).exists()]
     return [p for f in spec.files if (p := check_file(Path(root) / spec.folder / f.name, f))]
 
 
@@ -172,7 +200,7 @@ def download(dataset: str, root: Path, mirrors: tuple[str, ...] | None = None,
     spec = spec_of(dataset)
     folder = Path(root) / spec.folder
     if spec.extract is not None and not verify(root, dataset):
-        log(f"{Path(root) / EXTRACTED[dataset]}: present")
+        log(f"{Path(root) / EXTRACTED[archive_of(dataset)]}: present")
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     for f in spec.files:
@@ -232,6 +260,17 @@ def _extract(spec: DatasetSpec, root: Path) -> None:
     if spec.extract is None:
         return
     archive = Path(root) / spec.folder / spec.extract
+    if archive.suffix == ".zip":  # EMNIST: gzip/<name>.gz members, flattened into the folder
+        with zipfile.ZipFile(archive) as z:
+            for member in z.namelist():
+                name = PurePosixPath(member).name  # the base name alone: nothing lands outside
+                if name.endswith(".gz"):
+                    tmp = archive.with_name(name + ".part")
+                    with z.open(member) as src, tmp.open("wb") as out:
+                        shutil.copyfileobj(src, out, CHUNK)
+                    tmp.replace(archive.with_name(name))
+        archive.unlink()
+        return
     with tarfile.open(archive, "r:gz") as tar:
         if hasattr(tarfile, "data_filter"):  # Python >= 3.10.12 / 3.11.4: no paths outside root
             tar.extractall(Path(root), filter="data")

@@ -34,10 +34,14 @@ def test_selection_is_pure_function_of_seed_and_round():
     assert all(len(s) == 6 == len(set(s)) for s in a) and len({tuple(s) for s in a}) > 1
 
 
-@pytest.mark.parametrize("name", ["fedper", "fedrep", "fedrod", "fedreg", "lg-fedavg"])
-def test_personal_blocks_never_aggregated(name):
-    coord, model = _coord(name)
+@pytest.mark.parametrize("name,over", [("fedper", ()), ("fedper", ("algorithm.personal_layers=3",)),
+                                       ("fedrep", ()), ("fedrod", ()), ("fedreg", ()),
+                                       ("lg-fedavg", ())])
+def test_personal_blocks_never_aggregated(name, over):
+    coord, model = _coord(name, *over)
     personal = coord.alg.personal_blocks()
+    if over:  # FedPer's K_P = 3: the head and the last two base blocks (FedPer section 4.3)
+        assert personal == ("conv2", "fc1", "fc2") and coord.alg.shared_blocks() == ("conv1",)
     init = get_blocks(model, personal)
     coord.run()
     assert all(torch.equal(coord.global_weights[k], v) for k, v in init.items())

@@ -95,3 +95,21 @@ def test_fedreg_plans_only_after_prepare():
         alg.plan(0)
     alg.prepare([100, 300])
     assert alg.plan(0).rebalance_threshold == 200.0
+
+
+def test_fedper_personal_layers_count_blocks_and_leave_a_base_federated():
+    from fedseq.common.errors import ConfigError
+    from fedseq.common.models import model_spec
+
+    spec = model_spec("convnet", False)  # conv1 conv2 fc1 fc2 | fc3
+
+    def fedper(k):
+        cfg = load_config(None, ["algorithm.name=fedper", f"algorithm.personal_layers={k}"])
+        return algorithm_class("fedper")(cfg, spec)
+
+    for k, personal in ((1, ("fc3",)), (2, ("fc2", "fc3")), (4, ("conv2", "fc1", "fc2", "fc3"))):
+        alg = fedper(k)
+        assert alg.personal_blocks() == personal
+        assert alg.plan(0).upload == tuple(b for b in spec.blocks if b not in personal)
+    with pytest.raises(ConfigError, match="personal_layers = 5: the model's 4 base blocks"):
+        fedper(5)

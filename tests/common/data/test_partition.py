@@ -5,6 +5,7 @@ import torch
 from fedseq.common.config import DataConfig
 from fedseq.common.data.federated import load_federated
 from fedseq.common.data.partition import (
+    classes_partition,
     dirichlet_partition,
     iid_partition,
     shard_partition,
@@ -91,3 +92,29 @@ def test_rebalance_counts_by_hand():
     # generated rows: 4 for class 1 only; originals of class 1 all present
     assert rb.augment.sum() == 4 and set(labels[rb.indices[rb.augment]].tolist()) == {1}
     assert set(rb.indices[~rb.augment & (labels[rb.indices] == 1)].tolist()) == {10, 11}
+
+
+@pytest.mark.parametrize("clients,k", [(10, 4), (10, 8), (10, 10), (7, 3), (30, 2)])
+def test_classes_partition_is_fedpers_split(clients, k):
+    """At most k classes a client; a class's rows dealt equally to its holders; every row once;
+    equal client volumes (to a row a class) where clients x k is a multiple of the classes
+    (FedPer's 10 x 4/8/10)."""
+    parts = classes_partition(LABELS, clients, k, seed=3)
+    _is_partition(parts, len(LABELS))
+    holders = {c: [i for i, p in enumerate(parts) if (LABELS[p] == c).any()] for c in range(10)}
+    for p in parts:
+        assert len(set(LABELS[p].tolist())) == min(k, 10)
+    for c, hs in holders.items():
+        sizes = [int((LABELS[parts[i]] == c).sum()) for i in hs]
+        assert max(sizes) - min(sizes) <= 1 and sum(sizes) == 300
+    if clients * k % 10 == 0:  # equal up to a row per class where a class does not divide
+        assert max(map(len, parts)) - min(map(len, parts)) <= k
+    again = classes_partition(LABELS, clients, k, seed=3)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+    assert any(not np.array_equal(a, b)
+               for a, b in zip(parts, classes_partition(LABELS, clients, k, seed=4)))
+
+
+def test_classes_partition_refuses_classes_nobody_holds():
+    with pytest.raises(ConfigError, match="leaves 4 of the 10 classes with no client"):
+        classes_partition(LABELS, 3, 2, seed=0)
