@@ -42,8 +42,8 @@ class DataConfig(_Section):
     """[data]: dataset, where its files are, and how it is split over clients."""
 
     dataset: Literal["mnist", "fmnist", "cifar10", "cifar100", "emnist-letters", "emnist-digits",
-                     "emnist-balanced", "emnist-byclass", "emnist-bymerge", "emnist-mnist"
-                     ] = "fmnist"
+                     "emnist-balanced", "emnist-byclass", "emnist-bymerge", "emnist-mnist",
+                     "tiny-imagenet"] = "fmnist"
     # the folder holding MNIST/raw, FashionMNIST/raw, cifar-10-batches-py, ...; default: the one
     # data root of every command ($FEDSEQ_DATA, else ~/.local/share/fedseq/data; `fedseq data`)
     root: Path = Field(default_factory=default_data_root)

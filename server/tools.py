@@ -27,7 +27,7 @@ app.add_typer(data_app, name="data")
 RootOpt = Annotated[Path | None, typer.Option(
     "--root", help="data root (default: $FEDSEQ_DATA, else ~/.local/share/fedseq/data)")]
 DatasetsArg = Annotated[list[str], typer.Argument(
-    help="mnist, fmnist, cifar10, cifar100, emnist-letters (or another EMNIST split: -digits, "
+    help="mnist, fmnist, cifar10, cifar100, tiny-imagenet, emnist-letters (or another split: -digits, "
          "-balanced, -byclass, -bymerge, -mnist)")]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import json
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,11 @@ for _split, _classes in EMNIST_SPLITS.items():
     IDX_LAYOUT[f"emnist-{_split}"] = "EMNIST/raw"
     NUM_CLASSES[f"emnist-{_split}"] = _classes
     INPUT_SHAPES[f"emnist-{_split}"] = (1, 28, 28)
+
+
+NUM_CLASSES["tiny-imagenet"] = 200
+INPUT_SHAPES["tiny-imagenet"] = (3, 64, 64)
+TINY = "tiny-imagenet-200"
 
 
 def idx_stems(dataset: str, split: str) -> tuple[str, str]:
@@ -180,10 +186,76 @@ def read_cifar(root: Path, dataset: str) -> RawDataset:
     return RawDataset(images, labels, NUM_CLASSES[dataset], num_train)
 
 
+def decode_tiny_imagenet(folder: Path) -> None:
+    """Tiny-ImageNet's JPEGs as two arrays under `folder`/fedseq: images.npy (uint8 N x 3 x 64 x
+    64: the 100,000 training images, then the 10,000 validation images) and labels.npy (class =
+    the wnid's place in sorted wnids.txt, as torchvision's ImageFolder numbers them). Training
+    images in sorted file order per class; validation images in val_annotations.txt's order.
+    Grayscale JPEGs become RGB. Written atomically: what readers read is complete or absent."""
+    from PIL import Image  # the coordinator's side (the server extra)
+
+    wnids = sorted((folder / "wnids.txt").read_text().split())
+    index = {w: i for i, w in enumerate(wnids)}
+    files: list[tuple[Path, int]] = []
+    for w in wnids:
+        files += [(p, index[w]) for p in sorted((folder / "train" / w / "images").glob("*.JPEG"))]
+    num_train = len(files)
+    for line in (folder / "val" / "val_annotations.txt").read_text().splitlines():
+        if line.strip():
+            name, wnid = line.split("\t")[:2]
+            if wnid not in index:
+                raise DatasetError(f"{folder}/val/val_annotations.txt: {wnid} is not in wnids.txt; "
+                                   "re-extract the original archive")
+            files.append((folder / "val" / "images" / name, index[wnid]))
+    images = np.empty((len(files), 3, 64, 64), np.uint8)
+    for i, (path, _) in enumerate(files):
+        try:
+            with Image.open(path) as img:
+                pixels = np.asarray(img.convert("RGB"))
+        except OSError as exc:
+            raise DatasetError(f"{path}: not a readable JPEG ({exc}); re-extract the archive") from exc
+        if pixels.shape != (64, 64, 3):
+            raise DatasetError(f"{path}: {pixels.shape[1]}x{pixels.shape[0]}, not 64x64; "
+                               "re-extract the original archive")
+        images[i] = pixels.transpose(2, 0, 1)
+    out = folder / "fedseq"
+    out.mkdir(exist_ok=True)
+    meta = {"num_train": num_train, "wnids": wnids}
+    for name, array in (("labels.npy", np.array([c for _, c in files], np.int64)),
+                        ("images.npy", images)):
+        tmp = out / (name + ".part")
+        with tmp.open("wb") as f:
+            np.save(f, array)
+        tmp.replace(out / name)
+    (out / "meta.json").write_text(json.dumps(meta))
+
+
+def read_tiny_imagenet(root: Path, rows: np.ndarray | None = None) -> RawDataset:
+    """The decoded Tiny-ImageNet (decode_tiny_imagenet); with `rows`, only those images are read
+    (memory-mapped), so a device holds its clients' images alone."""
+    folder = Path(root) / TINY / "fedseq"
+    try:
+        labels = np.load(folder / "labels.npy")
+        images = np.load(folder / "images.npy", mmap_mode="r")
+        num_train = int(json.loads((folder / "meta.json").read_text())["num_train"])
+    except (OSError, ValueError, KeyError) as exc:
+        raise DatasetError(
+            f"missing or damaged dataset file under {folder} ({exc}): run `fedseq data download "
+            f"tiny-imagenet --root {root}` (it decodes an extracted {TINY}/ without downloading "
+            "again), or --from DIR with the zip") from exc
+    if images.shape[1:] != (3, 64, 64) or len(images) != len(labels):
+        raise DatasetError(f"{folder}: images {images.shape} and labels {labels.shape} do not "
+                           f"match; run `fedseq data download tiny-imagenet --root {root}`")
+    picked = np.asarray(images if rows is None else images[rows])
+    return RawDataset(picked, labels.astype(np.int64), NUM_CLASSES["tiny-imagenet"], num_train)
+
+
 def read_dataset(root: Path, dataset: str, rows: np.ndarray | None = None) -> RawDataset:
     """Dispatch on the config's dataset name; `rows`: keep only these images (labels: all)."""
     if dataset in IDX_LAYOUT:
         return read_idx_dataset(root, dataset, rows)
+    if dataset == "tiny-imagenet":
+        return read_tiny_imagenet(root, rows)
     if dataset in CIFAR_DIRS:
         raw = read_cifar(root, dataset)
         if rows is None:

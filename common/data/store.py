@@ -4,7 +4,9 @@ import from a folder a user already has. Standard library only, so a device can 
 
 The layout under the data root is torchvision's: MNIST/raw/*.gz, FashionMNIST/raw/*.gz,
 cifar-10-batches-py/, cifar-100-python/ (the CIFAR archives are extracted after their check),
-EMNIST/raw/*.gz (from NIST's zip, likewise).
+EMNIST/raw/*.gz (from NIST's zip, likewise), tiny-imagenet-200/ (Stanford's zip, its JPEGs
+decoded once into tiny-imagenet-200/fedseq/*.npy, which needs numpy and Pillow: the coordinator's
+side; a device reads the .npy files it is given).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class DatasetSpec:
     folder: str  # where the files go, under the data root
     files: tuple[DataFile, ...]
     mirrors: tuple[str, ...]  # base URLs, tried in order
-    extract: str | None = None  # a tar.gz whose content goes into the data root after its check
+    extract: str | None = None  # an archive whose content goes into the data root after its check
 
 
 IDX_NAMES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
@@ -95,9 +97,16 @@ DATASETS: dict[str, DatasetSpec] = {
         "EMNIST/raw", (DataFile("gzip.zip", "58c8d27c78d21e728a6bc7b3cc06412e", 561753746),),
         ("https://biometrics.nist.gov/cs_links/EMNIST/",), extract="gzip.zip",
     ),
+    # Stanford CS231n's Tiny-ImageNet (md5 and size as its loaders check them): 200 classes of
+    # 64x64 JPEGs, 500 training and 50 validation images each; extracted, then decoded once into
+    # tiny-imagenet-200/fedseq/ (readers.py), which is what every command reads
+    "tiny-imagenet": DatasetSpec(
+        "", (DataFile("tiny-imagenet-200.zip", "90528d7ca1a48142e341f4ef8d21d0de", 248100043),),
+        ("http://cs231n.stanford.edu/",), extract="tiny-imagenet-200.zip",
+    ),
 }
 EXTRACTED = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python",
-             "emnist": "EMNIST/raw"}
+             "emnist": "EMNIST/raw", "tiny-imagenet": "tiny-imagenet-200"}
 
 Progress = Callable[[str, int, int], None]  # (file name, bytes so far, bytes in all)
 
@@ -121,6 +130,8 @@ def _extracted_files(dataset: str) -> list[str]:
         split = dataset[len("emnist-"):]
         return [f"emnist-{split}-{part}-ubyte.gz" for part in
                 ("train-images-idx3", "train-labels-idx1", "test-images-idx3", "test-labels-idx1")]
+    if dataset == "tiny-imagenet":
+        return ["fedseq/images.npy", "fedseq/labels.npy"]
     return []
 
 
@@ -202,6 +213,9 @@ def download(dataset: str, root: Path, mirrors: tuple[str, ...] | None = None,
     if spec.extract is not None and not verify(root, dataset):
         log(f"{Path(root) / EXTRACTED[archive_of(dataset)]}: present")
         return folder
+    if dataset == "tiny-imagenet" and (Path(root) / "tiny-imagenet-200" / "wnids.txt").exists():
+        _decode_tiny_imagenet(Path(root) / "tiny-imagenet-200", log)  # extracted, not decoded
+        return folder
     folder.mkdir(parents=True, exist_ok=True)
     for f in spec.files:
         dest = folder / f.name
@@ -222,7 +236,7 @@ def download(dataset: str, root: Path, mirrors: tuple[str, ...] | None = None,
         else:
             raise DatasetError(f"could not download {f.name} ({'; '.join(errors)}); check the "
                                f"network or fetch the files elsewhere and use --from DIR")
-    _extract(spec, root)
+    _extract(spec, root, log)
     return folder
 
 
@@ -252,14 +266,27 @@ def import_from(dataset: str, source: Path, root: Path, log: Callable[[str], Non
             shutil.copyfile(found, tmp)
             tmp.replace(dest)
         log(f"{dest}: imported from {found}, md5 ok")
-    _extract(spec, root)
+    _extract(spec, root, log)
     return folder
 
 
-def _extract(spec: DatasetSpec, root: Path) -> None:
+def _decode_tiny_imagenet(folder: Path, log: Callable[[str], None]) -> None:
+    from fedseq.common.data.readers import decode_tiny_imagenet  # numpy and Pillow
+
+    log(f"{folder}: decoding the JPEGs once into {folder / 'fedseq'} (a minute or two)")
+    decode_tiny_imagenet(folder)
+
+
+def _extract(spec: DatasetSpec, root: Path, log: Callable[[str], None] = lambda m: None) -> None:
     if spec.extract is None:
         return
     archive = Path(root) / spec.folder / spec.extract
+    if archive.name == "tiny-imagenet-200.zip":
+        with zipfile.ZipFile(archive) as z:
+            z.extractall(Path(root))  # zipfile drops absolute paths and '..' parts
+        archive.unlink()
+        _decode_tiny_imagenet(Path(root) / "tiny-imagenet-200", log)
+        return
     if archive.suffix == ".zip":  # EMNIST: gzip/<name>.gz members, flattened into the folder
         with zipfile.ZipFile(archive) as z:
             for member in z.namelist():

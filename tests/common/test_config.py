@@ -10,10 +10,26 @@ from fedseq.common.errors import ConfigError
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
-@pytest.mark.parametrize("name", ["fmnist-testbed.toml", "mnist-fedseq.toml"])
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.toml")))
 def test_examples_validate(name):
     cfg = load_config(EXAMPLES / name)
     assert cfg.rounds > 0
+
+
+def test_paper_table_examples_hold_the_papers_settings():
+    """The settings each paper states (the rest is marked inferred in the files)."""
+    t2 = load_config(EXAMPLES / "fedreg-table2.toml")
+    assert (t2.data.num_clients, t2.data.alpha, t2.clients_per_round(), t2.rounds) == (50, 0.1, 10, 100)
+    assert (t2.train.local_epochs, t2.train.batch_size, t2.train.lr, t2.train.momentum) == (5, 20, 0.01, 0.9)
+    t3 = load_config(EXAMPLES / "fedreg-table3.toml")
+    assert (t3.data.dataset, t3.data.num_clients, t3.train.batch_size) == ("cifar10", 100, 10)
+    t4 = load_config(EXAMPLES / "fedreg-table4.toml")
+    assert (t4.data.alpha, t4.data.num_clients, t4.clients_per_round()) == (0.5, 100, 20)
+    s4 = load_config(EXAMPLES / "fedseq-table4.toml")
+    assert (s4.data.dataset, s4.rounds, s4.algorithm.unfreeze_rounds) == ("cifar100", 1000, [0, 100, 200])
+    assert (s4.data.num_clients, s4.clients_per_round(), s4.train.batch_size,
+            s4.train.lr) == (100, 10, 10, 0.005)
+    assert {t2.model.name, t3.model.name, t4.model.name, s4.model.name} == {"convnet", "cnn"}
 
 
 def test_testbed_example_matches_fedreg_paper():
