@@ -62,8 +62,10 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     """[model]: which model of the zoo (common/models.py)."""
 
-    # cnn: the FedSeq paper's (FedAvg/PFLlib) CNN; convnet: FedReG's (FedDyn/FedRoD) ConvNet
-    name: Literal["cnn", "convnet"] = "cnn"
+    # cnn: the FedSeq paper's (FedAvg/PFLlib) CNN; convnet: FedReG's (FedDyn/FedRoD) ConvNet;
+    # 4convnet and mobilenet: FedBABU's; resnet18, resnet34: FedPer's and FedBABU's appendix
+    # (docs/models.md: blocks, parameters, normalization)
+    name: Literal["cnn", "convnet", "4convnet", "mobilenet", "resnet18", "resnet34"] = "cnn"
     # the heads' initial weights: "default" (PyTorch's, the same for every algorithm) or
     # "orthogonal" (FedBABU section 3 credits its fixed random head to an orthogonal init, after
     # Saxe et al.): nn.init.orthogonal_ on each head's weight, its bias as PyTorch initialises it

@@ -85,7 +85,11 @@ def evaluate(
     g_correct = g_total = 0
     if shared_feats:
         rows = torch.cat([data.clients[c].test for c in clients])
-        feats = features(model, data.images(rows), batch)
+        if model.batch_stats:  # batches never mix clients: any sharding scores the same
+            feats = torch.cat([features(model, data.images(data.clients[c].test), batch)
+                               for c in clients])
+        else:
+            feats = features(model, data.images(rows), batch)
         y = data.y[rows]
         if with_global:
             pred = _head_logits(feats, (spec.head,), global_weights).argmax(1)

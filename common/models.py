@@ -42,6 +42,8 @@ class BlockModel(nn.Module):
     spec: ModelSpec
     BASE: tuple[str, ...]  # the base blocks' module names, input to output
     HEAD: str  # the global head's module name; a personal head is HEAD + "_p"
+    #: features of a row depend on the other rows of its batch (BatchNorm on batch statistics)
+    batch_stats = False
 
     @classmethod
     def block_spec(cls, two_heads: bool) -> ModelSpec:
@@ -124,7 +126,163 @@ class ConvNet(BlockModel):
         return F.relu(self.fc2(x))
 
 
-MODELS: dict[str, type[BlockModel]] = {"cnn": CNN, "convnet": ConvNet}
+def _bn(channels: int) -> nn.BatchNorm2d:
+    """FedBABU's normalization (its code, models/Nets.py): BatchNorm with batch statistics only
+    (track_running_stats=False). Such a layer has no running state: its scale and shift are
+    parameters like any other (federated, frozen, personal with their block), a frozen block is
+    exactly unchanged, and nothing but parameters crosses the wire or enters a checkpoint.
+    Evaluation normalizes each batch by its own statistics too, so the models that use it
+    score a client's rows in batches of that client alone (common/evaluation.py)."""
+    return nn.BatchNorm2d(channels, track_running_stats=False)
+
+
+class _BlockStack(BlockModel):
+    """Base blocks applied in turn, average pooling over POOL x POOL (1: none), a linear head."""
+
+    HEAD = "fc"
+    POOL = 1
+    batch_stats = True
+
+    def _add_heads(self, channels: int, h: int, w: int, num_classes: int, two_heads: bool) -> None:
+        dim = channels * (h // self.POOL) * (w // self.POOL)
+        self.fc = nn.Linear(dim, num_classes)
+        if two_heads:
+            self.fc_p = nn.Linear(dim, num_classes)
+        self.spec = self.block_spec(two_heads)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.BASE:
+            x = getattr(self, name)(x)
+        return (F.avg_pool2d(x, self.POOL) if self.POOL > 1 else x).flatten(1)
+
+
+def _strided(h: int, w: int) -> tuple[int, int]:
+    """The map size after a stride-2 conv3x3 with padding 1."""
+    return (h - 1) // 2 + 1, (w - 1) // 2 + 1
+
+
+class FourConvNet(_BlockStack):
+    """FedBABU's 4convNet (its appendix A; CNNCifar in its code): four blocks of conv3x3(64,
+    padding 1), BatchNorm, ReLU, max-pool 2, and a linear head on the flattened features (64 x 2
+    x 2 on 32x32 input, 64 on 28x28). 115,658 parameters on CIFAR-10; FedSeq's K = 4."""
+
+    BASE = ("conv1", "conv2", "conv3", "conv4")
+
+    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool):
+        super().__init__()
+        c, h, w = in_shape
+        for i, name in enumerate(self.BASE):
+            setattr(self, name, nn.Sequential(nn.Conv2d(c if i == 0 else 64, 64, 3, padding=1),
+                                              _bn(64), nn.ReLU(), nn.MaxPool2d(2)))
+            h, w = h // 2, w // 2
+        self._add_heads(64, h, w, num_classes, two_heads)
+
+
+class _Separable(nn.Module):
+    """MobileNet-v1's basic block: a depthwise conv3x3 and a pointwise conv1x1, each with
+    BatchNorm and ReLU."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False)
+        self.bn1 = _bn(cin)
+        self.conv2 = nn.Conv2d(cin, cout, 1, bias=False)
+        self.bn2 = _bn(cout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+class MobileNet(_BlockStack):
+    """MobileNet-v1 for CIFAR-sized input (Howard et al. 2017), as FedBABU's code builds it
+    (MobileNetCifar): a conv3x3(32) stem with BatchNorm and ReLU, 13 depthwise-separable basic
+    blocks (64, 128/2, 128, 256/2, 256, 512/2, 5 x 512, 1024/2, 1024; /2 = stride 2), average
+    pooling over 2x2 and a linear head (1024 features on 32x32 and 28x28 input). Blocks: the stem
+    and each basic block, so FedSeq's K = 14 and FedPer's K_P counts basic blocks. 3,309,476
+    parameters on CIFAR-100 (~13 MB as float32)."""
+
+    WIDTHS = (64, (128, 2), 128, (256, 2), 256, (512, 2), 512, 512, 512, 512, 512, (1024, 2), 1024)
+    BASE = ("stem", *(f"block{i + 1}" for i in range(len(WIDTHS))))
+    POOL = 2
+
+    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool):
+        super().__init__()
+        c, h, w = in_shape
+        self.stem = nn.Sequential(nn.Conv2d(c, 32, 3, 1, 1, bias=False), _bn(32), nn.ReLU())
+        cin = 32
+        for name, width in zip(self.BASE[1:], self.WIDTHS):
+            cout, stride = width if isinstance(width, tuple) else (width, 1)
+            setattr(self, name, _Separable(cin, cout, stride))
+            cin = cout
+            if stride == 2:
+                h, w = _strided(h, w)
+        self._add_heads(cin, h, w, num_classes, two_heads)
+
+
+class _Residual(nn.Module):
+    """ResNet's basic block: two conv3x3 with BatchNorm, a shortcut (conv1x1 + BatchNorm where
+    the shape changes), ReLU after the sum."""
+
+    def __init__(self, cin: int, cout: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = _bn(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = _bn(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _bn(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
+        return F.relu(out + self.shortcut(x))
+
+
+class _ResNet(_BlockStack):
+    """ResNet for 32x32 input (He et al. 2016, the CIFAR form FedPer and FedBABU's appendix
+    use): a conv3x3(64) stem with BatchNorm and ReLU, basic blocks in four stages (64, 128, 256,
+    512 channels; stages 2-4 start with stride 2), average pooling over 4x4 and a linear head
+    (512 features on 32x32 and 28x28 input). Blocks: the stem and each basic block, FedPer's
+    unit for K_P."""
+
+    STAGES: tuple[int, ...] = ()
+    POOL = 4
+
+    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool):
+        super().__init__()
+        c, h, w = in_shape
+        self.stem = nn.Sequential(nn.Conv2d(c, 64, 3, 1, 1, bias=False), _bn(64), nn.ReLU())
+        cin, names = 64, iter(self.BASE[1:])
+        for stage, count in enumerate(self.STAGES):
+            cout = 64 * 2 ** stage
+            for i in range(count):
+                stride = 2 if stage > 0 and i == 0 else 1
+                setattr(self, next(names), _Residual(cin, cout, stride))
+                cin = cout
+                if stride == 2:
+                    h, w = _strided(h, w)
+        self._add_heads(cin, h, w, num_classes, two_heads)
+
+
+class ResNet18(_ResNet):
+    """ResNet-18: 2 basic blocks a stage, 8 in all (FedSeq's K = 9 with the stem). 11,173,962
+    parameters on CIFAR-10 (~45 MB as float32)."""
+
+    STAGES = (2, 2, 2, 2)
+    BASE = ("stem", *(f"block{i + 1}" for i in range(8)))
+
+
+class ResNet34(_ResNet):
+    """ResNet-34 (FedPer's): 3, 4, 6, 3 basic blocks, 16 in all. 21,282,122 parameters on
+    CIFAR-10."""
+
+    STAGES = (3, 4, 6, 3)
+    BASE = ("stem", *(f"block{i + 1}" for i in range(16)))
+
+
+MODELS: dict[str, type[BlockModel]] = {"cnn": CNN, "convnet": ConvNet, "4convnet": FourConvNet,
+                                       "mobilenet": MobileNet, "resnet18": ResNet18,
+                                       "resnet34": ResNet34}
 
 
 def _pool(x: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,15 @@ def test_paper_table_examples_hold_the_papers_settings():
     assert (s4.data.num_clients, s4.clients_per_round(), s4.train.batch_size,
             s4.train.lr) == (100, 10, 10, 0.005)
     assert {t2.model.name, t3.model.name, t4.model.name, s4.model.name} == {"convnet", "cnn"}
+    b4 = load_config(EXAMPLES / "fedbabu-table4.toml")
+    assert (b4.model.name, b4.data.dataset, b4.data.partition, b4.data.num_clients) == (
+        "mobilenet", "cifar100", "shards", 100)
+    assert b4.rounds * b4.train.local_epochs == 320 and b4.algorithm.finetune_epochs == 5
+    p2 = load_config(EXAMPLES / "fedper-figure2.toml")
+    assert (p2.model.name, p2.data.partition, p2.data.classes_per_client, p2.data.num_clients) == (
+        "resnet34", "classes", 4, 10)
+    assert (p2.algorithm.personal_layers, p2.train.local_epochs, p2.train.batch_size,
+            p2.train.lr, p2.rounds) == (2, 4, 128, 0.01, 100)
 
 
 def test_testbed_example_matches_fedreg_paper():

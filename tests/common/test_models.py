@@ -90,3 +90,42 @@ def test_orthogonal_head_init_changes_only_the_head_weights():
     for key in heads:
         w = ortho.state_dict()[key]
         assert torch.allclose(w @ w.T, torch.eye(w.shape[0]), atol=1e-5)
+
+
+def test_the_papers_models_blocks_and_parameter_counts():
+    """FedBABU's 4convNet and MobileNet, the CIFAR ResNets of FedPer and FedBABU's appendix:
+    blocks at the papers' granularity and the parameter counts docs/models.md gives (ResNet-18
+    and -34 on CIFAR-10: the standard 11,173,962 and 21,282,122)."""
+    counts = {("4convnet", 10): 115658, ("mobilenet", 100): 3309476, ("resnet18", 10): 11173962,
+              ("resnet34", 10): 21282122}
+    for (name, classes), n in counts.items():
+        m = build_model(name, (3, 32, 32), classes)
+        assert count_params(m, m.spec.blocks) == n, name
+        assert len(m.state_dict()) == len(list(m.parameters()))  # no running statistics: no state
+        assert m.batch_stats and m.spec.head == "fc"
+    assert build_model("4convnet", (3, 32, 32), 10).spec.base == ("conv1", "conv2", "conv3", "conv4")
+    assert len(build_model("mobilenet", (3, 32, 32), 10).spec.base) == 14  # stem + 13 blocks
+    assert len(build_model("resnet34", (3, 32, 32), 10).spec.base) == 17  # stem + FedPer's 16
+    # every model takes every input of the zoo as it is; the features flatten to what the head takes
+    for name in ("4convnet", "mobilenet", "resnet18"):
+        for shape in ((1, 28, 28), (3, 32, 32), (3, 64, 64)):
+            m = build_model(name, shape, 200, two_heads=True)
+            out = m.logits(m.features(torch.rand(2, *shape)), m.spec.heads)
+            assert out.shape == (2, 200), (name, shape)
+
+
+def test_batch_statistics_models_train_blocks_alone():
+    """One SGD step with conv1 alone trainable (FedSeq's first stage): every other tensor, the
+    normalization's scale and shift included, is unchanged; no running state exists to drift."""
+    from fedseq.common.training import Sgd, set_trainable
+
+    m = build_model("4convnet", (1, 28, 28), 10, generator_seed=3)
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    opt = Sgd(set_trainable(m, ("conv1",)), lr=0.1, momentum=0.9)
+    loss = torch.nn.functional.cross_entropy(m.logits(m.features(torch.rand(8, 1, 28, 28)), ("fc",)),
+                                             torch.arange(8))
+    loss.backward()
+    opt.step()
+    changed = {k for k, v in m.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.startswith("conv1.") for k in changed)
+    assert "conv1.1.weight" in changed  # conv1's BatchNorm scale trains with its block

@@ -10,8 +10,8 @@ import time
 
 import torch
 
+from conftest import coordinator_run, quick_config
 from conftest import device_process as _device
-from conftest import quick_config
 from fedseq.server.broker import free_port
 from fedseq.server.deployment import run_deployment, stop_children
 from fedseq.server.simulation import run_simulation
@@ -95,6 +95,24 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
         assert only["torch_device"] == "cpu" and only["cpu"] and only["machine"]
 
 
+def test_batchnorm_model_under_fedseqs_freeze_schedule_matches_simulation(data_root, tmp_path,
+                                                                         one_thread):
+    """FedBABU's 4convNet (BatchNorm on batch statistics) under FedSeq-Anti's schedule: the
+    devices score their own clients, the simulation all of them in one process; both give the
+    same accuracies and, bitwise, the same weights."""
+    cfg = quick_config(data_root, "algorithm.name=fedseq-anti", "model.name=4convnet", "rounds=3",
+                       "algorithm.unfreeze_rounds=[0,1,1,2]", "algorithm.finetune_epochs=1",
+                       "train.join_ratio=0.6", "deploy.port=0")
+    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1, announce=_quiet)
+    sim = run_simulation(cfg, out=None)
+    assert [r["phase"] for r in dep.rows] == [r["phase"] for r in sim.rows]
+    for d, s in zip(dep.rows, sim.rows, strict=True):
+        assert (d["global_acc"], d["personal_acc"]) == (s["global_acc"], s["personal_acc"])
+    assert sim.rows[-1]["personal_acc"] > 0.4  # chance is 0.10
+    for k, v in sim.global_weights.items():
+        assert torch.equal(dep.global_weights[k], v), k
+
+
 def test_divergence_travels_from_the_devices(data_root, tmp_path, one_thread):
     # lr 1e4 makes every client's loss NaN within its first epoch, in training and fine-tuning
     # (a client whose update explodes without turning NaN is refused by the bound and waited
@@ -143,6 +161,33 @@ def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):
     stacks = json.loads((tmp_path / "run" / "devices.json").read_text())
     assert sorted(stacks) == ["local01", "local02"]
     assert all(len(v) == 1 and v[0]["torch"] == torch.__version__ for v in stacks.values())
+
+
+def test_a_resnet18_round_crosses_mosquitto_bitwise(data_root, tmp_path, mosquitto, one_thread):
+    """ResNet-18's 44.7 MB updates and global model through Mosquitto with the project's
+    broker.conf and ACL (1 MiB chunks under its 2 MiB packet limit, its queue limits): every
+    update arrives, the round's bytes are the model's frames, the weights are the simulation's."""
+    from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+    from fedseq.common.models import build_model, get_blocks
+    from fedseq.common.protocol.tensors import frame_size
+
+    port, home, _ = mosquitto
+    devices = [_device(n, port, home, data_root) for n in ("local01", "local02")]
+    over = ("algorithm.name=fedavg", "model.name=resnet18", "rounds=1", "data.fraction=0.01",
+            "data.min_samples=10", "train.join_ratio=0.6", "deploy.min_devices=2")
+    try:
+        cfg, res = coordinator_run(data_root, tmp_path / "run", mosquitto, *over)
+    finally:
+        stop_children(devices)
+    (row,) = res.rows
+    assert row["reported"] == row["clients"] and len(row["clients"]) == 3
+    model = build_model("resnet18", INPUT_SHAPES["fmnist"], NUM_CLASSES["fmnist"])
+    whole = frame_size(get_blocks(model, model.spec.blocks))
+    assert whole > 44_000_000  # 22 times the broker's packet limit
+    assert row["bytes_up"] == 3 * whole and row["wire_bytes_in"] >= row["bytes_up"]
+    sim = run_simulation(cfg, out=None)
+    assert all(torch.equal(res.global_weights[k], v) for k, v in sim.global_weights.items())
+    assert row["global_acc"] == sim.rows[0]["global_acc"]
 
 
 def test_devices_json_keeps_each_stack_across_resumes_and_lists_the_silent(data_root, tmp_path):

@@ -103,12 +103,15 @@ def test_srun_tasks_become_a_groups_ranks(monkeypatch):
     assert os.environ["RANK"] == "3"
 
 
-@pytest.mark.parametrize("name,workers", [("fedavg", 2), ("fedper", 3), ("fedreg", 2),
-                                          ("fedseq-anti", 2)])
-def test_workers_give_bitwise_the_in_process_run(data_root, one_thread, name, workers):
-    """A plain, a personalized, a two-head and a fine-tuned algorithm: weights, rows (accuracies,
-    bytes, FLOPs, client steps) and per-client scores equal the in-process run's."""
-    cfg = quick_config(data_root, f"algorithm.name={name}", *OVER)
+@pytest.mark.parametrize("name,workers,model", [("fedavg", 2, "convnet"), ("fedper", 3, "convnet"),
+                                                ("fedreg", 2, "convnet"),
+                                                ("fedseq-anti", 2, "convnet"),
+                                                ("fedseq-anti", 3, "4convnet")])
+def test_workers_give_bitwise_the_in_process_run(data_root, one_thread, name, workers, model):
+    """A plain, a personalized, a two-head and a fine-tuned algorithm, and a BatchNorm model (its
+    global model scored in shards): weights, rows (accuracies, bytes, FLOPs, client steps) and
+    per-client scores equal the in-process run's."""
+    cfg = quick_config(data_root, f"algorithm.name={name}", *OVER, f"model.name={model}")
     _same(run_simulation(cfg, None, workers=workers), run_simulation(cfg, None))
 
 

@@ -26,3 +26,13 @@ def test_same_seed_same_result(data_root):
     b = run_simulation(quick_config(data_root, "algorithm.name=fedreg", "rounds=2"), out=None)
     assert a.rows[-1]["global_acc"] == b.rows[-1]["global_acc"]
     assert all((a.global_weights[k] == b.global_weights[k]).all() for k in a.global_weights)
+
+
+@pytest.mark.parametrize("model,over", [("4convnet", ()), ("mobilenet", ()),
+                                        ("resnet18", ("rounds=1", "data.num_clients=3"))])
+def test_the_papers_models_learn(model, over, data_root):
+    """FedBABU's 4convNet and MobileNet and the CIFAR ResNet-18 on real Fashion-MNIST as it is
+    (1x28x28): FedAvg beats chance clearly (ResNet-18 for one round only: it is slow on a CPU)."""
+    cfg = quick_config(data_root, "algorithm.name=fedavg", f"model.name={model}", *over)
+    final = run_simulation(cfg, out=None).rows[-1]
+    assert final["global_acc"] > 0.3 and final["personal_acc"] > 0.3, final  # chance is 0.10
