@@ -20,6 +20,7 @@ the same rounds timed.
 
     python bench/workers.py [--rounds 4] [--workers 2] [--workloads peers testbed fedseq-mnist]
                             [--flower-python /tmp/flwr/bin/python] [--pfl-python /tmp/pfl/bin/python]
+    python bench/workers.py --gpu-per 1 2 4 8 ...   # on a GPU machine: the GPU scaling curve
 """
 
 from __future__ import annotations
@@ -50,10 +51,11 @@ WORKLOADS = {
 }
 
 
-def measure(cfg, workers: int, train_rows: dict[int, int]) -> dict[str, float]:
+def measure(cfg, workers: int, train_rows: dict[int, int], per_gpu: int = 0) -> dict[str, float]:
     rows: list[RoundRecord] = []
     pool_timings: list = []
-    if workers:
+    distributed_run = bool(workers or per_gpu)
+    if distributed_run:
         from fedseq.server import distributed
 
         real = distributed.DistributedPool.__init__
@@ -64,16 +66,16 @@ def measure(cfg, workers: int, train_rows: dict[int, int]) -> dict[str, float]:
 
         distributed.DistributedPool.__init__ = keep  # type: ignore[method-assign]
     try:
-        run_simulation(cfg, None, on_round=rows.append, workers=workers)
+        run_simulation(cfg, None, on_round=rows.append, workers=workers, workers_per_gpu=per_gpu)
     finally:
-        if workers:
+        if distributed_run:
             distributed.DistributedPool.__init__ = real  # type: ignore[method-assign]
     timed = [r for r in rows if r.phase == "train"][1:-1]  # not the first (warm-up), not the last (evaluates)
     seconds = sum(r.seconds or 0 for r in timed)
     samples = sum(train_rows[c] for r in timed for c in r.reported) * cfg.train.local_epochs
     out = {"s/round": seconds / len(timed), "samples/s": samples / seconds,
            "steps/s": sum(r.client_steps or 0 for r in timed) / seconds}
-    if workers:
+    if distributed_run:
         trains = [t for t in pool_timings[0] if t.kind == "train"][1:-1]
         out["overhead s/round"] = statistics.fmean(t.wall_s - t.busiest_s for t in trains)
         out["busiest s/round"] = statistics.fmean(t.busiest_s for t in trains)
@@ -102,6 +104,9 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="*", default=list(WORKLOADS))
     ap.add_argument("--flower-python", help="a Python with flwr[simulation] 1.42 (peers workload)")
     ap.add_argument("--pfl-python", help="a Python with pfl[pytorch] 0.6 (peers workload)")
+    ap.add_argument("--gpu-per", type=int, nargs="*", default=[],
+                    help="on a GPU machine: the in-process GPU run, then --workers-per-gpu K for "
+                         "each K given (e.g. 1 2 4 8), instead of the CPU modes")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
     print(f"torch {torch.__version__}, {cores} cores, load {os.getloadavg()[0]:.2f}")
@@ -118,24 +123,29 @@ def main() -> None:
               f"{cfg.train.local_epochs} epochs, batch {cfg.train.batch_size}; rounds 1-"
               f"{args.rounds - 2} timed")
         results = {}
-        for label, threads, workers in (("in-process, 1 thread", 1, 0),
-                                        (f"in-process, {cores} threads", cores, 0),
-                                        (f"--workers {args.workers}, 1 thread each", 1,
-                                         args.workers)):
+        modes = [("in-process, 1 thread", 1, 0, 0, "cpu"),
+                 (f"in-process, {cores} threads", cores, 0, 0, "cpu"),
+                 (f"--workers {args.workers}, 1 thread each", 1, args.workers, 0, "cpu")]
+        if args.gpu_per:  # the GPU curve: one process on the GPU, then K workers a GPU
+            modes = [("in-process on cuda, 1 thread", 1, 0, 0, "cuda")] + [
+                (f"--workers-per-gpu {k}", 1, 0, k, "cuda") for k in args.gpu_per]
+        for label, threads, workers, per_gpu, device in modes:
             torch.set_num_threads(threads)
-            run_cfg = load_config(path, base + over + [f"train.threads={threads}"])
+            run_cfg = load_config(path, base + over + [f"train.threads={threads}",
+                                                       f"train.device={device!r}"])
             start = time.perf_counter()
-            results[label] = r = measure(run_cfg, workers, train_rows)
+            results[label] = r = measure(run_cfg, workers, train_rows, per_gpu)
             extra = (f", overhead {1000 * r['overhead s/round']:.0f} ms/round "
                      f"({100 * r['overhead s/round'] / r['s/round']:.1f}% of the round; busiest "
-                     f"worker {r['busiest s/round']:.2f} s)") if workers else ""
+                     f"worker {r['busiest s/round']:.2f} s)") if workers or per_gpu else ""
             print(f"  {label:28s} {r['s/round']:6.2f} s/round  {r['samples/s']:7,.0f} samples/s  "
                   f"{r['steps/s']:6.1f} steps/s{extra}  [{time.perf_counter() - start:.0f} s]",
                   flush=True)
-        one = results["in-process, 1 thread"]["samples/s"]
+        first = next(iter(results))
+        one = results[first]["samples/s"]
         for label, r in results.items():
-            print(f"  {label:28s} x{r['samples/s'] / one:.2f} the 1-thread in-process rate")
-        if name != "peers":
+            print(f"  {label:28s} x{r['samples/s'] / one:.2f} the rate of '{first}'")
+        if name != "peers" or args.gpu_per:
             continue
         here = Path(__file__).resolve().parent
         peers = {}
