@@ -227,7 +227,8 @@ def decode_tiny_imagenet(folder: Path) -> None:
         with tmp.open("wb") as f:
             np.save(f, array)
         tmp.replace(out / name)
-    (out / "meta.json").write_text(json.dumps(meta))
+    (out / "meta.json.part").write_text(json.dumps(meta))
+    (out / "meta.json.part").replace(out / "meta.json")
 
 
 def read_tiny_imagenet(root: Path, rows: np.ndarray | None = None) -> RawDataset:

@@ -131,7 +131,7 @@ def _extracted_files(dataset: str) -> list[str]:
         return [f"emnist-{split}-{part}-ubyte.gz" for part in
                 ("train-images-idx3", "train-labels-idx1", "test-images-idx3", "test-labels-idx1")]
     if dataset == "tiny-imagenet":
-        return ["fedseq/images.npy", "fedseq/labels.npy"]
+        return ["fedseq/images.npy", "fedseq/labels.npy", "fedseq/meta.json"]
     return []
 
 
