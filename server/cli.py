@@ -424,9 +424,13 @@ def status(
     key_file: KeyFileOpt = None,
     no_verify_hostname: NoVerifyOpt = False,
     wait: Annotated[float, typer.Option(help="seconds to collect the broker's retained state")] = 2.0,
+    all_: Annotated[bool, typer.Option(
+        "--all", help="a line per device however large the fleet (beyond 30 devices the default "
+                      "is a summary: counts, then the devices that need a look)")] = False,
 ) -> None:
     """Show the fleet as the broker knows it: coordinator, run, current step and every device
-    (online or offline, since when, versions, torch device, memory, last error)."""
+    (online or offline, since when, versions, torch device, memory, last error); a large fleet
+    as counts by state and problem, the devices with a problem first."""
     from fedseq.common.files import read_secret
     from fedseq.common.protocol.link import TlsOptions
     from fedseq.server.status import format_fleet, read_fleet
@@ -444,7 +448,7 @@ def status(
                           read_secret(d.password_file, "deploy.password_file"), tls, wait)
     except FedseqError as exc:
         _fail(exc)
-    for line in format_fleet(view, url):
+    for line in format_fleet(view, url, every=all_):
         print(line)
 
 

@@ -84,8 +84,35 @@ def _when(ts: float) -> str:
         return "?"
 
 
-def format_fleet(view: FleetView, url: str) -> list[str]:
-    """The lines `fedseq-server status` prints."""
+#: above this many devices `fedseq-server status` summarizes: counts, then the devices that need
+#: a look (at most LISTED of them), not a line per healthy device (`--all` lists every one)
+SUMMARY_ABOVE = 30
+LISTED = 50
+LOW_MEMORY_MB = 256
+HOT_C = 85.0
+
+
+def problems(d: DeviceStatus) -> list[str]:
+    """What needs a look at a device, worst first: offline, a failed step, throttled, hot, low
+    on memory. Empty: healthy."""
+    out = []
+    if d.state != "online":
+        out.append("offline")
+    if d.error:
+        out.append("error")
+    if d.throttled:
+        out.append("throttled")
+    if d.temp_c is not None and d.temp_c >= HOT_C:
+        out.append("hot")
+    if d.mem_available_mb is not None and d.mem_available_mb < LOW_MEMORY_MB:
+        out.append("low memory")
+    return out
+
+
+def format_fleet(view: FleetView, url: str, every: bool = False) -> list[str]:
+    """The lines `fedseq-server status` prints: a line per device, or beyond SUMMARY_ABOVE
+    devices (unless `every`) the counts by state and problem and the devices with a problem,
+    worst first."""
     s = view.server
     lines = [f"broker {url}: coordinator {s.state if s else 'never seen'}"
              + (f", run {s.run_id}" if s and s.run_id else "")]
@@ -103,7 +130,26 @@ def format_fleet(view: FleetView, url: str) -> list[str]:
     header = ("device", "state", "since", "version", "protocol", "torch", "memory", "free",
               "temp", "last round", "power", "last error")
     rows = [header]
-    for name, d in sorted(view.devices.items()):
+    shown = sorted(view.devices.items())
+    summary: list[str] = []
+    if len(view.devices) > SUMMARY_ABOVE and not every:
+        found = {name: problems(d) for name, d in shown}
+        kinds = ("offline", "error", "throttled", "hot", "low memory")
+        counts = {k: sum(k in p for p in found.values()) for k in kinds}
+        look = sorted((n for n, p in found.items() if p),
+                      key=lambda n: (kinds.index(found[n][0]), n))
+        summary.append(f"{len(shown)} devices: {len(shown) - counts['offline']} online, "
+                       f"{counts['offline']} offline; "
+                       + ", ".join(f"{counts[k]} {k if k != 'error' else 'with an error'}"
+                                   for k in kinds[1:])
+                       + f" (error: a failed step; hot: >= {HOT_C:.0f} C; low memory: < "
+                       f"{LOW_MEMORY_MB} MB free)")
+        summary.append(f"{len(look)} need a look" + (f", the first {LISTED} below" if len(look) >
+                                                      LISTED else " (below)" if look else "")
+                       + f"; {len(shown) - len(look)} healthy devices not listed "
+                       "(fedseq-server status --all lists every device)")
+        shown = [(n, view.devices[n]) for n in look[:LISTED]]
+    for name, d in shown:
         error = "-"
         if d.error:
             error = d.error if len(d.error) <= 80 else d.error[:77] + "..."
@@ -120,10 +166,12 @@ def format_fleet(view: FleetView, url: str) -> list[str]:
                      "none" if source.startswith("none") else source, error))
     # every cell is a device's words: one line of plain text, of bounded length
     rows = [tuple(printable(v, 40) for v in r[:-1]) + (printable(r[-1], 120),) for r in rows]
-    if view.devices:
+    lines += summary
+    if view.devices and len(rows) > 1:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
         for r in rows:
             lines.append("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=False)) + "  " + r[-1])
+    if view.devices and not summary:
         online = sum(d.state == "online" for d in view.devices.values())
         lines.append(f"{online} of {len(view.devices)} devices online")
     lines += [f"invalid retained message on {printable(m, 300)}" for m in view.invalid]
