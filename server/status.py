@@ -92,21 +92,17 @@ LOW_MEMORY_MB = 256
 HOT_C = 85.0
 
 
+#: what can need a look at a device, worst first
+PROBLEMS = ("offline", "error", "throttled", "hot", "low memory")
+
+
 def problems(d: DeviceStatus) -> list[str]:
-    """What needs a look at a device, worst first: offline, a failed step, throttled, hot, low
-    on memory. Empty: healthy."""
-    out = []
-    if d.state != "online":
-        out.append("offline")
-    if d.error:
-        out.append("error")
-    if d.throttled:
-        out.append("throttled")
-    if d.temp_c is not None and d.temp_c >= HOT_C:
-        out.append("hot")
-    if d.mem_available_mb is not None and d.mem_available_mb < LOW_MEMORY_MB:
-        out.append("low memory")
-    return out
+    """What needs a look at a device, in PROBLEMS' order (worst first): offline, a failed step,
+    throttled, hot, low on memory. Empty: healthy."""
+    found = {"offline": d.state != "online", "error": bool(d.error), "throttled": bool(d.throttled),
+             "hot": d.temp_c is not None and d.temp_c >= HOT_C,
+             "low memory": d.mem_available_mb is not None and d.mem_available_mb < LOW_MEMORY_MB}
+    return [k for k in PROBLEMS if found[k]]
 
 
 def format_fleet(view: FleetView, url: str, every: bool = False) -> list[str]:
@@ -134,14 +130,13 @@ def format_fleet(view: FleetView, url: str, every: bool = False) -> list[str]:
     summary: list[str] = []
     if len(view.devices) > SUMMARY_ABOVE and not every:
         found = {name: problems(d) for name, d in shown}
-        kinds = ("offline", "error", "throttled", "hot", "low memory")
-        counts = {k: sum(k in p for p in found.values()) for k in kinds}
+        counts = {k: sum(k in p for p in found.values()) for k in PROBLEMS}
         look = sorted((n for n, p in found.items() if p),
-                      key=lambda n: (kinds.index(found[n][0]), n))
+                      key=lambda n: (PROBLEMS.index(found[n][0]), n))
         summary.append(f"{len(shown)} devices: {len(shown) - counts['offline']} online, "
                        f"{counts['offline']} offline; "
                        + ", ".join(f"{counts[k]} {k if k != 'error' else 'with an error'}"
-                                   for k in kinds[1:])
+                                   for k in PROBLEMS[1:])
                        + f" (error: a failed step; hot: >= {HOT_C:.0f} C; low memory: < "
                        f"{LOW_MEMORY_MB} MB free)")
         summary.append(f"{len(look)} need a look" + (f", the first {LISTED} below" if len(look) >

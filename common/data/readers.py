@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedseq.common.data.store import EXTRACTED
 from fedseq.common.errors import DatasetError
 
 IDX_LAYOUT = {
@@ -39,7 +40,7 @@ for _split, _classes in EMNIST_SPLITS.items():
 
 NUM_CLASSES["tiny-imagenet"] = 200
 INPUT_SHAPES["tiny-imagenet"] = (3, 64, 64)
-TINY = "tiny-imagenet-200"
+TINY = EXTRACTED["tiny-imagenet"]
 
 
 def idx_stems(dataset: str, split: str) -> tuple[str, str]:

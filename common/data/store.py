@@ -213,8 +213,9 @@ def download(dataset: str, root: Path, mirrors: tuple[str, ...] | None = None,
     if spec.extract is not None and not verify(root, dataset):
         log(f"{Path(root) / EXTRACTED[archive_of(dataset)]}: present")
         return folder
-    if dataset == "tiny-imagenet" and (Path(root) / "tiny-imagenet-200" / "wnids.txt").exists():
-        _decode_tiny_imagenet(Path(root) / "tiny-imagenet-200", log)  # extracted, not decoded
+    tiny = Path(root) / EXTRACTED["tiny-imagenet"]
+    if dataset == "tiny-imagenet" and (tiny / "wnids.txt").exists():
+        _decode_tiny_imagenet(tiny, log)  # extracted, not decoded
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     for f in spec.files:
@@ -285,7 +286,7 @@ def _extract(spec: DatasetSpec, root: Path, log: Callable[[str], None] = lambda 
         with zipfile.ZipFile(archive) as z:
             z.extractall(Path(root))  # zipfile drops absolute paths and '..' parts
         archive.unlink()
-        _decode_tiny_imagenet(Path(root) / "tiny-imagenet-200", log)
+        _decode_tiny_imagenet(Path(root) / EXTRACTED["tiny-imagenet"], log)
         return
     if archive.suffix == ".zip":  # EMNIST: gzip/<name>.gz members, flattened into the folder
         with zipfile.ZipFile(archive) as z:
