@@ -47,10 +47,12 @@ def unpack_chunk(payload: bytes, header_type: type[H]) -> tuple[H, memoryview]:
 
 
 class Reassembler:
-    """Collects the chunks of one frame straight into one preallocated buffer (no per-chunk
-    copies, no join); `add` returns the frame once complete and its sha256 verified. A chunk of
-    the wrong length or index is refused without touching the buffer; a repeated index (a QoS 1
-    re-delivery) is ignored."""
+    """Collects the chunks of one frame: each is kept as it arrived (a view of its message) until
+    the last one, then all are copied once into the frame's buffer; `add` returns the frame once
+    complete and its sha256 verified. A frame partly arrived holds only what arrived: a
+    coordinator receiving a burst of a hundred devices' 13 MB updates, interleaved chunk by
+    chunk, holds their chunks, not a whole zero-filled buffer for each (bench/fleet.py). A chunk
+    of the wrong length or index is refused; a repeated index (a QoS 1 re-delivery) is ignored."""
 
     def __init__(self, size: int, sha256: str, chunks: int, chunk_bytes: int = CHUNK_BYTES):
         if chunks != max(1, -(-size // chunk_bytes)):
@@ -59,23 +61,27 @@ class Reassembler:
         self.sha256 = sha256
         self.chunks = chunks
         self.chunk_bytes = chunk_bytes
-        self.buffer = bytearray(size)
-        self.seen: set[int] = set()
+        self.parts: dict[int, memoryview | bytes] = {}
+        self.complete = False  # every chunk arrived (the frame was then checked)
 
     def add(self, index: int, data: memoryview | bytes) -> memoryview | None:
         start = index * self.chunk_bytes
         expected = min(self.chunk_bytes, self.size - start)
         if not 0 <= index < self.chunks or len(data) != expected:
             raise ProtocolError(f"chunk {index}: {len(data)} bytes, expected {expected}")
-        if index in self.seen:
+        if index in self.parts:
             return None
-        self.buffer[start : start + expected] = data
-        self.seen.add(index)
-        if len(self.seen) < self.chunks:
+        self.parts[index] = data
+        if len(self.parts) < self.chunks:
             return None
-        if hashlib.sha256(self.buffer).hexdigest() != self.sha256:
+        self.complete = True
+        buffer = bytearray(self.size)
+        for i, part in self.parts.items():
+            buffer[i * self.chunk_bytes : i * self.chunk_bytes + len(part)] = part
+        self.parts.clear()
+        if hashlib.sha256(buffer).hexdigest() != self.sha256:
             raise ProtocolError("frame sha256 mismatch: a chunk was corrupted or mixed up")
-        return memoryview(self.buffer)
+        return memoryview(buffer)
 
 
 @dataclass
@@ -134,7 +140,7 @@ class FramePool:
         try:
             frame = part.asm.add(header.chunk, data)
         except ProtocolError:
-            if len(part.asm.seen) == part.asm.chunks:  # complete but corrupt: give it up
+            if part.asm.complete:  # complete but corrupt: give it up
                 del self.partial[key]
             raise
         if frame is not None:
