@@ -234,6 +234,9 @@ class DeviceSession:
 
     def _on_control(self, ctl: Control) -> None:
         run = self._current_run(ctl.run_id, f"control {ctl.command}")
+        if ctl.command == "resend":
+            self.resend_for(ctl.seq, set(ctl.clients), run.clients)
+            return
         log.warning("coordinator: %s run %s: %s", ctl.command, run.run_id, ctl.reason)
         with self.cond:
             self.aborted.add(run.run_id)
@@ -346,6 +349,23 @@ class DeviceSession:
                     del self.outbox[k]  # an older step's: the coordinator has moved on
             self.outbox[key] = (seq, publish)
         publish()
+
+    def resend_for(self, seq: Optional[int], clients: Set[int], mine: List[int]) -> None:
+        """The coordinator lacks answers of step `seq` for `clients` (Control resend): publish
+        again those of them this device has sent (its evaluation if it names one of its
+        clients); nothing for a step that is not the current one or answers not sent yet."""
+        with self.cond:
+            step = self.step
+            if step is None or seq != step.seq:
+                return
+            pending = [p for k, (s, p) in self.outbox.items() if s == seq and (
+                k == "eval" and bool(clients & set(mine))
+                or k.startswith("update/") and int(k.split("/")[1]) in clients)]
+        if pending:
+            log.info("the coordinator lacks %d of this device's answers to step %d: sending them "
+                     "again", len(pending), seq)
+        for publish in pending:
+            publish()
 
     def resend(self, why: str) -> None:
         with self.cond:

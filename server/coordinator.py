@@ -150,6 +150,7 @@ class Coordinator:
         self.client_version = {c.client: dict.fromkeys(model.spec.blocks, -1)
                                for c in data.clients}
         self._frame_sizes: dict[tuple[str, int], int] = {}
+        self._update_sizes: dict[tuple, int] = {}  # tensors' (name, dtype, shape) -> frame bytes
         self._last_report: EvalReport | None = None
         # client -> (correct, total) of its most recent locally trained model (FedReG's testbed)
         self.local_scores: dict[int, tuple[int, int]] = {}
@@ -239,7 +240,7 @@ class Coordinator:
                 shard = self.data.clients[update.client]
                 got.flops += plan_flops(self.model, plan, self.data, shard, self.flop_cache)
                 got.steps += plan_steps(plan, self.data, shard)
-                got.bytes_up += frame_size(update.deltas)
+                got.bytes_up += self._update_bytes(update.deltas)
                 got.costs[update.client] = (update.device, update.cost)
         got.outcome = dispatch.outcome
         got.outliers, median = _outliers(got.norms, self.cfg.aggregation.outlier_factor)
@@ -300,6 +301,14 @@ class Coordinator:
             raise TransportError("no device can train: " + "; ".join(
                 f"{d}: {r}" for d, r in sorted(outcome.device_failures.items())) + " (fix it on "
                 "the devices, check with fedseq-client doctor, then start the run again)")
+
+    def _update_bytes(self, deltas: Weights) -> int:
+        """The frame bytes of an update: a function of its tensors' names, dtypes and shapes
+        alone, so one round's updates (all alike) are serialized to count them only once."""
+        key = tuple((k, v.dtype, tuple(v.shape)) for k, v in deltas.items())
+        if key not in self._update_sizes:
+            self._update_sizes[key] = frame_size(deltas)
+        return self._update_sizes[key]
 
     def _check_score(self, client: int, correct: int, total: int) -> str | None:
         return score_problem(self.data, client, correct, total)

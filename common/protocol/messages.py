@@ -164,12 +164,21 @@ class EvalResult(Message):
 
 
 class Control(Message):
-    """Sent by the coordinator when a run ends abnormally (an error, Ctrl-C, SIGTERM): devices
-    abandon the run's current step at once instead of finishing work nobody collects."""
+    """abort: sent by the coordinator when a run ends abnormally (an error, Ctrl-C, SIGTERM):
+    devices abandon the run's current step at once instead of finishing work nobody collects.
+
+    resend: step `seq` still owes answers of `clients` and nothing has arrived for a while (a
+    broker drops QoS 1 messages beyond a client's queue, silently: a burst of a large fleet's
+    updates can overflow the coordinator's): a device that has already sent answers of that step
+    for any of them publishes those again (its evaluation, if it names one of its clients); one
+    still working, or without them, does nothing. A device of fedseq before this command logs the
+    message as invalid and carries on."""
 
     run_id: Optional[str] = None
-    command: Literal["abort"]
+    command: Literal["abort", "resend"]
     reason: str = ""
+    seq: Optional[int] = None  # resend: the step
+    clients: List[int] = Field(default_factory=list, max_length=100_000)  # resend: whose answers
 
 
 class WeightsHeader(Message):

@@ -9,8 +9,9 @@ from collections.abc import Generator, Iterator
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import DeployConfig
-from fedseq.common.protocol.messages import EvalResult
-from fedseq.server.mqtt.inbox import EvalArrived, UpdateArrived, plausible
+from fedseq.common.protocol.messages import HEARTBEAT_S, Control, EvalResult
+from fedseq.common.protocol.tensors import decode_tensors
+from fedseq.server.mqtt.inbox import HELD_IN_MEMORY, EvalArrived, UpdateArrived, plausible
 from fedseq.server.mqtt.session import DeviceOffline, ServerSession, StepFailed
 from fedseq.server.pool import FinetuneOutcome, Progress, RoundOutcome, ScoreCheck, UpdateCheck
 
@@ -21,6 +22,66 @@ log = logging.getLogger(__name__)
 #: times the seconds since the step went out (informational figures; one device's made-up
 #: joules must not dominate the fleet's totals)
 MAX_DEVICE_W = 1000.0
+
+
+#: nothing of a step's answers arrived for this many seconds while some are owed: the
+#: coordinator asks their devices to send what they have sent already again (Control resend):
+#: a broker drops QoS 1 messages beyond a client's queue silently, and a burst of a large fleet's
+#: updates can overflow the coordinator's. The wait doubles after each ask that brought nothing,
+#: up to RESEND_MAX_S; a device still working ignores an ask.
+RESEND_QUIET_S, RESEND_MAX_S = 2.0, 60.0
+#: once an ask has brought answers back (they had been lost, not late), the next batch is asked
+#: for after this much silence
+RESEND_LOSSY_S = 0.5
+#: messages one ask may bring back at once, well inside a broker's queue for one client
+#: (broker.conf: max_queued_messages 1000): the owed clients are asked for in batches
+RESEND_MESSAGES = 400
+
+
+class Resender:
+    """When and for whom a step's collection asks for answers again (see RESEND_QUIET_S)."""
+
+    def __init__(self, session: ServerSession, seq: int, messages_per_client: int):
+        self.session, self.seq = session, seq
+        self.batch = max(1, RESEND_MESSAGES // max(1, messages_per_client))
+        self.wait = RESEND_QUIET_S
+        self.last = time.monotonic()  # the last arrival or ask
+        self.seen = session.inbox.arrivals
+        self.asked = 0  # clients asked for, over the step
+        self.asked_at = -1e9
+        self.lossy = False  # an ask of this step brought lost answers back
+
+    def poll(self, owed: list[int]) -> None:
+        """After each drain: note arrivals; ask for the first `batch` of `owed` (in client order)
+        once nothing has arrived for `wait` seconds."""
+        now = time.monotonic()
+        arrivals = self.session.inbox.arrivals
+        if arrivals != self.seen:
+            if now - self.asked_at < 1.0:
+                # answers right after an ask that followed silence: they had been lost, not
+                # late, and heartbeats may have been lost with them (ServerSession._silent)
+                self.session.lossy_until = now + 3 * HEARTBEAT_S
+                self.lossy = True
+            self.wait = RESEND_LOSSY_S if self.lossy else RESEND_QUIET_S
+            self.seen, self.last = arrivals, now
+            return
+        if not owed or now - self.last < self.wait:
+            return
+        ask = owed[:self.batch]
+        self.session.link.publish(self.session.topics.control, Control(
+            run_id=self.session.run_id, command="resend", seq=self.seq, clients=ask))
+        log.info("step %d: nothing arrived for %.0f s; asked the devices of %d clients (of %d "
+                 "owed) to send their answers again", self.seq, now - self.last, len(ask),
+                 len(owed))
+        self.asked += len(ask)
+        self.asked_at = now
+        self.last, self.wait = now, min(2 * self.wait, RESEND_MAX_S)
+
+
+def few(items: list, shown: int = 20) -> str:
+    """The first `shown` items and how many more: a log line stays short in a fleet of 1,000."""
+    more = f" (+{len(items) - shown} more)" if len(items) > shown else ""
+    return ", ".join(str(i) for i in items[:shown]) + more
 
 
 def plausible_joules(claimed: dict[str, float], device: str, joules: float, seconds: float) -> bool:
@@ -70,15 +131,18 @@ class DeadlinePolicy:
 
 
 def collect_updates(session: ServerSession, seq: int, round: int, clients: list[int],
-                    owner: dict[int, str], check: UpdateCheck, policy: DeadlinePolicy
-                    ) -> Generator[ClientUpdate, None, RoundOutcome]:
+                    owner: dict[int, str], check: UpdateCheck, policy: DeadlinePolicy,
+                    chunks: int = 1) -> Generator[ClientUpdate, None, RoundOutcome]:
     """The valid updates of step `seq`, in client order as soon as they can be folded in (the
     same order as the simulation: bitwise parity), until every selected client answered, failed
-    or went offline with its device, or the deadline passed."""
+    or went offline with its device, or the deadline passed. `chunks`: messages per update (what
+    one client's resend costs the broker's queue)."""
     step = _TrainStep(session, seq, round, clients, owner, check, policy)
+    again = Resender(session, seq, chunks)
     while step.owing and time.monotonic() < step.deadline:
         for ev in session.drain(min(1.0, step.deadline - time.monotonic())):
             step.take(ev)
+        again.poll(sorted(step.owing))
         yield from step.ready()
     outcome = step.close()
     yield from step.ready()  # those that waited for a client that never came
@@ -100,7 +164,10 @@ class _TrainStep:
                 log.warning("round %d: %s cannot train (%s)", round, device, reason)
         self.owing = {c for c in clients if owner.get(c) in session.online
                       and owner.get(c) not in self.outcome.device_failures}
-        self.got: dict[int, ClientUpdate] = {}
+        self.arrived: set[int] = set()  # clients whose valid update came
+        # those of them not handed on yet: (update, bytes held in memory, where it is spooled)
+        self.got: dict[int, tuple[ClientUpdate, int, tuple[int, int] | None]] = {}
+        self.spilled_before = session.inbox.spool.spilled
         #: device -> its clients in this step
         self.load: dict[str, int] = {}
         for c in clients:
@@ -136,19 +203,25 @@ class _TrainStep:
             log.warning("round %d: %s cannot train (%s); clients %s fail", self.round, ev.device,
                         ev.reason, sorted(self._lost(ev.device)))
             self._device_failed(ev.device, ev.reason)
-        elif isinstance(ev, UpdateArrived) and ev.seq == self.seq:  # else: a frame completed
-            self._update(ev.update, ev.device)                      # just as the step changed
+        elif isinstance(ev, UpdateArrived) and (ev.seq != self.seq or not self._update(ev)):
+            # a frame that completed just as the step changed, or one refused: its memory is free
+            self.session.inbox.spool.release(ev.held)
 
-    def _update(self, update: ClientUpdate, device: str) -> None:
+    def _update(self, ev: UpdateArrived) -> bool:
+        """Whether the update counts (it then waits in `got` for its turn)."""
+        update, device = ev.update, ev.device
+        if ev.spooled is not None:  # checked from the spool, then left there
+            update = dataclasses.replace(update, deltas=decode_tensors(
+                self.session.inbox.spool.read(ev.spooled), copy=False, check_finite=False))
         # Validation comes first: an invalid update never displaces a valid one.
         if self.check(update) is not None:
             if update.diverged_at is not None and self.owner.get(update.client) == device:
                 self.owing.discard(update.client)  # its own device says training diverged
-            return
-        if update.client in self.got:
+            return False
+        if update.client in self.arrived:
             log.info("round %d: duplicate update of client %d from %s ignored", self.round,
                      update.client, device)
-            return
+            return False
         joules = update.cost.energy_j if update.cost is not None else None
         if joules is not None and not plausible_joules(
                 self.claimed, device, joules, time.monotonic() - self.started):
@@ -157,10 +230,24 @@ class _TrainStep:
                         joules, update.client, MAX_DEVICE_W)
             update.cost = dataclasses.replace(update.cost, energy_j=None, energy_w=None,
                                               energy_rails=None)
-        self.got[update.client] = update
+        self.arrived.add(update.client)
+        if ev.spooled is not None:
+            update = dataclasses.replace(update, deltas={})
+        self.got[update.client] = (update, ev.held, ev.spooled)
         self.outcome.reporters[update.client] = device
         self.last_arrival[device] = time.monotonic()
         self.owing.discard(update.client)
+        return True
+
+    def _take(self, c: int) -> ClientUpdate:
+        """Client c's update, its deltas back in memory if they waited in the spool."""
+        update, held, spooled = self.got.pop(c)
+        spool = self.session.inbox.spool
+        spool.release(held)
+        if spooled is None:
+            return update
+        return dataclasses.replace(update, deltas=decode_tensors(spool.read(spooled), copy=False,
+                                                                 check_finite=False))
 
     def ready(self) -> Iterator[ClientUpdate]:
         """The updates that are next in client order."""
@@ -168,7 +255,7 @@ class _TrainStep:
             c = self.order[self.handed]
             if c in self.got:
                 self.handed += 1
-                yield self.got[c]
+                yield self._take(c)
             elif c not in self.owing:  # failed, offline or not assigned: never coming
                 self.handed += 1
             else:
@@ -179,15 +266,22 @@ class _TrainStep:
         record who missed the deadline and the slowest device; nobody owes anything now."""
         session, outcome = self.session, self.outcome
         session.inbox.collect(-1)
+        spilled = session.inbox.spool.spilled - self.spilled_before
+        if spilled:
+            log.info("round %d: %d updates waited in a file to be folded in client order (%d MB "
+                     "of them in memory at most)", self.round, spilled, HELD_IN_MEMORY >> 20)
         finished: dict[str, float] = {}  # device -> seconds until its last update, if it sent all
+        theirs: dict[str, list[int]] = {}
+        for c in self.clients:
+            theirs.setdefault(self.owner.get(c, ""), []).append(c)
         for device in self.load:
-            mine = [c for c in self.clients if self.owner.get(c) == device]
-            if all(c in self.got for c in mine):
+            mine = theirs[device]
+            if all(c in self.arrived for c in mine):
                 finished[device] = self.last_arrival[device] - self.started
                 self.policy.measured(device, len(mine), finished[device])
             elif device not in outcome.device_failures and any(c in self.owing for c in mine):
                 outcome.missed_deadline.append(device)  # still training when the deadline passed
-                self.policy.missed(device, sum(c in self.got for c in mine), self.timeout)
+                self.policy.missed(device, sum(c in self.arrived for c in mine), self.timeout)
         if len(finished) >= 2:  # what the slowest device cost the round
             by_time = sorted(finished, key=finished.__getitem__)
             outcome.slowest = (by_time[-1], finished[by_time[-1]] - finished[by_time[-2]])
@@ -197,8 +291,8 @@ class _TrainStep:
                                    and d not in session.incompatible
                                    and d not in outcome.device_failures)
         if self.owing:
-            log.warning("round %d: no update from clients %s before the deadline", self.round,
-                        sorted(self.owing))
+            log.warning("round %d: no update from %d clients before the deadline: %s", self.round,
+                        len(self.owing), few(sorted(self.owing)))
         self.owing.clear()
         return outcome
 
@@ -218,10 +312,14 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
     started = time.monotonic()
     deadline = started + timeout
     claimed: dict[str, float] = {}
+    again = Resender(session, seq, 1)
     while owing and time.monotonic() < deadline:
+        again.poll([c for d in sorted(owing) for c in assignment[d][:1]])
         for ev in session.drain(min(1.0, deadline - time.monotonic())):
             if isinstance(ev, DeviceOffline):
                 owing.discard(ev.device)
+            elif isinstance(ev, UpdateArrived):  # of a training step that has ended
+                session.inbox.spool.release(ev.held)
             elif isinstance(ev, StepFailed) and ev.seq in (seq, -1):
                 log.warning("step %d: %s cannot evaluate (%s)", seq, ev.device, ev.reason)
                 owing.discard(ev.device)

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import queue
+import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeAlias
+from typing import Any, BinaryIO, TypeAlias
 
 from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
 from fedseq.common.errors import FedseqError, ProtocolError
@@ -34,6 +36,8 @@ log = logging.getLogger(__name__)
 
 #: at most this many events wait for the coordinator thread (all devices together)
 MAX_EVENTS = 10_000
+#: bytes of complete update frames kept in memory until they are folded in (UpdateSpool)
+HELD_IN_MEMORY = 64 << 20
 #: complete update frames queued per client and step (an invalid one must not hide a valid one)
 UPDATES_PER_CLIENT = 4
 #: evaluation messages (progress and final) queued per assigned client and step
@@ -69,11 +73,61 @@ class StatusArrived:
 
 @dataclass(frozen=True)
 class UpdateArrived:
-    """A complete, decoded update frame for the step being collected."""
+    """A complete update frame for the step being collected: decoded, holding `held` bytes of
+    the inbox's memory budget, or (`spooled`) waiting in its spool file, `update.deltas` empty."""
 
     device: str
     seq: int
     update: ClientUpdate
+    held: int = 0
+    spooled: tuple[int, int] | None = None
+
+
+class UpdateSpool:
+    """Where complete update frames wait until the coordinator thread folds them in (in client
+    order: an early client's update can keep a round's others waiting): in memory up to `budget`
+    bytes (always at least one frame), beyond it in a temporary file, read back when the update
+    is checked and again when it is folded in. The network thread reserves (`reserve`) or writes
+    (`write`); the coordinator thread reads and releases; `reset` empties the file between
+    steps. The coordinator's memory then stays flat however many updates a round brings."""
+
+    def __init__(self, budget: int = HELD_IN_MEMORY):
+        self.budget = budget
+        self.in_memory = 0
+        self.spilled = 0  # frames written to the file, over the run
+        self._file: BinaryIO | None = None
+        self._lock = threading.Lock()
+
+    def reserve(self, size: int) -> bool:
+        with self._lock:
+            if self.in_memory and self.in_memory + size > self.budget:
+                return False
+            self.in_memory += size
+            return True
+
+    def release(self, size: int) -> None:
+        with self._lock:
+            self.in_memory -= size
+
+    def write(self, frame: memoryview) -> tuple[int, int]:
+        with self._lock:
+            if self._file is None:  # closed with the inbox's process; emptied every step
+                self._file = tempfile.TemporaryFile(prefix="fedseq-updates-")  # noqa: SIM115
+            offset = self._file.seek(0, os.SEEK_END)
+            self._file.write(frame)
+            self.spilled += 1
+            return offset, len(frame)
+
+    def read(self, at: tuple[int, int]) -> bytearray:
+        with self._lock:
+            assert self._file is not None
+            self._file.seek(at[0])
+            return bytearray(self._file.read(at[1]))
+
+    def reset(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.truncate(0)
 
 
 @dataclass(frozen=True)
@@ -135,7 +189,9 @@ class Inbox:
         self.collecting = -1  # the step whose answers are being collected; others are late
         self.late = 0
         self.late_evals = 0
+        self.arrivals = 0  # answers (update chunks, evaluations) of the step being collected
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized by the pool when a run opens
+        self.spool = UpdateSpool()
         self.heard: dict[str, float] = {}  # device -> monotonic time of its last valid message
         # Bounded whatever arrives, per device: its statuses are coalesced (the latest one waits,
         # never dropped: the queued event only wakes the coordinator thread), answers count only
@@ -175,6 +231,8 @@ class Inbox:
         frames and the per-step counts of other steps go."""
         self.collecting = seq
         self.frames.expire(lambda sender, tag: tag[1] == seq)
+        if seq >= 0:  # the previous step's updates are all folded in or dropped
+            self.spool.reset()
         with self._lock:
             self._queued = {k: n for k, n in self._queued.items() if k[1] == seq}
 
@@ -206,10 +264,10 @@ class Inbox:
             return {d: [{"seen": round(t, 3), **i.model_dump(exclude={"v", "device"})}
                         for t, i in seen] for d, seen in self._stacks.items()}
 
-    def _put(self, event: Event, key: tuple[str, int, object] | None = None, cap: int = 0) -> None:
+    def _put(self, event: Event, key: tuple[str, int, object] | None = None, cap: int = 0) -> bool:
         """Queue `event` unless its key (kind, step, who) already had `cap` events queued, its
         device has its whole share waiting, or the queue is full: the network thread never
-        blocks, and memory stays bounded."""
+        blocks, and memory stays bounded. Whether it was queued."""
         device = _device_of(event)
         if key is not None:
             with self._lock:
@@ -222,7 +280,7 @@ class Inbox:
                 self.dropped += 1
                 self._warn(device, "dropped a message from %s: it sent more than a step needs, or "
                            "has its share of the coordinator's queue waiting", device)
-                return
+                return False
         try:
             self.queue.put_nowait(event)
         except queue.Full:
@@ -232,6 +290,8 @@ class Inbox:
             self.dropped += 1
             self._warn(device, "event queue full (%d): dropped a message from %s", MAX_EVENTS,
                        device)
+            return False
+        return True
 
     def _within_rate(self, device: str) -> bool:
         """Network thread: whether `device` still has budget for one more message (a token
@@ -306,6 +366,7 @@ class Inbox:
                 if res.seq != self.collecting:
                     self.late_evals += 1
                     return  # a step that is over (or never was): nothing waits for it
+                self.arrivals += 1
                 self._put(EvalArrived(res), ("eval", res.seq, res.device),
                           EVALS_PER_CLIENT * (mine + 1))
             elif ref is not None and ref.kind == "update":
@@ -336,15 +397,20 @@ class Inbox:
                 self._warn(device, "late update of client %d from %s dropped: step %d, "
                            "collecting step %d", head.client, device, head.seq, self.collecting)
             return
+        self.arrivals += 1
         frame = self.frames.add(device, (head.client, head.seq), head, data)
         if frame is None:
             return
         deltas = decode_tensors(frame, copy=False, check_finite=False)  # the contract checks values
+        held, spooled = len(frame), None
+        if not self.spool.reserve(held):  # (decoded all the same: a malformed frame is refused now)
+            held, spooled, deltas = 0, self.spool.write(frame), {}
         update = ClientUpdate(client=head.client, round=head.round, deltas=deltas,
                               num_samples=head.num_samples, effective_samples=head.effective_samples,
                               train_seconds=head.train_seconds,
                               local_score=None if head.local_correct is None or head.local_total is
                               None else (head.local_correct, head.local_total), device=device,
                               cost=device_cost(head), diverged_at=head.diverged_at)
-        self._put(UpdateArrived(device, head.seq, update), ("update", head.seq, head.client),
-                  UPDATES_PER_CLIENT)
+        if not self._put(UpdateArrived(device, head.seq, update, held, spooled),
+                         ("update", head.seq, head.client), UPDATES_PER_CLIENT):
+            self.spool.release(held)

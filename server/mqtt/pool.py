@@ -14,7 +14,7 @@ from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights, block_of, in_blocks
-from fedseq.common.protocol.frames import FramePool
+from fedseq.common.protocol.frames import CHUNK_BYTES, FramePool
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, RunConfig, Step
 from fedseq.common.protocol.tensors import encode_tensors
@@ -67,6 +67,7 @@ class MqttPool:
         self.assignment: dict[str, list[int]] = {}
         self.owner: dict[int, str] = {}
         self.seq = 0
+        self.update_chunks = 1
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -98,14 +99,15 @@ class MqttPool:
         biggest = len(encode_tensors(shared)) + 4096
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
         self.inbox.frames = FramePool(max_frame=biggest, per_sender=biggest * per_device)
+        self.update_chunks = -(-biggest // CHUNK_BYTES)  # messages per update, at most
         rc = RunConfig(run_id=self.run_id, config=self.cfg.for_devices())
         self.session.retain(self.topics.run_config, rc.encode())
         for d, clients in self.assignment.items():
             self.session.retain(self.topics.assignment(d),
                                 Assignment(run_id=self.run_id, device=d, clients=clients).encode())
         self.blocks.sync(weights, force=resumed)
-        log.info("run %s: %d devices, assignment %s", self.run_id, len(self.devices),
-                 self.assignment)
+        log.info("run %s: %d devices, %d clients each at most", self.run_id, len(self.devices),
+                 per_device - 1)
 
     def snapshot(self) -> PoolState:
         return PoolState({"run_id": self.run_id, "seq": self.seq, "assignment": self.assignment,
@@ -152,7 +154,7 @@ class MqttPool:
         step = self._publish_step(kind="train", round=round, clients=clients,
                                   plan=plan_to_dict(plan), versions=versions)
         return TrainRound(collect_updates(self.session, step.seq, round, clients, self.owner,
-                                          check, self.deadlines))
+                                          check, self.deadlines, self.update_chunks))
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
                  ) -> EvalOutcome:

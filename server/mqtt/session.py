@@ -76,6 +76,9 @@ class ServerSession:
         # What this session published on the topics it owns (a digest per payload, the last few
         # per topic): anything else seen there is a stray publisher's, and is overwritten.
         self._mine: dict[str, list[bytes]] = {}
+        # until then (monotonic), silence proves nothing: answers went missing on the broker's
+        # queue to this coordinator (collect.Resender asked again), and heartbeats with them
+        self.lossy_until = 0.0
         self._restored_at: dict[str, list[float]] = {}
 
     def start(self) -> None:
@@ -177,9 +180,13 @@ class ServerSession:
 
     def _silent(self) -> list[SessionEvent]:
         """Devices not heard from for three heartbeats: gone, whatever their retained status says
-        (a device that died while the broker was down never had its last will published)."""
+        (a device that died while the broker was down never had its last will published); not
+        while messages to this coordinator are being lost (`lossy_until`): a storm of a large
+        fleet's updates overflowing the broker's queue drops heartbeats too."""
         now = time.monotonic()
         gone: list[SessionEvent] = []
+        if now < self.lossy_until:
+            return gone
         for device, st in list(self.online.items()):
             quiet = now - self.inbox.heard.get(device, now)
             if quiet > 3 * st.heartbeat_s:

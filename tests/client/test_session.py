@@ -84,3 +84,27 @@ def test_a_stray_run_config_costs_the_run_neither_its_step_nor_its_blocks(tmp_pa
         s.on_message(T.run_config, RunConfig(run_id=f"stray{i}",
                                              config=cfg.model_dump(mode="json")).encode())
     assert set(s.blocks) <= {"stray1", "stray2"}
+
+
+def test_a_resend_asks_again_for_the_named_clients_answers_of_the_current_step(tmp_path):
+    """Control resend (a broker dropped answers on the coordinator's queue): the device publishes
+    again what it sent of that step for the clients named, and nothing for another step."""
+    s = _session(tmp_path)
+    s.on_message(T.assignment("dev01"), b'{"v": %d, "run_id": "r1", "device": "dev01", '
+                                        b'"clients": [1, 4, 7]}' % PROTOCOL_VERSION)
+    s.on_message(T.step, Step(run_id="r1", seq=5, kind="train", round=2).encode())
+    sent = []
+    for c in (1, 4):
+        s.send(f"update/{c}", 5, lambda c=c: sent.append(c))
+    assert sent == [1, 4]
+    with s.cond:
+        s.next_ready()  # applies the assignment to the run
+    s.on_message(T.control, Control(run_id="r1", command="resend", seq=4, clients=[1]).encode())
+    assert sent == [1, 4]  # an older step: nothing
+    s.on_message(T.control, Control(run_id="r1", command="resend", seq=5, clients=[4, 7]).encode())
+    assert sent == [1, 4, 4]  # client 7 is still training: nothing to send for it yet
+    s.on_message(T.step, Step(run_id="r1", seq=6, kind="evaluate").encode())
+    s.send("eval", 6, lambda: sent.append("eval"))
+    s.on_message(T.control, Control(run_id="r1", command="resend", seq=6, clients=[9]).encode())
+    s.on_message(T.control, Control(run_id="r1", command="resend", seq=6, clients=[7]).encode())
+    assert sent == [1, 4, 4, "eval", "eval"]  # its evaluation names client 7, not 9
