@@ -61,27 +61,47 @@ class Reassembler:
         self.sha256 = sha256
         self.chunks = chunks
         self.chunk_bytes = chunk_bytes
-        self.parts: dict[int, memoryview | bytes] = {}
+        self.parts: dict[int, memoryview | bytes | Spilled] = {}
         self.complete = False  # every chunk arrived (the frame was then checked)
+        self.in_memory = 0  # bytes of the parts held in memory (not Spilled)
 
-    def add(self, index: int, data: memoryview | bytes) -> memoryview | None:
+    def add(self, index: int, data: memoryview | bytes,
+            keep: Callable[[memoryview | bytes], memoryview | bytes | Spilled] | None = None
+            ) -> memoryview | None:
+        """`keep`: what to hold of a chunk that is not the last (the chunk, or a Spilled)."""
         start = index * self.chunk_bytes
         expected = min(self.chunk_bytes, self.size - start)
         if not 0 <= index < self.chunks or len(data) != expected:
             raise ProtocolError(f"chunk {index}: {len(data)} bytes, expected {expected}")
         if index in self.parts:
             return None
-        self.parts[index] = data
-        if len(self.parts) < self.chunks:
+        if len(self.parts) + 1 < self.chunks:
+            kept = keep(data) if keep is not None else data
+            self.parts[index] = kept
+            if not isinstance(kept, Spilled):
+                self.in_memory += len(kept)
             return None
+        self.parts[index] = data
         self.complete = True
         buffer = bytearray(self.size)
         for i, part in self.parts.items():
-            buffer[i * self.chunk_bytes : i * self.chunk_bytes + len(part)] = part
+            raw = part.load() if isinstance(part, Spilled) else part
+            buffer[i * self.chunk_bytes : i * self.chunk_bytes + len(raw)] = raw
         self.parts.clear()
         if hashlib.sha256(buffer).hexdigest() != self.sha256:
             raise ProtocolError("frame sha256 mismatch: a chunk was corrupted or mixed up")
         return memoryview(buffer)
+
+
+@dataclass(frozen=True)
+class Spilled:
+    """A chunk kept outside memory until its frame is complete: `load()` gives its bytes back."""
+
+    load: Callable[[], bytes | bytearray]
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
 
 
 @dataclass
@@ -100,16 +120,32 @@ class FramePool:
     larger than `max_frame` (what the topic can legitimately carry) is refused before any
     allocation; one sender holds at most `per_sender` bytes of partial frames; partial frames
     expire after `ttl` seconds or when `expire(keep)` says their step is over. The bound on memory
-    is therefore `per_sender` times the number of senders that can publish on the topic.
+    is therefore `per_sender` times the number of senders that can publish on the topic; with
+    `spill` (a coordinator receiving hundreds of devices' frames at once, interleaved), chunks
+    beyond `budget` bytes in memory go to `spill(chunk)`, which returns how to load them back.
     """
 
     def __init__(self, max_frame: int, per_sender: int, ttl: float = 300.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 spill: Callable[[memoryview | bytes], Callable[[], bytes | bytearray]] | None = None,
+                 budget: int = 0):
         self.max_frame = max_frame
         self.per_sender = per_sender
         self.ttl = ttl
         self.clock = clock
+        self.spill = spill
+        self.budget = budget
+        self.in_memory = 0  # bytes of partial frames' chunks held in memory
         self.partial: dict[tuple[str, Hashable, int, str], _Partial] = {}
+
+    def _keep(self, chunk: memoryview | bytes) -> memoryview | bytes | Spilled:
+        if self.spill is not None and self.in_memory + len(chunk) > self.budget:
+            return Spilled(self.spill(chunk), len(chunk))
+        self.in_memory += len(chunk)
+        return chunk
+
+    def _drop(self, key: tuple[str, Hashable, int, str]) -> None:
+        self.in_memory -= self.partial.pop(key).asm.in_memory
 
     def held_bytes(self, sender: str | None = None) -> int:
         return sum(p.asm.size for p in self.partial.values() if sender in (None, p.sender))
@@ -138,23 +174,23 @@ class FramePool:
                             self.clock())
             self.partial[key] = part
         try:
-            frame = part.asm.add(header.chunk, data)
+            frame = part.asm.add(header.chunk, data, self._keep)
         except ProtocolError:
             if part.asm.complete:  # complete but corrupt: give it up
-                del self.partial[key]
+                self._drop(key)
             raise
         if frame is not None:
-            del self.partial[key]
+            self._drop(key)
         return frame
 
     def expire(self, keep: Callable[[str, Hashable], bool]) -> None:
         """Drop the partial frames whose (sender, tag) is no longer wanted (their step ended)."""
         for key, p in list(self.partial.items()):
             if not keep(p.sender, p.tag):
-                del self.partial[key]
+                self._drop(key)
 
     def _expire_old(self) -> None:
         now = self.clock()
         for key, p in list(self.partial.items()):
             if now - p.born > self.ttl:
-                del self.partial[key]
+                self._drop(key)

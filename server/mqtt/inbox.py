@@ -118,6 +118,12 @@ class UpdateSpool:
             self.spilled += 1
             return offset, len(frame)
 
+    def spill_chunk(self, chunk: memoryview | bytes) -> Callable[[], bytearray]:
+        """A partial frame's chunk to the file (FramePool's `spill`): how to read it back."""
+        at = self.write(memoryview(chunk))
+        self.spilled -= 1  # counted as frames, not chunks
+        return lambda: self.read(at)
+
     def read(self, at: tuple[int, int]) -> bytearray:
         with self._lock:
             assert self._file is not None

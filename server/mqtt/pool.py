@@ -21,7 +21,7 @@ from fedseq.common.protocol.tensors import encode_tensors
 from fedseq.common.protocol.topics import Topics
 from fedseq.server.mqtt.blocks import BlockPublisher
 from fedseq.server.mqtt.collect import DeadlinePolicy, collect_scores, collect_updates
-from fedseq.server.mqtt.inbox import Inbox
+from fedseq.server.mqtt.inbox import HELD_IN_MEMORY, Inbox
 from fedseq.server.mqtt.session import ServerSession
 from fedseq.server.pool import (
     EvalOutcome,
@@ -98,7 +98,8 @@ class MqttPool:
         shared = in_blocks(weights, {block_of(k) for k in weights} - set(personal))
         biggest = len(encode_tensors(shared)) + 4096
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
-        self.inbox.frames = FramePool(max_frame=biggest, per_sender=biggest * per_device)
+        self.inbox.frames = FramePool(max_frame=biggest, per_sender=biggest * per_device,
+                                      spill=self.inbox.spool.spill_chunk, budget=HELD_IN_MEMORY)
         self.update_chunks = -(-biggest // CHUNK_BYTES)  # messages per update, at most
         rc = RunConfig(run_id=self.run_id, config=self.cfg.for_devices())
         self.session.retain(self.topics.run_config, rc.encode())

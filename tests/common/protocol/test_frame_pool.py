@@ -66,3 +66,34 @@ def test_corrupt_complete_frame_is_dropped():
     with pytest.raises(ProtocolError, match="sha256"):
         pool.add("d1", (0, 1), hs[2][0], b"\0" * len(hs[2][1]))
     assert pool.held_bytes() == 0
+
+
+def test_chunks_beyond_the_budget_wait_outside_memory_and_make_the_same_frame():
+    """A pool with `spill` keeps at most `budget` bytes of partial frames' chunks in memory (a
+    coordinator receiving hundreds of interleaved frames); the others come back from where they
+    were spilled when their frame completes, and the frame is the same."""
+    import hashlib
+
+    from fedseq.common.protocol.frames import CHUNK_BYTES, FramePool
+    from fedseq.common.protocol.messages import WeightsHeader
+
+    away: list[bytes] = []
+
+    def spill(chunk):
+        away.append(bytes(chunk))
+        at = len(away) - 1
+        return lambda: away[at]
+
+    frames = {s: bytes([s]) * (2 * CHUNK_BYTES + 7) for s in range(3)}
+    pool = FramePool(max_frame=3 * CHUNK_BYTES, per_sender=4 * CHUNK_BYTES, spill=spill,
+                     budget=CHUNK_BYTES)
+    done = {}
+    for i in range(3):  # interleaved: chunk i of every sender, then the next
+        for s, f in frames.items():
+            head = WeightsHeader(run_id="r", block="b", version=1, chunk=i, chunks=3, size=len(f),
+                                 sha256=hashlib.sha256(f).hexdigest())
+            got = pool.add(f"dev{s}", 1, head, f[i * CHUNK_BYTES:(i + 1) * CHUNK_BYTES])
+            assert pool.in_memory <= CHUNK_BYTES
+            if got is not None:
+                done[s] = bytes(got)
+    assert done == frames and pool.in_memory == 0 and len(away) == 5  # 6 kept, 1 in memory
