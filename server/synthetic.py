@@ -190,6 +190,7 @@ class SyntheticDevice:
         self.topics = t = Topics(topic_root)
         self.lock = threading.Lock()
         self.run: RunConfig | None = None
+        self.facts: RunFacts | None = None  # the run's, derived once per process
         self.clients: list[int] = []
         self.step: Step | None = None
         self.held = _Held()
@@ -246,11 +247,11 @@ class SyntheticDevice:
                 self._on_chunk(payload)
             elif kind == "run_config":
                 rc = RunConfig.decode(payload)
-                cfg = ExperimentConfig.model_validate(rc.config)
-                self.fleet.facts(rc.run_id, cfg)
+                facts = self.fleet.facts(rc.run_id, ExperimentConfig.model_validate(rc.config))
                 with self.lock:
                     if self.run is None or self.run.run_id != rc.run_id:
                         self.run, self.held, self.done = rc, _Held(), set()
+                        self.facts = facts
             elif kind == "assignment":
                 a = Assignment.decode(payload)
                 with self.lock:
@@ -296,8 +297,9 @@ class SyntheticDevice:
     def _maybe_start(self) -> None:
         """Network thread: schedule the current step's answers once it is ready here."""
         with self.lock:
-            run, step = self.run, self.step
-            if run is None or step is None or step.run_id != run.run_id or step.seq in self.done:
+            run, step, facts = self.run, self.step, self.facts
+            if (run is None or facts is None or step is None or step.run_id != run.run_id
+                    or step.seq in self.done):
                 return
             if step.kind not in ("train", "evaluate", "finetune"):
                 return
@@ -309,7 +311,6 @@ class SyntheticDevice:
             self.outbox, self.outbox_seq = [], step.seq
         if not mine:
             return
-        facts = self.fleet.facts(run.run_id, ExperimentConfig.model_validate(run.config))
         if self.fleet.fails(self.name, run.run_id, step.seq):
             self.fleet.scheduler.at(time.monotonic() + self.fleet.pace, lambda: self.announce(
                 f"synthetic failure of step {step.seq}", step.seq, run.run_id))

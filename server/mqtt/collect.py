@@ -47,7 +47,6 @@ class Resender:
         self.wait = RESEND_QUIET_S
         self.last = time.monotonic()  # the last arrival or ask
         self.seen = session.inbox.arrivals
-        self.asked = 0  # clients asked for, over the step
         self.asked_at = -1e9
         self.lossy = False  # an ask of this step brought lost answers back
 
@@ -73,7 +72,6 @@ class Resender:
         log.info("step %d: nothing arrived for %.0f s; asked the devices of %d clients (of %d "
                  "owed) to send their answers again", self.seq, now - self.last, len(ask),
                  len(owed))
-        self.asked += len(ask)
         self.asked_at = now
         self.last, self.wait = now, min(2 * self.wait, RESEND_MAX_S)
 

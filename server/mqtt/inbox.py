@@ -87,9 +87,9 @@ class UpdateSpool:
     """Where complete update frames wait until the coordinator thread folds them in (in client
     order: an early client's update can keep a round's others waiting): in memory up to `budget`
     bytes (always at least one frame), beyond it in a temporary file, read back when the update
-    is checked and again when it is folded in. The network thread reserves (`reserve`) or writes
-    (`write`); the coordinator thread reads and releases; `reset` empties the file between
-    steps. The coordinator's memory then stays flat however many updates a round brings."""
+    is checked and again when it is folded in. The network thread keeps frames (`hold`); the
+    coordinator thread reads and releases them; `reset` empties the file between steps. The
+    coordinator's memory then stays flat however many updates a round brings."""
 
     def __init__(self, budget: int = HELD_IN_MEMORY):
         self.budget = budget
@@ -98,12 +98,14 @@ class UpdateSpool:
         self._file: BinaryIO | None = None
         self._lock = threading.Lock()
 
-    def reserve(self, size: int) -> bool:
+    def hold(self, frame: memoryview) -> tuple[int, tuple[int, int] | None]:
+        """(bytes of the budget it holds in memory, 0 when spooled; where it is spooled, if)."""
         with self._lock:
-            if self.in_memory and self.in_memory + size > self.budget:
-                return False
-            self.in_memory += size
-            return True
+            if not self.in_memory or self.in_memory + len(frame) <= self.budget:
+                self.in_memory += len(frame)
+                return len(frame), None
+            self.spilled += 1
+        return 0, self.write(frame)
 
     def release(self, size: int) -> None:
         with self._lock:
@@ -115,13 +117,11 @@ class UpdateSpool:
                 self._file = tempfile.TemporaryFile(prefix="fedseq-updates-")  # noqa: SIM115
             offset = self._file.seek(0, os.SEEK_END)
             self._file.write(frame)
-            self.spilled += 1
             return offset, len(frame)
 
     def spill_chunk(self, chunk: memoryview | bytes) -> Callable[[], bytearray]:
         """A partial frame's chunk to the file (FramePool's `spill`): how to read it back."""
         at = self.write(memoryview(chunk))
-        self.spilled -= 1  # counted as frames, not chunks
         return lambda: self.read(at)
 
     def read(self, at: tuple[int, int]) -> bytearray:
@@ -408,9 +408,9 @@ class Inbox:
         if frame is None:
             return
         deltas = decode_tensors(frame, copy=False, check_finite=False)  # the contract checks values
-        held, spooled = len(frame), None
-        if not self.spool.reserve(held):  # (decoded all the same: a malformed frame is refused now)
-            held, spooled, deltas = 0, self.spool.write(frame), {}
+        held, spooled = self.spool.hold(frame)
+        if spooled is not None:  # (decoded all the same: a malformed frame is refused now)
+            deltas = {}
         update = ClientUpdate(client=head.client, round=head.round, deltas=deltas,
                               num_samples=head.num_samples, effective_samples=head.effective_samples,
                               train_seconds=head.train_seconds,
