@@ -61,8 +61,8 @@ class StepExecutor:
         if run.model is None:
             two = algorithm_class(cfg.algorithm.name).two_heads
             run.model = build_run_model(cfg.model.name, run.data.input_shape, run.data.num_classes,
-                                        two, cfg.seed_for("init"), cfg.model.head_init
-                                        ).to(self.torch_device)
+                                        two, cfg.seed_for("init"), cfg.model.head_init,
+                                        cfg.model.norm).to(self.torch_device)
         return run.data, run.model
 
     def _personal(self, run: RunState, client: int, personal: Tuple[str, ...],
@@ -89,7 +89,7 @@ class StepExecutor:
             if update.diverged_at is not None:  # refused by the coordinator; blocks kept as they were
                 log.warning("round %d: client %d's training diverged (NaN or Inf loss at batch %d)",
                             step.round, c, update.diverged_at)
-            elif plan.personal:
+            elif personal:  # the plan's personal blocks, FedBN's normalization layers
                 self.store.save(run.run_id, c, personal, step.round)
             meta = dict(run_id=run.run_id, seq=step.seq, round=step.round, client=c,
                         device=self.session.device, num_samples=update.num_samples,
@@ -106,7 +106,8 @@ class StepExecutor:
         data, model = self.prepare(run)
         shared = self.session.weights(run, list(step.versions))
         personal_names = tuple(step.personal)
-        personal = {c: self._personal(run, c, personal_names) for c in mine} if personal_names else {}
+        # the stored state even without personal blocks: FedBN's normalization layers are in it
+        personal = {c: self._personal(run, c, personal_names) for c in mine}
         rep = evaluate(model, data, shared, personal, tuple(step.eval_heads), clients=mine,
                        with_global=False, batch=run.cfg.train.eval_batch_size)
         self._send_scores(run, step, rep.per_client)

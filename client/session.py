@@ -66,7 +66,7 @@ def weights_frame_pool(cfg: ExperimentConfig) -> FramePool:
     allocated; partial frames of at most two whole models are kept."""
     two = algorithm_class(cfg.algorithm.name).two_heads
     model = build_model(cfg.model.name, INPUT_SHAPES[cfg.data.dataset],
-                        NUM_CLASSES[cfg.data.dataset], two)
+                        NUM_CLASSES[cfg.data.dataset], two, norm=cfg.model.norm)
     sizes = [len(encode_tensors(get_blocks(model, [b]))) + 4096 for b in model.spec.blocks]
     return FramePool(max_frame=max(sizes), per_sender=2 * sum(sizes))
 

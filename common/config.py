@@ -70,6 +70,13 @@ class ModelConfig(_Section):
     # "orthogonal" (FedBABU section 3 credits its fixed random head to an orthogonal init, after
     # Saxe et al.): nn.init.orthogonal_ on each head's weight, its bias as PyTorch initialises it
     head_init: Literal["default", "orthogonal"] = "default"
+    # what the BatchNorm layers of 4convnet, mobilenet and the ResNets keep (docs/models.md,
+    # "Normalization in FL"): "batch" (FedBABU's code: batch statistics only, no running state),
+    # "running" (running mean and variance, aggregated with their block like its weights; a
+    # frozen block normalizes by them, unchanged) or "fedbn" (running statistics, and every
+    # normalization layer's scale, shift and statistics stay with the client: FedBN, Li et al.
+    # ICLR 2021); cnn and convnet have no normalization layers and take "batch" only
+    norm: Literal["batch", "running", "fedbn"] = "batch"
 
 
 class AlgorithmConfig(_Section):

@@ -78,6 +78,7 @@ def evaluate(
     blocks overridden by its personal blocks, logits of `eval_heads` summed) on its own rows."""
     spec = model.spec
     clients = list(range(len(data.clients))) if clients is None else clients
+    model.eval()  # running statistics (model.norm) normalize, and stay as they are
     set_weights(model, global_weights)
     personal_base = any(block_of(k) in spec.base for w in personal.values() for k in w)
     shared_feats = with_global or not personal_base

@@ -1,5 +1,6 @@
 """Model zoo. Every model declares its ordered base blocks and its heads; a block is the group of
-state_dict keys under one module name (block 'conv1' = conv1.weight, conv1.bias)."""
+state_dict keys under one module name (block 'conv1' = conv1.weight, conv1.bias, and under
+model.norm "running" or "fedbn" its BatchNorm layers' running_mean and running_var)."""
 
 from __future__ import annotations
 
@@ -42,8 +43,31 @@ class BlockModel(nn.Module):
     spec: ModelSpec
     BASE: tuple[str, ...]  # the base blocks' module names, input to output
     HEAD: str  # the global head's module name; a personal head is HEAD + "_p"
-    #: features of a row depend on the other rows of its batch (BatchNorm on batch statistics)
-    batch_stats = False
+    #: the model has normalization layers (model.norm chooses what they keep; module docstring)
+    HAS_NORM = False
+    #: model.norm: "batch" (batch statistics only), "running" or "fedbn" (running statistics)
+    norm = "batch"
+
+    @property
+    def batch_stats(self) -> bool:
+        """A row's features depend on the other rows of its batch (BatchNorm on batch statistics,
+        in evaluation too)."""
+        return self.HAS_NORM and self.norm == "batch"
+
+    def norm_layers(self) -> list[str]:
+        """The module paths of the normalization layers, in state_dict order."""
+        return [n for n, m in self.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    def personal_keys(self) -> frozenset[str]:
+        """The tensors that stay with each client whatever the plan says: every normalization
+        layer's scale, shift and running statistics under model.norm = "fedbn" (FedBN), else none."""
+        if self.norm != "fedbn":
+            return frozenset()
+        if "_personal_keys" not in self.__dict__:  # the layout never changes: computed once
+            layers = tuple(n + "." for n in self.norm_layers())
+            self.__dict__["_personal_keys"] = frozenset(
+                k for k in self.state_dict() if k.startswith(layers))
+        return self.__dict__["_personal_keys"]
 
     @classmethod
     def block_spec(cls, two_heads: bool) -> ModelSpec:
@@ -126,14 +150,26 @@ class ConvNet(BlockModel):
         return F.relu(self.fc2(x))
 
 
-def _bn(channels: int) -> nn.BatchNorm2d:
-    """FedBABU's normalization (its code, models/Nets.py): BatchNorm with batch statistics only
-    (track_running_stats=False). Such a layer has no running state: its scale and shift are
-    parameters like any other (federated, frozen, personal with their block), a frozen block is
-    exactly unchanged, and nothing but parameters crosses the wire or enters a checkpoint.
-    Evaluation normalizes each batch by its own statistics too, so the models that use it
-    score a client's rows in batches of that client alone (common/evaluation.py)."""
-    return nn.BatchNorm2d(channels, track_running_stats=False)
+NORMS = ("batch", "running", "fedbn")
+
+
+def _bn(channels: int, norm: str) -> nn.BatchNorm2d:
+    """BatchNorm as model.norm says (docs/models.md, "Normalization in FL"):
+
+    - "batch": FedBABU's (its code, models/Nets.py), batch statistics only
+      (track_running_stats=False), in training and evaluation. No running state: scale and shift
+      are parameters of their block like any other.
+    - "running" and "fedbn": running mean and variance as buffers of the layer, in its block's
+      state_dict, so they travel, aggregate, stay personal and are checkpointed with their block
+      (fedbn: with the client, model.personal_keys). No batch counter: momentum is fixed (0.1),
+      so the counter would be an int64 that averages to nothing. A block in training mode updates
+      them; a frozen block is in evaluation mode (common/training.set_trainable) and normalizes by
+      them, unchanged."""
+    if norm == "batch":
+        return nn.BatchNorm2d(channels, track_running_stats=False)
+    layer = nn.BatchNorm2d(channels)
+    layer.register_buffer("num_batches_tracked", None)
+    return layer
 
 
 class _BlockStack(BlockModel):
@@ -141,7 +177,7 @@ class _BlockStack(BlockModel):
 
     HEAD = "fc"
     POOL = 1
-    batch_stats = True
+    HAS_NORM = True
 
     def _add_heads(self, channels: int, h: int, w: int, num_classes: int, two_heads: bool) -> None:
         dim = channels * (h // self.POOL) * (w // self.POOL)
@@ -168,12 +204,14 @@ class FourConvNet(_BlockStack):
 
     BASE = ("conv1", "conv2", "conv3", "conv4")
 
-    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool):
+    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool,
+                 norm: str = "batch"):
         super().__init__()
+        self.norm = norm
         c, h, w = in_shape
         for i, name in enumerate(self.BASE):
             setattr(self, name, nn.Sequential(nn.Conv2d(c if i == 0 else 64, 64, 3, padding=1),
-                                              _bn(64), nn.ReLU(), nn.MaxPool2d(2)))
+                                              _bn(64, norm), nn.ReLU(), nn.MaxPool2d(2)))
             h, w = h // 2, w // 2
         self._add_heads(64, h, w, num_classes, two_heads)
 
@@ -182,12 +220,12 @@ class _Separable(nn.Module):
     """MobileNet-v1's basic block: a depthwise conv3x3 and a pointwise conv1x1, each with
     BatchNorm and ReLU."""
 
-    def __init__(self, cin: int, cout: int, stride: int):
+    def __init__(self, cin: int, cout: int, stride: int, norm: str):
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False)
-        self.bn1 = _bn(cin)
+        self.bn1 = _bn(cin, norm)
         self.conv2 = nn.Conv2d(cin, cout, 1, bias=False)
-        self.bn2 = _bn(cout)
+        self.bn2 = _bn(cout, norm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
@@ -205,14 +243,16 @@ class MobileNet(_BlockStack):
     BASE = ("stem", *(f"block{i + 1}" for i in range(len(WIDTHS))))
     POOL = 2
 
-    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool):
+    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool,
+                 norm: str = "batch"):
         super().__init__()
+        self.norm = norm
         c, h, w = in_shape
-        self.stem = nn.Sequential(nn.Conv2d(c, 32, 3, 1, 1, bias=False), _bn(32), nn.ReLU())
+        self.stem = nn.Sequential(nn.Conv2d(c, 32, 3, 1, 1, bias=False), _bn(32, norm), nn.ReLU())
         cin = 32
         for name, width in zip(self.BASE[1:], self.WIDTHS):
             cout, stride = width if isinstance(width, tuple) else (width, 1)
-            setattr(self, name, _Separable(cin, cout, stride))
+            setattr(self, name, _Separable(cin, cout, stride, norm))
             cin = cout
             if stride == 2:
                 h, w = _strided(h, w)
@@ -223,15 +263,16 @@ class _Residual(nn.Module):
     """ResNet's basic block: two conv3x3 with BatchNorm, a shortcut (conv1x1 + BatchNorm where
     the shape changes), ReLU after the sum."""
 
-    def __init__(self, cin: int, cout: int, stride: int):
+    def __init__(self, cin: int, cout: int, stride: int, norm: str):
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = _bn(cout)
+        self.bn1 = _bn(cout, norm)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = _bn(cout)
+        self.bn2 = _bn(cout, norm)
         self.shortcut = nn.Sequential()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), _bn(cout))
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                          _bn(cout, norm))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x)))))
@@ -248,16 +289,18 @@ class _ResNet(_BlockStack):
     STAGES: tuple[int, ...] = ()
     POOL = 4
 
-    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool):
+    def __init__(self, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool,
+                 norm: str = "batch"):
         super().__init__()
+        self.norm = norm
         c, h, w = in_shape
-        self.stem = nn.Sequential(nn.Conv2d(c, 64, 3, 1, 1, bias=False), _bn(64), nn.ReLU())
+        self.stem = nn.Sequential(nn.Conv2d(c, 64, 3, 1, 1, bias=False), _bn(64, norm), nn.ReLU())
         cin, names = 64, iter(self.BASE[1:])
         for stage, count in enumerate(self.STAGES):
             cout = 64 * 2 ** stage
             for i in range(count):
                 stride = 2 if stage > 0 and i == 0 else 1
-                setattr(self, next(names), _Residual(cin, cout, stride))
+                setattr(self, next(names), _Residual(cin, cout, stride, norm))
                 cin = cout
                 if stride == 2:
                     h, w = _strided(h, w)
@@ -289,18 +332,35 @@ def _pool(x: torch.Tensor) -> torch.Tensor:
     return F.max_pool2d(x.contiguous(memory_format=torch.channels_last), 2)
 
 
-def build_model(
-    name: str, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool = False,
-    generator_seed: int | None = None, head_init: str = "default",
-) -> BlockModel:
-    """Build a model; with generator_seed the initial weights are a pure function of that seed.
-    head_init "orthogonal" then re-draws each head's weight orthogonally (model.head_init)."""
+def _model_class(name: str, norm: str) -> type[BlockModel]:
+    """The zoo's class of `name`, where model.norm suits it (a ConfigError says why not)."""
     if name not in MODELS:
         raise ConfigError(f"model.name {name!r} is unknown; use one of {', '.join(MODELS)}")
+    if norm not in NORMS:
+        raise ConfigError(f"model.norm {norm!r} is unknown; use one of {', '.join(NORMS)}")
+    cls = MODELS[name]
+    if norm != "batch" and not cls.HAS_NORM:
+        with_norm = ", ".join(n for n, c in MODELS.items() if c.HAS_NORM)
+        raise ConfigError(f"model.norm = {norm!r} needs normalization layers, and {name} has "
+                          f"none; use one of {with_norm}, or model.norm = \"batch\"")
+    return cls
+
+
+def build_model(
+    name: str, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool = False,
+    generator_seed: int | None = None, head_init: str = "default", norm: str = "batch",
+) -> BlockModel:
+    """Build a model; with generator_seed the initial weights are a pure function of that seed.
+    head_init "orthogonal" then re-draws each head's weight orthogonally (model.head_init);
+    norm is model.norm (what the normalization layers keep, `_bn`)."""
+    cls = _model_class(name, norm)
     with torch.random.fork_rng(devices=[]):
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
-        model = MODELS[name](in_shape, num_classes, two_heads)  # type: ignore[call-arg]
+        if cls.HAS_NORM:
+            model = cls(in_shape, num_classes, two_heads, norm)  # type: ignore[call-arg]
+        else:
+            model = cls(in_shape, num_classes, two_heads)  # type: ignore[call-arg]
         if head_init == "orthogonal":
             with torch.no_grad():
                 for head in model.spec.heads:
@@ -308,11 +368,9 @@ def build_model(
     return model
 
 
-def model_spec(name: str, two_heads: bool) -> ModelSpec:
+def model_spec(name: str, two_heads: bool, norm: str = "batch") -> ModelSpec:
     """The block layout of model `name`, without building it (config checks before any data)."""
-    if name not in MODELS:
-        raise ConfigError(f"model.name {name!r} is unknown; use one of {', '.join(MODELS)}")
-    return MODELS[name].block_spec(two_heads)
+    return _model_class(name, norm).block_spec(two_heads)
 
 
 def block_of(key: str) -> str:
@@ -327,11 +385,11 @@ def in_blocks(weights: Weights, blocks: str | tuple[str, ...] | list[str] | set[
 
 
 def build_run_model(name: str, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool,
-                    seed: int, head_init: str = "default") -> BlockModel:
+                    seed: int, head_init: str = "default", norm: str = "batch") -> BlockModel:
     """The run's initial model, a pure function of the run seed: the coordinator, the in-process
     clients and every device build the same weights, so version 0 of every block never travels."""
     return build_model(name, in_shape, num_classes, two_heads,
-                       generator_seed=derive_seed(seed, "init"), head_init=head_init)
+                       generator_seed=derive_seed(seed, "init"), head_init=head_init, norm=norm)
 
 
 def block_keys(model: BlockModel, block: str) -> list[str]:
@@ -347,6 +405,24 @@ def get_blocks(model: BlockModel, blocks: tuple[str, ...] | list[str]) -> Weight
         k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
         for k, v in model.state_dict().items()
         if block_of(k) in wanted
+    }
+
+
+def shared_tensors(model: BlockModel, blocks: tuple[str, ...] | list[str]) -> Weights:
+    """The named blocks' tensors that a client uploads: `get_blocks` less the model's personal
+    tensors (FedBN's normalization layers)."""
+    personal = model.personal_keys()
+    return {k: v for k, v in get_blocks(model, blocks).items() if k not in personal}
+
+
+def personal_tensors(model: BlockModel, blocks: tuple[str, ...] | list[str]) -> Weights:
+    """What a client keeps for itself: the named (personal) blocks' tensors and the model's
+    personal tensors in every block (FedBN's normalization layers), in state_dict order."""
+    wanted, personal = set(blocks), model.personal_keys()
+    return {
+        k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+        for k, v in model.state_dict().items()
+        if block_of(k) in wanted or k in personal
     }
 
 

@@ -18,7 +18,7 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 from fedseq.common.data.federated import ClientShard, FederatedData
 from fedseq.common.data.rebalance import Rebalanced, rebalance, simple_augment
-from fedseq.common.models import BlockModel, Weights, get_blocks, set_weights
+from fedseq.common.models import BlockModel, Weights, personal_tensors, set_weights, shared_tensors
 from fedseq.common.seeding import torch_rng
 
 # Overconfident heads on skewed clients drive gradients into denormal floats, which made CPU
@@ -89,10 +89,14 @@ class Sgd:
 
 def set_trainable(model: BlockModel, trainable: tuple[str, ...]) -> list[torch.nn.Parameter]:
     """Freeze every block but `trainable` (requires_grad); returns the parameters to optimize.
-    Shared with the FLOP counter (common/flops.py), which measures exactly these steps."""
+    A trainable block is in training mode, a frozen one in evaluation mode: under running
+    statistics (model.norm) a frozen block normalizes by them and leaves them as they are, so it
+    is exactly unchanged (with batch statistics the mode changes nothing). Shared with the FLOP
+    counter (common/flops.py), which measures exactly these steps."""
     params = []
     for name, module in model.named_children():
         flag = name in trainable
+        module.train(flag)
         for p in module.parameters():
             p.requires_grad_(flag)
             if flag:
@@ -270,16 +274,18 @@ def run_client_round(
     purpose: str = "batches",
 ) -> tuple[ClientUpdate, Weights]:
     """Load the client's weights (global blocks + its personal blocks), train under the plan and
-    return (update with deltas of the uploaded blocks, the client's new personal blocks). Where
+    return (update with deltas of the uploaded blocks, the client's new personal blocks; both as
+    `shared_tensors` and `personal_tensors` split them: FedBN's normalization layers are
+    personal in every block). Where
     training diverged (`update.diverged_at`), the update is refused by the round's contract and
     the caller keeps the client's previous personal blocks."""
     set_weights(model, weights)
-    before = get_blocks(model, plan.upload)
+    before = shared_tensors(model, plan.upload)
     stats = train_plan(model, data, shard, plan, seed, round, purpose)
     scoring = time.perf_counter()
     score = score_local(model, data, shard, plan.score_heads) if plan.score_heads else None
     compute = stats.seconds + time.perf_counter() - scoring
-    after = get_blocks(model, plan.upload)
+    after = shared_tensors(model, plan.upload)
     deltas = {k: after[k] - before[k] for k in after}
     update = ClientUpdate(
         client=shard.client,
@@ -291,13 +297,14 @@ def run_client_round(
         local_score=score,
         diverged_at=stats.diverged_at,
     )
-    return update, get_blocks(model, plan.personal)
+    return update, personal_tensors(model, plan.personal)
 
 
 @torch.no_grad()
 def score_local(model: BlockModel, data: FederatedData, shard: ClientShard, heads: tuple[str, ...],
                 batch: int = 128) -> tuple[int, int]:
     """(correct, total) of the model as it is on the client's own test rows, `heads` summed."""
+    model.eval()
     dev = next(model.parameters()).device
     correct = 0
     for i in range(0, len(shard.test), batch):

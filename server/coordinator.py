@@ -199,8 +199,11 @@ class Coordinator:
             train_flops=got.flops, client_steps=got.steps,
             seconds=round(time.perf_counter() - start, 3),
         )
-        if self.alg.global_model_note:
-            rec.global_model = self.alg.global_model_note
+        if self.alg.global_model_note or self.cfg.model.norm == "fedbn":
+            notes = [self.alg.global_model_note or "the aggregated model"]
+            if self.cfg.model.norm == "fedbn":
+                notes.append("normalization layers at their initial values (FedBN: personal)")
+            rec.global_model = "; ".join(notes)
         if got.outcome.deadline_s is not None:  # a fleet: its deadlines, what the devices measured
             rec.set_transport(got.outcome)
             rec.set_device_energy(got.costs)
@@ -215,7 +218,8 @@ class Coordinator:
         """Dispatch the round and fold every valid update into a fresh aggregate as it arrives
         (in client order: the same sums in simulation and deployment)."""
         contract = round_contract(t, selected, plan.upload, self.global_weights, self.data,
-                                  plan.rebalance_threshold, self._delta_bound())
+                                  plan.rebalance_threshold, self._delta_bound(),
+                                  self.model.personal_keys())
         got = RoundUpdates(make_aggregator(self.cfg.aggregation))
 
         def check(update: ClientUpdate) -> str | None:

@@ -48,7 +48,7 @@ from fedseq.common.config import ExperimentConfig, dump_config, tomllib
 from fedseq.common.errors import ConfigError, FedseqError, TransportError
 from fedseq.common.evaluation import EvalReport, evaluate
 from fedseq.common.hardware import torch_device
-from fedseq.common.models import BlockModel, Weights, get_blocks
+from fedseq.common.models import BlockModel, Weights, personal_tensors
 from fedseq.common.training import finetune_and_score, run_client_round
 from fedseq.server.pool import (
     EvalOutcome,
@@ -158,7 +158,7 @@ class DistributedPool:
         self.workers = dist.get_world_size() - 1
         #: every step's wall time here and its busiest worker's compute (bench/workers.py)
         self.timings: list[StepTiming] = []
-        initial = get_blocks(model, personal_blocks)
+        initial = personal_tensors(model, personal_blocks)
         self.personal: dict[int, Weights] = {
             c: {k: v.clone() for k, v in initial.items()} for c in data_sizes}
 

@@ -27,9 +27,9 @@ def load_experiment(cfg: ExperimentConfig, test_images_only: bool = False) -> Ex
     partition's sizes, never a training image."""
     two_heads = algorithm_class(cfg.algorithm.name).two_heads
     # the algorithm first: its checks against the model's blocks fail before the data loads
-    algorithm = make_algorithm(cfg, model_spec(cfg.model.name, two_heads))
+    algorithm = make_algorithm(cfg, model_spec(cfg.model.name, two_heads, cfg.model.norm))
     data = load_federated(cfg.data, cfg.seed_for("data"), test_images_only=test_images_only)
     model = build_run_model(cfg.model.name, data.input_shape, data.num_classes, two_heads,
-                            cfg.seed_for("init"), cfg.model.head_init)
+                            cfg.seed_for("init"), cfg.model.head_init, cfg.model.norm)
     assert model.spec == algorithm.spec
     return Experiment(data, model, algorithm)

@@ -20,7 +20,7 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.evaluation import EvalReport, evaluate
-from fedseq.common.models import BlockModel, Weights, get_blocks
+from fedseq.common.models import BlockModel, Weights, personal_tensors
 from fedseq.common.training import finetune_and_score, run_client_round
 
 #: the round loop's verdict on one update: None = valid, else why it is rejected
@@ -176,7 +176,7 @@ class InProcessPool:
         self.model = model
         self.seed = seed
         self.eval_batch = eval_batch
-        initial = get_blocks(model, personal_blocks)
+        initial = personal_tensors(model, personal_blocks)
         # Personal blocks start from the initial global model, as on a device.
         self.personal: dict[int, Weights] = {
             c.client: {k: v.clone() for k, v in initial.items()} for c in data.clients

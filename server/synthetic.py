@@ -46,7 +46,7 @@ from fedseq.common.data.federated import load_federated
 from fedseq.common.data.readers import INPUT_SHAPES
 from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.errors import FedseqError
-from fedseq.common.models import Weights, block_of, build_model, get_blocks
+from fedseq.common.models import Weights, block_of, build_model, shared_tensors
 from fedseq.common.protocol.frames import CHUNK_BYTES, pack_chunk, split_frame, unpack_chunk
 from fedseq.common.protocol.link import Link, session_id
 from fedseq.common.protocol.messages import (
@@ -138,9 +138,9 @@ class Fleet:
                 data = load_federated(cfg.data, cfg.seed_for("data"), only=[])  # labels only
                 two = algorithm_class(cfg.algorithm.name).two_heads
                 model = build_model(cfg.model.name, INPUT_SHAPES[cfg.data.dataset],
-                                    data.num_classes, two)
+                                    data.num_classes, two, norm=cfg.model.norm)
                 ref = {k: torch.zeros_like(v) for k, v in
-                       get_blocks(model, model.spec.blocks).items()}
+                       shared_tensors(model, model.spec.blocks).items()}
                 self._facts = {run_id: RunFacts(
                     cfg, [len(c.train) for c in data.clients], [len(c.test) for c in data.clients],
                     [c.train_class_counts(data.y, data.num_classes) for c in data.clients], ref)}

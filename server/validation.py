@@ -74,14 +74,23 @@ class RoundContract:
                 return (f"tensor {k} has an element of magnitude {biggest:.3g} > "
                         f"the round's bound {self.max_abs_delta:.3g} (aggregation.max_abs_delta; "
                         "auto = 10 x the model's largest weight)")
+            # a variance below zero would make every later normalization NaN; a client's own
+            # running variance never goes there, and any mean of such deltas stays above it too
+            if k.endswith(".running_var") and d.numel() and float((ref + d).min()) < 0:
+                return (f"tensor {k} would make a running variance negative "
+                        f"({float((ref + d).min()):.3g})")
         return None
 
 
 def round_contract(round: int, selected: list[int], upload: tuple[str, ...], global_weights: Weights,
                    data: FederatedData, rebalance_threshold: float | None,
-                   max_abs_delta: float) -> RoundContract:
-    """The contract of one round, from the plan and what the coordinator knows of the clients."""
-    reference = {k: v for k, v in global_weights.items() if block_of(k) in upload}
+                   max_abs_delta: float, personal_keys: frozenset[str] = frozenset()
+                   ) -> RoundContract:
+    """The contract of one round, from the plan and what the coordinator knows of the clients.
+    `personal_keys`: tensors of the uploaded blocks that stay with the clients (FedBN's
+    normalization layers, `BlockModel.personal_keys`), so no update may carry them."""
+    reference = {k: v for k, v in global_weights.items()
+                 if block_of(k) in upload and k not in personal_keys}
     samples = {c: len(data.clients[c].train) for c in selected}
     effective = None
     if rebalance_threshold is not None:

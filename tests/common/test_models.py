@@ -129,3 +129,69 @@ def test_batch_statistics_models_train_blocks_alone():
     changed = {k for k, v in m.state_dict().items() if not torch.equal(v, before[k])}
     assert changed and all(k.startswith("conv1.") for k in changed)
     assert "conv1.1.weight" in changed  # conv1's BatchNorm scale trains with its block
+
+
+def test_running_statistics_are_block_state_and_frozen_blocks_keep_them():
+    """model.norm = "running": each BatchNorm layer's running mean and variance are tensors of its
+    block (no batch counter); a step with conv1 alone trainable moves conv1's statistics with its
+    weights and leaves every frozen block's statistics exactly as they were (they normalize)."""
+    from fedseq.common.training import Sgd, set_trainable
+
+    m = build_model("4convnet", (1, 28, 28), 10, generator_seed=3, norm="running")
+    assert block_keys(m, "conv2") == ["conv2.0.weight", "conv2.0.bias", "conv2.1.weight",
+                                      "conv2.1.bias", "conv2.1.running_mean", "conv2.1.running_var"]
+    assert not any("num_batches_tracked" in k for k in m.state_dict())
+    batch = build_model("4convnet", (1, 28, 28), 10, norm="batch")
+    assert not m.batch_stats and count_params(m, m.spec.blocks) == count_params(batch, batch.spec.blocks)
+    assert len(m.state_dict()) == len(batch.state_dict()) + 2 * 4  # mean and variance, 4 layers
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    opt = Sgd(set_trainable(m, ("conv1",)), lr=0.1, momentum=0.9)
+    assert m.conv1.training and not m.conv2.training and not m.fc.training
+    loss = torch.nn.functional.cross_entropy(m.logits(m.features(torch.rand(8, 1, 28, 28)), ("fc",)),
+                                             torch.arange(8))
+    loss.backward()
+    opt.step()
+    changed = {k for k, v in m.state_dict().items() if not torch.equal(v, before[k])}
+    assert {"conv1.1.running_mean", "conv1.1.running_var", "conv1.1.weight"} <= changed
+    assert all(k.startswith("conv1.") for k in changed)
+    # evaluation normalizes by the statistics: a row's score does not depend on its batch
+    from fedseq.common.evaluation import features
+
+    set_trainable(m, ())
+    x = torch.rand(6, 1, 28, 28)
+    assert torch.allclose(features(m, x, 6)[:2], features(m, x[:2], 2), atol=1e-6)
+
+
+def test_fedbn_keeps_every_normalization_layer_personal():
+    from fedseq.common.models import personal_tensors, shared_tensors
+
+    for name in ("4convnet", "mobilenet", "resnet18"):
+        m = build_model(name, (3, 32, 32), 10, norm="fedbn")
+        bn = [n for n, mod in m.named_modules() if isinstance(mod, torch.nn.BatchNorm2d)]
+        assert m.norm_layers() == bn and bn
+        keys = m.personal_keys()
+        assert keys == {k for k in m.state_dict() if any(k.startswith(n + ".") for n in bn)}
+        assert {k.rsplit(".", 1)[1] for k in keys} == {"weight", "bias", "running_mean",
+                                                       "running_var"}
+        shared = shared_tensors(m, m.spec.blocks)
+        assert set(shared) == set(m.state_dict()) - keys
+        assert set(personal_tensors(m, ())) == keys  # FedAvg + FedBN
+        assert set(personal_tensors(m, ("fc",))) == keys | {"fc.weight", "fc.bias"}  # + FedPer
+    for norm in ("batch", "running"):
+        m = build_model("mobilenet", (3, 32, 32), 10, norm=norm)
+        assert not m.personal_keys() and personal_tensors(m, ()) == {}
+
+
+def test_model_norm_is_refused_where_it_cannot_apply():
+    import pytest
+
+    from fedseq.common.errors import ConfigError
+    from fedseq.common.models import model_spec
+
+    for name in ("cnn", "convnet"):
+        with pytest.raises(ConfigError, match="needs normalization layers, and .* has none"):
+            build_model(name, (1, 28, 28), 10, norm="running")
+        with pytest.raises(ConfigError, match="4convnet, mobilenet, resnet18, resnet34"):
+            model_spec(name, False, "fedbn")
+    with pytest.raises(ConfigError, match="model.norm 'group' is unknown"):
+        build_model("4convnet", (1, 28, 28), 10, norm="group")

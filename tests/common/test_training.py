@@ -191,3 +191,32 @@ def test_nan_loss_stops_training_and_says_where():
     update, _ = run_client_round(model, start, alg.plan(0), data, data.clients[0], seed=0, round=0)
     assert update.diverged_at is None
     assert all(torch.isfinite(d).all() for d in update.deltas.values())
+
+
+@pytest.mark.parametrize("norm", ["running", "fedbn"])
+@pytest.mark.parametrize("name", ["fedavg", "fedper", "fedseq-vanilla"])
+def test_client_round_carries_normalization_state_by_model_norm(norm, name):
+    """Running statistics move where their block trains and are uploaded with it; under FedBN
+    every normalization layer comes back as the client's own, in every block, never uploaded;
+    a frozen block's statistics stay as they were."""
+    cfg = load_config(None, [f"algorithm.name={name}", "train.batch_size=8", "model.name=4convnet",
+                             f"model.norm={norm}", "algorithm.unfreeze_rounds=[0,1,2,3]"])
+    model = build_model("4convnet", (1, 28, 28), 4, generator_seed=1, norm=norm)
+    alg = make_algorithm(cfg, model.spec)
+    data = synthetic_data()
+    plan = alg.plan(0)
+    start = get_blocks(model, model.spec.blocks)
+    update, personal = run_client_round(model, start, plan, data, data.clients[0], seed=0, round=0)
+    stats = {k for k in start if k.endswith(("running_mean", "running_var"))}
+    after = {**start, **{k: start[k] + d for k, d in update.deltas.items()}, **personal}
+    moved = {k for k in stats if not torch.equal(after[k], start[k])}
+    trained = {k for k in stats if k.split(".")[0] in plan.trainable}
+    assert moved == trained and trained  # FedSeq's round 0 trains conv1 alone
+    if norm == "fedbn":
+        assert not any(k in model.personal_keys() for k in update.deltas)
+        assert model.personal_keys() <= set(personal)
+        assert set(personal) - model.personal_keys() == {k for k in start if k.split(".")[0]
+                                                         in plan.personal}
+    else:
+        assert trained <= set(update.deltas) and set(personal) <= {
+            k for k in start if k.split(".")[0] in plan.personal}

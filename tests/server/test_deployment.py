@@ -8,10 +8,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import coordinator_run, quick_config
 from conftest import device_process as _device
+from fedseq.common.models import build_run_model
 from fedseq.server.broker import free_port
 from fedseq.server.deployment import run_deployment, stop_children
 from fedseq.server.simulation import run_simulation
@@ -95,22 +97,32 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
         assert only["torch_device"] == "cpu" and only["cpu"] and only["machine"]
 
 
-def test_batchnorm_model_under_fedseqs_freeze_schedule_matches_simulation(data_root, tmp_path,
-                                                                         one_thread):
-    """FedBABU's 4convNet (BatchNorm on batch statistics) under FedSeq-Anti's schedule: the
-    devices score their own clients, the simulation all of them in one process; both give the
-    same accuracies and, bitwise, the same weights."""
-    cfg = quick_config(data_root, "algorithm.name=fedseq-anti", "model.name=4convnet", "rounds=3",
+@pytest.mark.parametrize("algorithm, norm, learns", [
+    ("fedseq-anti", "batch", 0.4), ("fedseq-anti", "running", 0.4), ("fedavg", "fedbn", 0.3)])
+def test_batchnorm_model_under_fedseqs_freeze_schedule_matches_simulation(
+        data_root, tmp_path, one_thread, algorithm, norm, learns):
+    """FedBABU's 4convNet under FedSeq-Anti's schedule, its BatchNorm on batch statistics and on
+    running statistics (frozen blocks normalize by theirs; the statistics travel and aggregate
+    with their block), and under FedBN (every normalization layer personal, kept on the device's
+    disk): the devices score their own clients, the simulation all of them in one process; both
+    give the same accuracies and, bitwise, the same weights."""
+    cfg = quick_config(data_root, f"algorithm.name={algorithm}", "model.name=4convnet", "rounds=3",
                        "algorithm.unfreeze_rounds=[0,1,1,2]", "algorithm.finetune_epochs=1",
-                       "train.join_ratio=0.6", "deploy.port=0")
+                       "train.join_ratio=0.6", "deploy.port=0", f"model.norm={norm}")
     dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1, announce=_quiet)
     sim = run_simulation(cfg, out=None)
     assert [r["phase"] for r in dep.rows] == [r["phase"] for r in sim.rows]
     for d, s in zip(dep.rows, sim.rows, strict=True):
         assert (d["global_acc"], d["personal_acc"]) == (s["global_acc"], s["personal_acc"])
-    assert sim.rows[-1]["personal_acc"] > 0.4  # chance is 0.10
+    assert sim.rows[-1]["personal_acc"] > learns  # chance is 0.10
     for k, v in sim.global_weights.items():
         assert torch.equal(dep.global_weights[k], v), k
+    stats = [k for k in sim.global_weights if k.endswith(".running_var")]
+    assert len(stats) == (0 if norm == "batch" else 4)
+    initial = build_run_model("4convnet", (1, 28, 28), 10, False, cfg.seed_for("init"),
+                              norm=norm).state_dict()
+    moved = {k for k in stats if not torch.equal(sim.global_weights[k], initial[k])}
+    assert moved == (set() if norm == "fedbn" else set(stats))  # FedBN's stay with the clients
 
 
 def test_divergence_travels_from_the_devices(data_root, tmp_path, one_thread):

@@ -106,17 +106,26 @@ def test_srun_tasks_become_a_groups_ranks(monkeypatch):
 @pytest.mark.parametrize("name,workers,model", [("fedavg", 2, "convnet"), ("fedper", 3, "convnet"),
                                                 ("fedreg", 2, "convnet"),
                                                 ("fedseq-anti", 2, "convnet"),
-                                                ("fedseq-anti", 3, "4convnet")])
+                                                ("fedseq-anti", 3, "4convnet"),
+                                                ("fedseq-anti", 2, "4convnet running"),
+                                                ("fedavg", 3, "4convnet fedbn")])
 def test_workers_give_bitwise_the_in_process_run(data_root, one_thread, name, workers, model):
     """A plain, a personalized, a two-head and a fine-tuned algorithm, and a BatchNorm model (its
-    global model scored in shards): weights, rows (accuracies, bytes, FLOPs, client steps) and
-    per-client scores equal the in-process run's."""
-    cfg = quick_config(data_root, f"algorithm.name={name}", *OVER, f"model.name={model}")
+    global model scored in shards) on batch statistics, on running statistics and under FedBN:
+    weights, rows (accuracies, bytes, FLOPs, client steps) and per-client scores equal the
+    in-process run's."""
+    model, norm = (model.split() + ["batch"])[:2]
+    cfg = quick_config(data_root, f"algorithm.name={name}", *OVER, f"model.name={model}",
+                       f"model.norm={norm}")
     _same(run_simulation(cfg, None, workers=workers), run_simulation(cfg, None))
 
 
-def test_a_run_resumes_with_another_number_of_workers(data_root, tmp_path, one_thread):
-    cfg = quick_config(data_root, "algorithm.name=fedper", *OVER)
+@pytest.mark.parametrize("personal", [("algorithm.name=fedper",),
+                                      ("algorithm.name=fedavg", "model.name=4convnet",
+                                       "model.norm=fedbn")])
+def test_a_run_resumes_with_another_number_of_workers(data_root, tmp_path, one_thread, personal):
+    """Personal state (FedPer's heads, FedBN's normalization layers) survives the checkpoint."""
+    cfg = quick_config(data_root, *OVER, *personal)
     whole = run_simulation(cfg, None)
     with pytest.raises(KeyboardInterrupt):  # RunPaused: stopped after round 0's checkpoint
         run_simulation(cfg, tmp_path / "run", workers=2, pause_after=1)

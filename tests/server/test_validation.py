@@ -79,3 +79,23 @@ def test_a_refusal_stays_short_whatever_the_frame_carried():
     reason = c.check(u)
     assert reason is not None and "not uploadable" in reason and "(+99995 more)" in reason
     assert len(reason) < 600 and "\n" not in reason, len(reason)
+
+
+def test_normalization_state_in_the_contract():
+    """Running statistics travel with their block, but a running variance may not go below zero
+    (a NaN in every later normalization); under FedBN the normalization layers are personal, so
+    no update may carry them."""
+    data = synthetic_data()
+    w = {"conv1.0.weight": torch.zeros(2, 1, 3, 3), "conv1.1.weight": torch.ones(2),
+         "conv1.1.running_mean": torch.zeros(2), "conv1.1.running_var": torch.ones(2)}
+    running = round_contract(3, [0], ("conv1",), w, data, None, max_abs_delta=100.0)
+    n = len(data.clients[0].train)
+    ok = {k: torch.full_like(v, -0.5) for k, v in w.items()}
+    assert running.check(ClientUpdate(0, 3, ok, n)) is None
+    bad = {**ok, "conv1.1.running_var": torch.tensor([-0.5, -1.5])}
+    reason = running.check(ClientUpdate(0, 3, bad, n))
+    assert reason == "tensor conv1.1.running_var would make a running variance negative (-0.5)"
+    fedbn = round_contract(3, [0], ("conv1",), w, data, None, max_abs_delta=100.0,
+                           personal_keys=frozenset(k for k in w if k.startswith("conv1.1.")))
+    assert "not uploadable" in fedbn.check(ClientUpdate(0, 3, ok, n))
+    assert fedbn.check(ClientUpdate(0, 3, {"conv1.0.weight": ok["conv1.0.weight"]}, n)) is None
