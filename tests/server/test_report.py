@@ -42,6 +42,10 @@ def test_report_writes_figures_and_tables(two_runs, tmp_path):
     metrics = [json.loads(x) for x in (two_runs / "fedbabu" / "metrics.jsonl").read_text().splitlines()]
     assert rows[1]["finetuned"] == "True" and rows[1]["rounds"] == "3"
     assert float(rows[1]["P final"]) == round(100 * metrics[-1]["personal_acc"], 2)
+    # FedBABU's form: mean ± sd of the final accuracies over clients, each client once
+    accs = [100 * float(c["accuracy"])
+            for c in csv.DictReader((two_runs / "fedbabu" / "clients.csv").open())]
+    assert len(accs) == 5 and float(rows[1]["client mean"]) == round(sum(accs) / 5, 2)
     fedavg = [json.loads(x) for x in (two_runs / "fedavg" / "metrics.jsonl").read_text().splitlines()]
     assert float(rows[0]["G best"]) == round(100 * max(m["global_acc"] for m in fedavg), 2)
     assert rows[0]["paper G"] == "82.13" and rows[1]["paper P"] == "97.76"
