@@ -50,8 +50,12 @@ EVAL_BYTES_PER_CLIENT, EVAL_BYTES_BASE = 256, 4096
 #: messages a device may send at once and per second, plus per client it holds (statuses, update
 #: chunks, evaluations): an honest device sends a few per client and step, and re-sends its step's
 #: answers after a reconnect; a flood beyond this is dropped before it is parsed, so one login
-#: cannot spend the coordinator's network thread for everyone
+#: cannot spend the coordinator's network thread for everyone. On top of it, per client, the
+#: chunks of one whole update at once (a big model's update is many 1 MiB chunks: ResNet-34's
+#: 82) and again every RESEND_SPACING_S seconds, so a device can answer a resend of all its
+#: clients' updates at once (`Inbox.update_chunks`, set when a run opens).
 BURST_BASE, BURST_PER_CLIENT, RATE_BASE, RATE_PER_CLIENT = 100, 16, 20.0, 2.0
+RESEND_SPACING_S = 10.0
 #: warnings about one device's invalid or dropped messages logged per minute; the rest are counted
 #: and summed up in one line (journald's own rate limit would otherwise drop the operator's lines)
 WARNINGS_PER_MINUTE = 10
@@ -197,6 +201,7 @@ class Inbox:
         self.late_evals = 0
         self.arrivals = 0  # answers (update chunks, evaluations) of the step being collected
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized by the pool when a run opens
+        self.update_chunks = 0  # messages one update frame takes at most (set with `frames`)
         self.spool = UpdateSpool()
         self.heard: dict[str, float] = {}  # device -> monotonic time of its last valid message
         # Bounded whatever arrives, per device: its statuses are coalesced (the latest one waits,
@@ -299,20 +304,24 @@ class Inbox:
             return False
         return True
 
-    def _within_rate(self, device: str) -> bool:
-        """Network thread: whether `device` still has budget for one more message (a token
-        bucket of BURST_* messages refilled at RATE_* a second, both growing with its clients)."""
+    def budget(self, device: str) -> tuple[int, float]:
+        """(messages at once, messages a second) that `device` may send: a token bucket that
+        grows with its clients and with the size of an update (module constants)."""
         mine = self._clients[device]
-        burst = BURST_BASE + BURST_PER_CLIENT * mine
+        return (BURST_BASE + mine * (BURST_PER_CLIENT + self.update_chunks),
+                RATE_BASE + mine * (RATE_PER_CLIENT + self.update_chunks / RESEND_SPACING_S))
+
+    def _within_rate(self, device: str) -> bool:
+        """Network thread: whether `device` still has budget for one more message (`budget`)."""
+        burst, rate = self.budget(device)
         now = time.monotonic()
         tokens, when = self._tokens.get(device, (float(burst), now))
-        tokens = min(float(burst), tokens + (now - when) * (RATE_BASE + RATE_PER_CLIENT * mine))
+        tokens = min(float(burst), tokens + (now - when) * rate)
         if tokens < 1.0:
             self._tokens[device] = (tokens, now)
             self.flooded += 1
             self._warn(device, "dropped messages from %s unread: it sends faster than a device "
-                       "needs (%d at once, %.0f a second)", device, burst,
-                       RATE_BASE + RATE_PER_CLIENT * mine)
+                       "needs (%d at once, %.0f a second)", device, burst, rate)
             return False
         self._tokens[device] = (tokens - 1.0, now)
         return True

@@ -101,6 +101,7 @@ class MqttPool:
         self.inbox.frames = FramePool(max_frame=biggest, per_sender=biggest * per_device,
                                       spill=self.inbox.spool.spill_chunk, budget=HELD_IN_MEMORY)
         self.update_chunks = -(-biggest // CHUNK_BYTES)  # messages per update, at most
+        self.inbox.update_chunks = self.update_chunks  # a device's message budget grows with it
         rc = RunConfig(run_id=self.run_id, config=self.cfg.for_devices())
         self.session.retain(self.topics.run_config, rc.encode())
         for d, clients in self.assignment.items():

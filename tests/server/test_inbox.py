@@ -195,3 +195,28 @@ def test_a_device_sending_faster_than_its_budget_is_dropped_unread(monkeypatch):
         box.on_message(T.device_status("dev01"), DeviceStatus(device="dev01", state="online",
                                                               memory_mb=i).encode())
     assert box.flooded == 500 + 100 - int(inbox.RATE_BASE + inbox.RATE_PER_CLIENT * 2)
+
+
+def test_a_big_models_updates_fit_the_budget_all_at_once(monkeypatch):
+    """A device answers a resend with every client's update at once: with ResNet-34's 82 chunks
+    an update, its three clients' 246 chunks pass; twice that in the same instant does not, and
+    another round's worth is back within RESEND_SPACING_S seconds."""
+    box = Inbox(T, "r1")
+    box.owner = {0: "dev01", 1: "dev01", 2: "dev01"}
+    box.frames = FramePool(max_frame=82 << 20, per_sender=4 * (82 << 20))
+    box.update_chunks = 82
+    box.collect(5)
+    clock = [1000.0]
+    monkeypatch.setattr(inbox.time, "monotonic", lambda: clock[0])
+    status = DeviceStatus(device="dev01", state="online").encode()
+    for _ in range(3 * 82 + 30):  # every update, and a few statuses and evaluations
+        box.on_message(T.device_status("dev01"), status)
+    assert box.flooded == 0
+    for _ in range(3 * 82):
+        box.on_message(T.device_status("dev01"), status)
+    assert box.flooded > 0
+    flooded = box.flooded
+    clock[0] += inbox.RESEND_SPACING_S
+    for _ in range(3 * 82):
+        box.on_message(T.device_status("dev01"), status)
+    assert box.flooded == flooded
