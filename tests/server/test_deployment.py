@@ -175,31 +175,38 @@ def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):
     assert all(len(v) == 1 and v[0]["torch"] == torch.__version__ for v in stacks.values())
 
 
-def test_a_resnet18_round_crosses_mosquitto_bitwise(data_root, tmp_path, mosquitto, one_thread):
-    """ResNet-18's 44.7 MB updates and global model through Mosquitto with the project's
-    broker.conf and ACL (1 MiB chunks under its 2 MiB packet limit, its queue limits): every
-    update arrives, the round's bytes are the model's frames, the weights are the simulation's."""
+@pytest.mark.parametrize("model, norm, size", [("resnet18", "batch", 44_000_000),
+                                               ("mobilenet", "running", 12_800_000)])
+def test_a_big_models_round_crosses_mosquitto_bitwise(data_root, tmp_path, mosquitto, one_thread,
+                                                     model, norm, size):
+    """ResNet-18's 44.7 MB updates and global model, and MobileNet's 12.9 MB with its running
+    statistics, through Mosquitto with the project's broker.conf and ACL (1 MiB chunks under its
+    2 MiB packet limit, its queue limits): every update arrives, the round's bytes are the model's
+    frames, the weights (statistics included) are the simulation's."""
     from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
     from fedseq.common.models import build_model, get_blocks
     from fedseq.common.protocol.tensors import frame_size
 
     port, home, _ = mosquitto
     devices = [_device(n, port, home, data_root) for n in ("local01", "local02")]
-    over = ("algorithm.name=fedavg", "model.name=resnet18", "rounds=1", "data.fraction=0.01",
-            "data.min_samples=10", "train.join_ratio=0.6", "deploy.min_devices=2")
+    over = ("algorithm.name=fedavg", f"model.name={model}", "rounds=1", "data.fraction=0.01",
+            "data.min_samples=10", "train.join_ratio=0.6", "deploy.min_devices=2",
+            f"model.norm={norm}")
     try:
         cfg, res = coordinator_run(data_root, tmp_path / "run", mosquitto, *over)
     finally:
         stop_children(devices)
     (row,) = res.rows
     assert row["reported"] == row["clients"] and len(row["clients"]) == 3
-    model = build_model("resnet18", INPUT_SHAPES["fmnist"], NUM_CLASSES["fmnist"])
-    whole = frame_size(get_blocks(model, model.spec.blocks))
-    assert whole > 44_000_000  # 22 times the broker's packet limit
+    net = build_model(model, INPUT_SHAPES["fmnist"], NUM_CLASSES["fmnist"], norm=norm)
+    whole = frame_size(get_blocks(net, net.spec.blocks))
+    assert whole > size  # ResNet-18: 22 times the broker's packet limit
     assert row["bytes_up"] == 3 * whole and row["wire_bytes_in"] >= row["bytes_up"]
     sim = run_simulation(cfg, out=None)
     assert all(torch.equal(res.global_weights[k], v) for k, v in sim.global_weights.items())
     assert row["global_acc"] == sim.rows[0]["global_acc"]
+    assert sum(k.endswith("running_var") for k in sim.global_weights) == (27 if norm == "running"
+                                                                          else 0)
 
 
 def test_devices_json_keeps_each_stack_across_resumes_and_lists_the_silent(data_root, tmp_path):
