@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -99,9 +100,13 @@ class DeviceDaemon:
         while not self.stopping.is_set():
             with self.session.cond:
                 ready = self.session.next_ready()
-                if ready is None:
+                stalled = ready is None and self.session.weights_stalled(time.monotonic())
+                if ready is None and not stalled:
                     self.session.cond.wait(timeout=1.0)
-                    continue
+            if ready is None:
+                if stalled:  # outside the lock: the network thread takes it for every message
+                    self.session.resync_weights()
+                continue
             run, step = ready
             log.info("step %d: %s%s", step.seq, step.kind,
                      f" round {step.round}" if step.kind == "train" else "")

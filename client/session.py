@@ -46,6 +46,11 @@ from fedseq.common.protocol.topics import Topics
 
 log = logging.getLogger(__name__)
 
+#: seconds without a weights chunk, while the current step still lacks a block, before the device
+#: asks the broker for the retained blocks again (`DeviceSession.weights_stalled`); each ask
+#: doubles the next silence, up to RESYNC_MAX_S
+RESYNC_S, RESYNC_MAX_S = 30.0, 480.0
+
 
 @dataclass
 class RunState:
@@ -103,6 +108,10 @@ class DeviceSession:
         # the round would wait for its deadline. Duplicates are harmless (the coordinator keeps
         # the first valid update per client).
         self.outbox: Dict[str, Tuple[int, Callable[[], None]]] = {}
+        # when a weights chunk last arrived (or the current step, or the last resync), and the
+        # silence after which a step still lacking blocks resyncs them (weights_stalled)
+        self.weights_heard = time.monotonic()
+        self.resync_after = RESYNC_S
         offline = DeviceStatus(device=device, state="offline").encode()
         self.link = Link(
             session_id(f"fedseq-device-{device}"), broker,
@@ -228,6 +237,8 @@ class DeviceSession:
             if self.run is None or step.run_id != self.run.run_id:
                 self.next_step = step  # applied if its run config follows; never aborts this run
                 return
+            if self.step is None or self.step.seq != step.seq:
+                self.weights_heard = time.monotonic()  # a new step: its blocks may be on their way
             self.step = step
             self.aborted.discard(step.run_id)  # a resumed run's new step
             self.cond.notify_all()
@@ -279,6 +290,7 @@ class DeviceSession:
             self.cond.notify_all()
 
     def _on_weights_chunk(self, payload: bytes) -> None:
+        self.weights_heard = time.monotonic()
         head, data = unpack_chunk(payload, WeightsHeader)
         parked = self.parked[0] if self.parked and self.parked[0].run_id == head.run_id else None
         run = parked or self._current_run(head.run_id, f"weights {head.block}")
@@ -313,8 +325,9 @@ class DeviceSession:
         return (run, step) if verdict == "ready" else None
 
     def _verdict(self, run: RunState, step: Step) -> str:
-        """ready, waiting (not this run's, done already, idle, or weights still arriving) or
-        superseded (a block is newer here than the step needs: the coordinator moved on)."""
+        """ready, waiting (not this run's, done already or idle), blocks (weights still
+        arriving) or superseded (a block is newer here than the step needs: the coordinator
+        moved on)."""
         if step.run_id != run.run_id or step.seq in run.done:
             return "waiting"
         if step.kind not in ("train", "evaluate", "finetune"):
@@ -322,10 +335,37 @@ class DeviceSession:
         held = self.blocks.get(run.run_id, {})
         for block, version in step.versions.items():
             if block not in held or held[block][0] < version:
-                return "waiting"
+                return "blocks"
             if held[block][0] > version:
                 return "superseded"
         return "ready"
+
+    def weights_stalled(self, now: float) -> bool:
+        """Whether the current step lacks a block and no weights chunk has arrived for
+        `resync_after` seconds: then the broker dropped chunks for this device (its queue
+        overflowed, a QoS 1 message lost with a session), and a block that does not change is
+        not published again, so the device would wait for good. The caller then subscribes to
+        the weights again (`resync_weights`), which makes the broker deliver every retained
+        block anew; each time the next silence doubles (RESYNC_MAX_S at most), and it is back to
+        RESYNC_S once a step has its blocks."""
+        run, step = self.run, self.step
+        if run is None or step is None or self._verdict(run, step) != "blocks":
+            self.resync_after = RESYNC_S
+            return False
+        if now - self.weights_heard < self.resync_after:
+            return False
+        self.weights_heard = now
+        self.resync_after = min(2 * self.resync_after, RESYNC_MAX_S)
+        return True
+
+    def resync_weights(self) -> None:
+        """Have the broker deliver every retained weights chunk again (MQTT 3.1.1, 3.8.4: a
+        SUBSCRIBE of an existing filter re-sends its retained messages); the chunks of versions
+        this device holds are ignored, the missing ones complete their frames."""
+        step = self.step
+        log.warning("step %s still lacks weights and none arrived for a while: asking the broker "
+                    "for the retained blocks again", step.seq if step else "?")
+        self.link.subscribe_again(self.topics.weights())
 
     def superseded(self, step: Step) -> bool:
         """Whether the coordinator has moved on from `step` (a newer step, or an abort)."""

@@ -301,6 +301,12 @@ class Link:
         for hook in self._connect_hooks:
             hook()
 
+    def subscribe_again(self, topic: str) -> None:
+        """Subscribe to `topic` again while connected: the broker then re-sends the retained
+        messages it matches (MQTT 3.1.1, section 3.8.4); a reconnect subscribes anyway."""
+        if self.connected.is_set():
+            self.client.subscribe(topic, qos=1)
+
     def _disconnected(self, client, userdata, flags, reason_code, properties) -> None:
         if not self._connack.is_set():  # closed before answering the login
             if self.scheme == "mqtts":

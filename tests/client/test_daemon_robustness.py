@@ -49,3 +49,69 @@ def test_garbage_is_dropped_and_daemon_stays_up(tmp_path, caplog, mosquitto):
         assert dropped() == wanted
     finally:
         daemon.stop()
+
+
+def test_weights_chunks_lost_for_this_device_are_fetched_again(tmp_path, caplog, mosquitto,
+                                                               monkeypatch):
+    """A chunk the broker dropped for this device (its queue overflowed) is not published again
+    while its block is unchanged (FedSeq's frozen blocks): after RESYNC_S without a weights chunk
+    the daemon subscribes again, Mosquitto re-sends the retained chunks and the block completes.
+    The loss is a delivery the device drops once, as if it never came."""
+    import hashlib
+
+    import torch
+
+    from fedseq.client import session as mod
+    from fedseq.common.config import load_config
+    from fedseq.common.protocol.frames import pack_chunk, split_frame
+    from fedseq.common.protocol.messages import RunConfig, Step, WeightsHeader
+    from fedseq.common.protocol.tensors import encode_tensors
+
+    monkeypatch.setattr(mod, "RESYNC_S", 1.0)
+    real_unpack, lost = mod.unpack_chunk, []
+
+    def lossy(payload, header_type):
+        head, data = real_unpack(payload, header_type)
+        if head.chunk == 1 and not lost:
+            lost.append(head.chunk)
+            raise mod.ProtocolError("lost (test)")
+        return head, data
+
+    monkeypatch.setattr(mod, "unpack_chunk", lossy)
+    port, _, _ = mosquitto
+    daemon = DeviceDaemon("local01", f"mqtt://127.0.0.1:{port}", tmp_path / "data", tmp_path, "cpu",
+                          username="local01", password="d1-secret")
+    t = Topics()
+    pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="coordinator-test")
+    pub.username_pw_set("coordinator", "c-secret")
+    try:
+        daemon.start(attempts=3)
+        pub.connect("127.0.0.1", port)
+        pub.loop_start()
+        cfg = load_config(None, ["algorithm.name=fedavg", "model.name=cnn"])
+        pub.publish(t.run_config, RunConfig(run_id="r1", config=cfg.model_dump(mode="json")
+                                            ).encode(), qos=1, retain=True).wait_for_publish(10)
+        frame = encode_tensors({"fc1.weight": torch.ones(512, 1024)})  # 2 MiB: 3 chunks
+        chunks = split_frame(frame)
+        for i, chunk in enumerate(chunks):
+            head = WeightsHeader(run_id="r1", block="fc1", version=1, chunk=i, chunks=len(chunks),
+                                 size=len(frame), sha256=hashlib.sha256(frame).hexdigest())
+            pub.publish(t.weights("fc1", i), pack_chunk(head, bytes(chunk)), qos=1,
+                        retain=True).wait_for_publish(10)
+        step = Step(run_id="r1", seq=1, kind="evaluate", clients=[99], versions={"fc1": 1})
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # (sent again: the subscriptions may not be in place)
+            pub.publish(t.step, step.encode(), qos=1, retain=True).wait_for_publish(10)
+            with daemon.session.cond:
+                held = daemon.session.blocks.get("r1", {}).get("fc1")
+            if held is not None:
+                break
+            time.sleep(0.5)
+        assert lost == [1]
+        assert held is not None and held[0] == 1 and torch.equal(held[1]["fc1.weight"],
+                                                                torch.ones(512, 1024))
+        assert any("asking the broker for the retained blocks again" in r.message
+                   for r in caplog.records)
+    finally:
+        pub.loop_stop()
+        daemon.stop()

@@ -108,3 +108,33 @@ def test_a_resend_asks_again_for_the_named_clients_answers_of_the_current_step(t
     s.on_message(T.control, Control(run_id="r1", command="resend", seq=6, clients=[9]).encode())
     s.on_message(T.control, Control(run_id="r1", command="resend", seq=6, clients=[7]).encode())
     assert sent == [1, 4, 4, "eval", "eval"]  # its evaluation names client 7, not 9
+
+
+def test_a_step_lacking_blocks_resyncs_after_a_silence_with_backoff(tmp_path):
+    """A step whose blocks stopped arriving (chunks the broker dropped for this device) asks for
+    the retained blocks again after RESYNC_S without a weights chunk, then after twice that, and
+    so on up to RESYNC_MAX_S; a chunk arriving restarts the silence, and a step that has its
+    blocks resets the interval."""
+    import torch
+
+    from fedseq.client import session as mod
+
+    s = _session(tmp_path)
+    step = Step(run_id="r1", seq=1, kind="evaluate", versions={"conv1": 2})
+    s.on_message(T.step, step.encode())
+    t0 = s.weights_heard
+    with s.cond:
+        assert not s.weights_stalled(t0 + mod.RESYNC_S - 1)
+        assert s.weights_stalled(t0 + mod.RESYNC_S)
+        assert not s.weights_stalled(t0 + 2 * mod.RESYNC_S)  # the next silence is twice as long
+        assert s.weights_stalled(t0 + 3 * mod.RESYNC_S)
+    s.weights_heard = t0 + 10 * mod.RESYNC_S  # a chunk arrived: silence counts from there
+    with s.cond:
+        assert not s.weights_stalled(t0 + 10 * mod.RESYNC_S + 3 * mod.RESYNC_S)
+        for _ in range(10):
+            s.weights_heard = 0.0
+            s.weights_stalled(1e9)
+        assert s.resync_after == mod.RESYNC_MAX_S
+        s.blocks["r1"] = {"conv1": (2, {"conv1.weight": torch.zeros(1)})}
+        assert s.next_ready() == (s.run, step)
+        assert not s.weights_stalled(1e12) and s.resync_after == mod.RESYNC_S
