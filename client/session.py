@@ -25,6 +25,7 @@ from fedseq.common.algorithms import algorithm_class
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import FedseqError, ProtocolError, validation_problem
 from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
@@ -86,7 +87,7 @@ class DeviceSession:
         self.device = device
         self.meter = meter
         self.last_round_j: Optional[float] = None  # the energy of this device's last client-round
-        self.data_dir = data_dir
+        self.data_dir = data_dir if data_dir is not None else default_data_root()
         self.torch_device = torch_device  # reported in the status
         self.topics = t = Topics(topic_root)
         self.cond = threading.Condition()
