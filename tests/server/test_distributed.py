@@ -310,19 +310,34 @@ def test_fedseq_sim_as_srun_tasks_gives_the_in_process_run(data_root, tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp_path):
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp_path,
+                                                                  rendezvous):
     """Several machines rehearsed on one: two "nodes" (network namespaces joined by the
-    rehearsal's bridge), torchrun's rendezvous across them at node1's address; 2 ranks each."""
+    rehearsal's bridge), torchrun's rendezvous across them at node1's address, 2 ranks each:
+    static (--node-rank, --master-addr) and c10d (--rdzv-backend c10d, what a cluster's
+    elastic jobs use: the rendezvous decides which node holds global rank 0)."""
     from fedseq.server.rehearsal import Rehearsal
 
     over = _cli_over(data_root, "algorithm.name=fedreg")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def meeting(r: int) -> tuple[str, ...]:
+        if rendezvous == "static":
+            return ("--node-rank", str(r), "--master-addr", "10.77.0.2", "--master-port", "29417")
+        # The endpoint's node hosts the rendezvous store, and rank 0's node tells the others
+        # its address: torchrun takes both from the hostname, which the namespaces share (it
+        # resolves to 127.0.0.1 here), so each node is told (on a cluster the hostname is the
+        # node's own and neither option is needed)
+        return ("--rdzv-backend", "c10d", "--rdzv-endpoint", "10.77.0.2:29417",
+                "--rdzv-id", "fedseq-test", "--local-addr", f"10.77.0.{r + 2}",
+                "--rdzv-conf", f"is_host={'true' if r == 0 else 'false'}")
+
     with Rehearsal(["node1", "node2"], {}) as net:
         # each node's hostname resolves to 127.0.0.1 here: Gloo is told the node's interface
         nodes = [subprocess.Popen(
             net.command(f"node{r + 1}", _torchrun(
-                "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "2",
-                "--master-addr", "10.77.0.2", "--master-port", "29417")
+                "--nnodes", "2", "--nproc-per-node", "2", *meeting(r))
                 + _sim_command(tmp_path / f"node{r + 1}", *over)),
             env={**env, "GLOO_SOCKET_IFNAME": f"fsq{net.id}d{r + 1}"}, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -334,9 +349,11 @@ def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(n.pid, signal.SIGKILL)
     assert [n.returncode for n in nodes] == [0, 0], logs[0][-2000:] + logs[1][-2000:]
-    assert not (tmp_path / "node2").exists()  # only rank 0 writes a run directory
-    _same_as_one_process(tmp_path / "node1", tmp_path / "one", over, env)
-    assert json.loads((tmp_path / "node1" / "status.json").read_text())["workers"] == 3
+    written = [n for n in ("node1", "node2") if (tmp_path / n).exists()]
+    assert len(written) == 1  # only rank 0 writes a run directory
+    assert rendezvous == "c10d" or written == ["node1"]  # static: rank 0 is --node-rank 0's
+    _same_as_one_process(tmp_path / written[0], tmp_path / "one", over, env)
+    assert json.loads((tmp_path / written[0] / "status.json").read_text())["workers"] == 3
 
 
 def _rank_process(rank: int) -> int | None:
