@@ -177,6 +177,13 @@ def _values(rows: list[RoundRecord], name: str) -> list[float]:
     return [a for r in rows if (a := r.accuracies()[name]) is not None]
 
 
+def _model_label(model: dict[str, Any]) -> str:
+    """The model's name, and its normalization where it is not the default (model.norm):
+    runs that differ only in it must not read as the same model."""
+    norm = model.get("norm", "batch")
+    return str(model.get("name", "?")) + ("" if norm == "batch" else f" ({norm})")
+
+
 def summarize(run: Run) -> dict[str, Any]:
     """One table row: final, best and last-10-rounds G, P, L and Lr (%), the per-client spread
     of the final personalized accuracy, rounds, bytes, FLOPs, time, energy."""
@@ -184,7 +191,7 @@ def summarize(run: Run) -> dict[str, Any]:
     last = run.rows[-1] if run.rows else None
     out: dict[str, Any] = {"run": run.label, "algorithm": run.algorithm,
                            "dataset": run.config.get("data", {}).get("dataset", "?"),
-                           "model": run.config.get("model", {}).get("name", "?"),
+                           "model": _model_label(run.config.get("model", {})),
                            "rounds": len(train),
                            "of": run.config.get("rounds", len(train)),
                            "finetuned": last is not None and last.phase == "finetune",

@@ -169,3 +169,11 @@ def test_strings_from_devices_and_folders_stay_data(two_runs, tmp_path):
     rows = list(csv.DictReader((out / "summary.csv").open()))
     assert [r["run"] for r in rows] == ["$\\foo$ a|b", "'=HYPERLINK(x)"]
     assert (out / "accuracy.png").read_bytes().startswith(PNG)
+
+
+def test_the_model_column_names_a_normalization_other_than_the_default():
+    from fedseq.server.report import _model_label
+
+    assert _model_label({"name": "4convnet", "norm": "fedbn"}) == "4convnet (fedbn)"
+    assert _model_label({"name": "4convnet", "norm": "batch"}) == "4convnet"
+    assert _model_label({"name": "cnn"}) == "cnn"  # a run directory from before model.norm
