@@ -82,15 +82,17 @@ def test_a_slow_link_shows_in_round_time(data_root, tmp_path, one_thread):
 @root_only
 def test_a_device_that_loses_its_link_mid_round_rejoins(data_root, tmp_path, one_thread):
     """local02's link goes down for 35 s as round 1 starts: round 1 ends at its 20 s deadline
-    with local01's clients, and local02 (its broker connection survives the outage) reports
-    again in the rounds after."""
+    with local01's clients, and local02 reports again in the rounds after. Its broker connection
+    usually survives the outage; under load its keep-alive can time out, and then it reconnects
+    and catches up (seen once in a CI dry run: its round-2 answers came during round 3 and one
+    of its clients missed round 3), so the run has two rounds after that for it to be back."""
     import paho.mqtt.client as mqtt
 
     from fedseq.server.broker import hash_password
 
     (tmp_path / "broker.passwd").write_text(f"coordinator:{hash_password('c-pw')}\n")
     (tmp_path / "coordinator.pw").write_text("c-pw\n")
-    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=4", "deploy.port=0",
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=5", "deploy.port=0",
                        "deploy.round_timeout_s=20",
                        f"deploy.broker_password_file={str(tmp_path / 'broker.passwd')!r}",
                        "deploy.username=coordinator",
