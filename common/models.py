@@ -5,7 +5,7 @@ model.norm "running" or "fedbn" its BatchNorm layers' running_mean and running_v
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict
+from typing import Callable, Dict
 
 import torch
 import torch.nn.functional as F
@@ -401,10 +401,15 @@ def get_blocks(model: BlockModel, blocks: tuple[str, ...] | list[str]) -> Weight
     """Detached contiguous host copies of the named blocks' tensors, keyed by state_dict name
     (whatever device the model is on: updates, personal state and frames live on the host)."""
     wanted = set(blocks)
+    return _host_copies(model, lambda k: block_of(k) in wanted)
+
+
+def _host_copies(model: BlockModel, keep: Callable[[str], bool]) -> Weights:
+    """Detached contiguous host copies of the model's tensors whose key `keep` accepts."""
     return {
         k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
         for k, v in model.state_dict().items()
-        if block_of(k) in wanted
+        if keep(k)
     }
 
 
@@ -419,11 +424,7 @@ def personal_tensors(model: BlockModel, blocks: tuple[str, ...] | list[str]) -> 
     """What a client keeps for itself: the named (personal) blocks' tensors and the model's
     personal tensors in every block (FedBN's normalization layers), in state_dict order."""
     wanted, personal = set(blocks), model.personal_keys()
-    return {
-        k: v.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
-        for k, v in model.state_dict().items()
-        if block_of(k) in wanted or k in personal
-    }
+    return _host_copies(model, lambda k: block_of(k) in wanted or k in personal)
 
 
 def set_weights(model: BlockModel, weights: Weights) -> None:
