@@ -33,7 +33,7 @@ from fedseq.server.checkpoint import Checkpoint, LoopState, save_checkpoint
 from fedseq.server.pool import ClientPool, RoundOutcome
 from fedseq.server.records import ClientEnergy, RoundRecord
 from fedseq.server.rundir import RunDir
-from fedseq.server.validation import round_contract, score_problem
+from fedseq.server.validation import largest_magnitude, round_contract, score_problem
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +255,7 @@ class Coordinator:
 
     def _delta_bound(self) -> float:
         """aggregation.max_abs_delta for this round (auto: from the global model's scale)."""
-        largest = max((float(v.abs().max()) for v in self.global_weights.values()
+        largest = max((largest_magnitude(v) for v in self.global_weights.values()
                        if v.is_floating_point() and v.numel()), default=0.0)
         return self.cfg.aggregation.delta_bound(largest)
 

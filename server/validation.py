@@ -8,6 +8,7 @@ never touches the model or displaces a valid update.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -66,8 +67,7 @@ class RoundContract:
             if d.dtype != ref.dtype or d.shape != ref.shape:
                 return (f"tensor {k} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
                         f"expected {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}")
-            # one pass: the largest magnitude is NaN or Inf exactly when an element is
-            biggest = float(d.abs().max()) if d.numel() else 0.0
+            biggest = largest_magnitude(d)
             if not biggest <= self.max_abs_delta:
                 if not torch.isfinite(d).all():
                     return f"tensor {k} contains NaN or Inf"
@@ -80,6 +80,17 @@ class RoundContract:
                 return (f"tensor {k} would make a running variance negative "
                         f"({float((ref + d).min()):.3g})")
         return None
+
+
+def largest_magnitude(t: torch.Tensor) -> float:
+    """max |t| in one pass without an |t| copy (torch.aminmax); NaN exactly when an element is
+    NaN, inf when one is infinite; 0 for an empty tensor."""
+    if not t.numel():
+        return 0.0
+    low, high = (float(v) for v in torch.aminmax(t))
+    if math.isnan(low) or math.isnan(high):
+        return math.nan
+    return abs(max(-low, high))  # abs: all zeros give 0.0, not -0.0
 
 
 def round_contract(round: int, selected: list[int], upload: tuple[str, ...], global_weights: Weights,

@@ -83,10 +83,10 @@ class Reassembler:
             return None
         self.parts[index] = data
         self.complete = True
-        buffer = bytearray(self.size)
-        for i, part in self.parts.items():
-            raw = part.load() if isinstance(part, Spilled) else part
-            buffer[i * self.chunk_bytes : i * self.chunk_bytes + len(raw)] = raw
+        # joined in index order (every index is there, each of its exact length): one copy,
+        # without first zero-filling a buffer of the frame's size
+        buffer = bytearray().join(
+            p.load() if isinstance(p, Spilled) else p for _, p in sorted(self.parts.items()))
         self.parts.clear()
         if hashlib.sha256(buffer).hexdigest() != self.sha256:
             raise ProtocolError("frame sha256 mismatch: a chunk was corrupted or mixed up")

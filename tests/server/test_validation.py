@@ -5,7 +5,7 @@ import torch
 
 from conftest import synthetic_data
 from fedseq.common.algorithms.aggregate import ClientUpdate
-from fedseq.server.validation import round_contract
+from fedseq.server.validation import largest_magnitude, round_contract
 
 W = {"conv1.weight": torch.zeros(2, 1, 3, 3), "conv1.bias": torch.zeros(2), "fc2.weight": torch.zeros(4, 2)}
 
@@ -38,6 +38,9 @@ def test_valid_update_passes():
     (lambda u: u.deltas.update({"conv1.bias": torch.zeros(3)}), "expected float32[2]"),
     (lambda u: u.deltas.update({"conv1.bias": torch.tensor([1e30, 0.0])}), "max_abs_delta"),
     (lambda u: u.deltas.update({"conv1.bias": torch.tensor([float("inf"), 0.0])}), "NaN or Inf"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([0.0, float("-inf")])}), "NaN or Inf"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([float("nan"), 0.0])}), "NaN or Inf"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([0.0, -1e30])}), "max_abs_delta"),
     (lambda u: u.deltas.update({"fc2.weight": torch.zeros(4, 2)}), "not uploadable"),
     (lambda u: u.deltas.pop("conv1.bias"), "missing"),
     (lambda u: setattr(u, "local_score", (5, 10**6)), "local score"),
@@ -49,6 +52,18 @@ def test_invalid_updates_are_rejected(mutate, words):
     mutate(u)
     reason = c.check(u)
     assert reason is not None and words in reason, reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_largest_magnitude_is_max_abs(dtype):
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 33, 10_000):
+        t = (torch.randn(n, generator=g) * 7).to(dtype)
+        assert largest_magnitude(t) == float(t.abs().max())
+    assert str(largest_magnitude(torch.zeros(3, dtype=dtype))) == "0.0"  # not -0.0
+    assert largest_magnitude(torch.zeros(0, dtype=dtype)) == 0.0
+    assert largest_magnitude(torch.tensor([1.0, float("-inf")], dtype=dtype)) == float("inf")
+    assert largest_magnitude(torch.tensor([float("nan"), 2.0], dtype=dtype)) != 0.0  # NaN
 
 
 def test_fedreg_effective_count_must_be_exact():

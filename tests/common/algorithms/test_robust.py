@@ -1,6 +1,8 @@
 """Robust aggregation: one Byzantine update among honest ones moves the model by at most the rule's
 bound (hand-checkable tensors)."""
 
+import math
+
 import pytest
 import torch
 
@@ -30,6 +32,20 @@ def _distance(x, y):
 
 def test_update_norm_is_l2_over_all_tensors():
     assert update_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])}) == pytest.approx(5.0)
+
+
+def test_update_norm_is_bitwise_the_float64_sum_of_squares():
+    """Its value decides clipping (results): squaring in place must give exactly what
+    d.double().pow(2).sum() gives, for every dtype a delta may have."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for n in (1, 17, 4099, 300_000):
+            deltas = {"a": (torch.randn(n, generator=g) * 1e-3).to(dtype),
+                      "b": (torch.randn(3, 5, generator=g) * 50).to(dtype)}
+            before = {k: v.clone() for k, v in deltas.items()}
+            want = math.sqrt(sum(float(d.double().pow(2).sum()) for d in deltas.values()))
+            assert update_norm(deltas) == want
+            assert all(torch.equal(deltas[k], before[k]) for k in deltas)  # left as it was
 
 
 def test_mean_is_moved_arbitrarily_by_one_byzantine_update():

@@ -1,6 +1,7 @@
 """Frame reassembly cannot be poisoned or used to exhaust memory."""
 
 import hashlib
+import random
 
 import pytest
 
@@ -97,3 +98,14 @@ def test_chunks_beyond_the_budget_wait_outside_memory_and_make_the_same_frame():
             if got is not None:
                 done[s] = bytes(got)
     assert done == frames and pool.in_memory == 0 and len(away) == 5  # 6 kept, 1 in memory
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 1, 0], [1, 2, 0], [2, 0, 1]])
+def test_chunks_in_any_order_give_the_frame(order):
+    # not FRAME: it repeats itself, so chunks in the wrong order would still look right
+    frame = random.Random(0).getrandbits(8 * len(FRAME)).to_bytes(len(FRAME), "little")
+    pool = FramePool(max_frame=len(frame), per_sender=len(frame))
+    parts = _headers(frame)
+    out = [pool.add("d1", (0, 1), *parts[i]) for i in order]
+    assert out[:-1] == [None, None] and bytes(out[-1]) == frame
+    assert isinstance(out[-1].obj, bytearray)  # writable: decode_tensors(copy=False) wraps it
