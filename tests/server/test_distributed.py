@@ -18,7 +18,7 @@ import torch
 from conftest import quick_config
 from fedseq.common.errors import ConfigError, TransportError
 from fedseq.server.checkpoint import load_checkpoint
-from fedseq.server.distributed import adopt_slurm_env, balance, placement
+from fedseq.server.distributed import adopt_slurm_env, balance, pack, placement, unpack
 from fedseq.server.simulation import run_simulation
 
 # 3 of 5 clients a round: the rounds' selections differ and are split unevenly over workers
@@ -42,6 +42,37 @@ def test_balance_spreads_a_steps_rows_and_is_deterministic():
     shares = balance(list(rows), rows, 2)
     assert sorted(c for s in shares for c in s) == list(rows)
     assert balance([1, 2], rows, 4) == [[1], [2], [], []]
+
+
+def test_steps_carry_tensors_as_they_are():
+    """pack/unpack (what steps and answers travel as): every dtype and shape comes back bitwise,
+    writable and not sharing the sender's memory; what is not a plain CPU tensor is pickled as
+    pickle does it."""
+    from fedseq.common.algorithms.aggregate import ClientUpdate
+
+    g = torch.Generator().manual_seed(0)
+    sent = {
+        "f32": torch.randn(3, 4, generator=g), "f64": torch.randn(5, dtype=torch.float64),
+        "f16": torch.randn(6, generator=g).half(), "bf16": torch.randn(7, generator=g).bfloat16(),
+        "i64": torch.arange(-3, 4), "bool": torch.tensor([True, False, True]),
+        "u8": torch.arange(250, 256, dtype=torch.uint8), "scalar": torch.tensor(2.5),
+        "empty": torch.empty(0, 3), "transposed": torch.randn(4, 6, generator=g).t(),
+        "view": torch.arange(20.0)[5:9], "param": torch.nn.Parameter(torch.ones(2)),
+        "nested": [ClientUpdate(3, 1, {"w": torch.full((2, 2), -0.0)}, 10)],
+    }
+    back = unpack(pack(sent))
+    for k, v in sent.items():
+        if k == "nested":
+            continue
+        b = back[k]
+        assert type(b) is type(v) and b.dtype == v.dtype and b.shape == v.shape, k
+        assert torch.equal(b, v), k
+    assert back["param"].requires_grad
+    d = back["nested"][0].deltas["w"]
+    assert back["nested"][0].client == 3 and torch.equal(d, sent["nested"][0].deltas["w"])
+    assert str(d[0, 0].item()) == "-0.0"  # bits, not values
+    d.add_(1.0)  # writable, and not the sender's memory
+    assert float(sent["nested"][0].deltas["w"].sum()) == 0.0
 
 
 def _hello(rank, host, gpus):
