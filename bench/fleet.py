@@ -78,18 +78,13 @@ def io_bytes(pid: int) -> int:
 
 def start_broker(tmp: Path, names: list[str], nofile: int) -> tuple[subprocess.Popen, int]:
     """Mosquitto from broker.conf with the project's ACL, one account per name."""
-    from fedseq.server.broker import free_port, local_mosquitto_conf
+    from fedseq.server.broker import free_port, write_local_mosquitto
 
     port = free_port()
-    passwd, acl = tmp / "passwd", tmp / "acl"
-    passwd.write_text("".join(f"{n}:secret-{n[:5]}\n" for n in names))
-    subprocess.run(["mosquitto_passwd", "-U", str(passwd)], check=True)
-    shutil.copy(ROOT / "deploy" / "mosquitto" / "fedseq.acl", acl)
-    conf = local_mosquitto_conf((ROOT / "broker.conf").read_text(), port, passwd, acl, tmp,
-                                getpass.getuser())
-    (tmp / "mosquitto.conf").write_text(conf.replace("log_dest stderr",
-                                                     f"log_dest file {tmp / 'broker.log'}"))
-    cmd = [shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(tmp / "mosquitto.conf")]
+    conf = write_local_mosquitto(tmp, port, {n: f"secret-{n[:5]}" for n in names},
+                                 ROOT / "broker.conf", ROOT / "deploy" / "mosquitto" / "fedseq.acl",
+                                 getpass.getuser(), log_file=tmp / "broker.log")
+    cmd = [shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)]
     if nofile:
         cmd = ["prlimit", f"--nofile={nofile}:{max(nofile, 4096)}", *cmd]
     proc = subprocess.Popen(cmd)

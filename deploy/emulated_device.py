@@ -142,17 +142,12 @@ def doctor(rootfs: Path, port: int) -> str:
 
 def start_mosquitto(home: Path, users: dict[str, str], port: int) -> subprocess.Popen:
     """Mosquitto from the project's broker.conf: password file, ACL, loopback, this port."""
-    from fedseq.server.broker import local_mosquitto_conf
+    from fedseq.server.broker import write_local_mosquitto
 
-    passwd, acl = home / "passwd", home / "acl"
-    passwd.touch()
-    for user, pw in users.items():
-        sh("mosquitto_passwd", "-b", passwd, user, pw)
-    shutil.copy(ROOT / "deploy/mosquitto/fedseq.acl", acl)
-    conf = local_mosquitto_conf((ROOT / "broker.conf").read_text(), port, passwd, acl, home, "root")
-    (home / "mosquitto.conf").write_text(conf)
-    proc = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c",
-                             str(home / "mosquitto.conf")], stderr=subprocess.DEVNULL)
+    conf = write_local_mosquitto(home, port, users, ROOT / "broker.conf",
+                                 ROOT / "deploy/mosquitto/fedseq.acl", "root")
+    proc = subprocess.Popen([shutil.which("mosquitto") or "/usr/sbin/mosquitto", "-c", str(conf)],
+                            stderr=subprocess.DEVNULL)
     time.sleep(1.0)
     return proc
 

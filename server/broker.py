@@ -164,3 +164,30 @@ def local_mosquitto_conf(broker_conf: str, port: int, passwd: Path, acl: Path, h
     if f"listener {port} 127.0.0.1" not in conf or "allow_anonymous false" not in conf:
         raise ValueError("broker.conf no longer has the expected listener/anonymous lines")
     return conf
+
+
+def write_local_mosquitto(home: Path, port: int, logins: dict[str, str], broker_conf: Path,
+                          acl: Path, user: str, settings: dict[str, str] | None = None,
+                          log_file: Path | None = None) -> Path:
+    """The files of a loopback Mosquitto under `home` (tests, benchmarks, rehearsals): a password
+    file of these logins (login -> password, hashed by one mosquitto_passwd -U however many),
+    a copy of the ACL, and mosquitto.conf from `local_mosquitto_conf`, where `settings` replace
+    broker.conf's lines of the same keys and `log_file` takes the log instead of stderr. Returns
+    the config's path: `mosquitto -c PATH`."""
+    import shutil
+    import subprocess
+
+    passwd, acl_copy, conf_path = home / "passwd", home / "acl", home / "mosquitto.conf"
+    conf = local_mosquitto_conf(broker_conf.read_text(), port, passwd, acl_copy, home, user)
+    for key, value in (settings or {}).items():
+        line = next((x for x in conf.splitlines() if x.startswith(key + " ")), None)
+        if line is None:
+            raise ValueError(f"broker.conf has no {key!r} line to set")
+        conf = conf.replace(line, f"{key} {value}")
+    if log_file is not None:
+        conf = conf.replace("log_dest stderr", f"log_dest file {log_file}")
+    passwd.write_text("".join(f"{login}:{pw}\n" for login, pw in logins.items()))
+    subprocess.run(["mosquitto_passwd", "-U", str(passwd)], check=True)
+    shutil.copy(acl, acl_copy)
+    conf_path.write_text(conf)
+    return conf_path

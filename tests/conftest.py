@@ -15,7 +15,7 @@ import torch
 
 from fedseq.common.config import ExperimentConfig, load_config
 from fedseq.common.data.federated import ClientShard, FederatedData
-from fedseq.server.broker import free_port, local_mosquitto_conf
+from fedseq.server.broker import free_port, write_local_mosquitto
 from fedseq.server.launch import SERVER_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +85,7 @@ def synthetic_data(num_clients: int = 3, per_client: int = 40, classes: int = 4,
 
 
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+PROJECT_ACL = ROOT / "deploy" / "mosquitto" / "fedseq.acl"
 
 
 @pytest.fixture
@@ -93,18 +94,11 @@ def mosquitto(tmp_path):
     if not Path(MOSQUITTO).exists():
         pytest.fail("mosquitto is not installed (apt-get install mosquitto); .ci/run installs it")
     port = free_port()
-    passwd, acl = tmp_path / "passwd", tmp_path / "acl"
     users = {"coordinator": "c-secret", "local01": "d1-secret", "local02": "d2-secret",
              "local03": "d3-secret"}
-    passwd.touch()
-    for user, pw in users.items():
-        subprocess.run(["mosquitto_passwd", "-b", str(passwd), user, pw], check=True)
-    shutil.copy(ROOT / "deploy" / "mosquitto" / "fedseq.acl", acl)
-    conf = local_mosquitto_conf((ROOT / "broker.conf").read_text(), port, passwd, acl, tmp_path,
-                                getpass.getuser())
-    (tmp_path / "mosquitto.conf").write_text(conf)
-    proc = subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "mosquitto.conf")],
-                            stderr=subprocess.PIPE, text=True)
+    conf = write_local_mosquitto(tmp_path, port, users, ROOT / "broker.conf", PROJECT_ACL,
+                                 getpass.getuser())
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)
     if proc.poll() is not None:
         pytest.fail(f"mosquitto did not start: {proc.stderr.read()}")
@@ -122,7 +116,7 @@ def mosquitto(tmp_path):
             procs[-1].terminate()  # SIGTERM: mosquitto saves its retained messages
             procs[-1].wait(10)
         time.sleep(1.0)
-        procs.append(subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "mosquitto.conf")]))
+        procs.append(subprocess.Popen([MOSQUITTO, "-c", str(conf)]))
 
     yield port, tmp_path, restart
     procs[-1].terminate()

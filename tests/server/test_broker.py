@@ -124,3 +124,26 @@ def test_version_flags():
                 ["-m", "fedseq.client.cli", "--version"]):
         r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and r.stdout.strip() == __version__, (cmd, r.stdout, r.stderr)
+
+
+def test_a_local_mosquitto_is_the_projects_broker_conf_on_loopback(tmp_path):
+    """write_local_mosquitto (the tests', benchmarks' and rehearsals' Mosquitto): every login
+    hashed, the ACL copied, broker.conf's own lines kept but for loopback, files and `settings`."""
+    from conftest import PROJECT_ACL, ROOT
+    from fedseq.server.broker import write_local_mosquitto
+
+    conf = write_local_mosquitto(tmp_path, 18830, {"coordinator": "pw1", "local01": "pw2"},
+                                 ROOT / "broker.conf", PROJECT_ACL, "someone",
+                                 settings={"max_queued_messages": "7"},
+                                 log_file=tmp_path / "broker.log")
+    text = conf.read_text()
+    assert "listener 18830 127.0.0.1" in text and "allow_anonymous false" in text
+    assert "max_queued_messages 7\n" in text and f"log_dest file {tmp_path / 'broker.log'}" in text
+    assert text.rstrip().endswith("user someone")
+    lines = (tmp_path / "passwd").read_text().splitlines()
+    assert [x.split(":")[0] for x in lines] == ["coordinator", "local01"]
+    assert all(":pw" not in x for x in lines)  # hashed, not the passwords
+    assert (tmp_path / "acl").read_text() == PROJECT_ACL.read_text()
+    with pytest.raises(ValueError, match="no 'no_such_key' line"):
+        write_local_mosquitto(tmp_path, 18830, {}, ROOT / "broker.conf", PROJECT_ACL, "someone",
+                              settings={"no_such_key": "1"})

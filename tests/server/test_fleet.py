@@ -8,15 +8,14 @@ from __future__ import annotations
 import getpass
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import MOSQUITTO, ROOT, device_process, quick_config
-from fedseq.server.broker import free_port, local_mosquitto_conf
+from conftest import MOSQUITTO, PROJECT_ACL, ROOT, device_process, quick_config
+from fedseq.server.broker import free_port, write_local_mosquitto
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.deployment import run_deployment, stop_children
 from fedseq.server.simulation import run_simulation
@@ -34,21 +33,13 @@ def fleet_broker(tmp_path):
     def start(n: int, tweak: dict[str, str] | None = None) -> str:
         names = ["coordinator", "local01", "local02", *(device_name("synth", i)
                                                         for i in range(1, n + 1))]
-        passwd = tmp_path / "passwd"
-        passwd.write_text("".join(f"{u}:{SECRET}\n" for u in names))
-        subprocess.run(["mosquitto_passwd", "-U", str(passwd)], check=True)
         for u in ("coordinator", "local01", "local02", "synth"):
             (tmp_path / f"{u}.pw").write_text(SECRET + "\n")
-        shutil.copy(ROOT / "deploy" / "mosquitto" / "fedseq.acl", tmp_path / "acl")
         port = free_port()
-        conf = local_mosquitto_conf((ROOT / "broker.conf").read_text(), port, passwd,
-                                    tmp_path / "acl", tmp_path, getpass.getuser())
-        for key, value in (tweak or {}).items():
-            conf = conf.replace(next(line for line in conf.splitlines()
-                                     if line.startswith(key + " ")), f"{key} {value}")
-        conf = conf.replace("log_dest stderr", f"log_dest file {tmp_path / 'broker.log'}")
-        (tmp_path / "mosquitto.conf").write_text(conf)
-        procs.append(subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "mosquitto.conf")]))
+        conf = write_local_mosquitto(tmp_path, port, dict.fromkeys(names, SECRET),
+                                     ROOT / "broker.conf", PROJECT_ACL, getpass.getuser(),
+                                     tweak, tmp_path / "broker.log")
+        procs.append(subprocess.Popen([MOSQUITTO, "-c", str(conf)]))
         return f"mqtt://127.0.0.1:{port}"
 
     yield start
