@@ -6,6 +6,7 @@ one account the ACL lets write the topics a device reads."""
 import time
 
 import paho.mqtt.client as mqtt
+import pytest
 
 from fedseq.client.daemon import DeviceDaemon
 from fedseq.common.protocol.topics import Topics
@@ -51,12 +52,33 @@ def test_garbage_is_dropped_and_daemon_stays_up(tmp_path, caplog, mosquitto):
         daemon.stop()
 
 
-def test_weights_chunks_lost_for_this_device_are_fetched_again(tmp_path, caplog, mosquitto,
+@pytest.fixture(params=["mosquitto", "amqtt"])
+def broker_logins(request, tmp_path):
+    """(url, coordinator's login, local01's login) on Mosquitto with the project's broker.conf,
+    or on the embedded amqtt broker (the server extra: skipped on a device stack)."""
+    if request.param == "mosquitto":
+        port, _, _ = request.getfixturevalue("mosquitto")
+        yield (f"mqtt://127.0.0.1:{port}", ("coordinator", "c-secret"),
+               ("local01", "d1-secret"))
+        return
+    pytest.importorskip("amqtt")
+    from fedseq.server.broker import EmbeddedBroker
+
+    broker = EmbeddedBroker("127.0.0.1", 0)  # loopback, anonymous
+    broker.start()
+    try:
+        yield broker.url, (None, None), (None, None)
+    finally:
+        broker.stop()
+
+
+def test_weights_chunks_lost_for_this_device_are_fetched_again(tmp_path, caplog, broker_logins,
                                                                monkeypatch):
     """A chunk the broker dropped for this device (its queue overflowed) is not published again
     while its block is unchanged (FedSeq's frozen blocks): after RESYNC_S without a weights chunk
-    the daemon subscribes again, Mosquitto re-sends the retained chunks and the block completes.
-    The loss is a delivery the device drops once, as if it never came."""
+    the daemon subscribes again, the broker (Mosquitto, or the embedded amqtt) re-sends the
+    retained chunks and the block completes. The loss is a delivery the device drops once, as if
+    it never came."""
     import hashlib
 
     import torch
@@ -78,12 +100,14 @@ def test_weights_chunks_lost_for_this_device_are_fetched_again(tmp_path, caplog,
         return head, data
 
     monkeypatch.setattr(mod, "unpack_chunk", lossy)
-    port, _, _ = mosquitto
-    daemon = DeviceDaemon("local01", f"mqtt://127.0.0.1:{port}", tmp_path / "data", tmp_path, "cpu",
-                          username="local01", password="d1-secret")
+    url, (c_user, c_pw), (d_user, d_pw) = broker_logins
+    port = int(url.rsplit(":", 1)[1])
+    daemon = DeviceDaemon("local01", url, tmp_path / "data", tmp_path, "cpu",
+                          username=d_user, password=d_pw)
     t = Topics()
     pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="coordinator-test")
-    pub.username_pw_set("coordinator", "c-secret")
+    if c_user is not None:
+        pub.username_pw_set(c_user, c_pw)
     try:
         daemon.start(attempts=3)
         pub.connect("127.0.0.1", port)
