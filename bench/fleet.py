@@ -3,12 +3,14 @@
 per device, against the real coordinator (run_deployment) in this process.
 
     python bench/fleet.py [--devices 10 100 300 1000] [--rounds 4] [--model convnet mobilenet]
-                          [--pace 0.05] [--nofile 0] [--data-root ../shared/data]
+                          [--pace 0.05] [--spread 0] [--nofile 0] [--data-root ../shared/data]
 
 Each (model, N) runs in a fresh child process with a fresh broker: N devices of 3 logical clients
 each (3N clients, IID), join ratio 0.2, FedAvg (every block changes every round: the most bytes),
 `--pace` seconds per client on the devices, so a device with k clients in a round answers k x pace
-after it holds the round's weights. Printed per (model, N), rounds after the first:
+after it holds the round's weights (all devices at once: a burst; with `--spread S` each device
+has its own pace, between pace and pace x (1 + S), so the answers come over a while). Printed
+per (model, N), rounds after the first:
 
 - round_s: wall time of a training round (step out to last update folded in); beyond_pace_s:
   that minus the slowest participating device's own pace (its clients x pace), i.e. what the
@@ -98,7 +100,7 @@ def one(args: argparse.Namespace) -> dict:
     from fedseq.server.deployment import run_deployment
     from fedseq.server.mqtt import MqttPool
     from fedseq.server.pool import TrainRound
-    from fedseq.server.synthetic import device_name
+    from fedseq.server.synthetic import device_name, device_pace
 
     n = args.n
     timing: dict[str, list[float]] = {"round": [], "cpu": [], "loop_cpu": [], "broker_cpu": [],
@@ -136,7 +138,8 @@ def one(args: argparse.Namespace) -> dict:
                 timing["updates"].append(len(inner.outcome.reporters))
                 timing["broker_cpu"].append(cpu_s(broker_pid[0]) - bcpu0)
                 timing["io"].append(io_bytes(broker_pid[0]) - io0)
-                timing["pace"].append(max(load.values()) * args.pace)
+                timing["pace"].append(max(k * device_pace(args.pace, args.spread, 0, d)
+                                          for d, k in load.items()))
                 return inner.outcome
 
             return TrainRound(timed())
@@ -161,7 +164,7 @@ def one(args: argparse.Namespace) -> dict:
                      "--prefix", "synth", "--first", str(first),
                      "--count", str(min(PER_PROCESS, n + 1 - first)),
                      "--password-file", str(tmp / "synth.pw"), "--data-dir", args.data_root,
-                     "--pace", str(args.pace)],
+                     "--pace", str(args.pace), "--spread", str(args.spread)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                     env={**os.environ, "OMP_NUM_THREADS": "1"}))
             connected = [p.stdout.readline().strip() for p in procs if p.stdout is not None]
@@ -222,6 +225,7 @@ def main() -> None:
     ap.add_argument("--model", nargs="+", default=["convnet"])
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--pace", type=float, default=0.05)
+    ap.add_argument("--spread", type=float, default=0.0)
     ap.add_argument("--nofile", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120,
                     help="deploy.round_timeout_max_s: a round waits at most this long")
@@ -242,6 +246,7 @@ def main() -> None:
         for n in args.devices:
             cmd = [sys.executable, __file__, "--one", str(n), "--model", model,
                    "--rounds", str(args.rounds), "--pace", str(args.pace),
+                   "--spread", str(args.spread),
                    "--nofile", str(args.nofile), "--timeout", str(args.timeout),
                    "--data-root", args.data_root]
             if args.status:

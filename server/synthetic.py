@@ -5,7 +5,9 @@ Each synthetic device is what the coordinator sees of a real one: its own broker
 session (a `Link`, with its last will), a retained DeviceInfo and an online DeviceStatus that it
 re-publishes every heartbeat, the run config, its assignment, the steps and every weight chunk it
 reads. It answers a train step once it holds the block versions the step needs, one client every
-`pace` seconds, with an update that passes the round contract (its clients' real sample counts
+`pace` seconds (with `spread` > 0, each device's own pace, between pace and pace x (1 + spread):
+a fleet of unequal devices whose answers come over a while, not in one burst), with an update
+that passes the round contract (its clients' real sample counts
 and test-set sizes from the partition, the plan's upload blocks with the model's names, dtypes and
 shapes) and deterministic deltas instead of training; evaluate and finetune steps get scores of the
 right totals. With `fail_rate` > 0 a device reports a step failure (as a daemon whose step raised)
@@ -16,7 +18,8 @@ What it skips is the device's own work: no training, no sha256 of the weight fra
 are counted, not kept). Real daemons stay the reference for correctness; these are for cost.
 
     python -m fedseq.server.synthetic --broker URL --prefix synth --first 1 --count 250 \\
-        --password-file PW --data-dir DATA [--pace 0.05] [--fail-rate 0] [--topic-root fedseq]
+        --password-file PW --data-dir DATA [--pace 0.05] [--spread 0] [--fail-rate 0] \\
+        [--topic-root fedseq]
 
 prints `ready N` once all N devices are connected, and serves until SIGTERM or stdin closes.
 """
@@ -121,9 +124,11 @@ class Fleet:
     """The synthetic devices of one process, with what they share: the scheduler and the facts
     of each run (computed once, by the first device that reads its config)."""
 
-    def __init__(self, data_dir: Path, pace: float = 0.05, fail_rate: float = 0.0, seed: int = 0):
+    def __init__(self, data_dir: Path, pace: float = 0.05, fail_rate: float = 0.0, seed: int = 0,
+                 spread: float = 0.0):
         self.data_dir = data_dir
         self.pace = pace
+        self.spread = spread
         self.fail_rate = fail_rate
         self.seed = seed
         self.scheduler = Scheduler()
@@ -146,6 +151,9 @@ class Fleet:
                     [c.train_class_counts(data.y, data.num_classes) for c in data.clients], ref)}
             return self._facts[run_id]
 
+    def pace_of(self, device: str) -> float:
+        return device_pace(self.pace, self.spread, self.seed, device)
+
     def fails(self, device: str, run_id: str, seq: int) -> bool:
         """Whether `device` reports step `seq` as failed (deterministic, rate `fail_rate`)."""
         if self.fail_rate <= 0:
@@ -165,6 +173,15 @@ class Fleet:
             d.link.client.disconnect()
         for d in self.devices:
             d.link.client.loop_stop()
+
+
+def device_pace(pace: float, spread: float, seed: int, device: str) -> float:
+    """A synthetic device's seconds per client: `pace` x (1 + spread x u), u in [0, 1) fixed by
+    (seed, device)."""
+    if spread <= 0:
+        return pace
+    h = hashlib.sha256(f"{seed}/pace/{device}".encode()).digest()
+    return pace * (1.0 + spread * int.from_bytes(h[:8], "big") / 2**64)
 
 
 def delta_value(client: int, round: int) -> float:
@@ -187,6 +204,7 @@ class SyntheticDevice:
     def __init__(self, fleet: Fleet, name: str, url: str, password: str | None,
                  topic_root: str = "fedseq"):
         self.fleet, self.name = fleet, name
+        self.pace = fleet.pace_of(name)  # seconds per client and step
         self.topics = t = Topics(topic_root)
         self.lock = threading.Lock()
         self.run: RunConfig | None = None
@@ -312,16 +330,16 @@ class SyntheticDevice:
         if not mine:
             return
         if self.fleet.fails(self.name, run.run_id, step.seq):
-            self.fleet.scheduler.at(time.monotonic() + self.fleet.pace, lambda: self.announce(
+            self.fleet.scheduler.at(time.monotonic() + self.pace, lambda: self.announce(
                 f"synthetic failure of step {step.seq}", step.seq, run.run_id))
             return
         now = time.monotonic()
         if step.kind == "train":
             for i, c in enumerate(mine):
-                self.fleet.scheduler.at(now + (i + 1) * self.fleet.pace,
+                self.fleet.scheduler.at(now + (i + 1) * self.pace,
                                         functools.partial(self._send_update, facts, step, c))
         else:
-            self.fleet.scheduler.at(now + len(mine) * self.fleet.pace,
+            self.fleet.scheduler.at(now + len(mine) * self.pace,
                                     lambda: self._send_scores(facts, step, mine))
 
     # -- answers (scheduler thread) --------------------------------------------------------
@@ -362,7 +380,7 @@ class SyntheticDevice:
         digest = hashlib.sha256(frame).hexdigest()
         meta = dict(run_id=step.run_id, seq=step.seq, round=step.round, client=c, device=self.name,
                     num_samples=facts.train[c], effective_samples=effective,
-                    train_seconds=self.fleet.pace, local_correct=facts.test[c] // 2,
+                    train_seconds=self.pace, local_correct=facts.test[c] // 2,
                     local_total=facts.test[c])
         topic = self.topics.update(self.name)
         parts = split_frame(frame, CHUNK_BYTES)
@@ -387,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--password-file", type=Path)
     ap.add_argument("--data-dir", type=Path, required=True)
     ap.add_argument("--pace", type=float, default=0.05, help="seconds per client and step")
+    ap.add_argument("--spread", type=float, default=0.0,
+                    help="each device's pace is between pace and pace x (1 + spread)")
     ap.add_argument("--fail-rate", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--topic-root", default="fedseq")
@@ -394,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(1)
     password = args.password_file.read_text().strip() if args.password_file else None
-    fleet = Fleet(args.data_dir, args.pace, args.fail_rate, args.seed)
+    fleet = Fleet(args.data_dir, args.pace, args.fail_rate, args.seed, args.spread)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     for i in range(args.first, args.first + args.count):

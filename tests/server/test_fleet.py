@@ -19,7 +19,7 @@ from fedseq.server.broker import free_port, write_local_mosquitto
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.deployment import run_deployment, stop_children
 from fedseq.server.simulation import run_simulation
-from fedseq.server.synthetic import device_name
+from fedseq.server.synthetic import device_name, device_pace
 
 SECRET = "fleet-secret"
 
@@ -68,6 +68,17 @@ def coordinator_config(data_root: Path, tmp_path: Path, devices: int, *extra: st
         "deploy.username=coordinator", f"deploy.password_file={str(tmp_path / 'coordinator.pw')!r}",
         "algorithm.name=fedavg", "algorithm.finetune_epochs=0", "deploy.round_timeout_max_s=120",
         *extra)
+
+
+def test_synthetic_paces_are_spread_deterministically():
+    """--spread: each synthetic device its own pace in [pace, pace x (1 + spread)), the same in
+    every process (bench/fleet.py computes the slowest device's pace from it)."""
+    names = [device_name("synth", i) for i in range(1, 201)]
+    assert {device_pace(0.05, 0.0, 0, n) for n in names} == {0.05}
+    paces = [device_pace(0.05, 4.0, 0, n) for n in names]
+    assert all(0.05 <= p < 0.25 for p in paces) and max(paces) - min(paces) > 0.15
+    assert paces == [device_pace(0.05, 4.0, 0, n) for n in names]
+    assert paces != [device_pace(0.05, 4.0, 1, n) for n in names]  # another seed, other paces
 
 
 def test_fifty_synthetic_devices_beside_two_real_daemons(data_root, tmp_path, fleet_broker,
