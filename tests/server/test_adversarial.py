@@ -9,6 +9,7 @@ seed, bitwise (the deployment/simulation parity makes that a clean run's result)
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -296,7 +297,9 @@ def _junk(run_id: str = "r") -> list[tuple[str, bytes]]:
 def test_retained_and_live_junk_on_every_topic(data_root, tmp_path, one_thread):
     def attack(att, step):
         if step.kind in ("train", "evaluate"):
-            _publish_all(att_port[0], _junk(att.run_id), retain=False)
+            # the last step's junk may come as the run ends and its embedded broker with it
+            with contextlib.suppress(OSError):
+                _publish_all(att_port[0], _junk(att.run_id), retain=False)
 
     att_port: list[int] = []
 
