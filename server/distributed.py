@@ -95,7 +95,7 @@ class _StepPickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if (type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided
                 and not obj.requires_grad):
-            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8)
+            raw = obj.contiguous().reshape(-1).view(torch.uint8)
             # a writable PickleBuffer is written as it is and loads as a bytearray (one copy)
             return _tensor, (str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
                              pickle.PickleBuffer(raw.numpy().data))
@@ -129,11 +129,9 @@ def gather_answers() -> list[Any]:
     (a worker that died fails it at once), then the answers point to point into buffers of those
     sizes: Gloo's gather took 32-40 ms for two 10.5 MB answers on loopback where point to point
     took 6 ms (2-core machine). Each receive may take MIN_RECEIVE_S plus a second per 10 MB."""
-    group = steps_group()
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.zeros(1, dtype=torch.int64), group=group)
-    bufs = [torch.empty(int(n), dtype=torch.uint8) for n in sizes[1:]]
-    works = [dist.irecv(b, src=r, group=group, tag=ANSWER_TAG) for r, b in enumerate(bufs, 1)]
+    bufs = [torch.empty(n, dtype=torch.uint8) for n in _answer_sizes(0)[1:]]
+    works = [dist.irecv(b, src=r, group=steps_group(), tag=ANSWER_TAG)
+             for r, b in enumerate(bufs, 1)]
     for work, b in zip(works, bufs, strict=True):
         assert work is not None  # None only for a rank outside the group
         work.wait(timeout=datetime.timedelta(seconds=MIN_RECEIVE_S + b.numel() / 10e6))
@@ -143,10 +141,15 @@ def gather_answers() -> list[Any]:
 def send_answer(answer: Any) -> None:
     """A worker's side of gather_answers."""
     raw = torch.frombuffer(_pickled(answer).getbuffer(), dtype=torch.uint8)  # not a copy
-    group = steps_group()
+    _answer_sizes(raw.numel())
+    dist.send(raw, dst=0, group=steps_group(), tag=ANSWER_TAG)
+
+
+def _answer_sizes(mine: int) -> list[int]:
+    """Every rank's answer size in bytes (rank 0 has none: 0), by all_gather in the steps group."""
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([raw.numel()], dtype=torch.int64), group=group)
-    dist.send(raw, dst=0, group=group, tag=ANSWER_TAG)
+    dist.all_gather(sizes, torch.tensor([mine], dtype=torch.int64), group=steps_group())
+    return [int(n) for n in sizes]
 
 
 def balance(clients: list[int], rows: dict[int, int], workers: int) -> list[list[int]]:
