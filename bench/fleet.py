@@ -52,17 +52,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PER_PROCESS = 250
+SEED = 0  # the synthetic devices' --seed: their paces under --spread (device_pace)
 TICK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
-def main_thread_cpu_s(pid: int) -> float:
-    """CPU seconds of the process's main thread (in the coordinator: the round loop)."""
-    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_s(pid: int, main_thread: bool = False) -> float:
+    """CPU seconds of a process, or of its main thread alone (in the coordinator: the round
+    loop)."""
+    stat = Path(f"/proc/{pid}/task/{pid}/stat" if main_thread else f"/proc/{pid}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK
 
 
@@ -124,7 +122,7 @@ def one(args: argparse.Namespace) -> dict:
         def train(self, round, clients, plan, weights, check):
             self._t0 = start = time.perf_counter()
             cpu0, bcpu0, io0 = cpu_s(me), cpu_s(broker_pid[0]), io_bytes(broker_pid[0])
-            loop0 = main_thread_cpu_s(me)
+            loop0 = cpu_s(me, main_thread=True)
             load: dict[str, int] = {}
             for c in clients:
                 load[self.owner[c]] = load.get(self.owner[c], 0) + 1
@@ -134,11 +132,11 @@ def one(args: argparse.Namespace) -> dict:
                 yield from inner
                 timing["round"].append(time.perf_counter() - start)
                 timing["cpu"].append(cpu_s(me) - cpu0)
-                timing["loop_cpu"].append(main_thread_cpu_s(me) - loop0)
+                timing["loop_cpu"].append(cpu_s(me, main_thread=True) - loop0)
                 timing["updates"].append(len(inner.outcome.reporters))
                 timing["broker_cpu"].append(cpu_s(broker_pid[0]) - bcpu0)
                 timing["io"].append(io_bytes(broker_pid[0]) - io0)
-                timing["pace"].append(max(k * device_pace(args.pace, args.spread, 0, d)
+                timing["pace"].append(max(k * device_pace(args.pace, args.spread, SEED, d)
                                           for d, k in load.items()))
                 return inner.outcome
 
@@ -164,7 +162,8 @@ def one(args: argparse.Namespace) -> dict:
                      "--prefix", "synth", "--first", str(first),
                      "--count", str(min(PER_PROCESS, n + 1 - first)),
                      "--password-file", str(tmp / "synth.pw"), "--data-dir", args.data_root,
-                     "--pace", str(args.pace), "--spread", str(args.spread)],
+                     "--pace", str(args.pace), "--spread", str(args.spread),
+                     "--seed", str(SEED)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                     env={**os.environ, "OMP_NUM_THREADS": "1"}))
             connected = [p.stdout.readline().strip() for p in procs if p.stdout is not None]
