@@ -5,7 +5,7 @@ machine: `fedseq-sim --workers N` starts the workers itself (Gloo over loopback)
 machines: the same command under `torchrun` (every rank runs fedseq-sim; rank 0 is the one that
 writes the run directory).
 
-Every step goes out to all workers at once (one broadcast: the step, the weights, which worker
+Every step goes out to all workers at once (broadcast_step: the step, the weights, which worker
 trains which client, and those clients' personal blocks) and comes back point to point once a
 collective has gathered the answers' sizes (gather_answers). The round
 loop folds the updates in client order, as in-process. A client's result depends on its data,
@@ -138,6 +138,23 @@ def gather_answers() -> list[Any]:
     return [unpack(b.numpy()) for b in bufs]
 
 
+def broadcast_step(step: Any) -> None:
+    """Rank 0: a step to every worker, as its packed bytes (their size first): one copy fewer on
+    each side than broadcast_object_list, which would pickle those bytes once more."""
+    raw = torch.frombuffer(_pickled(step).getbuffer(), dtype=torch.uint8)  # not a copy
+    dist.broadcast(torch.tensor([raw.numel()], dtype=torch.int64), src=0, group=steps_group())
+    dist.broadcast(raw, src=0, group=steps_group())
+
+
+def receive_step() -> Any:
+    """A worker's side of broadcast_step: the next step, unpacked."""
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(size, src=0, group=steps_group())
+    raw = torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(raw, src=0, group=steps_group())
+    return unpack(raw.numpy())
+
+
 def send_answer(answer: Any) -> None:
     """A worker's side of gather_answers."""
     raw = torch.frombuffer(_pickled(answer).getbuffer(), dtype=torch.uint8)  # not a copy
@@ -237,7 +254,7 @@ class DistributedPool:
         """Send a step to every worker and gather their answers (rank 1 first)."""
         start = time.perf_counter()
         try:
-            dist.broadcast_object_list([pack((kind, body))], src=0, group=steps_group())
+            broadcast_step((kind, body))
             answers = gather_answers()
         except (RuntimeError, dist.DistError) as exc:
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
@@ -306,7 +323,7 @@ class DistributedPool:
 
     def stop(self) -> None:
         """Tell the workers the run is over (they exit)."""
-        dist.broadcast_object_list([pack(("stop", {}))], src=0, group=steps_group())
+        broadcast_step(("stop", {}))
 
 
 # -- rank 0: the group and its workers ----------------------------------------------------------
@@ -447,7 +464,7 @@ def serve() -> None:
              "torch": torch.__version__, "gpus": gpus,
              "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)], "error": None}
     dist.gather_object(hello, None, dst=0)
-    [job] = _receive()
+    job = _receive()
     if job is None:  # rank 0 refused our versions
         return
     config, threads, devices = job
@@ -467,8 +484,7 @@ def serve() -> None:
     seed = cfg.seed_for("training")
     eval_batch = cfg.train.eval_batch_size
     while True:
-        [raw] = _receive(steps_group())
-        kind, body = unpack(raw)
+        kind, body = receive_step()
         if kind == "stop":
             return
         mine = body["shares"][rank - 1]
@@ -500,10 +516,11 @@ def serve() -> None:
         send_answer((time.perf_counter() - start, answer))
 
 
-def _receive(group: Any = None) -> list[Any]:
+def _receive() -> Any:
+    """What rank 0 broadcasts while the workers join (the job, or None: stop)."""
     box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def worker_main() -> None:
