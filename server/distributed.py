@@ -139,8 +139,9 @@ def gather_answers() -> list[Any]:
 
 
 def broadcast_step(step: Any) -> None:
-    """Rank 0: a step to every worker, as its packed bytes (their size first): one copy fewer on
-    each side than broadcast_object_list, which would pickle those bytes once more."""
+    """Rank 0: a step to every worker, as its packed bytes (their size first). broadcast_object_list
+    would pickle those bytes once more and copy them on both sides: 8.3-11.6 ms a 2.3 MB step to
+    2 workers against 4.7-5.5 ms this way (bench/step_broadcast.py)."""
     raw = torch.frombuffer(_pickled(step).getbuffer(), dtype=torch.uint8)  # not a copy
     dist.broadcast(torch.tensor([raw.numel()], dtype=torch.int64), src=0, group=steps_group())
     dist.broadcast(raw, src=0, group=steps_group())
