@@ -6,7 +6,9 @@ import asyncio
 import gc
 import ipaddress
 import logging
+import shutil
 import socket
+import subprocess
 import threading
 from pathlib import Path
 
@@ -174,9 +176,6 @@ def write_local_mosquitto(home: Path, port: int, logins: dict[str, str], broker_
     a copy of the ACL, and mosquitto.conf from `local_mosquitto_conf`, where `settings` replace
     broker.conf's lines of the same keys and `log_file` takes the log instead of stderr. Returns
     the config's path: `mosquitto -c PATH`."""
-    import shutil
-    import subprocess
-
     passwd, acl_copy, conf_path = home / "passwd", home / "acl", home / "mosquitto.conf"
     conf = local_mosquitto_conf(broker_conf.read_text(), port, passwd, acl_copy, home, user)
     for key, value in (settings or {}).items():
