@@ -22,12 +22,12 @@ import torch
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum
 from fedseq.common.algorithms.robust import update_norm
 from fedseq.common.models import block_of, build_model
-from fedseq.common.protocol.frames import CHUNK_BYTES, FramePool, pack_chunk, split_frame
+from fedseq.common.protocol.frames import CHUNK_BYTES, pack_chunk, split_frame
 from fedseq.common.protocol.link import keep_large_buffers
 from fedseq.common.protocol.messages import UpdateHeader
 from fedseq.common.protocol.tensors import encode_tensors
 from fedseq.common.protocol.topics import Topics
-from fedseq.server.mqtt.inbox import HELD_IN_MEMORY, Inbox
+from fedseq.server.mqtt.inbox import Inbox
 from fedseq.server.validation import RoundContract
 
 WARM = 10
@@ -53,10 +53,7 @@ def main() -> None:
         messages.append([pack_chunk(UpdateHeader(chunk=i, **meta), p) for i, p in enumerate(parts)])
     topics = Topics()
     inbox = Inbox(topics, "r")
-    inbox.owner = {c: f"d{c}" for c in range(n)}
-    inbox.frames = FramePool(max_frame=size + 4096, per_sender=4 * (size + 4096),
-                             spill=inbox.spool.spill_chunk, budget=HELD_IN_MEMORY)
-    inbox.update_chunks = len(messages[0])
+    inbox.open({c: f"d{c}" for c in range(n)}, size + 4096)
     inbox.collect(1)
     contract = RoundContract(0, frozenset(range(n)), ref, dict.fromkeys(range(n), 100), None,
                              10.0, dict.fromkeys(range(n), 10))
@@ -75,7 +72,7 @@ def main() -> None:
         t3 = time.perf_counter()
         update_norm(ev.update.deltas)
         t4 = time.perf_counter()
-        inbox.spool.release(ev.held)
+        inbox.release(ev)
         if c >= WARM:
             for k, dt in zip(spent, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 spent[k] += dt

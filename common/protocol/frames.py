@@ -17,6 +17,11 @@ from fedseq.common.errors import ProtocolError
 from fedseq.common.protocol.messages import Message, UpdateHeader, WeightsHeader
 
 CHUNK_BYTES = 1 << 20  # 1 MiB: below Mosquitto's 2,000,000-byte default and amqtt's limits
+#: the largest JSON header a chunk may carry (an honest one is a few hundred bytes): a longer one
+#: is refused before it is parsed
+HEADER_BYTES = 8192
+#: the largest chunk message: its length prefix, header and data
+CHUNK_MESSAGE_BYTES = 4 + HEADER_BYTES + CHUNK_BYTES
 
 H = TypeVar("H", WeightsHeader, UpdateHeader)
 
@@ -38,6 +43,8 @@ def unpack_chunk(payload: bytes, header_type: type[H]) -> tuple[H, memoryview]:
     if len(payload) < 4:
         raise ProtocolError("chunk message shorter than its length prefix")
     (n,) = struct.unpack_from(">I", payload)
+    if n > HEADER_BYTES:
+        raise ProtocolError(f"chunk header of {n} bytes, more than {HEADER_BYTES}")
     if 4 + n > len(payload):
         raise ProtocolError(f"chunk header length {n} exceeds the message ({len(payload)} bytes)")
     header = header_type.decode(payload[4 : 4 + n])
@@ -87,18 +94,27 @@ class Reassembler:
         # without first zero-filling a buffer of the frame's size
         buffer = bytearray().join(
             p.load() if isinstance(p, Spilled) else p for _, p in sorted(self.parts.items()))
-        self.parts.clear()
+        self.discard()
         if hashlib.sha256(buffer).hexdigest() != self.sha256:
             raise ProtocolError("frame sha256 mismatch: a chunk was corrupted or mixed up")
         return memoryview(buffer)
 
+    def discard(self) -> None:
+        """Let go of every part held (spilled ones give their space back)."""
+        for p in self.parts.values():
+            if isinstance(p, Spilled):
+                p.free()
+        self.parts.clear()
+
 
 @dataclass(frozen=True)
 class Spilled:
-    """A chunk kept outside memory until its frame is complete: `load()` gives its bytes back."""
+    """A chunk kept outside memory until its frame is complete: `load()` gives its bytes back,
+    `free()` the space it takes once it is no longer needed (joined or dropped)."""
 
     load: Callable[[], bytes | bytearray]
     size: int
+    free: Callable[[], None] = lambda: None
 
     def __len__(self) -> int:
         return self.size
@@ -122,12 +138,13 @@ class FramePool:
     expire after `ttl` seconds or when `expire(keep)` says their step is over. The bound on memory
     is therefore `per_sender` times the number of senders that can publish on the topic; with
     `spill` (a coordinator receiving hundreds of devices' frames at once, interleaved), chunks
-    beyond `budget` bytes in memory go to `spill(chunk)`, which returns how to load them back.
+    beyond `budget` bytes in memory go to `spill(chunk)`, which returns how to load them back
+    and free their space; a dropped frame frees what it spilled.
     """
 
     def __init__(self, max_frame: int, per_sender: int, ttl: float = 300.0,
                  clock: Callable[[], float] = time.monotonic,
-                 spill: Callable[[memoryview | bytes], Callable[[], bytes | bytearray]] | None = None,
+                 spill: Callable[[memoryview | bytes], Spilled] | None = None,
                  budget: int = 0):
         self.max_frame = max_frame
         self.per_sender = per_sender
@@ -140,12 +157,14 @@ class FramePool:
 
     def _keep(self, chunk: memoryview | bytes) -> memoryview | bytes | Spilled:
         if self.spill is not None and self.in_memory + len(chunk) > self.budget:
-            return Spilled(self.spill(chunk), len(chunk))
+            return self.spill(chunk)
         self.in_memory += len(chunk)
         return chunk
 
     def _drop(self, key: tuple[str, Hashable, int, str]) -> None:
-        self.in_memory -= self.partial.pop(key).asm.in_memory
+        asm = self.partial.pop(key).asm
+        self.in_memory -= asm.in_memory
+        asm.discard()
 
     def held_bytes(self, sender: str | None = None) -> int:
         return sum(p.asm.size for p in self.partial.values() if sender in (None, p.sender))

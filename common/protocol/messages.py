@@ -36,6 +36,15 @@ def version_mismatch(payload: bytes) -> tuple[int, str | None] | None:
     return None
 
 
+class PeerVersion(ProtocolError):
+    """A message of another protocol version (`version`): its sender runs another fedseq. Told
+    from the one validation of the message, so a refused message is never parsed again."""
+
+    def __init__(self, message: str, version: int):
+        super().__init__(message)
+        self.version = version
+
+
 class Message(BaseModel):
     """Base of every JSON message: unknown fields are refused, and `v` must be this side's
     protocol version (a peer of another version is rejected loudly, see version_mismatch)."""
@@ -54,7 +63,11 @@ class Message(BaseModel):
             return cls.model_validate_json(payload)
         except ValidationError as exc:
             p = validation_problem(exc)
-            raise ProtocolError(f"invalid {cls.__name__}: {p.where or 'message'}: {p.msg}") from exc
+            why = f"invalid {cls.__name__}: {p.where or 'message'}: {p.msg}"
+            other = next((e.get("input") for e in exc.errors() if tuple(e["loc"]) == ("v",)), None)
+            if isinstance(other, int) and not isinstance(other, bool):
+                raise PeerVersion(why, other) from exc
+            raise ProtocolError(why) from exc
 
 
 class ServerStatus(Message):

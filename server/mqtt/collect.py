@@ -164,7 +164,7 @@ class _TrainStep:
                       and owner.get(c) not in self.outcome.device_failures}
         self.arrived: set[int] = set()  # clients whose valid update came
         # those of them not handed on yet: (update, bytes held in memory, where it is spooled)
-        self.got: dict[int, tuple[ClientUpdate, int, tuple[int, int] | None]] = {}
+        self.got: dict[int, tuple[ClientUpdate, UpdateArrived]] = {}
         self.spilled_before = session.inbox.spool.spilled
         #: device -> its clients in this step
         self.load: dict[str, int] = {}
@@ -203,7 +203,7 @@ class _TrainStep:
             self._device_failed(ev.device, ev.reason)
         elif isinstance(ev, UpdateArrived) and (ev.seq != self.seq or not self._update(ev)):
             # a frame that completed just as the step changed, or one refused: its memory is free
-            self.session.inbox.spool.release(ev.held)
+            self.session.inbox.release(ev)
 
     def _update(self, ev: UpdateArrived) -> bool:
         """Whether the update counts (it then waits in `got` for its turn)."""
@@ -231,7 +231,7 @@ class _TrainStep:
         self.arrived.add(update.client)
         if ev.spooled is not None:
             update = dataclasses.replace(update, deltas={})
-        self.got[update.client] = (update, ev.held, ev.spooled)
+        self.got[update.client] = (update, ev)
         self.outcome.reporters[update.client] = device
         self.last_arrival[device] = time.monotonic()
         self.owing.discard(update.client)
@@ -239,13 +239,13 @@ class _TrainStep:
 
     def _take(self, c: int) -> ClientUpdate:
         """Client c's update, its deltas back in memory if they waited in the spool."""
-        update, held, spooled = self.got.pop(c)
-        spool = self.session.inbox.spool
-        spool.release(held)
-        if spooled is None:
-            return update
-        return dataclasses.replace(update, deltas=decode_tensors(spool.read(spooled), copy=False,
-                                                                 check_finite=False))
+        update, ev = self.got.pop(c)
+        inbox = self.session.inbox
+        if ev.spooled is not None:
+            update = dataclasses.replace(update, deltas=decode_tensors(
+                inbox.spool.read(ev.spooled), copy=False, check_finite=False))
+        inbox.release(ev)
+        return update
 
     def ready(self) -> Iterator[ClientUpdate]:
         """The updates that are next in client order."""
@@ -317,7 +317,7 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
             if isinstance(ev, DeviceOffline):
                 owing.discard(ev.device)
             elif isinstance(ev, UpdateArrived):  # of a training step that has ended
-                session.inbox.spool.release(ev.held)
+                session.inbox.release(ev)
             elif isinstance(ev, StepFailed) and ev.seq in (seq, -1):
                 log.warning("step %d: %s cannot evaluate (%s)", seq, ev.device, ev.reason)
                 owing.discard(ev.device)

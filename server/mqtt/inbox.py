@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import queue
 import tempfile
 import threading
@@ -18,18 +17,31 @@ from typing import Any, BinaryIO, TypeAlias
 
 from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
 from fedseq.common.errors import FedseqError, ProtocolError
-from fedseq.common.protocol.frames import FramePool, unpack_chunk
+from fedseq.common.protocol.frames import (
+    CHUNK_BYTES,
+    CHUNK_MESSAGE_BYTES,
+    FramePool,
+    Spilled,
+    unpack_chunk,
+)
 from fedseq.common.protocol.messages import (
     PROTOCOL_VERSION,
     DeviceInfo,
     DeviceStatus,
     EvalResult,
+    PeerVersion,
     UpdateHeader,
-    version_mismatch,
 )
 from fedseq.common.protocol.tensors import decode_tensors
-from fedseq.common.protocol.topics import Topics
+from fedseq.common.protocol.topics import TopicRef, Topics
 from fedseq.common.text import printable
+from fedseq.server.mqtt.budget import (
+    MESSAGE_BYTES,
+    Allowance,
+    LoginBudgets,
+    allowance,
+    thread_seconds,
+)
 
 log = logging.getLogger(__name__)
 
@@ -47,15 +59,12 @@ STACKS_PER_DEVICE = 10
 #: bytes an evaluation message may carry per client its device holds (a score, joules, a batch
 #: number: well under 100 bytes of JSON), plus a fixed allowance for the envelope
 EVAL_BYTES_PER_CLIENT, EVAL_BYTES_BASE = 256, 4096
-#: messages a device may send at once and per second, plus per client it holds (statuses, update
-#: chunks, evaluations): an honest device sends a few per client and step, and re-sends its step's
-#: answers after a reconnect; a flood beyond this is dropped before it is parsed, so one login
-#: cannot spend the coordinator's network thread for everyone. On top of it, per client, the
-#: chunks of one whole update at once (a big model's update is many 1 MiB chunks: ResNet-34's
-#: 82) and again every RESEND_SPACING_S seconds, so a device can answer a resend of all its
-#: clients' updates at once (`Inbox.update_chunks`, set when a run opens).
-BURST_BASE, BURST_PER_CLIENT, RATE_BASE, RATE_PER_CLIENT = 100, 16, 20.0, 2.0
-RESEND_SPACING_S = 10.0
+#: the largest status or device description a device may send (an honest one is under 1 KiB;
+#: a status's error text is at most 2,000 characters): a bigger one is refused before parsing
+STATUS_BYTES = 16 << 10
+#: names not in the run's fleet (an open broker lets anyone invent them) whose bookkeeping is kept
+#: (budgets, warnings, last heard, stacks); the oldest are forgotten beyond this many
+MAX_STRANGERS = 256
 #: warnings about one device's invalid or dropped messages logged per minute; the rest are counted
 #: and summed up in one line (journald's own rate limit would otherwise drop the operator's lines)
 WARNINGS_PER_MINUTE = 10
@@ -76,33 +85,60 @@ class StatusArrived:
 
 
 @dataclass(frozen=True)
+class Spooled:
+    """Where a frame waits in the spool file: its slots in order, its length, and the spool's
+    generation then (a slot freed after the spool was emptied is not freed twice)."""
+
+    slots: tuple[int, ...]
+    size: int
+    generation: int
+
+
+@dataclass(frozen=True)
 class UpdateArrived:
     """A complete update frame for the step being collected: decoded, holding `held` bytes of
-    the inbox's memory budget, or (`spooled`) waiting in its spool file, `update.deltas` empty."""
+    the inbox's memory budget, or (`spooled`) waiting in its spool file, `update.deltas` empty.
+    The coordinator thread gives its room back with `Inbox.release` once done with it."""
 
     device: str
     seq: int
     update: ClientUpdate
     held: int = 0
-    spooled: tuple[int, int] | None = None
+    spooled: Spooled | None = None
 
 
 class UpdateSpool:
     """Where complete update frames wait until the coordinator thread folds them in (in client
     order: an early client's update can keep a round's others waiting): in memory up to `budget`
-    bytes (always at least one frame), beyond it in a temporary file, read back when the update
-    is checked and again when it is folded in. The network thread keeps frames (`hold`); the
-    coordinator thread reads and releases them; `reset` empties the file between steps. The
-    coordinator's memory then stays flat however many updates a round brings."""
+    bytes (always at least one frame), beyond it in a temporary file of `slot`-byte slots, read
+    back when the update is checked and again when it is folded in. A frame or chunk that is
+    folded in or dropped frees its slots, and the next write reuses them, so the file holds what
+    waits now, never what waited once (`file_bytes`); `reset` empties it between steps. The
+    network thread writes; the coordinator thread reads and frees. The coordinator's memory
+    then stays flat however many updates a round brings."""
 
-    def __init__(self, budget: int = HELD_IN_MEMORY):
+    def __init__(self, budget: int = HELD_IN_MEMORY, slot: int = CHUNK_BYTES):
         self.budget = budget
+        self.slot = slot
         self.in_memory = 0
         self.spilled = 0  # frames written to the file, over the run
+        self.generation = 0
         self._file: BinaryIO | None = None
+        self._free: list[int] = []  # slots of the file that hold nothing now
+        self._slots = 0  # slots the file has
         self._lock = threading.Lock()
 
-    def hold(self, frame: memoryview) -> tuple[int, tuple[int, int] | None]:
+    @property
+    def file_bytes(self) -> int:
+        """The spool file's size."""
+        return self._slots * self.slot
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of slots that hold a frame or a chunk now."""
+        return (self._slots - len(self._free)) * self.slot
+
+    def hold(self, frame: memoryview) -> tuple[int, Spooled | None]:
         """(bytes of the budget it holds in memory, 0 when spooled; where it is spooled, if)."""
         with self._lock:
             if not self.in_memory or self.in_memory + len(frame) <= self.budget:
@@ -115,27 +151,46 @@ class UpdateSpool:
         with self._lock:
             self.in_memory -= size
 
-    def write(self, frame: memoryview) -> tuple[int, int]:
+    def write(self, data: memoryview) -> Spooled:
         with self._lock:
             if self._file is None:  # closed with the inbox's process; emptied every step
                 self._file = tempfile.TemporaryFile(prefix="fedseq-updates-")  # noqa: SIM115
-            offset = self._file.seek(0, os.SEEK_END)
-            self._file.write(frame)
-            return offset, len(frame)
+            n = max(1, -(-len(data) // self.slot))
+            slots = [self._free.pop() if self._free else self._next_slot() for _ in range(n)]
+            for i, at in enumerate(slots):
+                self._file.seek(at * self.slot)
+                self._file.write(data[i * self.slot:(i + 1) * self.slot])
+            return Spooled(tuple(slots), len(data), self.generation)
 
-    def spill_chunk(self, chunk: memoryview | bytes) -> Callable[[], bytearray]:
-        """A partial frame's chunk to the file (FramePool's `spill`): how to read it back."""
+    def _next_slot(self) -> int:
+        self._slots += 1
+        return self._slots - 1
+
+    def spill_chunk(self, chunk: memoryview | bytes) -> Spilled:
+        """A partial frame's chunk to the file (FramePool's `spill`)."""
         at = self.write(memoryview(chunk))
-        return lambda: self.read(at)
+        return Spilled(lambda: self.read(at), at.size, lambda: self.free(at))
 
-    def read(self, at: tuple[int, int]) -> bytearray:
+    def read(self, at: Spooled) -> bytearray:
         with self._lock:
-            assert self._file is not None
-            self._file.seek(at[0])
-            return bytearray(self._file.read(at[1]))
+            assert self._file is not None and at.generation == self.generation
+            out = bytearray()
+            for i, slot in enumerate(at.slots):
+                self._file.seek(slot * self.slot)
+                out += self._file.read(min(self.slot, at.size - i * self.slot))
+            return out
+
+    def free(self, at: Spooled) -> None:
+        """`at`'s slots hold nothing now (a no-op once the spool was emptied since)."""
+        with self._lock:
+            if at.generation == self.generation:
+                self._free.extend(at.slots)
 
     def reset(self) -> None:
         with self._lock:
+            self.generation += 1
+            self._free.clear()
+            self._slots = 0
             if self._file is not None:
                 self._file.truncate(0)
 
@@ -189,19 +244,23 @@ class Inbox:
 
     The sender is the device its topic names (the broker's ACL binds topics to logins); a body
     that claims another device is rejected. Updates count only for the step being collected
-    (`collecting`) from the device that owns the client (`owner`); both are set by the pool."""
+    (`collect`) from the device that owns the client (`open`).
+
+    Everything a device login can make the coordinator hold is bounded per device: the network
+    thread's bytes and CPU (budget.py; a message over its topic's size is refused unread, and a
+    refused message is never parsed again), partial update frames (the frame pool's per-sender
+    bytes), complete frames waiting to be folded in (`frame_cap`: memory and spool file
+    together; a dropped frame gives its room back at once), queued events (`queue_share`) and
+    per-name bookkeeping (names outside the fleet: MAX_STRANGERS, the oldest forgotten)."""
 
     def __init__(self, topics: Topics, run_id: str):
         self.topics = topics
         self.run_id = run_id
         self.queue: queue.Queue[Event] = queue.Queue(MAX_EVENTS)
-        self.owner = {}
         self.collecting = -1  # the step whose answers are being collected; others are late
         self.late = 0
         self.late_evals = 0
         self.arrivals = 0  # answers (update chunks, evaluations) of the step being collected
-        self.frames = FramePool(max_frame=1, per_sender=1)  # sized by the pool when a run opens
-        self.update_chunks = 0  # messages one update frame takes at most (set with `frames`)
         self.spool = UpdateSpool()
         self.heard: dict[str, float] = {}  # device -> monotonic time of its last valid message
         # Bounded whatever arrives, per device: its statuses are coalesced (the latest one waits,
@@ -212,26 +271,55 @@ class Inbox:
         # `on_junk(topic)` hears of every invalid message on a device-written topic (the session
         # clears it in case it was retained).
         self._status: dict[str, DeviceStatus] = {}
+        self._present: set[str] = set()  # devices whose latest status says online
         self._lock = threading.Lock()
         self._queued: dict[tuple[str, int, object], int] = {}
         self._held: dict[str, int] = {}  # device -> its events waiting in the queue
+        self._frame_bytes: dict[str, int] = {}  # device -> bytes of its complete frames waiting
         self._warned: dict[str, tuple[float, int]] = {}  # device -> (minute began, lines logged)
-        self._tokens: dict[str, tuple[float, float]] = {}  # device -> (messages left, when)
-        self.flooded = 0  # messages dropped unparsed: their device sent faster than its budget
+        self.budgets = LoginBudgets(time.monotonic)
+        self.flooded = 0  # messages dropped unread: their device spent its bytes or CPU
         self.dropped = 0
         # device -> the distinct stacks it described (DeviceInfo), with when each was first seen
         self._stacks: dict[str, list[tuple[float, DeviceInfo]]] = {}
         self.on_junk: Callable[[str], None] = lambda topic: None
+        self.open({}, 0)
 
-    @property
-    def owner(self) -> dict[int, str]:
-        """client -> the device that holds it (set by the pool when a run opens)."""
-        return self._owner
-
-    @owner.setter
-    def owner(self, owner: dict[int, str]) -> None:
-        self._owner = owner
+    def open(self, owner: dict[int, str], update_bytes: int, clients_at_once: int = 0) -> None:
+        """A run opens: `owner` maps client -> the device that holds it, and an update frame is
+        at most `update_bytes` bytes (every shared block's deltas). A device may then have
+        (its clients + 1) frames partly arrived, and as many complete ones waiting; its budget
+        grows with its clients and their updates. `clients_at_once`: the most clients one
+        device holds (default: from `owner`)."""
+        self.owner = dict(owner)
         self._clients = Counter(owner.values())  # device -> clients: read for every message
+        self.fleet = frozenset(self._clients)
+        self.update_bytes = update_bytes
+        most = clients_at_once or max(self._clients.values(), default=0)
+        #: messages one update frame takes at most
+        self.update_chunks = max(1, -(-update_bytes // CHUNK_BYTES))
+        self.frames = FramePool(max_frame=max(1, update_bytes),
+                                per_sender=max(1, update_bytes) * (most + 1),
+                                spill=self.spool.spill_chunk, budget=HELD_IN_MEMORY)
+        self._allowance: dict[int, Allowance] = {}
+        self.budgets = LoginBudgets(self.budgets.clock)  # every device starts with its new burst
+        self._prune()
+
+    def frame_cap(self, device: str) -> int:
+        """Bytes of complete update frames `device` may have waiting to be folded in (memory and
+        spool file together): one whole update per client it holds, and one more."""
+        return self.update_bytes * (self._clients[device] + 1)
+
+    def allowance(self, device: str) -> Allowance:
+        """What `device` may spend of the network thread (budget.py), from its clients."""
+        mine = self._clients[device]
+        a = self._allowance.get(mine)
+        if a is None:
+            # an update as its chunk messages cost it: data, each chunk's header and overhead
+            wire = self.update_bytes + self.update_chunks * (
+                CHUNK_MESSAGE_BYTES - CHUNK_BYTES + MESSAGE_BYTES)
+            a = self._allowance[mine] = allowance(mine, wire if mine else 0)
+        return a
 
     def subscriptions(self) -> list[str]:
         t = self.topics
@@ -242,9 +330,10 @@ class Inbox:
         frames and the per-step counts of other steps go."""
         self.collecting = seq
         self.frames.expire(lambda sender, tag: tag[1] == seq)
-        if seq >= 0:  # the previous step's updates are all folded in or dropped
-            self.spool.reset()
         with self._lock:
+            if seq >= 0:  # the previous step's updates are all folded in or dropped
+                self.spool.reset()
+                self._frame_bytes.clear()
             self._queued = {k: n for k, n in self._queued.items() if k[1] == seq}
 
     def next_event(self, timeout: float) -> Event | None:
@@ -259,6 +348,22 @@ class Inbox:
                 device = _device_of(ev)
                 self._held[device] = self._held.get(device, 1) - 1
         return ev
+
+    def release(self, ev: UpdateArrived) -> None:
+        """Coordinator thread: done with `ev`'s frame (folded in, refused or too late): its room in
+        memory, in the spool file and in its device's share is free."""
+        self.spool.release(ev.held)
+        size = ev.held
+        if ev.spooled is not None:
+            self.spool.free(ev.spooled)
+            size = ev.spooled.size
+        with self._lock:
+            if ev.spooled is None or ev.spooled.generation == self.spool.generation:
+                left = self._frame_bytes.get(ev.device, 0) - size
+                if left > 0:
+                    self._frame_bytes[ev.device] = left
+                else:
+                    self._frame_bytes.pop(ev.device, None)
 
     def take_statuses(self) -> list[DeviceStatus]:
         """Coordinator thread: every device's latest status not yet taken, in arrival order
@@ -304,28 +409,6 @@ class Inbox:
             return False
         return True
 
-    def budget(self, device: str) -> tuple[int, float]:
-        """(messages at once, messages a second) that `device` may send: a token bucket that
-        grows with its clients and with the size of an update (module constants)."""
-        mine = self._clients[device]
-        return (BURST_BASE + mine * (BURST_PER_CLIENT + self.update_chunks),
-                RATE_BASE + mine * (RATE_PER_CLIENT + self.update_chunks / RESEND_SPACING_S))
-
-    def _within_rate(self, device: str) -> bool:
-        """Network thread: whether `device` still has budget for one more message (`budget`)."""
-        burst, rate = self.budget(device)
-        now = time.monotonic()
-        tokens, when = self._tokens.get(device, (float(burst), now))
-        tokens = min(float(burst), tokens + (now - when) * rate)
-        if tokens < 1.0:
-            self._tokens[device] = (tokens, now)
-            self.flooded += 1
-            self._warn(device, "dropped messages from %s unread: it sends faster than a device "
-                       "needs (%d at once, %.0f a second)", device, burst, rate)
-            return False
-        self._tokens[device] = (tokens - 1.0, now)
-        return True
-
     def _warn(self, device: str, msg: str, *args: object) -> None:
         """A warning about `device`'s messages, at most WARNINGS_PER_MINUTE a minute per device;
         the first one after a quiet spell says how many were left out. Every argument is printed
@@ -341,63 +424,116 @@ class Inbox:
         if logged < WARNINGS_PER_MINUTE:
             log.warning(msg, *(printable(a, 300) if isinstance(a, str) else a for a in args))
 
+    def _member(self, name: str) -> bool:
+        """Whether `name` is one of the run's devices (before a run opens: one that says it is
+        online)."""
+        return name in self.fleet if self.fleet else name in self._present
+
+    def _prune(self) -> None:
+        """Forget the oldest names outside the fleet beyond MAX_STRANGERS (an open broker lets
+        anyone invent device names; their bookkeeping must not grow with them)."""
+        names = self.budgets.logins()
+        strangers = [n for n in names if not self._member(n)]
+        if len(strangers) <= MAX_STRANGERS:
+            return
+        with self._lock:
+            for name in strangers[:len(strangers) - MAX_STRANGERS // 2]:
+                self.budgets.forget(name)
+                self._warned.pop(name, None)
+                self.heard.pop(name, None)
+                self._stacks.pop(name, None)
+                if not self._held.get(name):
+                    self._held.pop(name, None)
+
     def on_message(self, topic: str, payload: bytes) -> None:
         """Network thread: one message in, at most one event out; anything invalid is logged
-        with its reason and dropped."""
+        with its reason and dropped. A message is read only within its device's budget (bytes
+        and this thread's CPU) and its topic's size; then its CPU time is charged."""
         if not payload:
             return
-        ref = None
-        try:
-            ref = self.topics.parse(topic)
-            if ref is not None and ref.device and not self._within_rate(ref.device):
+        ref = self.topics.parse(topic)
+        device = ref.device if ref is not None else ""
+        if ref is not None and device:
+            if not self.budgets.known(device) and not self._member(device):
+                self._prune()  # a new name: strangers' bookkeeping stays bounded
+            if not self.budgets.admit(device, len(payload), self.allowance(device)):
+                self.flooded += 1
+                a = self.allowance(device)
+                self._warn(device, "dropped messages from %s unread: it sends more than a device "
+                           "needs (%.0f KiB and %.0f ms of the coordinator at once, %.0f KiB/s "
+                           "and %.0f ms/s)", device, a.burst_bytes / 1024, a.burst_cpu * 1e3,
+                           a.rate_bytes / 1024, a.rate_cpu * 1e3)
                 return
-            if ref is not None and ref.kind == "device_status":
-                status = DeviceStatus.decode(payload)
-                _same_device(status.device, ref.device)
-                with self._lock:  # coalesced: the latest status waits, its event only wakes up
-                    fresh = status.device not in self._status
-                    self._status[status.device] = status
-                if fresh:
-                    self._put(StatusArrived(status.device))
-            elif ref is not None and ref.kind == "device_info":
-                info = DeviceInfo.decode(payload)
-                _same_device(info.device, ref.device)
-                with self._lock:  # a new entry only when the stack changed (a reboot, an upgrade)
-                    seen = self._stacks.setdefault(info.device, [])
-                    if not seen or seen[-1][1] != info:
-                        if len(seen) == STACKS_PER_DEVICE:
-                            seen.pop()
-                        seen.append((time.time(), info))
-            elif ref is not None and ref.kind == "eval":
-                mine = self._clients[ref.device]
-                limit = EVAL_BYTES_BASE + EVAL_BYTES_PER_CLIENT * mine
-                if len(payload) > limit:  # refused before parsing: never allocated as objects
-                    raise ProtocolError(f"evaluation of {len(payload)} bytes; {ref.device} holds "
-                                        f"{mine} clients, whose scores fit in {limit}")
-                res = EvalResult.decode(payload)
-                _same_device(res.device, ref.device)
-                if res.run_id != self.run_id:
-                    raise ProtocolError(f"evaluation for run {res.run_id}, this is {self.run_id}")
-                if res.seq != self.collecting:
-                    self.late_evals += 1
-                    return  # a step that is over (or never was): nothing waits for it
-                self.arrivals += 1
-                self._put(EvalArrived(res), ("eval", res.seq, res.device),
-                          EVALS_PER_CLIENT * (mine + 1))
-            elif ref is not None and ref.kind == "update":
-                self._on_update_chunk(ref.device, payload)
-            else:
-                raise ProtocolError("not a topic the coordinator reads")
-            if ref.kind != "device_info":  # a retained description says nothing of presence
-                self.heard[ref.device] = time.monotonic()
+        began = thread_seconds()
+        try:
+            self._read(ref, topic, payload)
         except FedseqError as exc:
             if ref is not None and ref.kind in ("update", "eval"):
                 self.on_junk(topic)
-            other = version_mismatch(payload)
-            hint = (f" (it speaks protocol v{other[0]}, this coordinator v{PROTOCOL_VERSION}: install "
-                    "the same fedseq version on both sides)") if other else ""
-            self._warn(ref.device if ref is not None else "", "dropped message on %s: %s%s",
-                       topic, str(exc), hint)
+            hint = (f" (it speaks protocol v{exc.version}, this coordinator v{PROTOCOL_VERSION}: "
+                    "install the same fedseq version on both sides)"
+                    ) if isinstance(exc, PeerVersion) else ""
+            self._warn(device, "dropped message on %s: %s%s", topic, str(exc), hint)
+        finally:
+            if device:
+                self.budgets.spent(device, thread_seconds() - began)
+
+    def _read(self, ref: TopicRef | None, topic: str, payload: bytes) -> None:
+        if ref is None:
+            raise ProtocolError("not a topic the coordinator reads")
+        limit = self._largest(ref.kind, ref.device)
+        if len(payload) > limit:  # refused before parsing: never allocated as objects
+            raise ProtocolError(f"{ref.kind} message of {len(payload)} bytes; {ref.device} may "
+                                f"send at most {limit} there")
+        if ref.kind == "device_status":
+            status = DeviceStatus.decode(payload)
+            _same_device(status.device, ref.device)
+            with self._lock:  # coalesced: the latest status waits, its event only wakes up
+                fresh = status.device not in self._status
+                self._status[status.device] = status
+                if status.state == "online":
+                    self._present.add(status.device)
+                else:
+                    self._present.discard(status.device)
+            if fresh:
+                self._put(StatusArrived(status.device))
+        elif ref.kind == "device_info":
+            info = DeviceInfo.decode(payload)
+            _same_device(info.device, ref.device)
+            with self._lock:  # a new entry only when the stack changed (a reboot, an upgrade)
+                seen = self._stacks.setdefault(info.device, [])
+                if not seen or seen[-1][1] != info:
+                    if len(seen) == STACKS_PER_DEVICE:
+                        seen.pop()
+                    seen.append((time.time(), info))
+        elif ref.kind == "eval":
+            res = EvalResult.decode(payload)
+            _same_device(res.device, ref.device)
+            if res.run_id != self.run_id:
+                raise ProtocolError(f"evaluation for run {res.run_id}, this is {self.run_id}")
+            if res.seq != self.collecting:
+                self.late_evals += 1
+                return  # a step that is over (or never was): nothing waits for it
+            self.arrivals += 1
+            self._put(EvalArrived(res), ("eval", res.seq, res.device),
+                      EVALS_PER_CLIENT * (self._clients[ref.device] + 1))
+        elif ref.kind == "update":
+            self._on_update_chunk(ref.device, payload)
+        else:
+            raise ProtocolError("not a topic the coordinator reads")
+        if ref.kind != "device_info":  # a retained description says nothing of presence
+            self.heard[ref.device] = time.monotonic()
+
+    def _largest(self, kind: str, device: str) -> int:
+        """The largest message `device` may send on a topic of `kind`: a status or description
+        is a few hundred bytes, an evaluation a few dozen per client, an update chunk 1 MiB."""
+        if kind == "update":
+            if not self._clients[device]:
+                raise ProtocolError(f"{device} holds no client of this run: no update expected")
+            return CHUNK_MESSAGE_BYTES
+        if kind == "eval":
+            return EVAL_BYTES_BASE + EVAL_BYTES_PER_CLIENT * self._clients[device]
+        return STATUS_BYTES
 
     def _on_update_chunk(self, device: str, payload: bytes) -> None:
         head, data = unpack_chunk(payload, UpdateHeader)
@@ -413,10 +549,23 @@ class Inbox:
                            "collecting step %d", head.client, device, head.seq, self.collecting)
             return
         self.arrivals += 1
+        with self._lock:
+            waiting = self._frame_bytes.get(device, 0)
+        if head.chunks > 1 and waiting + head.size > self.frame_cap(device):
+            # (checked before the frame's chunks are kept: a device with its share waiting
+            # cannot make the coordinator hold more; a one-chunk frame is checked once whole)
+            raise ProtocolError(f"{device} has {waiting} bytes of updates waiting to be folded "
+                                f"in (limit {self.frame_cap(device)}); chunk dropped")
         frame = self.frames.add(device, (head.client, head.seq), head, data)
         if frame is None:
             return
         deltas = decode_tensors(frame, copy=False, check_finite=False)  # the contract checks values
+        with self._lock:
+            waiting = self._frame_bytes.get(device, 0)
+            if waiting + len(frame) > self.frame_cap(device):
+                raise ProtocolError(f"{device} has {waiting} bytes of updates waiting to be "
+                                    f"folded in (limit {self.frame_cap(device)}); frame dropped")
+            self._frame_bytes[device] = waiting + len(frame)
         held, spooled = self.spool.hold(frame)
         if spooled is not None:  # (decoded all the same: a malformed frame is refused now)
             deltas = {}
@@ -426,6 +575,6 @@ class Inbox:
                               local_score=None if head.local_correct is None or head.local_total is
                               None else (head.local_correct, head.local_total), device=device,
                               cost=device_cost(head), diverged_at=head.diverged_at)
-        if not self._put(UpdateArrived(device, head.seq, update, held, spooled),
-                         ("update", head.seq, head.client), UPDATES_PER_CLIENT):
-            self.spool.release(held)
+        event = UpdateArrived(device, head.seq, update, held, spooled)
+        if not self._put(event, ("update", head.seq, head.client), UPDATES_PER_CLIENT):
+            self.release(event)

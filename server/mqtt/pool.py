@@ -14,14 +14,14 @@ from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights, block_of, in_blocks
-from fedseq.common.protocol.frames import CHUNK_BYTES, FramePool
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, RunConfig, Step
 from fedseq.common.protocol.tensors import encode_tensors
 from fedseq.common.protocol.topics import Topics
+from fedseq.common.text import printable
 from fedseq.server.mqtt.blocks import BlockPublisher
 from fedseq.server.mqtt.collect import DeadlinePolicy, collect_scores, collect_updates
-from fedseq.server.mqtt.inbox import HELD_IN_MEMORY, Inbox
+from fedseq.server.mqtt.inbox import Inbox
 from fedseq.server.mqtt.session import ServerSession
 from fedseq.server.pool import (
     EvalOutcome,
@@ -86,22 +86,20 @@ class MqttPool:
         if not resumed:
             self.assignment = assign_clients(self.devices, self.cfg.data.num_clients)
         self.owner = {c: d for d, cs in self.assignment.items() for c in cs}
-        self.inbox.owner = self.owner
         for d in self.devices:
             status = self.session.online.get(d)
             theirs = status.package_version if status else ""
             if theirs and theirs != __version__:
                 log.warning("%s runs fedseq %s, this coordinator %s: results may differ; install the "
-                            "same version everywhere", d, theirs, __version__)
-        # An update frame holds at most every shared block's deltas; one device has at most
-        # (its clients + 1) frames in flight. Bound: that many bytes per assigned device.
+                            "same version everywhere", printable(d, 80), printable(theirs, 100),
+                            __version__)
+        # An update frame holds at most every shared block's deltas: what bounds what each
+        # device may make the inbox hold (its frames, its budget: Inbox.open).
         shared = in_blocks(weights, {block_of(k) for k in weights} - set(personal))
         biggest = len(encode_tensors(shared)) + 4096
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
-        self.inbox.frames = FramePool(max_frame=biggest, per_sender=biggest * per_device,
-                                      spill=self.inbox.spool.spill_chunk, budget=HELD_IN_MEMORY)
-        self.update_chunks = -(-biggest // CHUNK_BYTES)  # messages per update, at most
-        self.inbox.update_chunks = self.update_chunks  # a device's message budget grows with it
+        self.inbox.open(self.owner, biggest)
+        self.update_chunks = self.inbox.update_chunks  # messages per update, at most
         rc = RunConfig(run_id=self.run_id, config=self.cfg.for_devices())
         self.session.retain(self.topics.run_config, rc.encode())
         for d, clients in self.assignment.items():

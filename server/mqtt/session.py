@@ -170,6 +170,8 @@ class ServerSession:
             if isinstance(ev, StatusArrived):
                 for status in self.inbox.take_statuses():
                     out.extend(self._presence(status))
+            elif isinstance(ev, UpdateArrived) and ev.seq != self.inbox.collecting:
+                self.inbox.release(ev)  # of a step that is over: nobody will take it
             else:
                 out.append(ev)
             ev = self.inbox.next_event(0.0)
@@ -197,6 +199,8 @@ class ServerSession:
         return gone
 
     def _presence(self, st: DeviceStatus) -> list[SessionEvent]:
+        if self.inbox.fleet and st.device not in self.inbox.fleet:
+            return []  # a run is open: only its devices' presence matters (and is kept)
         if st.state != "online":
             self.online.pop(st.device, None)
             return [DeviceOffline(st.device)]

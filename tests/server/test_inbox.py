@@ -1,19 +1,28 @@
 """The coordinator's inbox stays bounded whatever a device sends (unit level, no broker)."""
 
 import hashlib
+import json
+import math
 import queue
 
 import pytest
 import torch
 
-from fedseq.common.protocol.frames import FramePool, pack_chunk
+from fedseq.common.protocol.frames import (
+    CHUNK_BYTES,
+    CHUNK_MESSAGE_BYTES,
+    pack_chunk,
+    split_frame,
+)
 from fedseq.common.protocol.messages import DeviceInfo, DeviceStatus, EvalResult, UpdateHeader
 from fedseq.common.protocol.tensors import encode_tensors
 from fedseq.common.protocol.topics import Topics
-from fedseq.server.mqtt import inbox
+from fedseq.server.mqtt import budget, inbox
+from fedseq.server.mqtt.budget import Allowance
 from fedseq.server.mqtt.inbox import (
     EVALS_PER_CLIENT,
     STACKS_PER_DEVICE,
+    STATUS_BYTES,
     UPDATES_PER_CLIENT,
     WARNINGS_PER_MINUTE,
     Inbox,
@@ -27,14 +36,13 @@ T = Topics()
 
 @pytest.fixture
 def unlimited(monkeypatch):
-    """No rate budget: these tests send thousands of messages at once to test the other bounds."""
-    monkeypatch.setattr(inbox, "BURST_BASE", 10**9)
+    """No budget: these tests send thousands of messages at once to test the other bounds."""
+    monkeypatch.setattr(inbox, "allowance", lambda clients, update: Allowance(1e18, 1e18, 1e18, 1e18))
 
 
-def _inbox() -> Inbox:
+def _inbox(update_bytes: int = 1 << 20) -> Inbox:
     box = Inbox(T, "r1")
-    box.owner = {0: "dev01", 1: "dev01", 2: "dev02"}
-    box.frames = FramePool(max_frame=1 << 20, per_sender=4 << 20)
+    box.open({0: "dev01", 1: "dev01", 2: "dev02"}, update_bytes)
     box.collect(5)
     return box
 
@@ -175,48 +183,168 @@ def test_device_stacks_keep_each_change_once_and_refuse_another_devices_claim(un
     assert kept[0]["torch"] == "1.12.1" and kept[-1]["threads"] == 104  # the first and the latest
 
 
-def test_a_device_sending_faster_than_its_budget_is_dropped_unread(monkeypatch):
-    """Hardening III, finding 2: past its burst, a device's messages are dropped before they are
-    parsed (counted, and warned about at the rate limit); another device is not affected, and the
-    budget refills with time."""
+def test_a_device_past_its_bytes_is_dropped_unread(monkeypatch):
+    """Hardening IV, finding 1: a device's budget counts bytes (plus MESSAGE_BYTES a message),
+    not messages: past its burst its messages are dropped before they are parsed; another
+    device is not affected, and the budget refills with time."""
     box = _inbox()
     clock = [1000.0]
-    monkeypatch.setattr(inbox.time, "monotonic", lambda: clock[0])
-    burst = inbox.BURST_BASE + inbox.BURST_PER_CLIENT * 2  # dev01 holds two clients
-    for i in range(burst + 500):
+    monkeypatch.setattr(box.budgets, "clock", lambda: clock[0])
+    monkeypatch.setattr(inbox, "thread_seconds", lambda: 0.0)  # bytes alone here
+    a = box.allowance("dev01")
+    status = DeviceStatus(device="dev01", state="online").encode()
+    cost = len(status) + budget.MESSAGE_BYTES
+    fits = int(a.burst_bytes // cost)
+    for i in range(fits + 500):
         box.on_message(T.device_status("dev01"), DeviceStatus(device="dev01", state="online",
-                                                              memory_mb=i).encode())
+                                                              memory_mb=i % 10).encode())
     assert box.flooded == 500
-    assert [st.memory_mb for st in box.take_statuses()] == [burst - 1]
     box.on_message(T.device_status("dev02"), DeviceStatus(device="dev02", state="online").encode())
-    assert [st.device for st in box.take_statuses()] == ["dev02"]
-    clock[0] += 1.0  # one second: RATE_BASE + RATE_PER_CLIENT * 2 more messages
-    for i in range(100):
-        box.on_message(T.device_status("dev01"), DeviceStatus(device="dev01", state="online",
-                                                              memory_mb=i).encode())
-    assert box.flooded == 500 + 100 - int(inbox.RATE_BASE + inbox.RATE_PER_CLIENT * 2)
+    assert "dev02" in [st.device for st in box.take_statuses()]
+    clock[0] += 1.0  # one second: rate_bytes more
+    for _ in range(3000):
+        box.on_message(T.device_status("dev01"), status)
+    assert box.flooded == 500 + 3000 - int((a.burst_bytes - fits * cost + a.rate_bytes) // cost)
+
+
+def test_big_junk_is_refused_by_its_size_and_never_parsed(monkeypatch):
+    """Hardening IV, finding 1: a status, description or evaluation larger than its topic can
+    carry is refused before any parsing, and a refused message is not parsed a second time to
+    learn its protocol version; a small one of another version says which, from its one parse."""
+    parsed: list[str] = []
+    for cls in (DeviceStatus, DeviceInfo, EvalResult):
+        monkeypatch.setattr(cls, "decode", classmethod(lambda c, p: parsed.append(c.__name__)))
+    monkeypatch.setattr(json, "loads", lambda *a, **k: parsed.append("json"))
+    box = _inbox()
+    junk = b'{"v": 4, "device": "dev01", "x": "' + b"y" * (STATUS_BYTES + 1) + b'"}'
+    for topic in (T.device_status("dev01"), T.device_info("dev01"), T.evaluation("dev01")):
+        box.on_message(topic, junk)
+    assert parsed == [] and box.queue.qsize() == 0 and box.flooded == 0
+
+
+def test_a_peer_of_another_protocol_is_named_from_one_parse(caplog):
+    box = _inbox()
+    with caplog.at_level("WARNING", logger="fedseq.server.mqtt.inbox"):
+        box.on_message(T.device_status("dev01"), b'{"v": 4, "device": "dev01", "state": "online"}')
+    assert "it speaks protocol v4" in caplog.text
+
+
+def test_a_device_past_its_cpu_is_dropped_unread(monkeypatch):
+    """Messages that cost the network thread more than their bytes (here every message is made
+    to take 10 ms of its CPU) are bounded by the device's CPU budget: past its burst they are
+    dropped unread until it refills; another device still gets in."""
+    box = _inbox()
+    cpu = [0.0]
+
+    def thread_seconds():
+        cpu[0] += 0.01  # read before and after each message: 10 ms a message
+        return cpu[0]
+
+    monkeypatch.setattr(inbox, "thread_seconds", thread_seconds)
+    clock = [1000.0]
+    monkeypatch.setattr(box.budgets, "clock", lambda: clock[0])
+    a = box.allowance("dev01")
+    status = DeviceStatus(device="dev01", state="online").encode()
+    for _ in range(200):
+        box.on_message(T.device_status("dev01"), status)
+    read = 200 - box.flooded
+    assert read == math.ceil(a.burst_cpu / 0.01), (read, a)
+    box.on_message(T.device_status("dev02"), DeviceStatus(device="dev02", state="online").encode())
+    assert "dev02" in box.heard
 
 
 def test_a_big_models_updates_fit_the_budget_all_at_once(monkeypatch):
-    """A device answers a resend with every client's update at once: with ResNet-34's 82 chunks
-    an update, its three clients' 246 chunks pass; twice that in the same instant does not, and
-    another round's worth is back within RESEND_SPACING_S seconds."""
+    """A device answers a step and a resend with every client's update at once: with ResNet-34's
+    82 chunks an update, its three clients' 2 x 246 chunk messages fit its bytes and (at 3 ms a
+    MB) its CPU; three times that in the same instant does not, and a round's worth is back
+    within UPDATE_SPACING_S seconds."""
     box = Inbox(T, "r1")
-    box.owner = {0: "dev01", 1: "dev01", 2: "dev01"}
-    box.frames = FramePool(max_frame=82 << 20, per_sender=4 * (82 << 20))
-    box.update_chunks = 82
-    box.collect(5)
+    box.open({0: "dev01", 1: "dev01", 2: "dev01"}, 82 << 20)
     clock = [1000.0]
-    monkeypatch.setattr(inbox.time, "monotonic", lambda: clock[0])
-    status = DeviceStatus(device="dev01", state="online").encode()
-    for _ in range(3 * 82 + 30):  # every update, and a few statuses and evaluations
-        box.on_message(T.device_status("dev01"), status)
-    assert box.flooded == 0
-    for _ in range(3 * 82):
-        box.on_message(T.device_status("dev01"), status)
-    assert box.flooded > 0
-    flooded = box.flooded
-    clock[0] += inbox.RESEND_SPACING_S
-    for _ in range(3 * 82):
-        box.on_message(T.device_status("dev01"), status)
-    assert box.flooded == flooded
+    monkeypatch.setattr(box.budgets, "clock", lambda: clock[0])
+    a = box.allowance("dev01")
+
+    def send_all(updates: int = 3) -> int:
+        ok = 0
+        for _ in range(updates * 82):
+            ok += box.budgets.admit("dev01", CHUNK_MESSAGE_BYTES, a)
+            box.budgets.spent("dev01", 0.003)  # 3 ms a 1 MiB chunk: checksum, copies, decoding
+        for _ in range(30):  # and a few statuses and evaluations
+            ok += box.budgets.admit("dev01", 300, a)
+        return ok
+
+    assert send_all(6) == 6 * 82 + 30
+    assert send_all() < 3 * 82
+    clock[0] += budget.UPDATE_SPACING_S
+    assert send_all() == 3 * 82 + 30
+
+
+def _update_chunks(device: str, client: int, frame: bytes, seq: int = 5, sha: str | None = None):
+    parts = split_frame(frame)
+    meta = dict(run_id="r1", seq=seq, round=0, client=client, device=device, num_samples=10,
+                chunks=len(parts), size=len(frame), sha256=sha or hashlib.sha256(frame).hexdigest())
+    return [pack_chunk(UpdateHeader(chunk=i, **meta), p) for i, p in enumerate(parts)]
+
+
+def test_dropped_frames_give_their_spool_space_back(unlimited):
+    """Hardening IV, finding 2: frames whose chunks were spooled and then dropped (a sha256
+    mismatch; refused by the queue's per-client cap) free their room in the spool file, which
+    later frames reuse: however long a device keeps sending them, the file does not grow past
+    what waits at once."""
+    frame = encode_tensors({"w": torch.arange(700_000, dtype=torch.float32)})  # 2.8 MB, 3 chunks
+    box = _inbox(len(frame) + 4096)
+    box.spool.budget = 1  # everything past the first frame goes to the file
+    box.frames.budget = 0  # and every partial frame's chunks
+    for _ in range(40):
+        for m in _update_chunks("dev01", 0, frame, sha="0" * 64):  # never completes
+            box.on_message(T.update("dev01"), m)
+        for m in _update_chunks("dev01", 1, frame):  # valid, refused past UPDATES_PER_CLIENT
+            box.on_message(T.update("dev01"), m)
+    assert box.spool.file_bytes <= (UPDATES_PER_CLIENT + 2) * 3 * CHUNK_BYTES, box.spool.file_bytes
+    while (ev := box.next_event(0)) is not None:
+        box.release(ev)
+    assert box.spool.used_bytes == 0 and box.spool.in_memory == 0
+    assert box.frames.in_memory == 0
+
+
+def test_a_device_cannot_hold_more_complete_frames_than_its_share(unlimited):
+    """Complete frames waiting to be folded in count against their device's share (one whole
+    update per client it holds, and one more): past it, its frames are refused before they are
+    kept, and another device's still get in; folding one in gives its room back."""
+    frame = encode_tensors({"w": torch.arange(400_000, dtype=torch.float32)})  # 1.6 MB, 2 chunks
+    box = _inbox(len(frame) + 4096)
+    box.open({c: ("dev01" if c < 2 else "dev02") for c in range(3)}, len(frame) + 4096)
+    box.collect(5)
+    assert box.frame_cap("dev01") == 3 * (len(frame) + 4096)
+    for _ in range(UPDATES_PER_CLIENT):  # valid-looking frames of its two clients, queued
+        for c in (0, 1):
+            for m in _update_chunks("dev01", c, frame):
+                box.on_message(T.update("dev01"), m)
+    assert box.queue.qsize() == 3  # its share: three frames
+    for m in _update_chunks("dev02", 2, frame):
+        box.on_message(T.update("dev02"), m)
+    events = []
+    while (ev := box.next_event(0)) is not None:
+        events.append(ev)
+    assert [e.device for e in events] == ["dev01"] * 3 + ["dev02"]
+    box.release(events[0])
+    for m in _update_chunks("dev01", 1, frame):
+        box.on_message(T.update("dev01"), m)
+    assert box.queue.qsize() == 1
+
+
+def test_names_outside_the_fleet_do_not_grow_the_bookkeeping():
+    """Hardening IV, finding 7: on an open broker anyone can invent device names; the inbox keeps
+    per-name state (budgets, warnings, last heard, stacks) for at most MAX_STRANGERS of them
+    besides the fleet's, and the fleet's own are never forgotten."""
+    box = _inbox()
+    box.on_message(T.device_status("dev01"), DeviceStatus(device="dev01", state="online").encode())
+    for i in range(5000):
+        name = f"x{i}"
+        box.on_message(T.device_status(name), DeviceStatus(device=name, state="offline").encode())
+        box.on_message(T.device_info(name), DeviceInfo(device=name).encode())
+        box.on_message(T.device_status(name), b"junk")
+    box.take_statuses()
+    for d in (box.budgets.logins(), box.heard, box._warned, box._stacks):
+        assert len(d) <= inbox.MAX_STRANGERS + 2, len(d)
+    assert "dev01" in box.heard and box.budgets.known("dev01")

@@ -75,15 +75,16 @@ def test_chunks_beyond_the_budget_wait_outside_memory_and_make_the_same_frame():
     were spilled when their frame completes, and the frame is the same."""
     import hashlib
 
-    from fedseq.common.protocol.frames import CHUNK_BYTES, FramePool
+    from fedseq.common.protocol.frames import CHUNK_BYTES, FramePool, Spilled
     from fedseq.common.protocol.messages import WeightsHeader
 
     away: list[bytes] = []
+    freed: list[int] = []
 
     def spill(chunk):
         away.append(bytes(chunk))
         at = len(away) - 1
-        return lambda: away[at]
+        return Spilled(lambda: away[at], len(chunk), lambda: freed.append(at))
 
     frames = {s: bytes([s]) * (2 * CHUNK_BYTES + 7) for s in range(3)}
     pool = FramePool(max_frame=3 * CHUNK_BYTES, per_sender=4 * CHUNK_BYTES, spill=spill,
@@ -98,6 +99,7 @@ def test_chunks_beyond_the_budget_wait_outside_memory_and_make_the_same_frame():
             if got is not None:
                 done[s] = bytes(got)
     assert done == frames and pool.in_memory == 0 and len(away) == 5  # 6 kept, 1 in memory
+    assert sorted(freed) == [0, 1, 2, 3, 4]  # every spilled chunk gave its space back
 
 
 @pytest.mark.parametrize("order", [[0, 1, 2], [2, 1, 0], [1, 2, 0], [2, 0, 1]])
