@@ -150,8 +150,9 @@ class AggregationConfig(_Section):
     clip_factor: float = Field(2.0, gt=0, description="clipped-mean: bound = factor x median norm")
     trim_ratio: float = Field(0.1, gt=0, lt=0.5, description="trimmed-mean: ceil(ratio*n) per end")
     outlier_factor: float = Field(5.0, gt=1, description="log updates with norm > factor x median")
-    # reject an update with a larger element; "auto": 10 x the largest weight magnitude of the
-    # global model at that round, at least 1 (measured legitimate maxima: docs/security.md)
+    # reject an update with a larger element; "auto": 10 x the largest parameter magnitude of the
+    # global model at that round, at least 1 (measured legitimate maxima: docs/security.md);
+    # running statistics have bounds of their own (server/validation.py, STAT_GROWTH, STAT_CAP)
     max_abs_delta: Union[float, Literal["auto"]] = "auto"
     # f: Byzantine devices (logins) a robust rule must withstand; None = 1 for the robust rules
     # (rounds then need 2f+1 reporting devices), 0 for the mean, which withstands none

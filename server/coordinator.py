@@ -33,7 +33,7 @@ from fedseq.server.checkpoint import Checkpoint, LoopState, save_checkpoint
 from fedseq.server.pool import ClientPool, RoundOutcome
 from fedseq.server.records import ClientEnergy, RoundRecord
 from fedseq.server.rundir import RunDir
-from fedseq.server.validation import largest_magnitude, round_contract, score_problem
+from fedseq.server.validation import parameter_scale, round_contract, score_problem
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +254,10 @@ class Coordinator:
         return got
 
     def _delta_bound(self) -> float:
-        """aggregation.max_abs_delta for this round (auto: from the global model's scale)."""
-        largest = max((largest_magnitude(v) for v in self.global_weights.values()
-                       if v.is_floating_point() and v.numel()), default=0.0)
-        return self.cfg.aggregation.delta_bound(largest)
+        """aggregation.max_abs_delta for this round (auto: from the scale of the global model's
+        parameters; running statistics, which a device's updates move, have bounds of their own,
+        validation.statistic_problem)."""
+        return self.cfg.aggregation.delta_bound(parameter_scale(self.global_weights))
 
     def _apply(self, t: int, got: RoundUpdates) -> str | None:
         """Apply the round's aggregate if the round counts; else say why it does not (too few

@@ -19,6 +19,40 @@ from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.models import Weights, block_of
 from fedseq.common.text import printable
 
+#: running statistics (BatchNorm buffers, model.norm = "running" or "fedbn") are bounded by rules
+#: of their own, not by aggregation.max_abs_delta (which reads the parameters): an update's
+#: running variance may be at most STAT_GROWTH times the global one (or STAT_GROWTH where that is
+#: below 1) and never above STAT_CAP, and its running mean at most sqrt(STAT_CAP) in magnitude.
+#: Honest training moves them far less (4convnet, Fashion-MNIST, 5 local epochs: variances 1 ->
+#: at most 3.4 in round 1 and 10.6 by round 3); a device inflating them is refused, and what a
+#: device can reach within the bounds stays finite in float32 (docs/security.md).
+STAT_GROWTH = 100.0
+STAT_CAP = 1e6
+
+
+def statistic_problem(key: str, ref: torch.Tensor, delta: torch.Tensor) -> str | None:
+    """Why `ref + delta` cannot be a running statistic this round (`key` names which), or None."""
+    new = ref.to(torch.float64) + delta.to(torch.float64)
+    if not bool(torch.isfinite(new).all()):
+        return f"tensor {key} contains NaN or Inf"
+    if key.endswith(".running_var"):
+        low = float(new.min())
+        if low < 0:  # every later normalization would be NaN
+            return f"tensor {key} would make a running variance negative ({low:.3g})"
+        over = new - torch.clamp(ref.to(torch.float64), min=1.0) * STAT_GROWTH
+        if float(over.max()) > 0 or float(new.max()) > STAT_CAP:
+            return (f"tensor {key} would make a running variance {float(new.max()):.3g}: more "
+                    f"than {STAT_GROWTH:g} x the global one (at least 1) or {STAT_CAP:g}")
+    elif float(new.abs().max()) > math.sqrt(STAT_CAP):
+        return (f"tensor {key} would make a running mean of magnitude "
+                f"{float(new.abs().max()):.3g} > {math.sqrt(STAT_CAP):g}")
+    return None
+
+
+def is_statistic(key: str) -> bool:
+    """Whether `key` names a normalization layer's running statistic (not a parameter)."""
+    return key.endswith((".running_mean", ".running_var"))
+
 
 @dataclass(frozen=True)
 class RoundContract:
@@ -67,19 +101,28 @@ class RoundContract:
             if d.dtype != ref.dtype or d.shape != ref.shape:
                 return (f"tensor {k} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
                         f"expected {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}")
+            if is_statistic(k):
+                # (a mean of statistics within these bounds stays within them: the rules hold
+                # elementwise on convex sets)
+                reason = statistic_problem(k, ref, d) if d.numel() else None
+                if reason is not None:
+                    return reason
+                continue
             biggest = largest_magnitude(d)
             if not biggest <= self.max_abs_delta:
                 if not torch.isfinite(d).all():
                     return f"tensor {k} contains NaN or Inf"
                 return (f"tensor {k} has an element of magnitude {biggest:.3g} > "
                         f"the round's bound {self.max_abs_delta:.3g} (aggregation.max_abs_delta; "
-                        "auto = 10 x the model's largest weight)")
-            # a variance below zero would make every later normalization NaN; a client's own
-            # running variance never goes there, and any mean of such deltas stays above it too
-            if k.endswith(".running_var") and d.numel() and float((ref + d).min()) < 0:
-                return (f"tensor {k} would make a running variance negative "
-                        f"({float((ref + d).min()):.3g})")
+                        "auto = 10 x the model's largest parameter)")
         return None
+
+
+def parameter_scale(weights: Weights) -> float:
+    """The largest |element| of the model's parameters (running statistics left out: a device
+    moves them, and `aggregation.max_abs_delta = "auto"` must not grow with what it sends)."""
+    return max((largest_magnitude(v) for k, v in weights.items()
+                if not is_statistic(k) and v.is_floating_point() and v.numel()), default=0.0)
 
 
 def largest_magnitude(t: torch.Tensor) -> float:

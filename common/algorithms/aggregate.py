@@ -90,8 +90,22 @@ class WeightedDeltaSum:
                 raise AggregationError(f"the aggregate of {k} has NaN or Inf; the round is refused")
             if self.weights[k] > 0:
                 g = global_weights[k]
-                out[k] = (g.to(torch.float64) + s / self.weights[k]).to(g.dtype)
+                out[k] = in_dtype(k, g.to(torch.float64) + s / self.weights[k], g.dtype)
         return out
+
+
+def in_dtype(key: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`value` (an aggregate computed in float64) cast to the model's `dtype`, refused with an
+    AggregationError where the cast leaves a NaN or Inf (a float64 sum can be finite and still
+    overflow float32): every aggregation rule's last step, so no rule can make weights infinite."""
+    out = value.to(dtype)
+    # one float64 total is NaN or Inf exactly when an element is (a sum of finite float32
+    # values cannot overflow float64), without the boolean tensor isfinite() allocates
+    if out.is_floating_point() and out.numel() and not math.isfinite(
+            float(out.sum(dtype=torch.float64))):
+        raise AggregationError(f"the aggregate of {key} is NaN or Inf in {dtype} "
+                               "(its values overflow the model's dtype); the round is refused")
+    return out
 
 
 def aggregate_weighted(

@@ -33,7 +33,7 @@ from typing import Dict, Protocol, Tuple
 
 import torch
 
-from fedseq.common.algorithms.aggregate import WeightedDeltaSum
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum, in_dtype
 from fedseq.common.config import AggregationConfig
 from fedseq.common.errors import AggregationError
 from fedseq.common.models import Weights, block_of
@@ -178,7 +178,7 @@ class CoordinateWise:
             else:
                 agg = srt[k_trim : n - k_trim].mean(dim=0)
             g = global_weights[k]
-            out[k] = (g.to(torch.float64) + agg).to(g.dtype)
+            out[k] = in_dtype(k, g.to(torch.float64) + agg, g.dtype)
         return out
 
 

@@ -5,7 +5,13 @@ import torch
 
 from conftest import synthetic_data
 from fedseq.common.algorithms.aggregate import ClientUpdate
-from fedseq.server.validation import largest_magnitude, round_contract
+from fedseq.server.validation import (
+    STAT_CAP,
+    STAT_GROWTH,
+    largest_magnitude,
+    parameter_scale,
+    round_contract,
+)
 
 W = {"conv1.weight": torch.zeros(2, 1, 3, 3), "conv1.bias": torch.zeros(2), "fc2.weight": torch.zeros(4, 2)}
 
@@ -114,3 +120,84 @@ def test_normalization_state_in_the_contract():
                            personal_keys=frozenset(k for k in w if k.startswith("conv1.1.")))
     assert "not uploadable" in fedbn.check(ClientUpdate(0, 3, ok, n))
     assert fedbn.check(ClientUpdate(0, 3, {"conv1.0.weight": ok["conv1.0.weight"]}, n)) is None
+
+
+def test_running_statistics_have_bounds_of_their_own():
+    """Hardening IV, finding 3: a running variance may grow at most STAT_GROWTH-fold a round
+    (from at least 1) and never past STAT_CAP, a running mean stays within sqrt(STAT_CAP); within
+    them a statistic may move further than max_abs_delta (which reads the parameters), and the
+    automatic bound does not grow with the statistics."""
+    data = synthetic_data()
+    w = {"conv1.0.weight": torch.full((2, 1, 3, 3), 0.1), "conv1.1.weight": torch.ones(2),
+         "conv1.1.running_mean": torch.zeros(2), "conv1.1.running_var": torch.ones(2)}
+    c = round_contract(3, [0], ("conv1",), w, data, None, max_abs_delta=5.0)
+    n = len(data.clients[0].train)
+    zero = {k: torch.zeros_like(v) for k, v in w.items()}
+
+    def check(**stats):
+        return c.check(ClientUpdate(0, 3, {**zero, **{f"conv1.1.{k}": torch.tensor(v)
+                                                      for k, v in stats.items()}}, n))
+
+    assert check(running_var=[48.0, 0.0], running_mean=[30.0, -30.0]) is None  # > 5: allowed
+    assert "more than 100 x the global one" in check(running_var=[STAT_GROWTH, 0.0])
+    assert "running mean of magnitude" in check(running_mean=[2e3, 0.0])
+    assert "NaN or Inf" in check(running_var=[float("inf"), 0.0])
+    inflated = {**w, "conv1.1.running_var": torch.full((2,), 1e30)}
+    assert parameter_scale(inflated) == parameter_scale(w) == 1.0
+    big = round_contract(3, [0], ("conv1",), inflated, data, None, max_abs_delta=5.0)
+    var = torch.full((2,), 1e30 * (STAT_GROWTH - 1))  # within the growth, past the cap
+    assert "or 1e+06" in big.check(ClientUpdate(0, 3, {**zero, "conv1.1.running_var": var}, n))
+
+
+@pytest.mark.parametrize("factor", [1e3, STAT_GROWTH * 0.999])
+def test_a_device_inflating_its_statistics_for_100_rounds(factor):
+    """Hardening IV, finding 3: one device of three inflates its running variances every round
+    for 100 rounds, by far (x1000) or just within the growth bound, under the mean (which any
+    one device moves). The run ends with finite weights; the far one is refused every round,
+    with the reason, and the one within the bound is refused once its variances would pass
+    STAT_CAP."""
+    from fedseq.common.algorithms.robust import make_aggregator
+    from fedseq.common.config import AggregationConfig
+
+    data = synthetic_data()
+    g = {"conv1.0.weight": torch.full((4, 1, 3, 3), 0.1), "conv1.1.running_var": torch.ones(4)}
+    n = {c: len(data.clients[c].train) for c in range(3)}
+    refused = []
+    for t in range(100):
+        contract = round_contract(t, [0, 1, 2], ("conv1",), g, data, None,
+                                  AggregationConfig().delta_bound(parameter_scale(g)))
+        agg = make_aggregator(AggregationConfig())
+        var = g["conv1.1.running_var"]
+        for client in range(3):
+            honest = 0.5 * (4.0 - var)  # the variance its data has is 4
+            d = {"conv1.0.weight": torch.full_like(g["conv1.0.weight"], 0.01),
+                 "conv1.1.running_var": honest if client else var * factor - var}
+            u = ClientUpdate(client, t, d, n[client], device=f"d{client}")
+            reason = contract.check(u)
+            if reason is not None:
+                assert client == 0 and "running variance" in reason, reason
+                refused.append(t)
+                continue
+            agg.add(d, {"conv1": float(n[client])}, client, f"d{client}")
+        g = agg.apply(g)
+        assert all(bool(torch.isfinite(v).all()) for v in g.values()), t
+    assert float(g["conv1.1.running_var"].max()) <= STAT_CAP
+    if factor > STAT_GROWTH:
+        assert refused == list(range(100))
+    else:
+        assert refused and refused[0] > 0  # within the bound at first, refused at the cap
+
+
+@pytest.mark.parametrize("rule", ["mean", "median"])
+def test_every_rule_checks_finiteness_in_the_models_dtype(rule):
+    """A float64 aggregate can be finite and overflow float32: every rule refuses the round."""
+    from fedseq.common.algorithms.robust import make_aggregator
+    from fedseq.common.config import AggregationConfig
+    from fedseq.common.errors import AggregationError
+
+    g = {"w": torch.full((3,), 3e38)}
+    agg = make_aggregator(AggregationConfig(rule=rule, byzantine_devices=0 if rule == "mean" else 1))
+    for c in range(3):
+        agg.add({"w": torch.full((3,), 3e38)}, {"w": 1.0}, c, f"d{c}")
+    with pytest.raises(AggregationError, match="NaN or Inf in torch.float32"):
+        agg.apply(g)
