@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,7 @@ from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.experiment import load_experiment
 from fedseq.server.mqtt import MqttPool
+from fedseq.server.processes import die_with_parent, stop_children
 from fedseq.server.records import RoundRecord
 from fedseq.server.rehearsal import Rehearsal
 from fedseq.server.rundir import RunDir, recorded
@@ -66,33 +66,10 @@ def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
             cmd.append("--no-verify-hostname")
         if rehearsal is not None:
             cmd = rehearsal.command(name, cmd)
-        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent))
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))
         if rehearsal is not None:
             rehearsal.started(name, procs[-1].pid)
     return procs
-
-
-def _die_with_parent() -> None:
-    """In a local device process: SIGTERM it when the coordinator dies, even by kill -9 (Linux
-    PR_SET_PDEATHSIG), so no orphan daemon fights a resumed run's devices for the same names."""
-    import contextlib
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def stop_children(procs: list[subprocess.Popen], timeout: float = 15) -> None:
-    """SIGTERM the local device processes, kill those still up after `timeout` seconds."""
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    end = time.monotonic() + timeout
-    for p in procs:
-        try:
-            p.wait(max(0.1, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def record_devices(run_dir: RunDir, pool: MqttPool) -> None:

@@ -29,6 +29,7 @@ import logging
 import os
 import pickle
 import platform
+import socket
 import subprocess
 import sys
 import time
@@ -52,7 +53,16 @@ from fedseq.common.errors import ConfigError, FedseqError, TransportError
 from fedseq.common.evaluation import EvalReport, evaluate
 from fedseq.common.hardware import torch_device
 from fedseq.common.models import BlockModel, Weights, personal_tensors
+from fedseq.common.text import printable
 from fedseq.common.training import finetune_and_score, run_client_round
+from fedseq.server.membership import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    admit_ranks,
+    cluster_secret,
+    new_secret,
+    prove_membership,
+)
 from fedseq.server.pool import (
     EvalOutcome,
     FinetuneOutcome,
@@ -65,6 +75,7 @@ from fedseq.server.pool import (
     hand_on,
     on_device,
 )
+from fedseq.server.processes import die_with_parent, stop_children
 
 log = logging.getLogger(__name__)
 
@@ -347,43 +358,49 @@ class Group:
 
 def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int = 0) -> Group:
     """Rank 0 of a new group: under torchrun (RANK/WORLD_SIZE set) join it, else start `workers`
-    worker processes on this machine (Gloo over loopback). Then hand every worker the config, its
-    thread count and its device (`placement`), and check what each says (its fedseq and torch
+    worker processes on this machine (every socket on loopback). Every rank first proves it knows
+    the run's secret (membership.py); then rank 0 hands every worker the config, its thread
+    count and its device (`placement`), and checks what each says (its fedseq and torch
     versions, its GPUs, its data). Refuses in one line what cannot work."""
     procs: list[subprocess.Popen] = []
     if under_torchrun():
-        join_from_env()
+        store, rank, world = env_store()
+        hellos = admit_ranks(store, world, cluster_secret(), JOIN_TIMEOUT)
+        init_group(store, rank, world)
     else:
-        store = dist.TCPStore("127.0.0.1", 0, workers + 1, is_master=True,
-                              timeout=JOIN_TIMEOUT, wait_for_workers=False)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        listener = loopback_listener()
+        store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], workers + 1,
+                              is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False,
+                              master_listen_fd=listener.fileno())
+        secret = new_secret()
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), SECRET_ENV: secret,
+               "GLOO_SOCKET_IFNAME": loopback_interface()}
+        env.pop(SECRET_FILE_ENV, None)
         env.setdefault("MALLOC_ARENA_MAX", "2")
-        from fedseq.server.deployment import _die_with_parent
-
         for rank in range(1, workers + 1):
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "fedseq.server.distributed", "127.0.0.1", str(store.port),
-                 str(rank), str(workers + 1)], env=env, preexec_fn=_die_with_parent))
+                 str(rank), str(workers + 1)], env=env, preexec_fn=die_with_parent))
         try:
-            dist.init_process_group("gloo", store=store, rank=0, world_size=workers + 1,
-                                    timeout=JOIN_TIMEOUT)
-        except (RuntimeError, dist.DistError) as exc:
+            hellos = admit_ranks(store, workers + 1, secret, JOIN_TIMEOUT)
+            init_group(store, 0, workers + 1, loopback=True)
+        except (RuntimeError, dist.DistError, TransportError) as exc:
             stop_workers(procs)
             raise TransportError(f"the {workers} simulation workers did not join within "
                                  f"{JOIN_TIMEOUT.total_seconds():.0f} s: {str(exc).splitlines()[0]}") from exc
+        finally:
+            listener.close()  # the store's server holds its own copy
     try:
-        # versions first, in plain types (a worker of another fedseq may not read our objects)
-        hellos: list[Any] = [None] * dist.get_world_size()
-        dist.gather_object(None, hellos, dst=0)
         mine = (__version__, torch.__version__)
-        problems = [f"rank {h['rank']} on {h['host']} runs fedseq {h['fedseq']} with torch "
-                    f"{h['torch']}, rank 0 fedseq {mine[0]} with torch {mine[1]}"
-                    for h in hellos[1:] if (h["fedseq"], h["torch"]) != mine]
+        problems = [f"rank {h['rank']} on {printable(h['host'], 80)} runs fedseq "
+                    f"{printable(h['fedseq'], 40)} with torch {printable(h['torch'], 40)}, rank 0 "
+                    f"fedseq {mine[0]} with torch {mine[1]}"
+                    for h in hellos if (h["fedseq"], h["torch"]) != mine]
         devices: dict[int, str] = {}
         refused: ConfigError | None = None
         if not problems:
             try:
-                devices = placement(hellos[1:], cfg.train.device, per_gpu)
+                devices = placement(hellos, cfg.train.device, per_gpu)
             except ConfigError as exc:
                 refused = exc
         go = not problems and refused is None
@@ -404,10 +421,25 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
     except BaseException:
         end_group(procs)
         raise
-    by_rank = {h["rank"]: h for h in hellos[1:]}
+    by_rank = {h["rank"]: h for h in hellos}
     gpus = sorted({by_rank[r]["gpu_names"][int(d.split(":")[1])] for r, d in devices.items()
                    if d.startswith("cuda")})
     return Group(procs, devices, " + ".join(gpus))
+
+
+def loopback_listener() -> socket.socket:
+    """A listening socket on 127.0.0.1 for the rendezvous store of a one-machine group (torch's
+    store would listen on every address)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    return sock
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name (Gloo binds to an interface's address; "lo" on Linux)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
 def under_torchrun() -> bool:
@@ -415,9 +447,10 @@ def under_torchrun() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
 
 
-def join_from_env() -> None:
-    """Join the group torchrun (or srun with MASTER_ADDR/PORT) describes. The rendezvous store is
-    reached within JOIN_TIMEOUT or the process ends in one line (not after the steps' timeout)."""
+def env_store() -> tuple[Any, int, int]:
+    """(the rendezvous store, this rank, the world size) of the group torchrun (or srun with
+    MASTER_ADDR/PORT) describes. The store is reached within JOIN_TIMEOUT or the process ends
+    in one line (not after the steps' timeout)."""
     try:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -429,22 +462,51 @@ def join_from_env() -> None:
     master = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
     try:
         store: Any = dist.TCPStore(host, port, world, is_master=master, timeout=JOIN_TIMEOUT)
-        # after a restart (torchrun --max-restarts) the store still holds the last attempt's
-        # addresses: each attempt has its own keys, as torch's env:// rendezvous does it
-        store = dist.PrefixStore(
-            f"/fedseq/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    except (RuntimeError, dist.DistError) as exc:
+        raise _not_joined(rank, host, port, exc) from exc
+    # after a restart (torchrun --max-restarts) the store still holds the last attempt's
+    # addresses: each attempt has its own keys, as torch's env:// rendezvous does it
+    store = dist.PrefixStore(
+        f"/fedseq/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    return store, rank, world
+
+
+def init_group(store: Any, rank: int, world: int, loopback: bool = False) -> None:
+    """Join the Gloo group over `store` (once every rank is admitted); `loopback`: Gloo binds
+    the loopback interface, whatever this machine's hostname resolves to."""
+    saved = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        if loopback:
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=JOIN_TIMEOUT)
     except (RuntimeError, dist.DistError) as exc:
-        why = str(exc).strip().splitlines()[0][:200]
-        raise TransportError(f"rank {rank} could not join the group at {host}:{port} within "
-                             f"{JOIN_TIMEOUT.total_seconds():.0f} s ({why}); check MASTER_ADDR/"
-                             "MASTER_PORT and that rank 0 runs") from exc
+        raise _not_joined(rank, os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                          os.environ.get("MASTER_PORT", "?"), exc) from exc
+    finally:
+        if loopback:
+            if saved is None:
+                os.environ.pop("GLOO_SOCKET_IFNAME", None)
+            else:
+                os.environ["GLOO_SOCKET_IFNAME"] = saved
+
+
+def _not_joined(rank: int, host: str, port: object, exc: BaseException) -> TransportError:
+    why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+    return TransportError(f"rank {rank} could not join the group at {host}:{port} within "
+                          f"{JOIN_TIMEOUT.total_seconds():.0f} s ({why}); check MASTER_ADDR/"
+                          "MASTER_PORT and that rank 0 runs")
+
+
+def hello(rank: int) -> dict[str, Any]:
+    """What a worker says of itself before it is given work (JSON: membership.py)."""
+    gpus = torch.cuda.device_count()
+    return {"rank": rank, "host": platform.node(), "fedseq": __version__,
+            "torch": torch.__version__, "gpus": gpus,
+            "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)]}
 
 
 def stop_workers(procs: list[subprocess.Popen]) -> None:
-    from fedseq.server.deployment import stop_children
-
     stop_children(procs, timeout=10)
 
 
@@ -465,11 +527,7 @@ def serve() -> None:
     from fedseq.server.experiment import load_experiment
 
     rank = dist.get_rank()
-    gpus = torch.cuda.device_count()
-    hello = {"rank": rank, "host": platform.node(), "fedseq": __version__,
-             "torch": torch.__version__, "gpus": gpus,
-             "gpu_names": [torch.cuda.get_device_name(i) for i in range(gpus)], "error": None}
-    dist.gather_object(hello, None, dst=0)
+    ready: dict[str, Any] = {"rank": rank, "host": platform.node(), "error": None}
     job = _receive()
     if job is None:  # rank 0 refused our versions
         return
@@ -481,8 +539,8 @@ def serve() -> None:
         device = torch_device(devices[rank])
         exp = load_experiment(cfg)
     except (FedseqError, ValueError) as exc:
-        hello["error"] = str(exc).splitlines()[0]
-    dist.gather_object(hello, None, dst=0)
+        ready["error"] = str(exc).splitlines()[0]
+    dist.gather_object(ready, None, dst=0)
     if exp is None:
         _receive()  # rank 0 says stop
         return
@@ -534,13 +592,15 @@ def worker_main() -> None:
     other than 0 of a launcher's group (fedseq-sim under torchrun)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        if len(sys.argv) == 5 and not under_torchrun():
+        local = len(sys.argv) == 5 and not under_torchrun()
+        if local:
             host, port, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
             store = dist.TCPStore(host, port, world, is_master=False, timeout=JOIN_TIMEOUT)
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                    timeout=JOIN_TIMEOUT)
         else:
-            join_from_env()
+            store, rank, world = env_store()
+        secret = os.environ.get(SECRET_ENV, "") if local else cluster_secret()
+        prove_membership(store, rank, secret, hello(rank), JOIN_TIMEOUT)
+        init_group(store, rank, world, loopback=local)
         serve()
     except FedseqError as exc:
         print(f"fedseq worker: {exc}", file=sys.stderr)

@@ -213,7 +213,8 @@ def _free_port() -> int:
 def _torchrun_env(monkeypatch, port: int) -> dict[str, str]:
     """Rank 0 here, as torchrun would set it up; the worker's environment."""
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": str(port), "FEDSEQ_JOIN_TIMEOUT_S": "60"}.items():
+                 "MASTER_PORT": str(port), "FEDSEQ_JOIN_TIMEOUT_S": "60",
+                 "FEDSEQ_SECRET": "the-run-s-secret"}.items():
         monkeypatch.setenv(k, v)
     return {**os.environ, "RANK": "1", "OMP_NUM_THREADS": "1"}
 
@@ -307,7 +308,7 @@ def _torchrun(*args: str) -> list[str]:
 def test_fedseq_sim_under_torchrun_gives_the_in_process_run(data_root, tmp_path):
     """The same program under torchrun (one node, 3 ranks): rank 0 writes the run directory."""
     over = _cli_over(data_root, "algorithm.name=fedper")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDSEQ_SECRET": "the-run-s-secret"}
     done = subprocess.run(_torchrun("--nnodes", "1", "--nproc-per-node", "3", "--master-port",
                                     str(_free_port()))
                           + _sim_command(tmp_path / "dist", *over), env=env, capture_output=True,
@@ -323,7 +324,7 @@ def test_fedseq_sim_as_srun_tasks_gives_the_in_process_run(data_root, tmp_path):
     MASTER_ADDR/MASTER_PORT a job script exports) are one group: rank 0 writes the run."""
     over = _cli_over(data_root, "algorithm.name=fedavg")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1")
+    env.update(OMP_NUM_THREADS="1", FEDSEQ_SECRET="the-run-s-secret")
     srun = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), SLURM_STEP_NUM_TASKS="3",
                 SLURM_NTASKS="3", SLURM_JOB_ID="77")
     tasks = [subprocess.Popen(_sim_command(tmp_path / "dist", *over),
@@ -351,7 +352,7 @@ def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp
     from fedseq.server.rehearsal import Rehearsal
 
     over = _cli_over(data_root, "algorithm.name=fedreg")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDSEQ_SECRET": "the-run-s-secret"}
 
     def meeting(r: int) -> tuple[str, ...]:
         if rendezvous == "static":
@@ -405,7 +406,7 @@ def test_a_worker_killed_under_torchrun_max_restarts_resumes_the_run(data_root, 
     """torchrun starts the group again after a worker dies; rank 0 continues the run directory
     after its last complete round, and the result is the uninterrupted run's."""
     over = _cli_over(data_root, "algorithm.name=fedavg", "rounds=4")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDSEQ_SECRET": "the-run-s-secret"}
     run = subprocess.Popen(_torchrun("--nnodes", "1", "--nproc-per-node", "3", "--max-restarts",
                                      "1", "--master-port", str(_free_port()))
                            + _sim_command(tmp_path / "dist", *over), env=env,
@@ -426,3 +427,142 @@ def test_a_worker_killed_under_torchrun_max_restarts_resumes_the_run(data_root, 
     status = json.loads((tmp_path / "dist" / "status.json").read_text())
     assert status["state"] == "finished" and len(status["segments"]) >= 2, status  # resumed
     _same_as_one_process(tmp_path / "dist", tmp_path / "one", over, env)
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """The local addresses the processes `pids` listen on (TCP, IPv4 and IPv6), as hex from
+    /proc/net/tcp*: 0100007F is 127.0.0.1, 00000000 any address."""
+    inodes: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if link.startswith("socket:["):
+                        inodes.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                out.append(f[1].split(":")[0])
+    return out
+
+
+def _tree(root: int) -> set[int]:
+    pids = {root}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == root:
+                pids.add(int(pid))
+    return pids
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+
+
+def test_workers_listen_on_loopback_only(data_root, tmp_path):
+    """Hardening IV, finding 4: `fedseq-sim --workers 2` is no network service: the rendezvous
+    store and every Gloo socket of rank 0 and its workers listen on loopback only, whatever the
+    machine's hostname resolves to."""
+    over = _cli_over(data_root, "algorithm.name=fedavg", "rounds=8")
+    run = subprocess.Popen(_sim_command(tmp_path / "w", *over) + ["--workers", "2"],
+                           env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while run.poll() is None and time.monotonic() < deadline and len(seen) < 5:
+            seen = _listening(_tree(run.pid))  # the store, and each rank's Gloo listener
+            time.sleep(0.2)
+        assert len(seen) >= 5, seen
+        assert set(seen) <= LOOPBACK, seen
+    finally:
+        run.kill()
+        run.wait()
+
+
+def test_a_rank_without_the_secret_is_refused_before_anything_is_unpickled(
+        data_root, monkeypatch, one_thread):
+    """Hardening IV, finding 4: under a launcher, a process that joins as rank 1 without the
+    run's secret is refused in one line before rank 0 unpickles anything (its hello is JSON
+    with an HMAC, membership.py); the process is told so too."""
+    import torch.distributed.distributed_c10d as c10d
+
+    env = _torchrun_env(monkeypatch, _free_port())
+    unpickled: list[int] = []
+    real = c10d._tensor_to_object
+    monkeypatch.setattr(c10d, "_tensor_to_object", lambda *a, **k: unpickled.append(1) or real(*a, **k))
+    intruder = subprocess.Popen([sys.executable, "-m", "fedseq.server.distributed"],
+                                env={**env, "FEDSEQ_SECRET": "a guess"}, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        cfg = quick_config(data_root, "algorithm.name=fedavg", *OVER)
+        with pytest.raises(TransportError, match="rank 1 does not know the run's secret") as err:
+            run_simulation(cfg, None)
+        _, said = intruder.communicate(timeout=60)
+    finally:
+        intruder.kill()
+    assert unpickled == [] and "\n" not in str(err.value)
+    assert intruder.returncode == 2 and "it refused this rank" in said, said
+
+
+def test_a_cluster_run_without_a_secret_says_how_to_give_one(monkeypatch):
+    from fedseq.server.membership import cluster_secret
+
+    monkeypatch.delenv("FEDSEQ_SECRET", raising=False)
+    monkeypatch.delenv("FEDSEQ_SECRET_FILE", raising=False)
+    with pytest.raises(ConfigError, match="export FEDSEQ_SECRET=") as err:
+        cluster_secret()
+    assert "\n" not in str(err.value)
+
+
+def test_membership_over_a_store():
+    """admit_ranks / prove_membership over an in-process store: the right secret admits and
+    returns the hellos; a forged hello, a wrong rank and a verdict rank 0 did not sign are
+    refused."""
+    import datetime
+    import json
+    import threading
+
+    import torch.distributed as dist
+
+    from fedseq.server.membership import admit_ranks, prove_membership
+
+    t = datetime.timedelta(seconds=20)
+
+    def run(secrets: dict[int, str], forged: bytes | None = None):
+        store = dist.HashStore()
+        errors: dict[int, Exception] = {}
+
+        def rank(r: int) -> None:
+            try:
+                if forged is not None and r == 2:
+                    store.set("fedseq/hello/2", forged)
+                    return
+                prove_membership(store, r, secrets[r], {"rank": r, "host": "h"}, t)
+            except Exception as exc:  # noqa: BLE001 - looked at below
+                errors[r] = exc
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in (1, 2)]
+        for th in threads:
+            th.start()
+        try:
+            return admit_ranks(store, 3, "s", t), errors
+        except TransportError as exc:
+            return exc, errors
+        finally:
+            for th in threads:
+                th.join(30)
+
+    hellos, errors = run({1: "s", 2: "s"})
+    assert hellos == [{"rank": 1, "host": "h"}, {"rank": 2, "host": "h"}] and not errors
+    refused, errors = run({1: "s", 2: "x"})
+    assert "rank 2 does not know the run's secret" in str(refused)
+    assert all("refused" in str(e) for e in errors.values()) and set(errors) == {1, 2}
+    pickle_hello = b"\x80\x04\x95" + b"x" * 20  # a pickle where JSON belongs
+    refused, _ = run({1: "s"}, pickle_hello)
+    assert "rank 2's hello is not what a fedseq rank sends" in str(refused)
+    body = json.dumps({"rank": 1, "host": "h"})
+    refused, _ = run({1: "s"}, json.dumps({"hello": body, "mac": "0" * 64}).encode())
+    assert "rank 2 does not know the run's secret" in str(refused)
