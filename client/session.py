@@ -96,7 +96,8 @@ class DeviceSession:
         self.next_step: Optional[Step] = None  # a step of a run whose config has not arrived yet
         # the run a newer run config replaced, with its step: a stray run config on an open broker
         # (the coordinator restores its own within seconds) must not cost the real run its step
-        # or its downloaded blocks; one run is kept, so memory stays bounded
+        # or its downloaded blocks, however many come in a row; one run is kept, the one with
+        # more done (_worth_keeping), so memory stays bounded
         self.parked: Optional[Tuple[RunState, Optional[Step]]] = None
         self.assignment: Optional[Assignment] = None  # the latest, applied once its run is known
         self.aborted: Set[str] = set()  # runs the coordinator aborted (Control)
@@ -270,10 +271,12 @@ class DeviceSession:
                 left, left_step = self.run, self.step
                 self.run = back[0] if back else RunState(rc.run_id, cfg, frames=weights_frame_pool(cfg))
                 self.step = back[1] if back else None
-                self.parked = None if left is None else (
+                leaving = None if left is None else (
                     left, left_step if left_step and left_step.run_id == left.run_id else None)
-                for run_id in list(self.blocks):  # this run's and the one it replaced
-                    if run_id not in (rc.run_id, left.run_id if left else None):
+                self.parked = self._worth_keeping(None if back else self.parked, leaving)
+                kept = self.parked[0].run_id if self.parked else None
+                for run_id in list(self.blocks):  # this run's and the parked one's
+                    if run_id not in (rc.run_id, kept):
                         del self.blocks[run_id]
                 if self.next_step is not None and self.next_step.run_id == rc.run_id:
                     self.step, self.next_step = self.next_step, None
@@ -282,6 +285,20 @@ class DeviceSession:
             # it said it cannot follow this run (a stray message of another protocol came first)
             self.last_error = (None, None, "")
             self.announce()
+
+    def _worth_keeping(self, a: Optional[Tuple[RunState, Optional[Step]]],
+                       b: Optional[Tuple[RunState, Optional[Step]]]
+                       ) -> Optional[Tuple[RunState, Optional[Step]]]:
+        """Of a parked run and the run a new config just replaced, the one to park (one run is
+        kept, so memory stays bounded): the one with more done (a step, downloaded blocks); so
+        stray configs one after another, which bring neither, never displace the real run."""
+        if a is None or b is None:
+            return a or b
+
+        def progress(p: Tuple[RunState, Optional[Step]]) -> Tuple[bool, int]:
+            return p[1] is not None, len(self.blocks.get(p[0].run_id, {}))
+
+        return b if progress(b) > progress(a) else a
 
     def _on_assignment(self, a: Assignment) -> None:
         if a.device != self.device:

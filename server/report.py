@@ -13,6 +13,7 @@ round). The table adds the devices' energy (kJ in total, J per round) where it w
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import statistics
@@ -23,7 +24,7 @@ from typing import Any
 
 from fedseq.common.config import SEED_STREAMS
 from fedseq.common.errors import ConfigError
-from fedseq.common.text import csv_cell, markdown_cell, plot_label
+from fedseq.common.text import csv_cell, markdown_cell, plot_label, printable
 from fedseq.server.records import RoundRecord
 from fedseq.server.seeds import defining
 
@@ -138,17 +139,80 @@ def load_run(path: Path, label: str | None = None) -> Run:
                 raise ConfigError(f"{metrics}:{n}: not JSON ({exc}); the file is damaged") from exc
             except ConfigError as exc:
                 raise ConfigError(f"{metrics}:{n}: {exc}; the file is damaged") from exc
-    config = {}
-    if (path / "config.toml").exists():
-        config = tomllib.loads((path / "config.toml").read_text())
-    clients = []
-    if (path / "clients.csv").exists():
-        with (path / "clients.csv").open() as f:
-            clients = list(csv.DictReader(f))
-    status = json.loads((path / "status.json").read_text()) if (path / "status.json").exists() else {}
+    config = _read_config(path / "config.toml") if (path / "config.toml").exists() else {}
+    clients = _read_clients(path / "clients.csv") if (path / "clients.csv").exists() else []
+    status = _read_status(path / "status.json") if (path / "status.json").exists() else {}
     if (path / "devices.json").exists():  # a deployment: where it trained is its devices
-        status["device"] = trained_on(json.loads((path / "devices.json").read_text()))
+        status["device"] = trained_on(_read_object(path / "devices.json"))
     return Run(path, label or path.name, config, rows, clients, status)
+
+
+#: the config's sections a report reads, each a table
+_SECTIONS = ("data", "model", "algorithm", "train", "seeds", "aggregation", "deploy")
+
+
+def _damaged(file: Path, what: str) -> ConfigError:
+    return ConfigError(f"{printable(file, 300)}: {what}; the file is damaged or not fedseq's")
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise _damaged(file, f"cannot be read as text ({type(exc).__name__})") from exc
+
+
+def _read_object(file: Path) -> dict[str, Any]:
+    """A JSON file whose top level must be an object (status.json, devices.json)."""
+    try:
+        value = json.loads(_read_text(file))
+    except json.JSONDecodeError as exc:
+        raise _damaged(file, f"not JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise _damaged(file, f"a JSON {type(value).__name__}, not an object")
+    return value
+
+
+def _read_config(file: Path) -> dict[str, Any]:
+    try:
+        config = tomllib.loads(_read_text(file))
+    except tomllib.TOMLDecodeError as exc:
+        raise _damaged(file, f"not TOML ({printable(exc, 200)})") from exc
+    for key in _SECTIONS:
+        if key in config and not isinstance(config[key], dict):
+            raise _damaged(file, f"[{key}] is a {type(config[key]).__name__}, not a table")
+    return config
+
+
+def _read_status(file: Path) -> dict[str, Any]:
+    """status.json, keeping what a report reads only in the shapes fedseq writes it: a state
+    string, resumed segments as objects with their first round (others left out)."""
+    status = _read_object(file)
+    if "state" in status and not isinstance(status["state"], str):
+        raise _damaged(file, f"its state is a {type(status['state']).__name__}, not a string")
+    segments = status.get("segments", [])
+    status["segments"] = [g for g in segments if isinstance(g, dict) and "from_round" in g] \
+        if isinstance(segments, list) else []
+    return status
+
+
+def _read_clients(file: Path) -> list[dict[str, str]]:
+    """clients.csv's rows; an accuracy that is not a number in [0, 1] is a one-line error."""
+    try:
+        rows = list(csv.DictReader(io.StringIO(_read_text(file))))
+    except csv.Error as exc:
+        raise _damaged(file, f"not CSV ({exc})") from exc
+    for n, row in enumerate(rows, 2):
+        acc = row.get("accuracy")
+        if acc:
+            try:
+                ok = 0.0 <= float(acc) <= 1.0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise _damaged(file, f"line {n}: accuracy {printable(acc, 40)!r} is not a "
+                                     "number in [0, 1]")
+    return rows
 
 
 def trained_on(stacks: dict[str, Any]) -> str:

@@ -102,7 +102,7 @@ DATASETS: dict[str, DatasetSpec] = {
     # tiny-imagenet-200/fedseq/ (readers.py), which is what every command reads
     "tiny-imagenet": DatasetSpec(
         "", (DataFile("tiny-imagenet-200.zip", "90528d7ca1a48142e341f4ef8d21d0de", 248100043),),
-        ("http://cs231n.stanford.edu/",), extract="tiny-imagenet-200.zip",
+        ("https://cs231n.stanford.edu/",), extract="tiny-imagenet-200.zip",
     ),
 }
 EXTRACTED = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python",
@@ -187,8 +187,18 @@ def _fetch(url: str, dest: Path, want: DataFile, progress: Progress | None, time
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             if have and resp.status != 206:  # the server ignored the range: start again
                 have = 0
+            declared = resp.headers.get("Content-Length")
+            if declared is not None and declared.isdigit() and have + int(declared) > want.size:
+                raise DatasetError(f"{url} announces {int(declared):,} bytes, more than the "
+                                   f"{want.size - have:,} left of {want.name} (another file)")
             with part.open("ab" if have else "wb") as out:
-                while block := resp.read(CHUNK):
+                # never more than the file's size is read or written, whatever a mirror sends
+                while block := resp.read(min(CHUNK, want.size - have + 1)):
+                    if have + len(block) > want.size:
+                        out.close()
+                        part.unlink(missing_ok=True)
+                        raise DatasetError(f"{url} sends more than the {want.size:,} bytes of "
+                                           f"{want.name} (another file); nothing is kept")
                     out.write(block)
                     have += len(block)
                     if progress:

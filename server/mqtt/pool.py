@@ -15,7 +15,7 @@ from fedseq.common.config import ExperimentConfig
 from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.link import TlsOptions
-from fedseq.common.protocol.messages import Assignment, Control, RunConfig, Step
+from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
 from fedseq.common.protocol.tensors import encode_tensors
 from fedseq.common.protocol.topics import Topics
 from fedseq.common.text import printable
@@ -43,6 +43,17 @@ def assign_clients(devices: list[str], num_clients: int) -> dict[str, list[int]]
     """Balanced and stable: devices sorted by name, clients dealt round-robin."""
     names = sorted(devices)
     return {d: [c for c in range(num_clients) if c % len(names) == i] for i, d in enumerate(names)}
+
+
+def warn_other_versions(online: dict[str, DeviceStatus]) -> None:
+    """A warning per device that runs another fedseq than this coordinator; its version is the
+    device's words, logged as one plain line (it cannot forge a line of the log)."""
+    for d, status in online.items():
+        theirs = status.package_version
+        if theirs and theirs != __version__:
+            log.warning("%s runs fedseq %s, this coordinator %s: results may differ; install the "
+                        "same version everywhere", printable(d, 80), printable(theirs, 100),
+                        __version__)
 
 
 class MqttPool:
@@ -86,13 +97,8 @@ class MqttPool:
         if not resumed:
             self.assignment = assign_clients(self.devices, self.cfg.data.num_clients)
         self.owner = {c: d for d, cs in self.assignment.items() for c in cs}
-        for d in self.devices:
-            status = self.session.online.get(d)
-            theirs = status.package_version if status else ""
-            if theirs and theirs != __version__:
-                log.warning("%s runs fedseq %s, this coordinator %s: results may differ; install the "
-                            "same version everywhere", printable(d, 80), printable(theirs, 100),
-                            __version__)
+        warn_other_versions({d: self.session.online[d] for d in self.devices
+                             if d in self.session.online})
         # An update frame holds at most every shared block's deltas: what bounds what each
         # device may make the inbox hold (its frames, its budget: Inbox.open).
         shared = in_blocks(weights, {block_of(k) for k in weights} - set(personal))

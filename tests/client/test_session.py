@@ -80,10 +80,15 @@ def test_a_stray_run_config_costs_the_run_neither_its_step_nor_its_blocks(tmp_pa
     with s.cond:
         assert set(s.blocks["r1"]) == {"conv1", "fc1"}
         assert s.next_ready() == (s.run, step)
-    for i in range(3):  # stray configs one after another keep one parked run, not all of them
+    for i in range(3):  # stray configs one after another keep one parked run: the real one
         s.on_message(T.run_config, RunConfig(run_id=f"stray{i}",
                                              config=cfg.model_dump(mode="json")).encode())
-    assert set(s.blocks) <= {"stray1", "stray2"}
+    assert s.parked is not None and s.parked[0].run_id == "r1"  # hardening IV, finding 6
+    assert set(s.blocks) <= {"r1", "stray2"} and set(s.blocks["r1"]) == {"conv1", "fc1"}
+    s.on_message(T.run_config, RunConfig(run_id="r1", config=cfg.model_dump(mode="json")).encode())
+    assert s.run.run_id == "r1" and s.step == step
+    with s.cond:
+        assert s.next_ready() == (s.run, step)
 
 
 def test_a_resend_asks_again_for_the_named_clients_answers_of_the_current_step(tmp_path):

@@ -348,3 +348,16 @@ def test_names_outside_the_fleet_do_not_grow_the_bookkeeping():
     for d in (box.budgets.logins(), box.heard, box._warned, box._stacks):
         assert len(d) <= inbox.MAX_STRANGERS + 2, len(d)
     assert "dev01" in box.heard and box.budgets.known("dev01")
+
+
+def test_a_devices_version_is_logged_as_one_plain_line(caplog):
+    """Hardening IV, finding 5: the fedseq version a device's status claims is its words: a
+    forged log line with escapes stays one plain line of the coordinator's log."""
+    from fedseq.server.mqtt.pool import warn_other_versions
+
+    forged = "1.0\nERROR fedseq.server.coordinator: round 7 failed\x1b[2J"
+    with caplog.at_level("WARNING", logger="fedseq.server.mqtt.pool"):
+        warn_other_versions({"dev01": DeviceStatus(device="dev01", state="online",
+                                                   package_version=forged)})
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "\n" not in line and "\x1b" not in line and "round 7 failed" in line

@@ -177,3 +177,32 @@ def test_the_model_column_names_a_normalization_other_than_the_default():
     assert _model_label({"name": "4convnet", "norm": "fedbn"}) == "4convnet (fedbn)"
     assert _model_label({"name": "4convnet", "norm": "batch"}) == "4convnet"
     assert _model_label({"name": "cnn"}) == "cnn"  # a run directory from before model.norm
+
+
+@pytest.mark.parametrize("name, body", [
+    ("status.json", "[1, 2]"),
+    ("status.json", '{"state": {"x": 1}, "segments": "no"}'),
+    ("status.json", '{"state": "finished", "segments": [1, {"threads": 2}, {"from_round": 0}]}'),
+    ("devices.json", '["jetson01"]'),
+    ("devices.json", '{"d1": "x", "d2": [3], "d3": [{"gpu": 5}]}'),
+    ("config.toml", "model = 3\n"),
+    ("config.toml", "[data\n"),
+    ("clients.csv", "client,accuracy\n0,abc\n"),
+    ("clients.csv", "client,accuracy\n0,0.5,extra\n1\n"),
+    ("status.json", b"\xff\xfe"),
+])
+def test_odd_shaped_run_files_are_one_line_or_read(two_runs, tmp_path, name, body):
+    """Hardening IV, finding 9: fedseq report on run directories written by others: an odd-shaped
+    status.json, devices.json, config.toml or clients.csv is read where its shape allows, else
+    refused in one line naming the file; never a traceback."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(two_runs / "fedavg", run)
+    (run / name).write_bytes(body if isinstance(body, bytes) else body.encode())
+    r = _report(str(run), "--out", str(tmp_path / "rep"))
+    if r.returncode == 0:
+        assert (tmp_path / "rep" / "summary.md").exists()
+    else:
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and name in lines[0] and "Traceback" not in r.stderr, r.stderr

@@ -30,6 +30,8 @@ class Mirror:
         self.cut: int | None = None
         self.corrupt = False
         self.missing = False
+        self.flood = 0  # serve this many bytes more than the file, announced or not
+        self.announce = True
         mirror = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -48,8 +50,10 @@ class Mirror:
                 part = bytearray(body[start:])
                 if mirror.corrupt:
                     part[len(part) // 2] ^= 0xFF
+                part += b"\0" * mirror.flood
                 self.send_response(206 if rng else 200)
-                self.send_header("Content-Length", str(len(part)))
+                if mirror.announce:
+                    self.send_header("Content-Length", str(len(part)))
                 self.end_headers()
                 if mirror.cut is not None and not rng:
                     self.wfile.write(part[: mirror.cut])
@@ -118,6 +122,21 @@ def test_corrupt_file_is_refused_in_one_line_and_not_kept(mirror, tmp_path):
     msg = str(err.value)
     assert "\n" not in msg and "md5" in msg and "--from DIR" in msg
     assert not any((tmp_path / "MNIST" / "raw").iterdir())  # no partial or bad file left behind
+
+
+@pytest.mark.parametrize("announce", [True, False])
+def test_a_mirror_sending_more_than_the_file_fills_no_disk(mirror, tmp_path, announce):
+    """Hardening IV, finding 8: a mirror that sends 200 MB for a file of a few KB (with or
+    without saying so in Content-Length) makes the download stop at the file's size: at most
+    that many bytes are written, none kept, and the error says which mirror in one line."""
+    mirror.flood, mirror.announce = 200 << 20, announce
+    written: list[int] = []
+    with pytest.raises(DatasetError) as err:
+        store.download("mnist", tmp_path, (mirror.base("mnist"),),
+                       progress=lambda name, done, total: written.append(done - total))
+    assert "more than" in str(err.value) and "\n" not in str(err.value)
+    assert max(written, default=0) <= 0  # never past a file's size
+    assert not list((tmp_path / "MNIST" / "raw").glob("*"))
 
 
 def test_import_from_a_folder_checks_first(data_root, tmp_path):
