@@ -26,9 +26,11 @@ def version_mismatch(payload: bytes) -> tuple[int, str | None] | None:
     version; None otherwise. Lets either side say *why* it cannot read the other."""
     import json
 
+    if len(payload) > 1 << 20:  # no run config or step is that long: not worth parsing again
+        return None
     try:
         raw = json.loads(payload)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested junk
         return None
     if isinstance(raw, dict) and isinstance(raw.get("v"), int) and raw["v"] != PROTOCOL_VERSION:
         run_id = raw.get("run_id")

@@ -13,8 +13,11 @@ import contextlib
 import hashlib
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import torch
@@ -616,3 +619,57 @@ def test_a_flapping_device_costs_at_most_one_wait(data_root, tmp_path, mosquitto
     assert sum(waits) <= wait_s + 3.0, waits  # one wait in all (plus drain granularity)
     train = _device_rounds(res, 0, 2)
     assert len(train) == 4 and all(reported == selected for selected, reported in train), res.rows
+
+
+FLOODER = Path(__file__).resolve().parents[2] / "bench" / "flooder.py"
+
+
+def _flooder(port: int, home: Path, login: str, seconds: float, mode: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(FLOODER), "--port", str(port), "--login", login,
+                             "--password-file", str(home / f"{login}.pw"), "--seconds",
+                             str(seconds), "--mode", mode], stdout=subprocess.PIPE, text=True)
+
+
+def test_a_login_flooding_maximum_size_junk_costs_no_other_device_a_round(
+        data_root, tmp_path, mosquitto, one_thread):
+    """Hardening IV, severe finding 1. local03's login floods its own four topics with junk at
+    the broker's packet limit (statuses, descriptions and evaluations as costly to parse as their
+    size allows, oversized update chunks) and with update chunks that look valid (frames that
+    never complete, one-chunk frames that are no tensor frame), as fast as the broker takes them,
+    for up to a minute, from the first training step on (its daemon is stopped then: its
+    clients fail, so a round's time is the honest devices'), while the run trains on real
+    daemons with their default heartbeats: local01's and local02's clients report in every round
+    and no round waits on the flood (a clean round takes about a second here; before hardening
+    IV the coordinator's network thread spent 0.45 s on each junk status, and round 0 took 93 s)."""
+    port, home, _ = mosquitto
+    names = ["local01", "local02", "local03"]
+    daemons = {n: device_process(n, port, home, data_root) for n in names}
+    flood: list[subprocess.Popen] = []
+
+    def attack(att, step):
+        if step.kind == "train" and not flood:
+            daemons["local03"].terminate()  # its clients fail from now on: offline
+            flood.append(_flooder(port, home, "local03", 60.0, "mixed"))
+
+    cfg = quick_config(data_root, "rounds=20", "data.num_clients=6", "train.join_ratio=1.0",
+                       "deploy.min_devices=3", "deploy.min_updates=1", "deploy.round_timeout_s=120",
+                       "deploy.eval_timeout_s=120", "deploy.wait_devices_s=5",
+                       "deploy.username=coordinator", "train.eval_every=5",
+                       f"deploy.password_file={str(home / 'coordinator.pw')!r}",
+                       "algorithm.name=fedavg")
+    watcher = Attacker(port, attack, "coordinator", (home / "coordinator.pw").read_text().strip())
+    try:
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=lambda s: None)
+        said = flood[0].communicate(timeout=120)[0] if flood else ""
+    finally:
+        watcher.stop()
+        stop_children(list(daemons.values()) + flood)
+    sent = re.search(r"(\d+) messages, (\d+) MB", said)
+    assert sent and int(sent.group(2)) > 500, said  # it did flood
+    train = [r for r in res.rows if r["phase"] == "train"]
+    summary = [(r["round"], r.get("seconds"), r.get("reported")) for r in train]
+    for index in (0, 1):  # local01 (clients 0, 3), local02 (clients 1, 4)
+        rounds = _device_rounds(res, index, 3)
+        assert len(rounds) == 20 and all(s and r == s for s, r in rounds), summary
+    assert max(r["seconds"] for r in train) < 30, summary
