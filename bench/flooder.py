@@ -12,7 +12,11 @@ coordinator's run ends (its step turns idle):
   clients of the current step (1 MiB of random data, a frame size the run allows, a sha256 that
   never matches: the chunks are kept until the frame is given up), and complete one-chunk frames
   whose sha256 matches but whose bytes are no tensor frame;
-- updates: only the update chunks of the last two kinds (the coordinator's spool and frame pool).
+- updates: complete frames of `--frame-mb` MiB that are valid tensor frames (their sha256
+  matches, they decode) but no update of the round, again and again for each of its clients:
+  what the coordinator keeps until it folds or refuses them (its frame pool, its spool file).
+  (Frames that never complete are left out here: a login's partial frames are capped, and once
+  at its cap they would keep its complete ones out.)
 Prints one line: messages and MB sent.
 """
 
@@ -30,6 +34,15 @@ import paho.mqtt.client as mqtt
 
 CHUNK = 1 << 20
 BIG = 2_000_000  # under broker.conf's max_packet_size (2 MiB) with the topic and header
+
+
+def tensor_frame(size: int) -> bytes:
+    """A safetensors frame of about `size` bytes: one float32 tensor of zeros."""
+    n = size // 4
+    header = json.dumps({"junk": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}},
+                        separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header + bytes(4 * n)
 
 
 def main() -> None:
@@ -71,6 +84,7 @@ def main() -> None:
     junk = b'{"v":4,"device":"' + me.encode() + b'","x":[' + b"{}," * ((BIG - 64) // 3) + b'{}]}'
     data = os.urandom(CHUNK)
     one = os.urandom(CHUNK - 64)
+    frame = tensor_frame(args.frame_mb * CHUNK - 4096)
     sent = [0, 0]
     began = time.monotonic()
     started = False
@@ -113,11 +127,19 @@ def main() -> None:
         client = mine[n % len(mine)]
         size = args.frame_mb * CHUNK
         sha = hashlib.sha256(str(n).encode()).hexdigest()  # never the frame's
-        for i in range(min(3, args.frame_mb)):  # the start of a frame that never completes
-            publish(f"{root}/update/{me}", chunk(client, seq, i, args.frame_mb, size, sha, data))
-        # a complete one-chunk frame whose sha256 matches: no tensor frame inside
-        publish(f"{root}/update/{me}", chunk(client, seq, 0, 1, len(one),
-                                             hashlib.sha256(one).hexdigest(), one))
+        if args.mode == "mixed":
+            for i in range(min(3, args.frame_mb)):  # the start of a frame that never completes
+                publish(f"{root}/update/{me}", chunk(client, seq, i, args.frame_mb, size, sha,
+                                                     data))
+            # a complete one-chunk frame whose sha256 matches: no tensors inside
+            publish(f"{root}/update/{me}", chunk(client, seq, 0, 1, len(one),
+                                                 hashlib.sha256(one).hexdigest(), one))
+        else:  # a whole valid tensor frame, no update of the round
+            digest = hashlib.sha256(frame).hexdigest()
+            parts = [frame[i:i + CHUNK] for i in range(0, len(frame), CHUNK)]
+            for i, part in enumerate(parts):
+                publish(f"{root}/update/{me}", chunk(client, seq, i, len(parts), len(frame),
+                                                     digest, part))
     c.loop_stop()
     c.disconnect()
     print(f"flooder {me}: {sent[0]} messages, {sent[1] / 1e6:.0f} MB in "

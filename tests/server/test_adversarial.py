@@ -624,10 +624,12 @@ def test_a_flapping_device_costs_at_most_one_wait(data_root, tmp_path, mosquitto
 FLOODER = Path(__file__).resolve().parents[2] / "bench" / "flooder.py"
 
 
-def _flooder(port: int, home: Path, login: str, seconds: float, mode: str) -> subprocess.Popen:
+def _flooder(port: int, home: Path, login: str, seconds: float, mode: str,
+             *more: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(FLOODER), "--port", str(port), "--login", login,
                              "--password-file", str(home / f"{login}.pw"), "--seconds",
-                             str(seconds), "--mode", mode], stdout=subprocess.PIPE, text=True)
+                             str(seconds), "--mode", mode, *more], stdout=subprocess.PIPE,
+                            text=True)
 
 
 def test_a_login_flooding_maximum_size_junk_costs_no_other_device_a_round(
@@ -673,3 +675,81 @@ def test_a_login_flooding_maximum_size_junk_costs_no_other_device_a_round(
         rounds = _device_rounds(res, index, 3)
         assert len(rounds) == 20 and all(s and r == s for s, r in rounds), summary
     assert max(r["seconds"] for r in train) < 30, summary
+
+
+def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_caps(
+        data_root, tmp_path, mosquitto, one_thread, monkeypatch):
+    """Hardening IV, severe finding 2. In a MobileNet run (12.9 MB updates) local03's login
+    floods its update topic with whole valid tensor frames that are no update of the round,
+    again and again, for up to a minute, while
+    the coordinator's memory budgets are taken (as by a big fleet's updates waiting their turn:
+    here set to nothing, so every frame and partial chunk past the first goes to the spool
+    file): the spool file never holds more than the devices' shares (partial frames and
+    complete ones waiting, per device), the frame pool and the in-memory spool stay within
+    HELD_IN_MEMORY, and local01's and local02's clients report in every round. (The code before
+    hardening IV kept a dropped frame's spooled bytes until the step ended: GBs of file here.)"""
+    import threading
+
+    from fedseq.server.mqtt import inbox as box
+
+    seen: dict = {"file": 0, "pool": 0, "memory": 0, "inbox": []}
+    real_open, real_write = box.Inbox.open, box.UpdateSpool.write
+
+    def opened(self, owner, update_bytes, clients_at_once=0):
+        real_open(self, owner, update_bytes, clients_at_once)
+        self.spool.budget, self.frames.budget = 1, 0  # memory taken: everything to the file
+        seen["inbox"].append(self)
+
+    def written(self, data):
+        at = real_write(self, data)
+        seen["file"] = max(seen["file"], self.file_bytes)
+        return at
+
+    monkeypatch.setattr(box.Inbox, "open", opened)
+    monkeypatch.setattr(box.UpdateSpool, "write", written)
+    port, home, _ = mosquitto
+    names = ["local01", "local02", "local03"]
+    daemons = [device_process(n, port, home, data_root) for n in names]
+    flood: list[subprocess.Popen] = []
+    done = threading.Event()
+
+    def attack(att, step):
+        if step.kind == "train" and not flood:
+            flood.append(_flooder(port, home, "local03", 60.0, "updates", "--frame-mb", "12"))
+
+    def sample():
+        while not done.wait(0.05):
+            for inbox in seen["inbox"][-1:]:
+                seen["pool"] = max(seen["pool"], inbox.frames.in_memory)
+                seen["memory"] = max(seen["memory"], inbox.spool.in_memory)
+
+    cfg = quick_config(data_root, "rounds=2", "data.num_clients=6", "train.join_ratio=1.0",
+                       "model.name=mobilenet", "data.fraction=0.05", "data.min_samples=10",
+                       "deploy.min_devices=3", "deploy.round_timeout_s=40",
+                       "deploy.eval_timeout_s=120", "deploy.wait_devices_s=60",
+                       "deploy.username=coordinator",
+                       f"deploy.password_file={str(home / 'coordinator.pw')!r}",
+                       "algorithm.name=fedavg")
+    watcher = Attacker(port, attack, "coordinator", (home / "coordinator.pw").read_text().strip())
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=lambda s: None)
+        said = flood[0].communicate(timeout=120)[0] if flood else ""
+    finally:
+        done.set()
+        watcher.stop()
+        stop_children(daemons + flood)
+    inbox = seen["inbox"][-1]
+    shares = sum(inbox.frames.per_sender + inbox.frame_cap(d) for d in names)
+    sent = re.search(r"(\d+) messages, (\d+) MB", said)
+    facts = (said, seen["file"] >> 20, shares >> 20, seen["pool"] >> 20, seen["memory"] >> 20)
+    assert sent and int(sent.group(2)) > 1000, facts  # it did flood
+    assert seen["file"] <= shares + (16 << 20), facts
+    assert seen["pool"] <= box.HELD_IN_MEMORY and seen["memory"] <= box.HELD_IN_MEMORY + \
+        inbox.update_bytes, facts
+    for index in (0, 1):
+        rounds = _device_rounds(res, index, 3)
+        assert len(rounds) == 2 and all(s and r == s for s, r in rounds), res.rows
+
