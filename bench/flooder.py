@@ -8,10 +8,11 @@ It holds one device's login on a broker with the project's ACL, so it may write 
 device's four topics, and sends as fast as the broker takes it, for `--seconds` or until the
 coordinator's run ends (its step turns idle):
 - mixed: junk statuses, descriptions and evaluations just under the broker's packet limit
-  (2 MiB, JSON as costly to parse as its size allows), oversized update chunks, and update chunks with valid-looking headers for its own
-  clients of the current step (1 MiB of random data, a frame size the run allows, a sha256 that
-  never matches: the chunks are kept until the frame is given up), and complete one-chunk frames
-  whose sha256 matches but whose bytes are no tensor frame;
+  (2 MiB, JSON as costly to parse as its size allows), oversized update chunks, and update
+  chunks with valid-looking headers for its own clients of the current step (1 MiB of random
+  data, a frame size the run allows, a sha256 that never matches: the chunks are kept until the
+  frame is given up), and complete one-chunk frames whose sha256 matches but whose bytes are no
+  tensor frame;
 - updates: complete frames of `--frame-mb` MiB that are valid tensor frames (their sha256
   matches, they decode) but no update of the round, again and again for each of its clients:
   what the coordinator keeps until it folds or refuses them (its frame pool, its spool file).
