@@ -163,12 +163,16 @@ def test_wrong_dtypes_and_huge_values_are_rejected(data_root, tmp_path, mosquitt
         if step.kind != "train":
             return
         w = _upload_shapes(cfg_holder[0], step)
+        # (the login's budget is bytes: the frames of an update's size first, then the double
+        # ones, which its budget or the frame size limit drop unread)
         for c in _theirs(step):
             n = len(loaded[0].clients[c].train)
+            att.forged_update(step, c, "local02", {k: torch.full_like(v, 1e30) for k, v in w.items()}, n)
+            att.forged_update(step, c, "local02",
+                              {k: torch.full(v.shape, 10**9, dtype=torch.int32) for k, v in w.items()}, n)
             att.forged_update(step, c, "local02", {k: v.double() for k, v in w.items()}, n)
             att.forged_update(step, c, "local02",
                               {k: torch.full(v.shape, 10**15, dtype=torch.int64) for k, v in w.items()}, n)
-            att.forged_update(step, c, "local02", {k: torch.full_like(v, 1e30) for k, v in w.items()}, n)
 
     from fedseq.common.data.federated import load_federated
 
@@ -178,6 +182,7 @@ def test_wrong_dtypes_and_huge_values_are_rejected(data_root, tmp_path, mosquitt
     _assert_clean(cfg, res)
     reasons = [r for rej in _rejections(tmp_path) for r in rej.values()]
     assert reasons, "the forged updates were never seen"
+    assert all("magnitude" in r or "is int" in r or "is float64" in r for r in reasons), reasons
 
 
 def test_invalid_update_never_displaces_the_valid_one(data_root, tmp_path, mosquitto, one_thread):
