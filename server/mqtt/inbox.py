@@ -276,6 +276,7 @@ class Inbox:
         self._queued: dict[tuple[str, int, object], int] = {}
         self._held: dict[str, int] = {}  # device -> its events waiting in the queue
         self._frame_bytes: dict[str, int] = {}  # device -> bytes of its complete frames waiting
+        self._frames_of = -1  # the step `_frame_bytes` counts
         self._warned: dict[str, tuple[float, int]] = {}  # device -> (minute began, lines logged)
         self.budgets = LoginBudgets(time.monotonic)
         self.flooded = 0  # messages dropped unread: their device spent its bytes or CPU
@@ -334,6 +335,7 @@ class Inbox:
             if seq >= 0:  # the previous step's updates are all folded in or dropped
                 self.spool.reset()
                 self._frame_bytes.clear()
+                self._frames_of = seq
             self._queued = {k: n for k, n in self._queued.items() if k[1] == seq}
 
     def next_event(self, timeout: float) -> Event | None:
@@ -358,7 +360,7 @@ class Inbox:
             self.spool.free(ev.spooled)
             size = ev.spooled.size
         with self._lock:
-            if ev.spooled is None or ev.spooled.generation == self.spool.generation:
+            if ev.seq == self._frames_of:  # (an older step's frames were forgotten with it)
                 left = self._frame_bytes.get(ev.device, 0) - size
                 if left > 0:
                     self._frame_bytes[ev.device] = left

@@ -331,6 +331,16 @@ def test_a_device_cannot_hold_more_complete_frames_than_its_share(unlimited):
     for m in _update_chunks("dev01", 1, frame):
         box.on_message(T.update("dev01"), m)
     assert box.queue.qsize() == 1
+    box.collect(6)  # a new step: its own shares; the old step's frames given back count nothing
+    for _ in range(UPDATES_PER_CLIENT):
+        for c in (0, 1):
+            for m in _update_chunks("dev01", c, frame, seq=6):
+                box.on_message(T.update("dev01"), m)
+    for ev in events[1:]:
+        box.release(ev)
+    for m in _update_chunks("dev01", 0, frame, seq=6):
+        box.on_message(T.update("dev01"), m)
+    assert box.queue.qsize() == 1 + 3  # the old one left over, and three frames of step 6
 
 
 def test_names_outside_the_fleet_do_not_grow_the_bookkeeping():
