@@ -492,6 +492,16 @@ def test_a_device_login_cannot_fill_the_broker_with_retained_messages(data_root,
     assert sum(map(len, after.values())) < 4 << 20  # the run's own state included
 
 
+def _three_devices(data_root, home, *over: str):
+    """A FedAvg config over local01..03 (6 clients, all of them every round) with the
+    coordinator's login; `over` adds or overrides settings."""
+    return quick_config(data_root, "data.num_clients=6", "train.join_ratio=1.0",
+                        "deploy.min_devices=3", "deploy.eval_timeout_s=120",
+                        "deploy.username=coordinator",
+                        f"deploy.password_file={str(home / 'coordinator.pw')!r}",
+                        "algorithm.name=fedavg", *over)
+
+
 def _device_rounds(res, index: int, n_devices: int) -> list[tuple[list[int], list[int]]]:
     """Per training round: (this device's selected clients, those of them that reported)."""
     rows = [r for r in res.rows if r["phase"] == "train"]
@@ -551,12 +561,8 @@ def test_a_flooding_login_does_not_silence_another_device(data_root, tmp_path, m
 
     # local03's own daemon shares its login's budget: its round-0 updates may be dropped with the
     # flood (its own loss), so that round ends at a short deadline
-    cfg = quick_config(data_root, "rounds=4", "data.num_clients=6", "train.join_ratio=1.0",
-                       "deploy.min_devices=3", "deploy.round_timeout_s=40",
-                       "deploy.eval_timeout_s=120", "deploy.wait_devices_s=120",
-                       "deploy.username=coordinator",
-                       f"deploy.password_file={str(home / 'coordinator.pw')!r}",
-                       "algorithm.name=fedavg")
+    cfg = _three_devices(data_root, home, "rounds=4", "deploy.round_timeout_s=40",
+                         "deploy.wait_devices_s=120")
     attacker = Attacker(port, attack, "local03", (home / "local03.pw").read_text().strip())
     try:
         res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
@@ -629,6 +635,23 @@ def test_a_flapping_device_costs_at_most_one_wait(data_root, tmp_path, mosquitto
 FLOODER = Path(__file__).resolve().parents[2] / "bench" / "flooder.py"
 
 
+def _flooded_run(cfg, port: int, home: Path, tmp_path: Path, attack, children: list,
+                 flood: list) -> tuple:
+    """run_deployment with `attack(watcher, step)` called on each new step (the watcher holds
+    the coordinator's login: it reads every topic), then the flooder's end: (the result, MB the
+    flooder sent, what it said). `children` and the flooder are stopped in any case."""
+    watcher = Attacker(port, attack, "coordinator", (home / "coordinator.pw").read_text().strip())
+    try:
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=lambda s: None)
+        said = flood[0].communicate(timeout=120)[0] if flood else ""
+    finally:
+        watcher.stop()
+        stop_children(children + flood)
+    sent = re.search(r"(\d+) messages, (\d+) MB", said)
+    return res, int(sent.group(2)) if sent else 0, said
+
+
 def _flooder(port: int, home: Path, login: str, seconds: float, mode: str,
              *more: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(FLOODER), "--port", str(port), "--login", login,
@@ -658,22 +681,12 @@ def test_a_login_flooding_maximum_size_junk_costs_no_other_device_a_round(
             daemons["local03"].terminate()  # its clients fail from now on: offline
             flood.append(_flooder(port, home, "local03", 60.0, "mixed"))
 
-    cfg = quick_config(data_root, "rounds=20", "data.num_clients=6", "train.join_ratio=1.0",
-                       "deploy.min_devices=3", "deploy.min_updates=1", "deploy.round_timeout_s=120",
-                       "deploy.eval_timeout_s=120", "deploy.wait_devices_s=5",
-                       "deploy.username=coordinator", "train.eval_every=5",
-                       f"deploy.password_file={str(home / 'coordinator.pw')!r}",
-                       "algorithm.name=fedavg")
-    watcher = Attacker(port, attack, "coordinator", (home / "coordinator.pw").read_text().strip())
-    try:
-        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
-                             announce=lambda s: None)
-        said = flood[0].communicate(timeout=120)[0] if flood else ""
-    finally:
-        watcher.stop()
-        stop_children(list(daemons.values()) + flood)
-    sent = re.search(r"(\d+) messages, (\d+) MB", said)
-    assert sent and int(sent.group(2)) > 500, said  # it did flood
+    cfg = _three_devices(data_root, home, "rounds=20", "deploy.min_updates=1",
+                         "deploy.round_timeout_s=120", "deploy.wait_devices_s=5",
+                         "train.eval_every=5")
+    res, flooded, said = _flooded_run(cfg, port, home, tmp_path, attack,
+                                      list(daemons.values()), flood)
+    assert flooded > 500, said  # it did flood
     train = [r for r in res.rows if r["phase"] == "train"]
     summary = [(r["round"], r.get("seconds"), r.get("reported")) for r in train]
     for index in (0, 1):  # local01 (clients 0, 3), local02 (clients 1, 4)
@@ -728,29 +741,19 @@ def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_
                 seen["pool"] = max(seen["pool"], inbox.frames.in_memory)
                 seen["memory"] = max(seen["memory"], inbox.spool.in_memory)
 
-    cfg = quick_config(data_root, "rounds=2", "data.num_clients=6", "train.join_ratio=1.0",
-                       "model.name=mobilenet", "data.fraction=0.05", "data.min_samples=10",
-                       "deploy.min_devices=3", "deploy.round_timeout_s=40",
-                       "deploy.eval_timeout_s=120", "deploy.wait_devices_s=60",
-                       "deploy.username=coordinator",
-                       f"deploy.password_file={str(home / 'coordinator.pw')!r}",
-                       "algorithm.name=fedavg")
-    watcher = Attacker(port, attack, "coordinator", (home / "coordinator.pw").read_text().strip())
+    cfg = _three_devices(data_root, home, "rounds=2", "model.name=mobilenet",
+                         "data.fraction=0.05", "data.min_samples=10",
+                         "deploy.round_timeout_s=40", "deploy.wait_devices_s=60")
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
-                             announce=lambda s: None)
-        said = flood[0].communicate(timeout=120)[0] if flood else ""
+        res, flooded, said = _flooded_run(cfg, port, home, tmp_path, attack, daemons, flood)
     finally:
         done.set()
-        watcher.stop()
-        stop_children(daemons + flood)
     inbox = seen["inbox"][-1]
     shares = sum(inbox.frames.per_sender + inbox.frame_cap(d) for d in names)
-    sent = re.search(r"(\d+) messages, (\d+) MB", said)
     facts = (said, seen["file"] >> 20, shares >> 20, seen["pool"] >> 20, seen["memory"] >> 20)
-    assert sent and int(sent.group(2)) > 1000, facts  # it did flood
+    assert flooded > 1000, facts  # it did flood
     assert seen["file"] <= shares + (16 << 20), facts
     assert seen["pool"] <= box.HELD_IN_MEMORY and seen["memory"] <= box.HELD_IN_MEMORY + \
         inbox.update_bytes, facts
