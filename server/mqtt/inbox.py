@@ -286,17 +286,16 @@ class Inbox:
         self.on_junk: Callable[[str], None] = lambda topic: None
         self.open({}, 0)
 
-    def open(self, owner: dict[int, str], update_bytes: int, clients_at_once: int = 0) -> None:
+    def open(self, owner: dict[int, str], update_bytes: int) -> None:
         """A run opens: `owner` maps client -> the device that holds it, and an update frame is
         at most `update_bytes` bytes (every shared block's deltas). A device may then have
         (its clients + 1) frames partly arrived, and as many complete ones waiting; its budget
-        grows with its clients and their updates. `clients_at_once`: the most clients one
-        device holds (default: from `owner`)."""
+        grows with its clients and their updates."""
         self.owner = dict(owner)
         self._clients = Counter(owner.values())  # device -> clients: read for every message
         self.fleet = frozenset(self._clients)
         self.update_bytes = update_bytes
-        most = clients_at_once or max(self._clients.values(), default=0)
+        most = max(self._clients.values(), default=0)
         #: messages one update frame takes at most
         self.update_chunks = max(1, -(-update_bytes // CHUNK_BYTES))
         self.frames = FramePool(max_frame=max(1, update_bytes),
