@@ -373,8 +373,7 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
                               is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False,
                               master_listen_fd=listener.fileno())
         secret = new_secret()
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), SECRET_ENV: secret,
-               "GLOO_SOCKET_IFNAME": loopback_interface()}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), SECRET_ENV: secret}
         env.pop(SECRET_FILE_ENV, None)
         env.setdefault("MALLOC_ARENA_MAX", "2")
         for rank in range(1, workers + 1):
@@ -384,10 +383,13 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
         try:
             hellos = admit_ranks(store, workers + 1, secret, JOIN_TIMEOUT)
             init_group(store, 0, workers + 1, loopback=True)
-        except (RuntimeError, dist.DistError, TransportError) as exc:
+        except (RuntimeError, dist.DistError) as exc:
             stop_workers(procs)
             raise TransportError(f"the {workers} simulation workers did not join within "
                                  f"{JOIN_TIMEOUT.total_seconds():.0f} s: {str(exc).splitlines()[0]}") from exc
+        except TransportError:  # one was refused (membership.py says which and why)
+            stop_workers(procs)
+            raise
         finally:
             listener.close()  # the store's server holds its own copy
     try:
