@@ -368,10 +368,7 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
         hellos = admit_ranks(store, world, cluster_secret(), JOIN_TIMEOUT)
         init_group(store, rank, world)
     else:
-        listener = loopback_listener()
-        store = dist.TCPStore("127.0.0.1", listener.getsockname()[1], workers + 1,
-                              is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False,
-                              master_listen_fd=listener.fileno())
+        store = loopback_store(workers + 1)
         secret = new_secret()
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), SECRET_ENV: secret}
         env.pop(SECRET_FILE_ENV, None)
@@ -390,8 +387,6 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
         except TransportError:  # one was refused (membership.py says which and why)
             stop_workers(procs)
             raise
-        finally:
-            listener.close()  # the store's server holds its own copy
     try:
         mine = (__version__, torch.__version__)
         problems = [f"rank {h['rank']} on {printable(h['host'], 80)} runs fedseq "
@@ -429,13 +424,22 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
     return Group(procs, devices, " + ".join(gpus))
 
 
-def loopback_listener() -> socket.socket:
-    """A listening socket on 127.0.0.1 for the rendezvous store of a one-machine group (torch's
-    store would listen on every address)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(128)
-    return sock
+def loopback_store(world: int) -> Any:
+    """The rendezvous store of a one-machine group, listening on 127.0.0.1 only (torch's own
+    would listen on every address): on a socket made here, handed to the store's server as a
+    file descriptor of its own (libuv closes it with the store; the one made here is closed at
+    once, so no descriptor number is ever closed twice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        fd = os.dup(sock.fileno())
+        try:
+            return dist.TCPStore("127.0.0.1", sock.getsockname()[1], world, is_master=True,
+                                 timeout=JOIN_TIMEOUT, wait_for_workers=False,
+                                 master_listen_fd=fd)
+        except BaseException:
+            os.close(fd)
+            raise
 
 
 def loopback_interface() -> str:

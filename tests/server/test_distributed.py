@@ -566,3 +566,27 @@ def test_membership_over_a_store():
     body = json.dumps({"rank": 1, "host": "h"})
     refused, _ = run({1: "s"}, json.dumps({"hello": body, "mac": "0" * 64}).encode())
     assert "rank 2 does not know the run's secret" in str(refused)
+
+
+def test_the_loopback_store_closes_only_its_own_descriptor():
+    """The one-machine store listens on a socket made here (loopback only), handed over as a
+    descriptor of its own: when the store goes, libuv closes that one, never a number that
+    another socket of the process took since (before, the number was closed twice: a coordinator
+    in the same process later lost a socket of its broker's)."""
+    import gc
+
+    from fedseq.server.distributed import loopback_store
+
+    store = loopback_store(1)
+    store.set("k", "v")
+    probe = socket.socket()  # takes the lowest free descriptor number
+    probe.bind(("127.0.0.1", 0))
+    probe.listen()
+    del store
+    gc.collect()
+    time.sleep(0.5)
+    try:
+        os.fstat(probe.fileno())  # still open: the store closed only its own (EBADF before)
+        assert probe.getsockname()[0] == "127.0.0.1"
+    finally:
+        probe.close()
