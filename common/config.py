@@ -18,6 +18,9 @@ else:  # pragma: no cover - Python 3.10 on Jetson
 
 ALGORITHMS = (
     "fedavg",
+    "fedavgm",
+    "fedadam",
+    "fedyogi",
     "fedprox",
     "fedper",
     "fedrep",
@@ -29,6 +32,9 @@ ALGORITHMS = (
     "fedseq-anti",
     "local",
 )
+
+#: [algorithm] keys the coordinator alone reads (the server's optimizer)
+SERVER_ONLY = ("server_lr", "beta1", "beta2", "tau")
 
 #: The random streams a run draws from; each follows `seed` unless [seeds] pins it.
 SEED_STREAMS = ("data", "init", "selection", "training")
@@ -103,6 +109,16 @@ class AlgorithmConfig(_Section):
     # ["conv1", "head"]; the names are checked against the model when the run starts. docs/results.md,
     # "Deviations from the papers".
     finetune_blocks: Union[str, List[str]] = "all"
+    # The server's optimizer (FedAvgM, FedAdam, FedYogi; Reddi et al., "Adaptive Federated
+    # Optimization", ICLR 2021, Algorithm 2): the round's mean delta is a pseudo-gradient that the
+    # server steps along with learning rate `server_lr` (default: 1.0 for FedAvgM, 0.01 for FedAdam
+    # and FedYogi), momentum `beta1` (FedAvgM: m = beta1 m + delta; FedAdam, FedYogi: the EMA
+    # m = beta1 m + (1 - beta1) delta), second-moment decay `beta2` and adaptivity `tau` (the
+    # second moment starts at tau^2). Server-side only: devices are never sent them.
+    server_lr: Optional[float] = Field(None, gt=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.99, ge=0, lt=1)
+    tau: float = Field(1e-3, gt=0)
 
     @field_validator("finetune_blocks")
     @classmethod
@@ -270,6 +286,8 @@ class ExperimentConfig(_Section):
         data["data"].pop("root", None)
         if not any(v is not None for v in data["seeds"].values()):
             data.pop("seeds")  # nothing pinned: the config as devices before [seeds] read it
+        for key in SERVER_ONLY:  # the server optimizer's; devices before it never read them
+            data["algorithm"].pop(key, None)
         if data["model"]["head_init"] == "default":
             data["model"].pop("head_init")  # as devices before model.head_init read it
         return data

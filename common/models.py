@@ -373,6 +373,11 @@ def model_spec(name: str, two_heads: bool, norm: str = "batch") -> ModelSpec:
     return _model_class(name, norm).block_spec(two_heads)
 
 
+def is_statistic(key: str) -> bool:
+    """Whether `key` names a normalization layer's running statistic (not a parameter)."""
+    return key.endswith((".running_mean", ".running_var"))
+
+
 def block_of(key: str) -> str:
     """The block a state_dict key belongs to: `conv1.weight` -> `conv1`."""
     return key.split(".", 1)[0]

@@ -1,8 +1,9 @@
 """A run's checkpoint: everything needed to continue after the last complete round, written
 atomically after every round (`checkpoint.safetensors` in the run directory).
 
-Tensors: the global weights (`global/<key>`) and the in-process pool's personal blocks
-(`personal/<client>/<key>`). JSON metadata: the next round, block versions, the simulated byte
+Tensors: the global weights (`global/<key>`), the in-process pool's personal blocks
+(`personal/<client>/<key>`) and the algorithm's server state (`server/<name>`: a server
+optimizer's moments). JSON metadata: the next round, block versions, the simulated byte
 accounting, the last evaluation, and the MQTT pool's state (run id, step sequence, published block
 versions, assignment). Randomness needs no state: every stream derives from (seed, purpose, round,
 client), so a resumed run is bitwise the uninterrupted one.
@@ -69,13 +70,14 @@ class LoopState:
 @dataclass
 class Checkpoint:
     """A run after its last complete round: the next round, the global weights, the round loop's
-    state and the pool's (its JSON bookkeeping and the personal blocks an in-process pool
-    holds)."""
+    state, the pool's (its JSON bookkeeping and the personal blocks an in-process pool holds)
+    and the algorithm's server state."""
 
     next_round: int
     global_weights: Weights
     loop: LoopState
     pool: PoolState = field(default_factory=PoolState)
+    server: Weights = field(default_factory=dict)
 
 
 def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
@@ -83,6 +85,7 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
     tensors = {f"global/{k}": v for k, v in ckpt.global_weights.items()}
     for c, weights in ckpt.pool.personal.items():
         tensors.update({f"personal/{c}/{k}": v for k, v in weights.items()})
+    tensors.update({f"server/{k}": v for k, v in ckpt.server.items()})
     state = ckpt.loop.to_json()
     if ckpt.pool.state is not None:
         state["pool"] = ckpt.pool.state
@@ -111,4 +114,5 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
         if k.startswith("personal/"):
             _, c, name = k.split("/", 2)
             personal.setdefault(int(c), {})[name] = v
-    return Checkpoint(next_round, glob, loop, PoolState(meta.get("pool"), personal))
+    server = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("server/")}
+    return Checkpoint(next_round, glob, loop, PoolState(meta.get("pool"), personal), server)

@@ -268,7 +268,7 @@ class Coordinator:
                    if len(got.reported) < need else None)
         if refused is None:
             try:
-                new = got.aggregate.apply(self.global_weights)
+                new = self.alg.server_update(self.global_weights, got.aggregate)
             except AggregationError as exc:
                 refused = str(exc)
         if refused is not None:
@@ -404,7 +404,7 @@ class Coordinator:
         return Checkpoint(next_round, self.global_weights,
                           LoopState(self.version, self.client_version, self.local_scores,
                                     self._last_report, row),
-                          self.pool.snapshot())
+                          self.pool.snapshot(), self.alg.server_state())
 
     def _restore(self, ckpt: Checkpoint) -> int:
         """Continue after the checkpoint's last complete round; returns the next round."""
@@ -414,6 +414,7 @@ class Coordinator:
         self.version, self.client_version = loop.version, loop.client_version
         self.local_scores, self._last_report = loop.local_scores, loop.last_report
         self.pool.restore(ckpt.pool)
+        self.alg.load_server_state(ckpt.server)
         row = loop.last_row
         if row is not None and self.run_dir is not None and \
                 row.round not in self.run_dir.logged_rounds:

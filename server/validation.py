@@ -16,7 +16,7 @@ import torch
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.data.rebalance import rebalanced_size
-from fedseq.common.models import Weights, block_of
+from fedseq.common.models import Weights, block_of, is_statistic
 from fedseq.common.text import printable
 
 #: running statistics (BatchNorm buffers, model.norm = "running" or "fedbn") are bounded by rules
@@ -47,11 +47,6 @@ def statistic_problem(key: str, ref: torch.Tensor, delta: torch.Tensor) -> str |
         return (f"tensor {key} would make a running mean of magnitude "
                 f"{float(new.abs().max()):.3g} > {math.sqrt(STAT_CAP):g}")
     return None
-
-
-def is_statistic(key: str) -> bool:
-    """Whether `key` names a normalization layer's running statistic (not a parameter)."""
-    return key.endswith((".running_mean", ".running_var"))
 
 
 @dataclass(frozen=True)

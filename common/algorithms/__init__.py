@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from fedseq.common.algorithms.base import Algorithm
+from fedseq.common.algorithms.fedadam import FedAdam
 from fedseq.common.algorithms.fedavg import FedAvg
+from fedseq.common.algorithms.fedavgm import FedAvgM
 from fedseq.common.algorithms.fedbabu import FedBABU
 from fedseq.common.algorithms.fedper import FedPer
 from fedseq.common.algorithms.fedprox import FedProx
@@ -11,6 +13,7 @@ from fedseq.common.algorithms.fedreg import FedReG
 from fedseq.common.algorithms.fedrep import FedRep
 from fedseq.common.algorithms.fedrod import FedRoD
 from fedseq.common.algorithms.fedseq import FedSeq, FedSeqAnti
+from fedseq.common.algorithms.fedyogi import FedYogi
 from fedseq.common.algorithms.lgfedavg import LGFedAvg
 from fedseq.common.algorithms.local import Local
 from fedseq.common.config import ExperimentConfig
@@ -18,8 +21,8 @@ from fedseq.common.models import ModelSpec
 
 REGISTRY: dict[str, type[Algorithm]] = {
     cls.name: cls
-    for cls in (FedAvg, FedProx, FedPer, FedRep, LGFedAvg, FedBABU, FedRoD, FedReG, FedSeq, FedSeqAnti,
-                Local)
+    for cls in (FedAvg, FedAvgM, FedAdam, FedYogi, FedProx, FedPer, FedRep, LGFedAvg, FedBABU,
+                FedRoD, FedReG, FedSeq, FedSeqAnti, Local)
 }
 
 

@@ -1,12 +1,17 @@
-"""The algorithm interface: pure plan + aggregation-weight logic, no I/O, no clocks."""
+"""The algorithm interface: plans, aggregation weights and the server's update; no I/O, no clocks."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase, ordered_union
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import ConfigError
-from fedseq.common.models import ModelSpec, block_of
+from fedseq.common.models import ModelSpec, Weights, block_of
+
+if TYPE_CHECKING:
+    from fedseq.common.algorithms.robust import Aggregator
 
 
 class Algorithm:
@@ -16,7 +21,10 @@ class Algorithm:
     own, so the same object drives the simulation and a deployment.
 
     Lifecycle: built from the config and the model's block layout, `prepare`d once by the round
-    loop with the partition's training-set sizes, then asked for a plan every round.
+    loop with the partition's training-set sizes, then asked for a plan every round; after each
+    round's updates are folded in, `server_update` makes the new global model. An algorithm may
+    keep server state across rounds (`server_state`, checkpointed with the run and given back
+    by `load_server_state` on resume): the server optimizers do (serveropt.py).
 
     Default behaviour is FedAvg: train every block, upload every block, nothing personal."""
 
@@ -92,10 +100,25 @@ class Algorithm:
         (the CLI's progress line)."""
         return cls.fine_tunes and cfg.algorithm.finetune_epochs > 0
 
-    # -- aggregation -----------------------------------------------------------------------
+    # -- aggregation and the server's update ------------------------------------------------
     def aggregation_weights(self, update: ClientUpdate) -> dict[str, float]:
         """Per-block weight of one client's deltas; default: its sample count."""
         return {block_of(k): float(update.num_samples) for k in update.deltas}
+
+    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> Weights:
+        """The new global tensors from the round's aggregate (every valid update folded in by
+        the configured aggregation rule); default: FedAvg's, the global model plus the mean
+        delta. Raises AggregationError (the round is refused) and then must leave the
+        algorithm's state as it was."""
+        return aggregate.apply(global_weights)
+
+    def server_state(self) -> Weights:
+        """Tensors the algorithm keeps on the server across rounds (saved in every checkpoint);
+        default: none."""
+        return {}
+
+    def load_server_state(self, state: Weights) -> None:
+        """Continue from a checkpoint's `server_state` (a resumed run)."""
 
 
 def finetune_trained(cfg: ExperimentConfig, spec: ModelSpec) -> tuple[str, ...]:

@@ -145,3 +145,10 @@ def test_max_abs_delta_auto_follows_the_models_scale():
     assert load_config(None, ["aggregation.max_abs_delta=50"]).aggregation.delta_bound(0.69) == 50
     with pytest.raises(ConfigError, match="max_abs_delta"):
         load_config(None, ["aggregation.max_abs_delta=-1"])
+
+
+def test_the_config_names_every_registered_algorithm_and_no_other():
+    from fedseq.common.algorithms import REGISTRY
+    from fedseq.common.config import ALGORITHMS
+
+    assert sorted(ALGORITHMS) == sorted(REGISTRY)

@@ -57,9 +57,11 @@ def _wait_online(port, home, device, timeout=120.0):
         watcher.disconnect()
 
 
-def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
-    cfg = quick_config(data_root, "algorithm.name=fedrod", "rounds=2", "train.join_ratio=0.6",
-                       "deploy.port=0")
+@pytest.mark.parametrize("algorithm", ["fedrod", "fedyogi"])
+def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread, algorithm):
+    """A two-head algorithm, and one with a server optimizer (its state on the coordinator)."""
+    cfg = quick_config(data_root, f"algorithm.name={algorithm}", "rounds=2",
+                       "train.join_ratio=0.6", "deploy.port=0")
     dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1, announce=_quiet)
     sim = run_simulation(cfg, out=None)
     assert len(dep.rows) == len(sim.rows) == 2
@@ -83,7 +85,7 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread):
     from fedseq.common.protocol.tensors import frame_size
 
     model = build_model(cfg.model.name, INPUT_SHAPES["fmnist"], NUM_CLASSES["fmnist"],
-                        algorithm_class("fedrod").two_heads)
+                        algorithm_class(algorithm).two_heads)
     personal = make_algorithm(cfg, model.spec).personal_blocks()
     shared = sum(frame_size(get_blocks(model, [b])) for b in model.spec.blocks if b not in personal)
     assert rows[1]["wire_bytes_out"] >= shared, (rows[1]["wire_bytes_out"], shared)

@@ -1,0 +1,17 @@
+"""FedAdam (Reddi et al., ICLR 2021): Adam on the server over FedAvg's mean delta (serveropt.py);
+algorithm.server_lr (default 0.01), beta1, beta2, tau."""
+
+import torch
+
+from fedseq.common.algorithms.serveropt import ServerOptimizer
+
+
+class FedAdam(ServerOptimizer):
+    """Adam's second moment: v = beta2 v + (1 - beta2) delta^2."""
+
+    name = "fedadam"
+    default_server_lr = 0.01
+    adaptive = True
+
+    def second_moment(self, v: torch.Tensor, squared: torch.Tensor) -> torch.Tensor:
+        return self.beta2 * v + (1.0 - self.beta2) * squared

@@ -1,0 +1,18 @@
+"""FedYogi (Reddi et al., ICLR 2021): Yogi on the server over FedAvg's mean delta (serveropt.py);
+algorithm.server_lr (default 0.01), beta1, beta2, tau."""
+
+import torch
+
+from fedseq.common.algorithms.serveropt import ServerOptimizer
+
+
+class FedYogi(ServerOptimizer):
+    """Yogi's second moment: v = v - (1 - beta2) delta^2 sign(v - delta^2), which grows v no
+    faster than Adam's and lets it shrink only additively."""
+
+    name = "fedyogi"
+    default_server_lr = 0.01
+    adaptive = True
+
+    def second_moment(self, v: torch.Tensor, squared: torch.Tensor) -> torch.Tensor:
+        return v - (1.0 - self.beta2) * squared * torch.sign(v - squared)
