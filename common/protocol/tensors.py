@@ -79,6 +79,26 @@ def decode_tensors(
     return out
 
 
+# safetensors lays tensors out by dtype, in its Dtype enum's declaration order from the last
+# (F64 before F32 ...), then by name; this is that order for the dtypes above
+_LAYOUT_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
+_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
 def frame_size(weights: Weights) -> int:
-    """Bytes of the encoded frame for these tensors."""
-    return len(encode_tensors(weights))
+    """Bytes of the frame `encode_tensors(weights)` makes, computed from its header alone
+    (names, dtypes, shapes) without encoding the data: 8 bytes of length, the JSON header as
+    safetensors writes it (compact, tensors in its layout order, padded with spaces to a multiple
+    of 8) and every tensor's raw bytes (tests/common/protocol: equal to the encoded length)."""
+    order = {name: i for i, name in enumerate(_LAYOUT_ORDER)}
+    named = sorted(((_NAMES[v.dtype], k, v) for k, v in weights.items()),
+                   key=lambda t: (order[t[0]], t[1].encode()))
+    entries, offset = [], 0
+    for dtype, key, v in named:
+        size = v.numel() * ITEMSIZE[dtype]
+        info = {"dtype": dtype, "shape": list(v.shape), "data_offsets": [offset, offset + size]}
+        entries.append(f"{json.dumps(key, ensure_ascii=False)}:"
+                       f"{json.dumps(info, separators=(',', ':'))}")
+        offset += size
+    header = len(("{" + ",".join(entries) + "}").encode())
+    return 8 + header + (-header) % 8 + offset

@@ -347,3 +347,24 @@ def test_client_steps_count_the_local_optimizer_steps(name):
         assert expected == sum(math.ceil(len(coord.data.clients[c].train) / bs)
                                for c in rec.reported)
     assert all(r.client_steps for r in records if r.reported or r.phase == "finetune")
+
+
+def test_a_simulation_loads_no_mqtt_code(data_root):
+    """fedseq-sim's in-process run (and --workers') is the round loop over a pool: importing
+    and running it loads neither the MQTT client nor the deployment's modules."""
+    import subprocess
+    import sys
+
+    over = [f"data.root={str(data_root)!r}", "data.fraction=0.02", "data.num_clients=3",
+            "rounds=1", "algorithm.name=fedavg"]
+    code = ("import sys; from fedseq.common.config import load_config; "
+            "from fedseq.server.simulation import run_simulation; "
+            f"run_simulation(load_config(None, {over!r}), None); "
+            "import fedseq.server.distributed; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('paho', 'amqtt') "
+            "or m.startswith(('fedseq.server.mqtt', 'fedseq.server.deployment', "
+            "'fedseq.server.broker'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

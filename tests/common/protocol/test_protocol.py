@@ -7,7 +7,7 @@ from fedseq.common.errors import ProtocolError
 from fedseq.common.models import build_model, get_blocks
 from fedseq.common.protocol.frames import CHUNK_BYTES, Reassembler, pack_chunk, split_frame, unpack_chunk
 from fedseq.common.protocol.messages import PROTOCOL_VERSION, Step, UpdateHeader, WeightsHeader
-from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
+from fedseq.common.protocol.tensors import DTYPES, decode_tensors, encode_tensors, frame_size
 from fedseq.common.protocol.topics import TopicRef, Topics
 
 
@@ -134,3 +134,28 @@ def test_every_device_model_is_complete_on_this_python():
     step = Step(run_id="r", seq=1, round=0, kind="train", clients=[1, 2],
                 versions={"fc1": 3}, eval_heads=["fc2"])
     assert Step.model_validate_json(step.model_dump_json()) == step
+
+
+def test_frame_size_is_the_encoded_length_without_encoding():
+    """Every dtype, empty and scalar tensors, names that sort differently as bytes and as
+    characters or need JSON escapes, and sizes whose offsets change digit counts: the size from
+    the header equals the length safetensors writes, and the models' frames too."""
+    gen = torch.Generator().manual_seed(0)
+    names = ["w", "a.b", "Z", "é", "ü.weight", 'q"uote', "tab\tx", "ctl\x01", "\u65e5", "b" * 40]
+    for trial in range(200):
+        k = int(torch.randint(0, 8, (1,), generator=gen))
+        weights = {}
+        for i in range(k):
+            dtype = list(DTYPES.values())[int(torch.randint(0, len(DTYPES), (1,), generator=gen))]
+            shape = [int(d) for d in torch.randint(0, 6, (int(torch.randint(0, 4, (1,),
+                                                                            generator=gen)),),
+                                                   generator=gen)]
+            if trial % 7 == 0 and shape:
+                shape[0] *= 1000  # offsets of more digits
+            weights[f"{names[(trial + i) % len(names)]}{i}"] = torch.zeros(shape, dtype=dtype)
+        assert frame_size(weights) == len(encode_tensors(weights)), weights.keys()
+    for name in ("cnn", "convnet", "4convnet"):
+        model = build_model(name, (1, 28, 28), 10, True)
+        for b in model.spec.blocks:
+            part = get_blocks(model, [b])
+            assert frame_size(part) == len(encode_tensors(part))
