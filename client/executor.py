@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -21,11 +21,10 @@ from fedseq.common.algorithms import algorithm_class
 from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict
 from fedseq.common.data.federated import FederatedData, load_federated
 from fedseq.common.errors import ProtocolError
-from fedseq.common.evaluation import evaluate
+from fedseq.common.execution import ClientExecutor
 from fedseq.common.models import BlockModel, Weights, build_run_model
 from fedseq.common.protocol.messages import EvalResult, Step, UpdateHeader
 from fedseq.common.protocol.tensors import encode_tensors
-from fedseq.common.training import finetune_and_score, run_client_round
 
 log = logging.getLogger(__name__)
 
@@ -65,32 +64,26 @@ class StepExecutor:
                                         cfg.model.norm).to(self.torch_device)
         return run.data, run.model
 
-    def _personal(self, run: RunState, client: int, personal: Tuple[str, ...],
-                  before: Optional[int] = None) -> Weights:
-        """A client's stored personal blocks; version 0 (never trained): the initial model's."""
-        stored = self.store.load(run.run_id, client, before)
-        if stored is not None:
-            return stored
-        return self.session.weights(run, list(personal))
+    def clients(self, run: RunState) -> ClientExecutor:
+        """The run's clients of this device, their personal blocks on this device's disk."""
+        data, model = self.prepare(run)
+        return ClientExecutor(model, data, run.cfg.seed_for("training"),
+                              run.cfg.train.eval_batch_size, OnDisk(self, run))
 
     # -- handlers --------------------------------------------------------------------------
     def _train(self, run: RunState, step: Step, mine: List[int]) -> None:
-        data, model = self.prepare(run)
+        clients = self.clients(run)
         plan = _plan(step)
         shared = self.session.weights(run, list(step.versions))
         for c in mine:
             if self.abort(step):
                 return
-            start = {**shared, **self._personal(run, c, plan.personal, before=step.round)}
             mark = self.meter.mark()
-            update, personal = run_client_round(model, start, plan, data, data.clients[c],
-                                                run.cfg.seed_for("training"), step.round)
+            update = clients.train(c, step.round, plan, shared)
             cost = self._cost(mark)
             if update.diverged_at is not None:  # refused by the coordinator; blocks kept as they were
                 log.warning("round %d: client %d's training diverged (NaN or Inf loss at batch %d)",
                             step.round, c, update.diverged_at)
-            elif personal:  # the plan's personal blocks, FedBN's normalization layers
-                self.store.save(run.run_id, c, personal, step.round)
             meta = dict(run_id=run.run_id, seq=step.seq, round=step.round, client=c,
                         device=self.session.device, num_samples=update.num_samples,
                         effective_samples=update.effective_samples,
@@ -103,17 +96,15 @@ class StepExecutor:
                               functools.partial(self._publish_update, meta, frame))
 
     def _evaluate(self, run: RunState, step: Step, mine: List[int]) -> None:
-        data, model = self.prepare(run)
+        clients = self.clients(run)
         shared = self.session.weights(run, list(step.versions))
-        personal_names = tuple(step.personal)
         # the stored state even without personal blocks: FedBN's normalization layers are in it
-        personal = {c: self._personal(run, c, personal_names) for c in mine}
-        rep = evaluate(model, data, shared, personal, tuple(step.eval_heads), clients=mine,
-                       with_global=False, batch=run.cfg.train.eval_batch_size)
+        rep = clients.evaluate(shared, step.personal, tuple(step.eval_heads), clients=mine,
+                               with_global=False)
         self._send_scores(run, step, rep.per_client)
 
     def _finetune(self, run: RunState, step: Step, mine: List[int]) -> None:
-        data, model = self.prepare(run)
+        clients = self.clients(run)
         plan = _plan(step)
         shared = self.session.weights(run, list(step.versions))
         results: Dict[int, Tuple[int, int]] = {}
@@ -122,12 +113,9 @@ class StepExecutor:
         for c in mine:
             if self.abort(step):
                 return
-            start = {**shared, **self._personal(run, c, tuple(step.personal))}
             mark = self.meter.mark()
-            results[c], at = finetune_and_score(model, start, plan, data, data.clients[c],
-                                                run.cfg.seed_for("training"),
-                                                tuple(step.eval_heads),
-                                                run.cfg.train.eval_batch_size)
+            results[c], at = clients.finetune(c, plan, shared, step.personal,
+                                              tuple(step.eval_heads))
             if at is not None:
                 diverged[c] = at
                 log.warning("step %d: client %d's fine-tuning diverged (NaN or Inf loss at batch "
@@ -179,3 +167,22 @@ def _plan(step: Step) -> ClientPlan:
         raise ProtocolError(f"step {step.seq} ({step.kind}) carries no plan")
     return plan_from_dict(step.plan)
 
+
+class OnDisk:
+    """A device's clients' personal blocks: the newest this device stored (client/state.py);
+    a client that never trained here starts from the run's published version 0."""
+
+    def __init__(self, executor: StepExecutor, run: RunState):
+        self.store = executor.store
+        self.session = executor.session
+        self.run = run
+
+    def load(self, client: int, names: Sequence[str], before: Optional[int] = None) -> Weights:
+        stored = self.store.load(self.run.run_id, client, before)
+        if stored is not None:
+            return stored
+        return self.session.weights(self.run, list(names))
+
+    def save(self, client: int, blocks: Weights, round: int) -> None:
+        if blocks:  # the plan's personal blocks, FedBN's normalization layers
+            self.store.save(self.run.run_id, client, blocks, round)

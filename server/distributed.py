@@ -50,11 +50,11 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig, dump_config, tomllib
 from fedseq.common.errors import ConfigError, FedseqError, TransportError
-from fedseq.common.evaluation import EvalReport, evaluate
+from fedseq.common.evaluation import EvalReport
+from fedseq.common.execution import ClientExecutor, InMemory
 from fedseq.common.hardware import torch_device
 from fedseq.common.models import BlockModel, Weights, personal_tensors
 from fedseq.common.text import printable
-from fedseq.common.training import finetune_and_score, run_client_round
 from fedseq.server.membership import (
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -559,22 +559,23 @@ def serve() -> None:
             return
         mine = body["shares"][rank - 1]
         start = time.perf_counter()
+        # the step's clients' personal blocks, as rank 0 holds them; what training changes is
+        # answered back
+        personal = InMemory(body["personal"])
+        clients = ClientExecutor(model, data, seed, eval_batch, personal)
         try:
             if kind == "train":
                 answer: Any = {}
                 for c in mine:
-                    answer[c] = run_client_round(
-                        model, {**body["weights"], **body["personal"][c]}, body["plan"], data,
-                        data.clients[c], seed, body["round"])
+                    update = clients.train(c, body["round"], body["plan"], body["weights"])
+                    answer[c] = (update, personal.blocks[c])
             elif kind == "evaluate":
-                answer = evaluate(model, data, body["weights"], body["personal"],
-                                  body["eval_heads"], clients=mine, batch=eval_batch)
+                answer = clients.evaluate(body["weights"], (), body["eval_heads"], clients=mine)
             else:
                 scores, diverged = {}, {}
                 for c in mine:
-                    scores[c], d = finetune_and_score(
-                        model, {**body["weights"], **body["personal"][c]}, body["plan"], data,
-                        data.clients[c], seed, body["eval_heads"], eval_batch)
+                    scores[c], d = clients.finetune(c, body["plan"], body["weights"], (),
+                                                    body["eval_heads"])
                     if d is not None:
                         diverged[c] = d
                 answer = (scores, diverged)

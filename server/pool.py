@@ -19,9 +19,9 @@ import torch
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.data.federated import FederatedData
-from fedseq.common.evaluation import EvalReport, evaluate
+from fedseq.common.evaluation import EvalReport
+from fedseq.common.execution import ClientExecutor, InMemory
 from fedseq.common.models import BlockModel, Weights, personal_tensors
-from fedseq.common.training import finetune_and_score, run_client_round
 
 #: the round loop's verdict on one update: None = valid, else why it is rejected
 UpdateCheck = Callable[[ClientUpdate], "str | None"]
@@ -173,14 +173,13 @@ class InProcessPool:
     ):
         model, data = on_device(model, data, device)
         self.data = data
-        self.model = model
-        self.seed = seed
-        self.eval_batch = eval_batch
+        self.personal_blocks = personal_blocks
         initial = personal_tensors(model, personal_blocks)
         # Personal blocks start from the initial global model, as on a device.
         self.personal: dict[int, Weights] = {
             c.client: {k: v.clone() for k, v in initial.items()} for c in data.clients
         }
+        self.clients = ClientExecutor(model, data, seed, eval_batch, InMemory(self.personal))
 
     def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
         """Nothing to announce: the clients live in this process."""
@@ -191,22 +190,22 @@ class InProcessPool:
 
     def _train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
                check: UpdateCheck) -> Generator[ClientUpdate, None, RoundOutcome]:
-        trained = (run_client_round(self.model, {**weights, **self.personal[c]}, plan, self.data,
-                                    self.data.clients[c], self.seed, round) for c in clients)
-        return (yield from hand_on(trained, self.personal, check))
+        for c in clients:
+            update = self.clients.train(c, round, plan, weights)
+            if check(update) is None:
+                yield update
+        return RoundOutcome()
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
                  ) -> EvalOutcome:
-        return EvalOutcome(evaluate(self.model, self.data, weights, self.personal, eval_heads,
-                                    batch=self.eval_batch))
+        return EvalOutcome(self.clients.evaluate(weights, self.personal_blocks, eval_heads))
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
                  check: ScoreCheck, progress: Progress) -> FinetuneOutcome:
         out = FinetuneOutcome({})
         for shard in self.data.clients:
-            out.scores[shard.client], diverged = finetune_and_score(
-                self.model, {**weights, **self.personal[shard.client]}, plan, self.data, shard,
-                self.seed, eval_heads, self.eval_batch)
+            out.scores[shard.client], diverged = self.clients.finetune(
+                shard.client, plan, weights, self.personal_blocks, eval_heads)
             if diverged is not None:
                 out.diverged[shard.client] = diverged
             progress(len(out.scores), len(self.data.clients))
