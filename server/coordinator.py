@@ -129,6 +129,7 @@ class Coordinator:
         on_round: Callable[[RoundRecord], None] | None = None,
         on_progress: Callable[[int, int], None] | None = None,
         collect_threads: int | None = None,
+        pause_after: int | None = None,
     ):
         self.cfg = cfg
         self.alg = algorithm
@@ -141,7 +142,7 @@ class Coordinator:
         self.collect_threads = collect_threads
         self.global_weights = get_blocks(model, model.spec.blocks)
         #: stop (resumably, after its checkpoint) once this many rounds are complete
-        self.pause_after: int | None = None
+        self.pause_after = pause_after
         algorithm.prepare([len(c.train) for c in data.clients])
         # Block versions: version 0 of every block is the seed-derived initial model. bytes_down
         # counts a block for a client when the client does not hold its current version; a client

@@ -19,14 +19,15 @@ from fedseq.common.errors import ConfigError
 from fedseq.common.files import read_secret
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.server.broker import EmbeddedBroker, one_run_login
-from fedseq.server.checkpoint import load_checkpoint
-from fedseq.server.coordinator import Coordinator, RunResult
-from fedseq.server.experiment import load_experiment
+from fedseq.server.checkpoint import Checkpoint
+from fedseq.server.coordinator import RunResult
+from fedseq.server.experiment import Experiment
 from fedseq.server.mqtt import MqttPool
 from fedseq.server.processes import die_with_parent, stop_children
 from fedseq.server.records import RoundRecord
 from fedseq.server.rehearsal import Rehearsal
-from fedseq.server.rundir import RunDir, recorded
+from fedseq.server.run import run_experiment
+from fedseq.server.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
@@ -120,18 +121,40 @@ def run_deployment(
 ) -> RunResult:
     """mode "resume" continues `out` after its checkpoint's last complete round, under the same
     run id (devices keep their personal state) and the same assignment."""
-    ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
-    if ckpt is not None and ckpt.pool.state is None:
-        raise ConfigError(f"--resume {out}: that run was simulated; resume it with fedseq-sim")
     if rehearsal is not None and (broker or cfg.deploy.broker) is not None:
         raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
                           "its bridge; leave out --broker and deploy.broker")
-    # torn down in reverse: the devices' record, the pool (devices hear why a run ended), the
-    # local devices, their state folder, the embedded broker, the rehearsal's login
-    with contextlib.ExitStack() as stack:
-        url = broker or cfg.deploy.broker
-        cfg_login = cfg
-        if url is None:
+    fleet = Fleet(cfg, out, broker, local_clients, announce, client_threads, rehearsal)
+    return run_experiment(cfg, out, fleet, mode, info, on_round, on_progress)
+
+
+class Fleet:
+    """The devices over MQTT (MqttPool), through `broker` or an embedded one started here, with
+    `local_clients` fedseq-client daemons started here (in a rehearsal's namespaces). Set up and
+    torn down in reverse by run_experiment's stack: the embedded broker, the rehearsal's login,
+    the local devices' state folder and the devices, the pool (devices hear why a run ended), the
+    devices' record."""
+
+    remote = True  # the coordinator's global evaluation reads the test rows and nothing else
+    collect_threads = 1
+
+    def __init__(self, cfg: ExperimentConfig, out: Path | None, broker: str | None,
+                 local_clients: int, announce: Callable[[str], None],
+                 client_threads: int | None, rehearsal: Rehearsal | None):
+        self.cfg, self.out, self.url = cfg, out, broker or cfg.deploy.broker
+        self.local_clients, self.client_threads = local_clients, client_threads
+        self.announce, self.rehearsal = announce, rehearsal
+        self.cfg_login = cfg  # the run's login (a rehearsal's own), never written to its config
+        self.run_id = ""
+
+    def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
+        """The broker (embedded if none is given) and the pool's connection, before minutes of
+        data loading: a wrong address or password is said first."""
+        cfg, rehearsal = self.cfg, self.rehearsal
+        if ckpt is not None and ckpt.pool.state is None:
+            raise ConfigError(f"--resume {self.out}: that run was simulated; resume it with "
+                              "fedseq-sim")
+        if self.url is None:
             # a rehearsal's bridge is reachable from this machine's namespaces only, and its
             # broker takes one login made for this run (unless a password file is given): the
             # daemons there run as root, and nobody else may publish to them
@@ -142,48 +165,47 @@ def run_deployment(
                 passwords, secret = one_run_login(Path(auth))
                 login = cfg.deploy.model_copy(update={"username": "rehearsal",
                                                       "password_file": secret})
-                cfg_login = cfg.model_copy(update={"deploy": login})
+                self.cfg_login = cfg.model_copy(update={"deploy": login})
             embedded = EmbeddedBroker(host, cfg.deploy.port, passwords, cfg.deploy.allow_anonymous)
             stack.callback(embedded.stop)
             embedded.start()
-            url = embedded.url
-            announce(f"embedded MQTT broker at {url} - start devices with: "
-                     f"fedseq-client --device NAME --broker {url}")
+            self.url = embedded.url
+            self.announce(f"embedded MQTT broker at {self.url} - start devices with: "
+                          f"fedseq-client --device NAME --broker {self.url}")
         # the local devices' personal state lives in the run directory, so --resume keeps it
-        state = Path(out) / "local-devices" if out is not None else None
-        if local_clients and state is None:
-            state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-local-")))
-        children: list[subprocess.Popen] = []
-        stack.callback(stop_children, children)
+        self.state = Path(self.out) / "local-devices" if self.out is not None else None
+        if self.local_clients and self.state is None:
+            self.state = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="fedseq-local-")))
+        self.children: list[subprocess.Popen] = []
+        stack.callback(stop_children, self.children)
         pool_state = ckpt.pool.state if ckpt is not None else None
-        run_id = (pool_state["run_id"] if pool_state
-                  else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
-        d = cfg_login.deploy  # the run's login (a rehearsal's own), never written to its config
+        self.run_id = (pool_state["run_id"] if pool_state
+                       else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+        d = self.cfg_login.deploy
         tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
-        # The broker first: a wrong address or password is said before minutes of data loading.
-        pool = stack.enter_context(_opened(MqttPool(
-            cfg, url, run_id, d.username, read_secret(d.password_file, "deploy.password_file"),
-            tls)))
-        # the coordinator's global evaluation reads the test rows and nothing else
-        exp = load_experiment(cfg, test_images_only=True)
-        if local_clients:
-            assert state is not None
-            children += spawn_local_clients(local_clients, url, cfg_login, state, client_threads,
-                                            rehearsal)
-            if rehearsal is not None:
-                announce(rehearsal.describe())
-        devices = pool.wait_for_devices(max(cfg.deploy.min_devices, local_clients),
-                                        cfg.deploy.wait_devices_s)
-        announce(f"run {run_id}: {len(devices)} devices ({', '.join(devices)})"
-                 + (f", resumed at round {ckpt.next_round}" if ckpt else ""))
-        run_dir = None
-        if out is not None:
-            run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0,
-                             {"run_id": run_id, **(info or {})})
-            record_devices(run_dir, pool)
-            stack.callback(_record_devices_finally, run_dir, pool)
-        coordinator = Coordinator(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir, on_round,
-                                  on_progress, collect_threads=1)
-        with recorded(run_dir):
-            result = coordinator.run(ckpt)
-    return result
+        self.pool = stack.enter_context(_opened(MqttPool(
+            cfg, self.url, self.run_id, d.username,
+            read_secret(d.password_file, "deploy.password_file"), tls)))
+
+    def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
+                  ) -> MqttPool:
+        """The local devices started, and the fleet's devices online."""
+        if self.local_clients:
+            assert self.state is not None and self.url is not None
+            self.children += spawn_local_clients(self.local_clients, self.url, self.cfg_login,
+                                                 self.state, self.client_threads, self.rehearsal)
+            if self.rehearsal is not None:
+                self.announce(self.rehearsal.describe())
+        devices = self.pool.wait_for_devices(max(self.cfg.deploy.min_devices, self.local_clients),
+                                             self.cfg.deploy.wait_devices_s)
+        self.announce(f"run {self.run_id}: {len(devices)} devices ({', '.join(devices)})"
+                      + (f", resumed at round {ckpt.next_round}" if ckpt else ""))
+        return self.pool
+
+    def info(self) -> dict[str, Any]:
+        return {"run_id": self.run_id}
+
+    def started(self, stack: contextlib.ExitStack, run_dir: RunDir) -> None:
+        record_devices(run_dir, self.pool)
+        stack.callback(_record_devices_finally, run_dir, self.pool)

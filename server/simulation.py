@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.hardware import compute_record, torch_device
-from fedseq.server.checkpoint import load_checkpoint
-from fedseq.server.coordinator import Coordinator, RunResult
-from fedseq.server.experiment import load_experiment
+from fedseq.server.checkpoint import Checkpoint
+from fedseq.server.coordinator import RunResult
+from fedseq.server.experiment import Experiment
 from fedseq.server.pool import InProcessPool
 from fedseq.server.records import RoundRecord
-from fedseq.server.rundir import RunDir, recorded
+from fedseq.server.run import Transport, run_experiment
+from fedseq.server.rundir import RunDir
+
+if TYPE_CHECKING:
+    from fedseq.server.distributed import DistributedPool
 
 
 def default_threads(cores: int | None = None, load: float | None = None) -> int:
@@ -66,81 +71,98 @@ def run_simulation(
     from fedseq.server.distributed import under_torchrun
 
     if workers > 0 or workers_per_gpu > 0 or under_torchrun():
-        return _run_distributed(cfg, out, on_round, mode, info, on_progress, pause_after, workers,
-                                workers_per_gpu)
-    threads = sim_threads(cfg.train.threads)
-    torch.set_num_threads(threads)
-    info = {**(info or {}), "threads": threads}
-    device = torch_device(cfg.train.device)
-    # what else bitwise reproducibility depends on (README, Reproducibility); "device" is "cpu"
-    # or the GPU's name, as the report reads it
-    record = compute_record(device)
-    info.update(record, device=record["gpu"] or str(device))
-    ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
-    exp = load_experiment(cfg)
-    pool = InProcessPool(exp.data, exp.model, exp.algorithm.personal_blocks(), cfg.seed_for("training"),
-                         cfg.train.eval_batch_size, device)
-    run_dir = None
-    if out is not None:
-        run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0, info)
-    coordinator = Coordinator(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir, on_round,
-                              on_progress)
-    coordinator.pause_after = pause_after
-    with recorded(run_dir):
-        return coordinator.run(ckpt)
+        transport: Transport = Workers(cfg, workers, workers_per_gpu)
+    else:
+        transport = InProcess(cfg)
+    return run_experiment(cfg, out, transport, mode, info, on_round, on_progress, pause_after)
 
 
-def _run_distributed(
-    cfg: ExperimentConfig,
-    out: Path | None,
-    on_round: Callable[[RoundRecord], None] | None,
-    mode: str,
-    info: dict[str, Any] | None,
-    on_progress: Callable[[int, int], None] | None,
-    pause_after: int | None,
-    workers: int,
-    per_gpu: int,
-) -> RunResult:
-    """Rank 0 of a distributed simulation: the same round loop over a DistributedPool. Every
-    worker and rank 0 use train.threads torch threads (default 1: one thread per client and a
-    worker per core is the fast setting, and its numbers are the in-process run's with
-    train.threads = 1). With train.device on GPUs, each worker trains on the GPU `placement`
-    gives it (rank 0 needs none)."""
-    from fedseq.server.distributed import DistributedPool, end_group, start_group, under_torchrun
+class InProcess:
+    """Every client in this process (InProcessPool), on train.threads torch threads and
+    train.device."""
 
-    if workers == 0 and not under_torchrun():
-        workers = per_gpu * torch.cuda.device_count()
-        if workers == 0:
-            raise ConfigError(f"--workers-per-gpu {per_gpu}: torch {torch.__version__} sees no "
-                              "GPU here; give --workers N to train on CPU cores")
-    threads = cfg.train.threads if isinstance(cfg.train.threads, int) else 1
-    torch.set_num_threads(threads)
-    ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
-    # rank 0 never trains: the partition's sizes and labels and the test images are enough
-    exp = load_experiment(cfg, test_images_only=True)
-    group = start_group(cfg, workers, threads, per_gpu)
-    try:
+    remote = False
+    collect_threads = None
+
+    def __init__(self, cfg: ExperimentConfig):
+        self.cfg = cfg
+        self.threads = sim_threads(cfg.train.threads)
+        torch.set_num_threads(self.threads)
+        self.device = torch_device(cfg.train.device)
+
+    def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
+        """Nothing to reach."""
+
+    def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
+                  ) -> InProcessPool:
+        return InProcessPool(exp.data, exp.model, exp.algorithm.personal_blocks(),
+                             self.cfg.seed_for("training"), self.cfg.train.eval_batch_size,
+                             self.device)
+
+    def info(self) -> dict[str, Any]:
+        # what else bitwise reproducibility depends on (README, Reproducibility); "device" is
+        # "cpu" or the GPU's name, as the report reads it
+        record = compute_record(self.device)
+        return {"threads": self.threads, **record, "device": record["gpu"] or str(self.device)}
+
+    def started(self, stack: contextlib.ExitStack, run_dir: RunDir) -> None:
+        """Nothing to record beside the run directory."""
+
+
+class Workers:
+    """Rank 0 of a distributed simulation: the clients trained by the workers of a
+    torch.distributed process group (DistributedPool). Every worker and rank 0 use
+    train.threads torch threads (default 1: one thread per client and a worker per core is the
+    fast setting, and its numbers are the in-process run's with train.threads = 1). With
+    train.device on GPUs, each worker trains on the GPU `placement` gives it (rank 0 needs
+    none)."""
+
+    remote = True  # rank 0 never trains: the partition's sizes and labels and the test images
+    collect_threads = None
+
+    def __init__(self, cfg: ExperimentConfig, workers: int, per_gpu: int):
+        from fedseq.server.distributed import under_torchrun
+
+        if workers == 0 and not under_torchrun():
+            workers = per_gpu * torch.cuda.device_count()
+            if workers == 0:
+                raise ConfigError(f"--workers-per-gpu {per_gpu}: torch {torch.__version__} sees "
+                                  "no GPU here; give --workers N to train on CPU cores")
+        self.cfg, self.workers, self.per_gpu = cfg, workers, per_gpu
+        self.threads = cfg.train.threads if isinstance(cfg.train.threads, int) else 1
+        torch.set_num_threads(self.threads)
+        self._info: dict[str, Any] = {}
+
+    def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
+        """The group starts once the experiment is loaded (open_pool)."""
+
+    def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
+                  ) -> DistributedPool:
         import torch.distributed as dist
 
-        workers = dist.get_world_size() - 1
+        from fedseq.server.distributed import DistributedPool, end_group, start_group
+
+        group = start_group(self.cfg, self.workers, self.threads, self.per_gpu)
+        stack.callback(end_group, group.procs)
         on_gpu = sorted({d for d in group.devices.values() if d != "cpu"})
-        info = {**(info or {}), "threads": threads, "workers": workers,
-                **compute_record(torch.device("cpu")), "device": group.gpu or "cpu"}
+        self._info = {"threads": self.threads, "workers": dist.get_world_size() - 1,
+                      **compute_record(torch.device("cpu")), "device": group.gpu or "cpu"}
         if on_gpu:
-            info.update(gpu=group.gpu, torch_device=", ".join(on_gpu),
-                        workers_per_gpu=per_gpu or None)
+            self._info.update(gpu=group.gpu, torch_device=", ".join(on_gpu),
+                              workers_per_gpu=self.per_gpu or None)
         pool = DistributedPool({c.client: (len(c.train), len(c.test)) for c in exp.data.clients},
                                exp.model, exp.algorithm.personal_blocks(),
-                               cfg.seed_for("training"), cfg.train.eval_batch_size)
-        run_dir = None
-        if out is not None:
-            run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0, info)
-        coordinator = Coordinator(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir,
-                                  on_round, on_progress)
-        coordinator.pause_after = pause_after
-        with recorded(run_dir):
-            result = coordinator.run(ckpt)
-        pool.stop()
-        return result
-    finally:
-        end_group(group.procs)
+                               self.cfg.seed_for("training"), self.cfg.train.eval_batch_size)
+
+        def stop_after_a_finished_run(kind: Any, exc: Any, tb: Any) -> None:
+            if kind is None:  # the workers exit; after a failure end_group stops them
+                pool.stop()
+
+        stack.push(stop_after_a_finished_run)
+        return pool
+
+    def info(self) -> dict[str, Any]:
+        return self._info
+
+    def started(self, stack: contextlib.ExitStack, run_dir: RunDir) -> None:
+        """Nothing to record beside the run directory."""
