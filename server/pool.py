@@ -12,7 +12,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,8 +23,11 @@ from fedseq.common.evaluation import EvalReport
 from fedseq.common.execution import ClientExecutor, InMemory
 from fedseq.common.models import BlockModel, Weights, personal_tensors
 
+if TYPE_CHECKING:
+    from fedseq.server.records import Rejection
+
 #: the round loop's verdict on one update: None = valid, else why it is rejected
-UpdateCheck = Callable[[ClientUpdate], "str | None"]
+UpdateCheck = Callable[[ClientUpdate], "Rejection | None"]
 #: the round loop's verdict on one client's reported test score (client, correct, total)
 ScoreCheck = Callable[[int, int, int], "str | None"]
 #: (clients done, clients in all) while fine-tuning

@@ -93,9 +93,8 @@ def divergence_note(run: Run) -> str | None:
     """What diverged in a run (a NaN or Inf loss; recorded since protocol v4): training updates
     refused as diverged, and clients whose fine-tuning diverged (their P is their diverged
     model's score); None when nothing did."""
-    # the refusal's wording is server/validation.py's (not imported: it would load torch here)
-    trained = sum(1 for r in run.train_rows for why in r.rejected.values()
-                  if why.startswith("training diverged"))
+    trained = sum(1 for r in run.train_rows for code in r.refusal_codes().values()
+                  if code == "diverged")
     tuned = sorted(c for r in run.rows if r.phase == "finetune" for c in r.diverged)
     if not trained and not tuned:
         return None

@@ -16,7 +16,7 @@ from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
-from fedseq.common.protocol.tensors import encode_tensors
+from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.protocol.topics import Topics
 from fedseq.common.text import printable
 from fedseq.server.mqtt.blocks import BlockPublisher
@@ -102,7 +102,7 @@ class MqttPool:
         # An update frame holds at most every shared block's deltas: what bounds what each
         # device may make the inbox hold (its frames, its budget: Inbox.open).
         shared = in_blocks(weights, {block_of(k) for k in weights} - set(personal))
-        biggest = len(encode_tensors(shared)) + 4096
+        biggest = frame_size(shared) + 4096
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
         self.inbox.open(self.owner, biggest)
         self.update_chunks = self.inbox.update_chunks  # messages per update, at most
