@@ -45,8 +45,8 @@ import torch
 from fedseq.common import __version__
 from fedseq.common.algorithms import algorithm_class
 from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.catalog import INPUT_SHAPES
 from fedseq.common.data.federated import load_federated
-from fedseq.common.data.readers import INPUT_SHAPES
 from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.errors import FedseqError
 from fedseq.common.models import Weights, block_of, build_model, shared_tensors
