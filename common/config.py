@@ -10,28 +10,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError, validation_problem
+from fedseq.common.text import printable
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 on Jetson
     import tomli as tomllib
-
-ALGORITHMS = (
-    "fedavg",
-    "fedavgm",
-    "fedadam",
-    "fedyogi",
-    "fedprox",
-    "fedper",
-    "fedrep",
-    "lg-fedavg",
-    "fedbabu",
-    "fedrod",
-    "fedreg",
-    "fedseq-vanilla",
-    "fedseq-anti",
-    "local",
-)
 
 #: [algorithm] keys the coordinator alone reads (the server's optimizer)
 SERVER_ONLY = ("server_lr", "beta1", "beta2", "tau")
@@ -88,7 +72,8 @@ class ModelConfig(_Section):
 class AlgorithmConfig(_Section):
     """[algorithm]: which algorithm and its own hyperparameters."""
 
-    name: Literal[ALGORITHMS] = "fedseq-anti"  # type: ignore[valid-type]
+    # a name of common/algorithms' REGISTRY (checked below: the registry is the one list)
+    name: str = "fedseq-anti"
     unfreeze_rounds: List[int] = Field(default_factory=list)
     finetune_epochs: int = Field(10, ge=0)
     mu: float = Field(0.001, ge=0, description="FedProx proximal weight")
@@ -119,6 +104,16 @@ class AlgorithmConfig(_Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.99, ge=0, lt=1)
     tau: float = Field(1e-3, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from fedseq.common.algorithms import REGISTRY  # imports this module: read at run time
+
+        if v not in REGISTRY:
+            raise ValueError(f"unknown algorithm {printable(v, 60)!r}; use one of "
+                             f"{', '.join(REGISTRY)}")
+        return v
 
     @field_validator("finetune_blocks")
     @classmethod
