@@ -156,3 +156,17 @@ def test_algorithm_names_are_the_registrys():
     with pytest.raises(ConfigError, match="unknown algorithm 'fedfoo'; use one of fedavg, ") as e:
         load_config(None, ["algorithm.name=fedfoo"])
     assert "\n" not in str(e.value)
+
+
+def test_model_and_dataset_names_are_the_registries():
+    from fedseq.common.data.catalog import NUM_CLASSES
+    from fedseq.common.models import MODELS
+
+    for name in MODELS:
+        assert load_config(None, [f"model.name={name}"]).model.name == name
+    for name in NUM_CLASSES:
+        assert load_config(None, [f"data.dataset={name}"]).data.dataset == name
+    with pytest.raises(ConfigError, match="model.name: .*unknown model 'vgg'; use one of cnn, "):
+        load_config(None, ["model.name=vgg"])
+    with pytest.raises(ConfigError, match="data.dataset: .*unknown dataset 'svhn'; use one of mnist"):
+        load_config(None, ["data.dataset=svhn"])
