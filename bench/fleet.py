@@ -1,5 +1,5 @@
 """What a fleet of N devices costs the coordinator and the broker: synthetic devices
-(fedseq.server.synthetic) on a Mosquitto started from the project's broker.conf and ACL, one login
+(bench/synthetic.py) on a Mosquitto started from the project's broker.conf and ACL, one login
 per device, against the real coordinator (run_deployment) in this process.
 
     python bench/fleet.py [--devices 10 100 300 1000] [--rounds 4] [--model convnet mobilenet]
@@ -94,11 +94,12 @@ def start_broker(tmp: Path, names: list[str], nofile: int) -> tuple[subprocess.P
 
 def one(args: argparse.Namespace) -> dict:
     """One (model, N) in this process: broker, synthetic devices, the coordinator's run."""
+    from synthetic import device_name, device_pace  # bench/, this script's folder
+
     from fedseq.common.config import load_config
     from fedseq.server.deployment import run_deployment
     from fedseq.server.mqtt import MqttPool
     from fedseq.server.pool import TrainRound
-    from fedseq.server.synthetic import device_name, device_pace
 
     n = args.n
     timing: dict[str, list[float]] = {"round": [], "cpu": [], "loop_cpu": [], "broker_cpu": [],
@@ -158,7 +159,7 @@ def one(args: argparse.Namespace) -> dict:
             started = time.perf_counter()
             for first in range(1, n + 1, PER_PROCESS):
                 procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "fedseq.server.synthetic", "--broker", url,
+                    [sys.executable, str(Path(__file__).resolve().parent / "synthetic.py"), "--broker", url,
                      "--prefix", "synth", "--first", str(first),
                      "--count", str(min(PER_PROCESS, n + 1 - first)),
                      "--password-file", str(tmp / "synth.pw"), "--data-dir", args.data_root,

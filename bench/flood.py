@@ -31,7 +31,7 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
-from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
 from fedseq.common.models import build_model, get_blocks
 from fedseq.common.protocol.messages import DeviceStatus, RunConfig, Step
 from fedseq.common.protocol.tensors import frame_size

@@ -69,7 +69,8 @@ def cuda_kernel_check(torch) -> Check:  # type: ignore[no-untyped-def]
 def check_data(s: ClientSettings) -> Check:
     """Every dataset under data_dir, checked by content: md5 of each original file (CIFAR: its
     extracted folder), so a truncated or corrupt copy is found here, not in round 0."""
-    from fedseq.common.data.store import DATASETS, verify
+    from fedseq.common.data.catalog import DATASETS
+    from fedseq.common.data.store import verify
 
     if not s.data_dir.is_dir():
         return False, (f"data_dir {s.data_dir} does not exist: run `fedseq data download fmnist "

@@ -8,6 +8,7 @@ abort) and stops early instead of finishing work nobody will collect.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -18,6 +19,7 @@ from fedseq.client.power import EnergyMeter, Mark, health
 from fedseq.client.session import DeviceSession, RunState
 from fedseq.client.state import StateStore
 from fedseq.common.algorithms import algorithm_class
+from fedseq.common.algorithms.aggregate import DeviceCost
 from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict
 from fedseq.common.data.federated import FederatedData, load_federated
 from fedseq.common.errors import ProtocolError
@@ -90,7 +92,7 @@ class StepExecutor:
                         train_seconds=update.train_seconds,
                         local_correct=update.local_score[0] if update.local_score else None,
                         local_total=update.local_score[1] if update.local_score else None,
-                        diverged_at=update.diverged_at, **cost)
+                        diverged_at=update.diverged_at, **dataclasses.asdict(cost))
             frame = encode_tensors(update.deltas)
             self.session.send(f"update/{c}", step.seq,
                               functools.partial(self._publish_update, meta, frame))
@@ -133,19 +135,19 @@ class StepExecutor:
                                           partial)
         self._send_scores(run, step, results, energy or None, diverged or None)
 
-    def _cost(self, mark: Mark) -> Dict[str, Any]:
-        """A client-round's energy and the device's health after it, for the update header (energy
-        None, never 0, where no power source is readable); the status reports the last one."""
+    def _cost(self, mark: Mark) -> DeviceCost:
+        """A client-round's energy and the device's health after it, the update header's cost
+        fields (energy None, never 0, where no power source is readable; the coordinator reads
+        them back into a DeviceCost, server/mqtt/inbox.py); the status reports the last one."""
         if self.torch_device.type == "cuda":
             torch.cuda.synchronize()  # the GPU's work belongs to this client
         energy = self.meter.since(mark)
         h = health(self.meter.root)
-        cost: Dict[str, Any] = energy.fields() if energy is not None else {}
-        cost.update(gpu_load=h["gpu_load"], mem_available_mb=h["mem_available_mb"])
-        if energy is None:
-            cost.update(max_temp_c=h["temp_c"], throttled=h["throttled"])
+        measured: Dict[str, Any] = energy.fields() if energy is not None else {
+            "max_temp_c": h["temp_c"], "throttled": h["throttled"]}
         self.session.last_round_j = energy.joules if energy is not None else None
-        return cost
+        return DeviceCost(**measured, gpu_load=h["gpu_load"],
+                          mem_available_mb=h["mem_available_mb"])
 
     # -- results ---------------------------------------------------------------------------
     def _send_scores(self, run: RunState, step: Step, results: Dict[int, Tuple[int, int]],

@@ -23,8 +23,8 @@ from fedseq.client.power import EnergyMeter, health
 from fedseq.common import __version__
 from fedseq.common.algorithms import algorithm_class
 from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
 from fedseq.common.data.federated import FederatedData
-from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
 from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import FedseqError, ProtocolError, validation_problem
 from fedseq.common.models import BlockModel, Weights, build_model, get_blocks

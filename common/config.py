@@ -8,30 +8,15 @@ from typing import Any, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fedseq.common.data.catalog import NUM_CLASSES
 from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError, validation_problem
+from fedseq.common.text import printable
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 on Jetson
     import tomli as tomllib
-
-ALGORITHMS = (
-    "fedavg",
-    "fedavgm",
-    "fedadam",
-    "fedyogi",
-    "fedprox",
-    "fedper",
-    "fedrep",
-    "lg-fedavg",
-    "fedbabu",
-    "fedrod",
-    "fedreg",
-    "fedseq-vanilla",
-    "fedseq-anti",
-    "local",
-)
 
 #: [algorithm] keys the coordinator alone reads (the server's optimizer)
 SERVER_ONLY = ("server_lr", "beta1", "beta2", "tau")
@@ -47,9 +32,9 @@ class _Section(BaseModel):
 class DataConfig(_Section):
     """[data]: dataset, where its files are, and how it is split over clients."""
 
-    dataset: Literal["mnist", "fmnist", "cifar10", "cifar100", "emnist-letters", "emnist-digits",
-                     "emnist-balanced", "emnist-byclass", "emnist-bymerge", "emnist-mnist",
-                     "tiny-imagenet"] = "fmnist"
+    # a dataset of the catalog (common/data/catalog.py): mnist, fmnist, cifar10, cifar100, the
+    # six emnist-<split>s, tiny-imagenet
+    dataset: str = "fmnist"
     # the folder holding MNIST/raw, FashionMNIST/raw, cifar-10-batches-py, ...; default: the one
     # data root of every command ($FEDSEQ_DATA, else ~/.local/share/fedseq/data; `fedseq data`)
     root: Path = Field(default_factory=default_data_root)
@@ -64,6 +49,14 @@ class DataConfig(_Section):
     min_samples: int = Field(40, ge=1, description="Dirichlet: redraw until every client has this many")
     fraction: float = Field(1.0, gt=0, le=1, description="use a seed-chosen subset (quick runs)")
 
+    @field_validator("dataset")
+    @classmethod
+    def _catalogued(cls, v: str) -> str:
+        if v not in NUM_CLASSES:
+            raise ValueError(f"unknown dataset {printable(v, 60)!r}; use one of "
+                             f"{', '.join(NUM_CLASSES)}")
+        return v
+
 
 class ModelConfig(_Section):
     """[model]: which model of the zoo (common/models.py)."""
@@ -71,7 +64,8 @@ class ModelConfig(_Section):
     # cnn: the FedSeq paper's (FedAvg/PFLlib) CNN; convnet: FedReG's (FedDyn/FedRoD) ConvNet;
     # 4convnet and mobilenet: FedBABU's; resnet18, resnet34: FedPer's and FedBABU's appendix
     # (docs/models.md: blocks, parameters, normalization)
-    name: Literal["cnn", "convnet", "4convnet", "mobilenet", "resnet18", "resnet34"] = "cnn"
+    # (a name of common/models.py's MODELS, checked below: the registry is the one list)
+    name: str = "cnn"
     # the heads' initial weights: "default" (PyTorch's, the same for every algorithm) or
     # "orthogonal" (FedBABU section 3 credits its fixed random head to an orthogonal init, after
     # Saxe et al.): nn.init.orthogonal_ on each head's weight, its bias as PyTorch initialises it
@@ -84,11 +78,21 @@ class ModelConfig(_Section):
     # ICLR 2021); cnn and convnet have no normalization layers and take "batch" only
     norm: Literal["batch", "running", "fedbn"] = "batch"
 
+    @field_validator("name")
+    @classmethod
+    def _modelled(cls, v: str) -> str:
+        from fedseq.common.models import MODELS  # torch: read when a config is built, not before
+
+        if v not in MODELS:
+            raise ValueError(f"unknown model {printable(v, 60)!r}; use one of {', '.join(MODELS)}")
+        return v
+
 
 class AlgorithmConfig(_Section):
     """[algorithm]: which algorithm and its own hyperparameters."""
 
-    name: Literal[ALGORITHMS] = "fedseq-anti"  # type: ignore[valid-type]
+    # a name of common/algorithms' REGISTRY (checked below: the registry is the one list)
+    name: str = "fedseq-anti"
     unfreeze_rounds: List[int] = Field(default_factory=list)
     finetune_epochs: int = Field(10, ge=0)
     mu: float = Field(0.001, ge=0, description="FedProx proximal weight")
@@ -119,6 +123,16 @@ class AlgorithmConfig(_Section):
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.99, ge=0, lt=1)
     tau: float = Field(1e-3, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from fedseq.common.algorithms import REGISTRY  # imports this module: read at run time
+
+        if v not in REGISTRY:
+            raise ValueError(f"unknown algorithm {printable(v, 60)!r}; use one of "
+                             f"{', '.join(REGISTRY)}")
+        return v
 
     @field_validator("finetune_blocks")
     @classmethod

@@ -121,6 +121,14 @@ class EmbeddedBroker:
         for lg in quiet:
             lg.setLevel(logging.WARNING)
 
+    def __enter__(self) -> EmbeddedBroker:
+        """Started (`start`), and stopped at the end of the block."""
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         """Shut amqtt down, cancel what it left running and collect it now: coroutines finalized
         later, on a stopped loop, raise 'Event loop is closed' from the garbage collector at

@@ -31,7 +31,7 @@ from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.seeding import numpy_rng
 from fedseq.server.checkpoint import Checkpoint, LoopState, save_checkpoint
 from fedseq.server.pool import ClientPool, RoundOutcome
-from fedseq.server.records import ClientEnergy, RoundRecord
+from fedseq.server.records import ClientEnergy, Rejection, RoundRecord
 from fedseq.server.rundir import RunDir
 from fedseq.server.validation import parameter_scale, round_contract, score_problem
 
@@ -78,7 +78,7 @@ class RoundUpdates:
     aggregate: Aggregator
     reported: list[int] = field(default_factory=list)  # clients whose update counted, in order
     local_scores: dict[int, tuple[int, int]] = field(default_factory=dict)  # fresh local scores
-    rejected: dict[int, str] = field(default_factory=dict)  # client -> why, every refusal
+    rejected: dict[int, Rejection] = field(default_factory=dict)  # client -> why, every refusal
     norms: dict[int, float] = field(default_factory=dict)
     outliers: list[int] = field(default_factory=list)
     flops: int = 0
@@ -192,7 +192,7 @@ class Coordinator:
             reported=got.reported if counted else [],
             status="ok" if counted and got.reported else "failed",
             failed=sorted(set(selected) - set(got.reported if counted else [])),
-            rejected=dict(sorted(got.rejected.items())),
+            rejected={c: r.text for c, r in sorted(got.rejected.items())},
             outliers=got.outliers if counted else [],
             bytes_down=bytes_down, bytes_up=got.bytes_up,
             trainable_params=count_params(self.model, plan.trainable),
@@ -210,6 +210,8 @@ class Coordinator:
             rec.set_device_energy(got.costs)
         if wire is not None:  # measured on the coordinator's connection, this round's steps
             rec.wire_bytes_out, rec.wire_bytes_in = wire
+        if got.rejected:
+            rec.refusals = {c: r.code for c, r in sorted(got.rejected.items())}
         if refused is not None:
             rec.quorum_failed, rec.received = refused, sorted(got.reported)
         return rec
@@ -223,7 +225,7 @@ class Coordinator:
                                   self.model.personal_keys())
         got = RoundUpdates(make_aggregator(self.cfg.aggregation))
 
-        def check(update: ClientUpdate) -> str | None:
+        def check(update: ClientUpdate) -> Rejection | None:
             reason = contract.check(update)
             if reason is not None:
                 log.warning("round %d: rejected update of client %d: %s", t, update.client, reason)

@@ -342,6 +342,15 @@ class DistributedPool:
         """Tell the workers the run is over (they exit)."""
         broadcast_step(("stop", {}))
 
+    def __enter__(self) -> DistributedPool:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        """After a finished run the workers are told to stop (they exit); after a failure the
+        group's end stops them (end_group), as a worker may be the failure."""
+        if kind is None:
+            self.stop()
+
 
 # -- rank 0: the group and its workers ----------------------------------------------------------
 

@@ -12,7 +12,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,8 +23,11 @@ from fedseq.common.evaluation import EvalReport
 from fedseq.common.execution import ClientExecutor, InMemory
 from fedseq.common.models import BlockModel, Weights, personal_tensors
 
+if TYPE_CHECKING:
+    from fedseq.server.records import Rejection
+
 #: the round loop's verdict on one update: None = valid, else why it is rejected
-UpdateCheck = Callable[[ClientUpdate], "str | None"]
+UpdateCheck = Callable[[ClientUpdate], "Rejection | None"]
 #: the round loop's verdict on one client's reported test score (client, correct, total)
 ScoreCheck = Callable[[int, int, int], "str | None"]
 #: (clients done, clients in all) while fine-tuning
@@ -107,7 +110,14 @@ class PoolState:
 
 
 class ClientPool(Protocol):
-    """The transport between the round loop and the logical clients."""
+    """The transport between the round loop and the logical clients. A pool is a context
+    manager: what it opened (a broker connection, worker processes) is closed when its block
+    ends (server/run.py enters it on the run's stack)."""
+
+    def __enter__(self) -> ClientPool: ...
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None: ...
 
     def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
         """Before the first step of a run (new or resumed): make the run, the current global
@@ -180,6 +190,12 @@ class InProcessPool:
             c.client: {k: v.clone() for k, v in initial.items()} for c in data.clients
         }
         self.clients = ClientExecutor(model, data, seed, eval_batch, InMemory(self.personal))
+
+    def __enter__(self) -> InProcessPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Nothing to close: the clients live in this process."""
 
     def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
         """Nothing to announce: the clients live in this process."""

@@ -16,6 +16,7 @@ Nothing here imports torch: `fedseq report` reads run directories without it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -28,6 +29,32 @@ if TYPE_CHECKING:
 
 #: the schema version this fedseq writes (see the module's docstring)
 VERSION = 2
+
+#: Why an update was refused, as a closed set of codes (RoundRecord.refusals), the particulars in
+#: words beside it (RoundRecord.rejected): server/validation.py's round contract gives both.
+Refusal = Literal[
+    "wrong-round",  # the update is for another round
+    "not-selected",  # its client is not selected this round
+    "wrong-samples",  # its sample counts are not what the coordinator knows of the client
+    "diverged",  # its training hit a NaN or Inf loss
+    "wrong-score",  # its local score does not fit the client's test rows
+    "wrong-tensors",  # tensors missing, or not uploadable this round
+    "wrong-shape",  # a tensor of another dtype or shape than the model's
+    "non-finite",  # a tensor holds NaN or Inf
+    "too-large",  # an element beyond the round's bound (aggregation.max_abs_delta)
+    "bad-statistic",  # a running statistic out of its bounds
+]
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A refused update: the code, and the particulars for a person (its str)."""
+
+    code: Refusal
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
 
 
 class _Record(BaseModel):
@@ -94,6 +121,8 @@ class RoundRecord(_Record):
     failed: list[int] = Field(default_factory=list)
     #: client -> why its update was refused (every refusal, also of a client that then counted)
     rejected: dict[int, str] = Field(default_factory=dict)
+    #: client -> the code of that refusal (`Refusal`); rows written before the codes have none
+    refusals: dict[int, Refusal] = Field(default_factory=dict)
     #: clients whose update norm was above aggregation.outlier_factor x the round's median
     outliers: list[int] = Field(default_factory=list)
     #: frame bytes of the blocks sent to the selected clients / received in counted updates
@@ -132,6 +161,14 @@ class RoundRecord(_Record):
     diverged: dict[int, int] = Field(default_factory=dict)
     #: keys of an older or newer fedseq that this version does not know, kept as they were
     unknown: dict[str, Any] = Field(default_factory=dict, exclude=True)
+
+    def refusal_codes(self) -> dict[int, str]:
+        """client -> the code of its refusal; a row written before the codes has them read from
+        the reasons' words (only "diverged" could be told apart there)."""
+        if self.refusals or not self.rejected:
+            return dict(self.refusals)
+        return {c: "diverged" if why.startswith("training diverged") else "unknown"
+                for c, why in self.rejected.items()}
 
     def accuracies(self) -> dict[str, float | None]:
         """The row's accuracies by their short names in tables and figures."""

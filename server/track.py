@@ -24,11 +24,22 @@ ACCURACY_TAGS = {"G": "accuracy/G_global", "P": "accuracy/P_personalized",
                  "L": "accuracy/L_local_all_clients", "Lr": "accuracy/Lr_local_round_trainers"}
 
 
+#: RoundRecord fields logged under names of their own below (or not at all: the step); every
+#: other numeric field a row holds is logged as metrics/<field>, so a new field needs no change here
+NAMED = {"v", "round", "global_acc", "personal_acc", "local_acc", "round_local_acc", "bytes_down",
+         "bytes_up", "train_flops", "client_steps", "seconds", "energy_j"}
+
+
 def row_scalars(row: RoundRecord, totals: dict[str, float]) -> tuple[int, dict[str, float]]:
     """One metrics.jsonl row as (step, {name: value}): the round is the step; the fine-tuning
     row is logged at step = rounds as accuracy/P_after_finetuning; cumulative MB and TFLOP
-    beside the per-round values (`totals` carries the sums from row to row)."""
+    beside the per-round values (`totals` carries the sums from row to row); every other
+    numeric field as metrics/<field>."""
     out: dict[str, float] = {}
+    for name in type(row).model_fields:
+        value = getattr(row, name)
+        if name not in NAMED and isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[f"metrics/{name}"] = value
     if row.phase == "finetune":
         if row.personal_acc is not None:
             out["accuracy/P_after_finetuning"] = 100 * row.personal_acc

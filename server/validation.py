@@ -18,6 +18,7 @@ from fedseq.common.data.federated import FederatedData
 from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.models import Weights, block_of, is_statistic
 from fedseq.common.text import printable
+from fedseq.server.records import Rejection
 
 #: running statistics (BatchNorm buffers, model.norm = "running" or "fedbn") are bounded by rules
 #: of their own, not by aggregation.max_abs_delta (which reads the parameters): an update's
@@ -30,22 +31,24 @@ STAT_GROWTH = 100.0
 STAT_CAP = 1e6
 
 
-def statistic_problem(key: str, ref: torch.Tensor, delta: torch.Tensor) -> str | None:
+def statistic_problem(key: str, ref: torch.Tensor, delta: torch.Tensor) -> Rejection | None:
     """Why `ref + delta` cannot be a running statistic this round (`key` names which), or None."""
     new = ref.to(torch.float64) + delta.to(torch.float64)
     if not bool(torch.isfinite(new).all()):
-        return f"tensor {key} contains NaN or Inf"
+        return Rejection("non-finite", f"tensor {key} contains NaN or Inf")
     if key.endswith(".running_var"):
         low = float(new.min())
         if low < 0:  # every later normalization would be NaN
-            return f"tensor {key} would make a running variance negative ({low:.3g})"
+            return Rejection("bad-statistic",
+                             f"tensor {key} would make a running variance negative ({low:.3g})")
         over = new - torch.clamp(ref.to(torch.float64), min=1.0) * STAT_GROWTH
         if float(over.max()) > 0 or float(new.max()) > STAT_CAP:
-            return (f"tensor {key} would make a running variance {float(new.max()):.3g}: more "
-                    f"than {STAT_GROWTH:g} x the global one (at least 1) or {STAT_CAP:g}")
+            return Rejection("bad-statistic", (
+                f"tensor {key} would make a running variance {float(new.max()):.3g}: more than "
+                f"{STAT_GROWTH:g} x the global one (at least 1) or {STAT_CAP:g}"))
     elif float(new.abs().max()) > math.sqrt(STAT_CAP):
-        return (f"tensor {key} would make a running mean of magnitude "
-                f"{float(new.abs().max()):.3g} > {math.sqrt(STAT_CAP):g}")
+        return Rejection("bad-statistic", f"tensor {key} would make a running mean of magnitude "
+                                          f"{float(new.abs().max()):.3g} > {math.sqrt(STAT_CAP):g}")
     return None
 
 
@@ -62,40 +65,45 @@ class RoundContract:
     max_abs_delta: float
     test_samples: dict[int, int] | None = None  # client -> test rows (its local score's total)
 
-    def check(self, update: ClientUpdate) -> str | None:
-        """Why `update` must be rejected, or None."""
+    def check(self, update: ClientUpdate) -> Rejection | None:
+        """Why `update` must be rejected (a code and its particulars), or None."""
         c = update.client
         if update.round != self.round:
-            return f"update is for round {update.round}, this is round {self.round}"
+            return Rejection("wrong-round",
+                             f"update is for round {update.round}, this is round {self.round}")
         if c not in self.selected:
-            return f"client {c} is not selected in round {self.round}"
+            return Rejection("not-selected", f"client {c} is not selected in round {self.round}")
         if update.num_samples != self.num_samples.get(c):
-            return (f"num_samples={update.num_samples}, but client {c} has "
-                    f"{self.num_samples.get(c)} training rows")
+            return Rejection("wrong-samples", f"num_samples={update.num_samples}, but client {c} "
+                                              f"has {self.num_samples.get(c)} training rows")
         if self.effective_samples is not None and (
                 update.effective_samples != self.effective_samples.get(c)):
-            return (f"effective_samples={update.effective_samples}, but client {c}'s rebalanced "
-                    f"set holds {self.effective_samples.get(c)} original rows")
+            return Rejection("wrong-samples", (
+                f"effective_samples={update.effective_samples}, but client {c}'s rebalanced set "
+                f"holds {self.effective_samples.get(c)} original rows"))
         if update.diverged_at is not None:
-            return (f"training diverged: the loss was NaN or Inf at batch {update.diverged_at} "
-                    "(lower train.lr, or check the client's data)")
+            return Rejection("diverged", (
+                f"training diverged: the loss was NaN or Inf at batch {update.diverged_at} "
+                "(lower train.lr, or check the client's data)"))
         if update.local_score is not None and self.test_samples is not None:
             correct, total = update.local_score
             if total != self.test_samples.get(c) or not 0 <= correct <= total:
-                return (f"local score {correct}/{total}, but client {c} has "
-                        f"{self.test_samples.get(c)} test rows")
+                return Rejection("wrong-score", f"local score {correct}/{total}, but client {c} "
+                                                f"has {self.test_samples.get(c)} test rows")
         got, want = set(update.deltas), set(self.reference)
         if got != want:
             extra, missing = _names(got - want), _names(want - got)
-            return (f"tensors {extra or ''}{' are not uploadable this round' if extra else ''}"
-                    f"{'; ' if extra and missing else ''}{f'missing {missing}' if missing else ''}")
+            return Rejection("wrong-tensors", (
+                f"tensors {extra or ''}{' are not uploadable this round' if extra else ''}"
+                f"{'; ' if extra and missing else ''}{f'missing {missing}' if missing else ''}"))
         # in the model's order, not the frame's (a deployment's frames come in safetensors'
         # sorted order): the reason names the same tensor in a simulation and a deployment
         for k, ref in self.reference.items():
             d = update.deltas[k]
             if d.dtype != ref.dtype or d.shape != ref.shape:
-                return (f"tensor {k} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
-                        f"expected {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}")
+                return Rejection("wrong-shape", (
+                    f"tensor {k} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
+                    f"expected {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}"))
             if is_statistic(k):
                 # (a mean of statistics within these bounds stays within them: the rules hold
                 # elementwise on convex sets)
@@ -106,10 +114,11 @@ class RoundContract:
             biggest = largest_magnitude(d)
             if not biggest <= self.max_abs_delta:
                 if not torch.isfinite(d).all():
-                    return f"tensor {k} contains NaN or Inf"
-                return (f"tensor {k} has an element of magnitude {biggest:.3g} > "
-                        f"the round's bound {self.max_abs_delta:.3g} (aggregation.max_abs_delta; "
-                        "auto = 10 x the model's largest parameter)")
+                    return Rejection("non-finite", f"tensor {k} contains NaN or Inf")
+                return Rejection("too-large", (
+                    f"tensor {k} has an element of magnitude {biggest:.3g} > the round's bound "
+                    f"{self.max_abs_delta:.3g} (aggregation.max_abs_delta; auto = 10 x the "
+                    "model's largest parameter)"))
         return None
 
 

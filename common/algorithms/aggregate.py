@@ -14,9 +14,10 @@ from fedseq.common.models import Weights, block_of
 
 @dataclass(frozen=True)
 class DeviceCost:
-    """What one client-round cost on its device, as the coordinator accepted it: informational,
-    never aggregated. Each figure is None where the device measured nothing or sent an
-    implausible value (server/mqtt/inbox.py)."""
+    """What one client-round cost on its device: measured there (client/executor.py), carried
+    in its update's header, and read back as the coordinator accepted it (server/mqtt/inbox.py);
+    informational, never aggregated. Each figure is None where the device measured nothing or
+    sent an implausible value."""
 
     energy_j: float | None = None
     energy_w: float | None = None  # mean watts over the client-round

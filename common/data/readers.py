@@ -10,46 +10,16 @@ from pathlib import Path
 
 import numpy as np
 
-from fedseq.common.data.store import EXTRACTED
+from fedseq.common.data.catalog import (
+    CIFAR_DIRS,
+    EXTRACTED,
+    IDX_LAYOUT,
+    NUM_CLASSES,
+    idx_stems,
+)
 from fedseq.common.errors import DatasetError
 
-IDX_LAYOUT = {
-    "mnist": "MNIST/raw",
-    "fmnist": "FashionMNIST/raw",
-}
-IDX_FILES = {
-    "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-    "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
-}
-CIFAR_DIRS = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python"}
-NUM_CLASSES = {"mnist": 10, "fmnist": 10, "cifar10": 10, "cifar100": 100}
-#: (channels, height, width) of each dataset's images, known without reading the files
-INPUT_SHAPES = {"mnist": (1, 28, 28), "fmnist": (1, 28, 28), "cifar10": (3, 32, 32),
-                "cifar100": (3, 32, 32)}
-#: EMNIST's six splits (Cohen et al. 2017), each a dataset `emnist-<split>` of its own, with its
-#: classes; all are IDX files of one NIST archive, named emnist-<split>-train-images-idx3-ubyte.
-#: The images are stored as NIST wrote them (transposed against MNIST's), as torchvision reads
-#: them. `letters` labels 1-26 in the files; they are read as 0-25.
-EMNIST_SPLITS = {"byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "digits": 10,
-                 "mnist": 10}
-for _split, _classes in EMNIST_SPLITS.items():
-    IDX_LAYOUT[f"emnist-{_split}"] = "EMNIST/raw"
-    NUM_CLASSES[f"emnist-{_split}"] = _classes
-    INPUT_SHAPES[f"emnist-{_split}"] = (1, 28, 28)
-
-
-NUM_CLASSES["tiny-imagenet"] = 200
-INPUT_SHAPES["tiny-imagenet"] = (3, 64, 64)
 TINY = EXTRACTED["tiny-imagenet"]
-
-
-def idx_stems(dataset: str, split: str) -> tuple[str, str]:
-    """The (images, labels) file names of a split ("train", "test") of an IDX dataset."""
-    if dataset.startswith("emnist-"):
-        kind = dataset[len("emnist-"):]
-        return (f"emnist-{kind}-{split}-images-idx3-ubyte",
-                f"emnist-{kind}-{split}-labels-idx1-ubyte")
-    return IDX_FILES[split]
 
 
 @dataclass(frozen=True)

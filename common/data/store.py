@@ -19,10 +19,10 @@ import tarfile
 import urllib.error
 import urllib.request
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Callable  # subscripted at run time below: typing works on Python 3.8
 
+from fedseq.common.data.catalog import EXTRACTED, DataFile, DatasetSpec, archive_of, spec_of
 from fedseq.common.errors import DatasetError
 
 CHUNK = 1 << 16
@@ -38,90 +38,7 @@ def default_data_root() -> Path:
     return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "fedseq" / "data"
 
 
-@dataclass(frozen=True)
-class DataFile:
-    name: str
-    md5: str
-    size: int
-
-
-@dataclass(frozen=True)
-class DatasetSpec:
-    folder: str  # where the files go, under the data root
-    files: tuple[DataFile, ...]
-    mirrors: tuple[str, ...]  # base URLs, tried in order
-    extract: str | None = None  # an archive whose content goes into the data root after its check
-
-
-IDX_NAMES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
-             "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
-
-
-def _idx_files(*md5_size: tuple[str, int]) -> tuple[DataFile, ...]:
-    assert len(md5_size) == len(IDX_NAMES)
-    return tuple(DataFile(n, md5, size) for n, (md5, size) in zip(IDX_NAMES, md5_size))
-
-
-# md5 sums and sizes as torchvision checks them
-DATASETS: dict[str, DatasetSpec] = {
-    "mnist": DatasetSpec(
-        "MNIST/raw",
-        _idx_files(("f68b3c2dcbeaaa9fbdd348bbdeb94873", 9912422),
-                   ("d53e105ee54ea40749a09fcbcd1e9432", 28881),
-                   ("9fb629c4189551a2d022fa330f9573f3", 1648877),
-                   ("ec29112dd5afa0611ce80d1b7f02629c", 4542)),
-        ("https://ossci-datasets.s3.amazonaws.com/mnist/",
-         "https://storage.googleapis.com/cvdf-datasets/mnist/",
-         "http://yann.lecun.com/exdb/mnist/"),
-    ),
-    "fmnist": DatasetSpec(
-        "FashionMNIST/raw",
-        _idx_files(("8d4fb7e6c68d591d4c3dfef9ec88bf0d", 26421880),
-                   ("25c81989df183df01b3e8a0aad5dffbe", 29515),
-                   ("bef4ecab320f06d8554ea6380940ec79", 4422102),
-                   ("bb300cfdad3c16e7a12a480ee83cd310", 5148)),
-        ("http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/",
-         "https://github.com/zalandoresearch/fashion-mnist/raw/master/data/fashion/"),
-    ),
-    "cifar10": DatasetSpec(
-        "", (DataFile("cifar-10-python.tar.gz", "c58f30108f718f92721af3b95e74349a", 170498071),),
-        ("https://www.cs.toronto.edu/~kriz/",), extract="cifar-10-python.tar.gz",
-    ),
-    "cifar100": DatasetSpec(
-        "", (DataFile("cifar-100-python.tar.gz", "eb9058c3a382ffc7106e4002c42a8d85", 169001437),),
-        ("https://www.cs.toronto.edu/~kriz/",), extract="cifar-100-python.tar.gz",
-    ),
-    # NIST's one archive of all six EMNIST splits (md5 as torchvision checks it); its gzip/*.gz
-    # members are extracted into EMNIST/raw, the archive removed
-    "emnist": DatasetSpec(
-        "EMNIST/raw", (DataFile("gzip.zip", "58c8d27c78d21e728a6bc7b3cc06412e", 561753746),),
-        ("https://biometrics.nist.gov/cs_links/EMNIST/",), extract="gzip.zip",
-    ),
-    # Stanford CS231n's Tiny-ImageNet (md5 and size as its loaders check them): 200 classes of
-    # 64x64 JPEGs, 500 training and 50 validation images each; extracted, then decoded once into
-    # tiny-imagenet-200/fedseq/ (readers.py), which is what every command reads
-    "tiny-imagenet": DatasetSpec(
-        "", (DataFile("tiny-imagenet-200.zip", "90528d7ca1a48142e341f4ef8d21d0de", 248100043),),
-        ("https://cs231n.stanford.edu/",), extract="tiny-imagenet-200.zip",
-    ),
-}
-EXTRACTED = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python",
-             "emnist": "EMNIST/raw", "tiny-imagenet": "tiny-imagenet-200"}
-
 Progress = Callable[[str, int, int], None]  # (file name, bytes so far, bytes in all)
-
-
-def archive_of(dataset: str) -> str:
-    """The DATASETS entry that holds `dataset`'s files: emnist-letters is in emnist's archive."""
-    return "emnist" if dataset.startswith("emnist-") else dataset
-
-
-def spec_of(dataset: str) -> DatasetSpec:
-    if archive_of(dataset) not in DATASETS:
-        raise DatasetError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)} "
-                           "(EMNIST as emnist-letters, -digits, -balanced, -byclass, -bymerge "
-                           "or -mnist)")
-    return DATASETS[archive_of(dataset)]
 
 
 def _extracted_files(dataset: str) -> list[str]:

@@ -162,6 +162,7 @@ class Link:
         username: str | None = None,
         password: str | None = None,
         tls: TlsOptions | None = None,
+        on_retained: Callable[[str], None] | None = None,
     ):
         self.scheme, self.host, self.port = parse_broker_url(url)
         keep_large_buffers()
@@ -173,7 +174,7 @@ class Link:
         self.bytes_in = 0
         self._on_message = on_message
         # called with the topic of every retained message the broker replays to a subscription
-        self.on_retained: Callable[[str], None] | None = None
+        self.on_retained = on_retained
         self._connack = threading.Event()
         self._refusal: str | None = None
         self._closed: str | None = None

@@ -253,7 +253,8 @@ class Inbox:
     together; a dropped frame gives its room back at once), queued events (`queue_share`) and
     per-name bookkeeping (names outside the fleet: MAX_STRANGERS, the oldest forgotten)."""
 
-    def __init__(self, topics: Topics, run_id: str):
+    def __init__(self, topics: Topics, run_id: str,
+                 on_junk: Callable[[str], None] = lambda topic: None):
         self.topics = topics
         self.run_id = run_id
         self.queue: queue.Queue[Event] = queue.Queue(MAX_EVENTS)
@@ -283,7 +284,7 @@ class Inbox:
         self.dropped = 0
         # device -> the distinct stacks it described (DeviceInfo), with when each was first seen
         self._stacks: dict[str, list[tuple[float, DeviceInfo]]] = {}
-        self.on_junk: Callable[[str], None] = lambda topic: None
+        self.on_junk = on_junk
         self.open({}, 0)
 
     def open(self, owner: dict[int, str], update_bytes: int) -> None:

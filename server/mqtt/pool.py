@@ -16,12 +16,11 @@ from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
-from fedseq.common.protocol.tensors import encode_tensors
+from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.protocol.topics import Topics
 from fedseq.common.text import printable
 from fedseq.server.mqtt.blocks import BlockPublisher
 from fedseq.server.mqtt.collect import DeadlinePolicy, collect_scores, collect_updates
-from fedseq.server.mqtt.inbox import Inbox
 from fedseq.server.mqtt.session import ServerSession
 from fedseq.server.pool import (
     EvalOutcome,
@@ -69,8 +68,8 @@ class MqttPool:
         self.run_id = run_id
         self.personal: tuple[str, ...] = ()  # the algorithm's personal blocks (open)
         self.topics = Topics(cfg.deploy.topic_root)
-        self.inbox = Inbox(self.topics, run_id)
-        self.session = ServerSession(self.topics, run_id, url, self.inbox, username, password, tls)
+        self.session = ServerSession(self.topics, run_id, url, username, password, tls)
+        self.inbox = self.session.inbox
         self.blocks = BlockPublisher(self.session.link, self.topics, run_id)
         self.session.republish_blocks_with(self.blocks.republish)
         self.deadlines = DeadlinePolicy(cfg.deploy)
@@ -84,6 +83,21 @@ class MqttPool:
     def start(self) -> None:
         """Connect to the broker (three attempts), before anything slow happens."""
         self.session.start()
+
+    def __enter__(self) -> MqttPool:
+        """Connected (`start`); closed at the end of the block (`close`): a run that ends early
+        tells its devices why (Control abort) before the error ends the process."""
+        self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        ended = None
+        if isinstance(exc, KeyboardInterrupt):
+            ended = "the coordinator was stopped (Ctrl-C or SIGTERM); it may be resumed"
+        elif exc is not None:
+            ended = (str(exc).splitlines() or [type(exc).__name__])[0]
+        self.close(abort=ended)
 
     def wait_for_devices(self, minimum: int, timeout: float) -> list[str]:
         """The devices online once at least `minimum` are (TransportError after `timeout`)."""
@@ -102,7 +116,7 @@ class MqttPool:
         # An update frame holds at most every shared block's deltas: what bounds what each
         # device may make the inbox hold (its frames, its budget: Inbox.open).
         shared = in_blocks(weights, {block_of(k) for k in weights} - set(personal))
-        biggest = len(encode_tensors(shared)) + 4096
+        biggest = frame_size(shared) + 4096
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
         self.inbox.open(self.owner, biggest)
         self.update_chunks = self.inbox.update_chunks  # messages per update, at most

@@ -48,12 +48,14 @@ SessionEvent: TypeAlias = UpdateArrived | EvalArrived | DeviceOffline | StepFail
 class ServerSession:
     """Connects first (`start`), so a broker problem is known before the dataset is loaded."""
 
-    def __init__(self, topics: Topics, run_id: str, url: str, inbox: Inbox,
+    def __init__(self, topics: Topics, run_id: str, url: str,
                  username: str | None = None, password: str | None = None,
                  tls: TlsOptions | None = None):
         self.topics = topics
         self.run_id = run_id
-        self.inbox = inbox
+        # what the devices write, as typed events; an invalid message on a device-written topic
+        # is cleared here in case it was retained
+        self.inbox = inbox = Inbox(topics, run_id, on_junk=self._clear)
         self.online: dict[str, DeviceStatus] = {}
         self.incompatible: dict[str, str] = {}  # device -> why it cannot run any step of this run
         # device -> seconds the run may still wait for it (await_devices): each device's share,
@@ -67,10 +69,8 @@ class ServerSession:
         self.link = Link(session_id("fedseq-server"), url, inbox.subscriptions() + owned,
                          self._on_message,
                          will=(topics.server_status, will), username=username, password=password,
-                         tls=tls)
+                         tls=tls, on_retained=self._retained_seen)
         self.link.on_connect(self._republish)
-        self.link.on_retained = self._retained_seen
-        inbox.on_junk = self._clear
         self.cleared = 0  # retained messages removed from device-written topics
         self._wire_seen = (0, 0)
         # What this session published on the topics it owns (a digest per payload, the last few

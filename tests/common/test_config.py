@@ -147,8 +147,26 @@ def test_max_abs_delta_auto_follows_the_models_scale():
         load_config(None, ["aggregation.max_abs_delta=-1"])
 
 
-def test_the_config_names_every_registered_algorithm_and_no_other():
+def test_algorithm_names_are_the_registrys():
+    """algorithm.name takes every registered algorithm and nothing else, and says which exist."""
     from fedseq.common.algorithms import REGISTRY
-    from fedseq.common.config import ALGORITHMS
 
-    assert sorted(ALGORITHMS) == sorted(REGISTRY)
+    for name in REGISTRY:
+        assert load_config(None, [f"algorithm.name={name}"]).algorithm.name == name
+    with pytest.raises(ConfigError, match="unknown algorithm 'fedfoo'; use one of fedavg, ") as e:
+        load_config(None, ["algorithm.name=fedfoo"])
+    assert "\n" not in str(e.value)
+
+
+def test_model_and_dataset_names_are_the_registries():
+    from fedseq.common.data.catalog import NUM_CLASSES
+    from fedseq.common.models import MODELS
+
+    for name in MODELS:
+        assert load_config(None, [f"model.name={name}"]).model.name == name
+    for name in NUM_CLASSES:
+        assert load_config(None, [f"data.dataset={name}"]).data.dataset == name
+    with pytest.raises(ConfigError, match="model.name: .*unknown model 'vgg'; use one of cnn, "):
+        load_config(None, ["model.name=vgg"])
+    with pytest.raises(ConfigError, match="data.dataset: .*unknown dataset 'svhn'; use one of mnist"):
+        load_config(None, ["data.dataset=svhn"])

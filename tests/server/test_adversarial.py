@@ -24,7 +24,7 @@ import torch
 
 from conftest import device_process, quick_config
 from fedseq.common.algorithms import algorithm_class
-from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
 from fedseq.common.models import build_model, get_blocks
 from fedseq.common.protocol.frames import pack_chunk, split_frame
 from fedseq.common.protocol.messages import (

@@ -277,6 +277,8 @@ def test_diverged_training_is_refused_and_the_client_keeps_its_blocks():
     rows = coord.run().rows
     for row in rows:
         assert row["rejected"] and all("training diverged" in r for r in row["rejected"].values())
+        assert set(row["refusals"]) == set(row["rejected"])
+        assert set(row["refusals"].values()) == {"diverged"}
     assert all(torch.equal(coord.global_weights[k], v) for k, v in init.items())
     for c, w in coord.pool.personal.items():  # never replaced by the NaN blocks
         assert all(torch.equal(v, personal0[c][k]) for k, v in w.items())

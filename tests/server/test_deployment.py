@@ -80,7 +80,7 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread, al
     # evaluated here): round 0's aggregate went out for round 0's evaluation (and round 1 trains
     # from it), so round 1's shared blocks go out in its evaluation step; the updates come in
     from fedseq.common.algorithms import algorithm_class, make_algorithm
-    from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+    from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
     from fedseq.common.models import build_model, get_blocks
     from fedseq.common.protocol.tensors import frame_size
 
@@ -185,7 +185,7 @@ def test_a_big_models_round_crosses_mosquitto_bitwise(data_root, tmp_path, mosqu
     statistics, through Mosquitto with the project's broker.conf and ACL (1 MiB chunks under its
     2 MiB packet limit, its queue limits): every update arrives, the round's bytes are the model's
     frames, the weights (statistics included) are the simulation's."""
-    from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+    from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
     from fedseq.common.models import build_model, get_blocks
     from fedseq.common.protocol.tensors import frame_size
 

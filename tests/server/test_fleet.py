@@ -1,4 +1,4 @@
-"""A fleet of synthetic devices (fedseq.server.synthetic) against the real coordinator, on
+"""A fleet of synthetic devices (bench/synthetic.py) against the real coordinator, on
 Mosquitto with the project's broker.conf and ACL, one login per device: every round's updates
 count, real daemons beside them train as in the simulation, a broker that drops the coordinator's
 messages loses nothing, and the coordinator's memory does not grow with the fleet."""
@@ -19,7 +19,9 @@ from fedseq.server.broker import free_port, write_local_mosquitto
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.deployment import run_deployment, stop_children
 from fedseq.server.simulation import run_simulation
-from fedseq.server.synthetic import device_name, device_pace
+
+sys.path.insert(0, str(ROOT / "bench"))  # the synthetic devices are a benchmark's tool
+from synthetic import device_name, device_pace  # noqa: E402
 
 SECRET = "fleet-secret"
 
@@ -52,7 +54,7 @@ def synthetic(url: str, tmp_path: Path, data_root: Path, count: int, first: int 
               pace: float = 0.02) -> subprocess.Popen:
     """A process of `count` synthetic devices, connected when this returns."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fedseq.server.synthetic", "--broker", url, "--first", str(first),
+        [sys.executable, str(ROOT / "bench" / "synthetic.py"), "--broker", url, "--first", str(first),
          "--count", str(count), "--password-file", str(tmp_path / "synth.pw"), "--data-dir",
          str(data_root), "--pace", str(pace)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,

@@ -88,3 +88,16 @@ def test_a_damaged_row_is_one_line_naming_the_file_and_line(tmp_path):
     with pytest.raises(ConfigError, match=r"metrics.jsonl:2: a metrics row's 'phase'") as err:
         load_run(tmp_path)
     assert "\n" not in str(err.value)
+
+
+def test_refusal_codes_of_old_rows_come_from_the_reasons_words():
+    """Rows written before the codes say why in words only: "diverged" is told apart, the rest
+    is unknown; rows with codes give them as they are."""
+    old = RoundRecord.from_json({"v": 2, "round": 3, "phase": "train", "rejected": {
+        "1": "training diverged: the loss was NaN or Inf at batch 4", "2": "num_samples=5, but"}})
+    assert old.refusal_codes() == {1: "diverged", 2: "unknown"}
+    new = RoundRecord(round=3, phase="train", rejected={2: "num_samples=5, but"},
+                      refusals={2: "wrong-samples"})
+    assert RoundRecord.from_json(new.to_json()).refusal_codes() == {2: "wrong-samples"}
+    with pytest.raises(ConfigError, match="refusals"):
+        RoundRecord.from_json({"round": 0, "phase": "train", "refusals": {"1": "made-up"}})

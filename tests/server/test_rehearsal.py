@@ -48,7 +48,7 @@ def test_a_slow_link_shows_in_round_time(data_root, tmp_path, one_thread):
     """local02 behind 4 Mbit/s: round 0 cannot end before the initial model (the CNN's 2.3 MB
     frame) crossed its link, ~4.6 s, where an unshaped round of this config takes about one."""
     from fedseq.common.algorithms import algorithm_class
-    from fedseq.common.data.readers import INPUT_SHAPES, NUM_CLASSES
+    from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
     from fedseq.common.models import build_model
     from fedseq.common.protocol.tensors import frame_size
 

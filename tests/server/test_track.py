@@ -129,3 +129,18 @@ def test_mlflow_export_to_nowhere_is_one_line(tmp_path, data_root):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("error: MLflow at 'nosuchscheme://x'"), r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_every_numeric_field_of_a_row_reaches_the_trackers():
+    """Open records: a numeric field the named tags do not cover is logged by its name, and
+    a new field would be too (checked against every numeric field RoundRecord has)."""
+    from fedseq.server.records import RoundRecord
+    from fedseq.server.track import NAMED, row_scalars
+
+    numeric = {n for n, f in RoundRecord.model_fields.items()
+               if any(t in str(f.annotation) for t in ("int", "float")) and "dict" not in
+               str(f.annotation) and "list" not in str(f.annotation) and "bool" not in str(f.annotation)}
+    row = RoundRecord(round=4, phase="train", **{n: 7 for n in numeric - {"v", "round"}})
+    _, got = row_scalars(row, {})
+    assert {k.removeprefix("metrics/") for k in got if k.startswith("metrics/")} == numeric - NAMED
+    assert "metrics/wire_bytes_in" in got and "metrics/late_updates" in got

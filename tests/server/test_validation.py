@@ -34,30 +34,35 @@ def test_valid_update_passes():
     assert c.check(u) is None
 
 
-@pytest.mark.parametrize("mutate, words", [
-    (lambda u: setattr(u, "num_samples", 10**12), "num_samples=1000000000000"),
-    (lambda u: setattr(u, "num_samples", 0), "training rows"),
-    (lambda u: setattr(u, "client", 1), "not selected"),
-    (lambda u: setattr(u, "round", 2), "round 2"),
-    (lambda u: u.deltas.update({"conv1.bias": torch.zeros(2, dtype=torch.float64)}), "float64"),
-    (lambda u: u.deltas.update({"conv1.bias": torch.zeros(2, dtype=torch.int64)}), "int64"),
-    (lambda u: u.deltas.update({"conv1.bias": torch.zeros(3)}), "expected float32[2]"),
-    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([1e30, 0.0])}), "max_abs_delta"),
-    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([float("inf"), 0.0])}), "NaN or Inf"),
-    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([0.0, float("-inf")])}), "NaN or Inf"),
-    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([float("nan"), 0.0])}), "NaN or Inf"),
-    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([0.0, -1e30])}), "max_abs_delta"),
-    (lambda u: u.deltas.update({"fc2.weight": torch.zeros(4, 2)}), "not uploadable"),
-    (lambda u: u.deltas.pop("conv1.bias"), "missing"),
-    (lambda u: setattr(u, "local_score", (5, 10**6)), "local score"),
-    (lambda u: setattr(u, "local_score", (-1, 0)), "local score"),
+@pytest.mark.parametrize("mutate, words, code", [
+    (lambda u: setattr(u, "num_samples", 10**12), "num_samples=1000000000000", "wrong-samples"),
+    (lambda u: setattr(u, "num_samples", 0), "training rows", "wrong-samples"),
+    (lambda u: setattr(u, "client", 1), "not selected", "not-selected"),
+    (lambda u: setattr(u, "round", 2), "round 2", "wrong-round"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.zeros(2, dtype=torch.float64)}),
+     "float64", "wrong-shape"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.zeros(2, dtype=torch.int64)}), "int64", "wrong-shape"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.zeros(3)}), "expected float32[2]", "wrong-shape"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([1e30, 0.0])}), "max_abs_delta", "too-large"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([float("inf"), 0.0])}),
+     "NaN or Inf", "non-finite"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([0.0, float("-inf")])}),
+     "NaN or Inf", "non-finite"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([float("nan"), 0.0])}),
+     "NaN or Inf", "non-finite"),
+    (lambda u: u.deltas.update({"conv1.bias": torch.tensor([0.0, -1e30])}), "max_abs_delta", "too-large"),
+    (lambda u: u.deltas.update({"fc2.weight": torch.zeros(4, 2)}), "not uploadable", "wrong-tensors"),
+    (lambda u: u.deltas.pop("conv1.bias"), "missing", "wrong-tensors"),
+    (lambda u: setattr(u, "local_score", (5, 10**6)), "local score", "wrong-score"),
+    (lambda u: setattr(u, "local_score", (-1, 0)), "local score", "wrong-score"),
 ])
-def test_invalid_updates_are_rejected(mutate, words):
+def test_invalid_updates_are_rejected(mutate, words, code):
+    """Each refusal: its code (the closed set, records.Refusal) and its particulars in words."""
     data, c = _contract()
     u = _good(data)
     mutate(u)
     reason = c.check(u)
-    assert reason is not None and words in reason, reason
+    assert reason is not None and words in reason.text and reason.code == code, reason
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
@@ -78,7 +83,7 @@ def test_fedreg_effective_count_must_be_exact():
     u.effective_samples = c.effective_samples[0]
     assert c.check(u) is None
     u.effective_samples += 1
-    assert "effective_samples" in c.check(u)
+    assert "effective_samples" in str(c.check(u))
 
 
 def test_the_reason_names_the_same_tensor_whatever_the_frame_order():
@@ -86,7 +91,7 @@ def test_the_reason_names_the_same_tensor_whatever_the_frame_order():
     first offending tensor is the model's first, either way."""
     data, c = _contract()
     bad = {"conv1.weight": torch.full((2, 1, 3, 3), float("nan")), "conv1.bias": torch.full((2,), 1e30)}
-    reasons = {c.check(ClientUpdate(0, 3, dict(order), len(data.clients[0].train)))
+    reasons = {str(c.check(ClientUpdate(0, 3, dict(order), len(data.clients[0].train))))
                for order in (bad.items(), sorted(bad.items()))}
     assert reasons == {"tensor conv1.weight contains NaN or Inf"}
 
@@ -97,8 +102,8 @@ def test_a_refusal_stays_short_whatever_the_frame_carried():
     data, c = _contract()
     u = _good(data)
     u.deltas.update({f"x{i:06d}\n" + "y" * 200: torch.zeros(0) for i in range(100_000)})
-    reason = c.check(u)
-    assert reason is not None and "not uploadable" in reason and "(+99995 more)" in reason
+    reason = str(c.check(u))
+    assert "not uploadable" in reason and "(+99995 more)" in reason
     assert len(reason) < 600 and "\n" not in reason, len(reason)
 
 
@@ -115,10 +120,11 @@ def test_normalization_state_in_the_contract():
     assert running.check(ClientUpdate(0, 3, ok, n)) is None
     bad = {**ok, "conv1.1.running_var": torch.tensor([-0.5, -1.5])}
     reason = running.check(ClientUpdate(0, 3, bad, n))
-    assert reason == "tensor conv1.1.running_var would make a running variance negative (-0.5)"
+    assert reason is not None and reason.code == "bad-statistic"
+    assert reason.text == "tensor conv1.1.running_var would make a running variance negative (-0.5)"
     fedbn = round_contract(3, [0], ("conv1",), w, data, None, max_abs_delta=100.0,
                            personal_keys=frozenset(k for k in w if k.startswith("conv1.1.")))
-    assert "not uploadable" in fedbn.check(ClientUpdate(0, 3, ok, n))
+    assert "not uploadable" in str(fedbn.check(ClientUpdate(0, 3, ok, n)))
     assert fedbn.check(ClientUpdate(0, 3, {"conv1.0.weight": ok["conv1.0.weight"]}, n)) is None
 
 
@@ -135,10 +141,10 @@ def test_running_statistics_have_bounds_of_their_own():
     zero = {k: torch.zeros_like(v) for k, v in w.items()}
 
     def check(**stats):
-        return c.check(ClientUpdate(0, 3, {**zero, **{f"conv1.1.{k}": torch.tensor(v)
-                                                      for k, v in stats.items()}}, n))
+        return str(c.check(ClientUpdate(0, 3, {**zero, **{f"conv1.1.{k}": torch.tensor(v)
+                                                          for k, v in stats.items()}}, n)))
 
-    assert check(running_var=[48.0, 0.0], running_mean=[30.0, -30.0]) is None  # > 5: allowed
+    assert check(running_var=[48.0, 0.0], running_mean=[30.0, -30.0]) == "None"  # > 5: allowed
     assert "more than 100 x the global one" in check(running_var=[STAT_GROWTH, 0.0])
     assert "running mean of magnitude" in check(running_mean=[2e3, 0.0])
     assert "NaN or Inf" in check(running_var=[float("inf"), 0.0])
@@ -146,7 +152,7 @@ def test_running_statistics_have_bounds_of_their_own():
     assert parameter_scale(inflated) == parameter_scale(w) == 1.0
     big = round_contract(3, [0], ("conv1",), inflated, data, None, max_abs_delta=5.0)
     var = torch.full((2,), 1e30 * (STAT_GROWTH - 1))  # within the growth, past the cap
-    assert "or 1e+06" in big.check(ClientUpdate(0, 3, {**zero, "conv1.1.running_var": var}, n))
+    assert "or 1e+06" in str(big.check(ClientUpdate(0, 3, {**zero, "conv1.1.running_var": var}, n)))
 
 
 @pytest.mark.parametrize("factor", [1e3, STAT_GROWTH * 0.999])
@@ -175,7 +181,7 @@ def test_a_device_inflating_its_statistics_for_100_rounds(factor):
             u = ClientUpdate(client, t, d, n[client], device=f"d{client}")
             reason = contract.check(u)
             if reason is not None:
-                assert client == 0 and "running variance" in reason, reason
+                assert client == 0 and "running variance" in reason.text, reason
                 refused.append(t)
                 continue
             agg.add(d, {"conv1": float(n[client])}, client, f"d{client}")

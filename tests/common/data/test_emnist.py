@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_store import Mirror
 
-from fedseq.common.data import store
+from fedseq.common.data import catalog, store
 from fedseq.common.data.readers import NUM_CLASSES, read_dataset
 from fedseq.common.errors import DatasetError
 
@@ -51,10 +51,10 @@ def _archive(tmp_path: Path, monkeypatch) -> Path:
     folder.mkdir(parents=True)
     (folder / "gzip.zip").write_bytes(buf.getvalue())
     blob = buf.getvalue()
-    spec = store.DATASETS["emnist"]
-    fake = store.DatasetSpec(spec.folder, (store.DataFile("gzip.zip", hashlib.md5(blob).hexdigest(),
+    spec = catalog.DATASETS["emnist"]
+    fake = catalog.DatasetSpec(spec.folder, (catalog.DataFile("gzip.zip", hashlib.md5(blob).hexdigest(),
                                                           len(blob)),), (), extract="gzip.zip")
-    monkeypatch.setitem(store.DATASETS, "emnist", fake)
+    monkeypatch.setitem(catalog.DATASETS, "emnist", fake)
     return folder / "gzip.zip"
 
 
@@ -90,8 +90,8 @@ def test_emnist_imports_offline_and_says_what_is_missing(tmp_path, monkeypatch):
                                            ".*fedseq data download emnist-digits"):
         read_dataset(root, "emnist-digits")
     with pytest.raises(DatasetError, match="unknown dataset 'nist'.*emnist-letters"):
-        store.spec_of("nist")
-    assert store.spec_of("emnist-letters") is store.DATASETS["emnist"]
+        catalog.spec_of("nist")
+    assert catalog.spec_of("emnist-letters") is catalog.DATASETS["emnist"]
 
 
 def test_labels_outside_the_splits_classes_are_refused(tmp_path):

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import server_only
 from fedseq.common.config import load_config
-from fedseq.common.data import store
+from fedseq.common.data import catalog, store
 from fedseq.common.errors import DatasetError
 
 
@@ -68,7 +68,7 @@ class Mirror:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def base(self, dataset: str) -> str:
-        return f"{self.url}/{store.DATASETS[dataset].folder}/"
+        return f"{self.url}/{catalog.DATASETS[dataset].folder}/"
 
     def close(self):
         self.server.shutdown()
@@ -88,7 +88,7 @@ def test_download_checks_every_file_and_skips_good_ones(mirror, tmp_path, data_r
                             progress=lambda name, done, total: seen.append((name, done, total)))
     assert folder == tmp_path / "FashionMNIST" / "raw"
     assert store.verify(tmp_path, "fmnist") == []
-    for f in store.DATASETS["fmnist"].files:
+    for f in catalog.DATASETS["fmnist"].files:
         assert (folder / f.name).read_bytes() == (data_root / "FashionMNIST/raw" / f.name).read_bytes()
     assert seen[-1][1] == seen[-1][2]  # progress reached the end
     n = len(mirror.requests)
@@ -145,7 +145,7 @@ def test_import_from_a_folder_checks_first(data_root, tmp_path):
     assert store.verify(dest, "fmnist") == []
     flat = tmp_path / "flat"
     flat.mkdir()
-    for f in store.DATASETS["mnist"].files:
+    for f in catalog.DATASETS["mnist"].files:
         shutil.copy(data_root / "MNIST/raw" / f.name, flat / f.name)
     with (flat / "t10k-labels-idx1-ubyte.gz").open("r+b") as fh:
         fh.seek(100)
@@ -175,9 +175,9 @@ def test_cifar_archive_is_checked_then_extracted(tmp_path, monkeypatch):
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(src / "cifar-10-batches-py", arcname="cifar-10-batches-py")
     blob = archive.read_bytes()
-    fake = store.DatasetSpec("", (store.DataFile(archive.name, hashlib.md5(blob).hexdigest(),
+    fake = catalog.DatasetSpec("", (catalog.DataFile(archive.name, hashlib.md5(blob).hexdigest(),
                                                  len(blob)),), (), extract=archive.name)
-    monkeypatch.setitem(store.DATASETS, "cifar10", fake)
+    monkeypatch.setitem(catalog.DATASETS, "cifar10", fake)
     root = tmp_path / "root"
     store.import_from("cifar10", tmp_path, root)
     assert (root / "cifar-10-batches-py" / "batches.meta").read_bytes() == b"x"

@@ -15,7 +15,7 @@ import pytest
 from test_store import Mirror
 
 from conftest import server_only
-from fedseq.common.data import store
+from fedseq.common.data import catalog, store
 from fedseq.common.data.readers import NUM_CLASSES, read_dataset
 from fedseq.common.errors import DatasetError
 
@@ -52,9 +52,9 @@ def _archive(tmp_path: Path, monkeypatch) -> Path:
     blob = buf.getvalue()
     (tmp_path / "stanford").mkdir()
     (tmp_path / "stanford" / "tiny-imagenet-200.zip").write_bytes(blob)
-    fake = store.DatasetSpec("", (store.DataFile("tiny-imagenet-200.zip", hashlib.md5(blob).hexdigest(),
+    fake = catalog.DatasetSpec("", (catalog.DataFile("tiny-imagenet-200.zip", hashlib.md5(blob).hexdigest(),
                                                  len(blob)),), (), extract="tiny-imagenet-200.zip")
-    monkeypatch.setitem(store.DATASETS, "tiny-imagenet", fake)
+    monkeypatch.setitem(catalog.DATASETS, "tiny-imagenet", fake)
     return tmp_path / "stanford"
 
 

@@ -1,5 +1,6 @@
 """Synthetic devices: many protocol-complete fleet members in one process, for measuring what the
-coordinator and the broker cost per device (bench/fleet.py, tests/server/test_fleet.py).
+coordinator and the broker cost per device (bench/fleet.py, tests/server/test_fleet.py). A tool
+of the benchmarks and tests, not of the coordinator: installs do not carry it.
 
 Each synthetic device is what the coordinator sees of a real one: its own broker login and
 session (a `Link`, with its last will), a retained DeviceInfo and an online DeviceStatus that it
@@ -17,7 +18,7 @@ step's answers after either side reconnects, as a daemon does.
 What it skips is the device's own work: no training, no sha256 of the weight frames (their chunks
 are counted, not kept). Real daemons stay the reference for correctness; these are for cost.
 
-    python -m fedseq.server.synthetic --broker URL --prefix synth --first 1 --count 250 \\
+    python bench/synthetic.py --broker URL --prefix synth --first 1 --count 250 \\
         --password-file PW --data-dir DATA [--pace 0.05] [--spread 0] [--fail-rate 0] \\
         [--topic-root fedseq]
 
@@ -45,8 +46,8 @@ import torch
 from fedseq.common import __version__
 from fedseq.common.algorithms import algorithm_class
 from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.catalog import INPUT_SHAPES
 from fedseq.common.data.federated import load_federated
-from fedseq.common.data.readers import INPUT_SHAPES
 from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.errors import FedseqError
 from fedseq.common.models import Weights, block_of, build_model, shared_tensors

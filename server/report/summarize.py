@@ -1,0 +1,189 @@
+"""Summaries of runs: one table row per run (`summarize`), per group of seeds
+(`summarize_group`), and every run paired with the first seed by seed (`paired_rows`)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+from fedseq.common.config import SEED_STREAMS
+from fedseq.server.records import RoundRecord
+from fedseq.server.report.load import ACCURACIES, LAST, Run
+from fedseq.server.seeds import defining
+
+
+def _values(rows: list[RoundRecord], name: str) -> list[float]:
+    """The accuracy `name` (G, P, L, Lr) of the rows that have it."""
+    return [a for r in rows if (a := r.accuracies()[name]) is not None]
+
+
+def _model_label(model: dict[str, Any]) -> str:
+    """The model's name, and its normalization where it is not the default (model.norm):
+    runs that differ only in it must not read as the same model."""
+    norm = model.get("norm", "batch")
+    return str(model.get("name", "?")) + ("" if norm == "batch" else f" ({norm})")
+
+
+def summarize(run: Run) -> dict[str, Any]:
+    """One table row: final, best and last-10-rounds G, P, L and Lr (%), the per-client spread
+    of the final personalized accuracy, rounds, bytes, FLOPs, time, energy."""
+    train = run.train_rows
+    last = run.rows[-1] if run.rows else None
+    out: dict[str, Any] = {"run": run.label, "algorithm": run.algorithm,
+                           "dataset": run.config.get("data", {}).get("dataset", "?"),
+                           "model": _model_label(run.config.get("model", {})),
+                           "rounds": len(train),
+                           "of": run.config.get("rounds", len(train)),
+                           "finetuned": last is not None and last.phase == "finetune",
+                           "state": run.status.get("state", "?"),
+                           # where it trained: "cpu" or the GPU's name (runs made before 2026-11 say nothing)
+                           "device": run.status.get("device")}
+    for name in ACCURACIES:
+        vals = _values(run.rows, name)
+        tail = _values(train, name)[-LAST:]
+        out[f"{name} final"] = round(100 * vals[-1], 2) if vals else None
+        out[f"{name} best"] = round(100 * max(vals), 2) if vals else None
+        out[f"{name} last{LAST}"] = round(100 * sum(tail) / len(tail), 2) if tail else None
+    accs = sorted(100 * float(c["accuracy"]) for c in run.clients if c.get("accuracy"))
+    worst = accs[: max(1, math.ceil(0.1 * len(accs)))]
+    # FedBABU's form: the mean over clients (each client counts once, whatever its test size) ±
+    # the sd over clients, beside P's pooled sum-correct / sum-total
+    out["client mean"] = round(statistics.fmean(accs), 2) if accs else None
+    out["client sd"] = round(statistics.pstdev(accs), 2) if accs else None
+    out["worst 10%"] = round(sum(worst) / len(worst), 2) if accs else None
+    out["global model"] = "init head/base" if run.init_global else "trained"
+    out["MB moved"] = round(sum(r.bytes_down + r.bytes_up for r in train) / 1e6, 1)
+    out["train TFLOP"] = round(sum(r.train_flops for r in run.rows) / 1e12, 2)
+    out["wall s"] = round(sum(r.seconds or 0 for r in run.rows), 1)
+    # measured on the devices (deployments with a sensor)
+    joules = [r.energy_j for r in train if r.energy_j is not None]
+    out["energy kJ"] = round(sum(joules) / 1e3, 3) if joules else None
+    out["J/round"] = round(sum(joules) / len(joules), 1) if joules else None
+    tuned = [r.energy_j for r in run.rows if r.phase == "finetune" and r.energy_j is not None]
+    out["finetune kJ"] = round(sum(tuned) / 1e3, 3) if tuned else None
+    return out
+
+
+# -- seeds: runs of one config that differ only by seed ------------------------------------
+
+
+def _seed_of(run: Run, stream: str) -> Any:
+    pinned = run.config.get("seeds", {}).get(stream)
+    return run.config.get("seed") if pinned is None else pinned
+
+
+def _group_key(run: Run) -> str:
+    """What a run is a function of, but its seeds (seeds.defining without `seed`, [seeds])."""
+    cfg = {k: v for k, v in defining(run.config).items() if k not in ("seed", "seeds")}
+    return json.dumps(cfg, sort_keys=True, default=str)
+
+
+@dataclass
+class Group:
+    """The runs of one config under several seeds (a group of one is a single run)."""
+
+    label: str
+    runs: list[Run]
+
+    @property
+    def varied(self) -> list[str]:
+        """The random streams whose seed differs between the runs."""
+        return [s for s in SEED_STREAMS if len({_seed_of(r, s) for r in self.runs}) > 1]
+
+    @property
+    def seeds(self) -> list[Any]:
+        return [r.config.get("seed") for r in self.runs]
+
+    @property
+    def legend(self) -> str:
+        return self.label + (f" ({len(self.runs)} seeds)" if len(self.runs) > 1 else "")
+
+    @property
+    def init_global(self) -> bool:
+        return any(r.init_global for r in self.runs)
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    """Group runs whose configs differ only by seed, in order of first appearance. A group of
+    several is labelled by its runs' common parent folder (a sweep's OUT) or the first run."""
+    groups: dict[str, list[Run]] = {}
+    for run in runs:
+        groups.setdefault(_group_key(run), []).append(run)
+    out = []
+    for members in groups.values():
+        label = members[0].label
+        if len(members) > 1:
+            parents = {r.path.resolve().parent for r in members}
+            label = parents.pop().name if len(parents) == 1 else f"{label} (+{len(members) - 1})"
+        out.append(Group(label, members))
+    return out
+
+
+def summarize_group(group: Group) -> dict[str, Any]:
+    """One table row for a group: for every number of `summarize`, the mean over the seeds (in
+    the metric's own column) and its sd, min and max (sample sd; none for a single run)."""
+    rows = [summarize(r) for r in group.runs]
+    first = rows[0]
+    out: dict[str, Any] = {"run": group.label, "algorithm": first["algorithm"],
+                           "dataset": first["dataset"], "model": first["model"],
+                           "seeds": len(rows),
+                           "varied": ",".join(group.varied) or "-",
+                           "rounds": min(r["rounds"] for r in rows), "of": first["of"],
+                           "finetuned": all(r["finetuned"] for r in rows),
+                           "state": first["state"] if len({r["state"] for r in rows}) == 1 else "mixed",
+                           "device": " + ".join(sorted({r["device"] for r in rows if r["device"]})) or None,
+                           "global model": first["global model"]}
+    spread: dict[str, Any] = {}
+    for key, value in first.items():
+        if key in out or key == "run" or not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        if len(vals) < len(rows):  # not measured in every run: no mean
+            out[key] = None
+            continue
+        if len(vals) == 1:
+            out[key] = vals[0]
+            continue
+        out[key] = round(statistics.fmean(vals), 3)
+        spread[f"{key} sd"] = round(statistics.stdev(vals), 3)
+        spread[f"{key} min"] = min(vals)
+        spread[f"{key} max"] = max(vals)
+    return {**out, **spread}
+
+
+#: the accuracies the paired table compares
+PAIRED = ("G best", "G final", "P final", "L best", "Lr best")
+
+
+def _seed_key(run: Run) -> tuple[Any, ...]:
+    return tuple(_seed_of(run, s) for s in SEED_STREAMS)
+
+
+def paired_rows(groups: list[Group]) -> list[dict[str, Any]]:
+    """Every other group against the first, seed by seed. Runs of the same seeds share the
+    data partition, the client selection and the initial weights, so the per-seed difference
+    is free of what the seeds change in both, which a difference of means over seeds is not.
+    Per metric: the mean and sd of the differences (points) and in how many seeds the
+    difference has the mean's sign. Finished runs only; a group needs two seeds in common."""
+    ref, *others = groups
+    done = {_seed_key(r): summarize(r) for r in ref.runs if r.status.get("state") == "finished"}
+    out = []
+    for group in others:
+        pairs = [(done[_seed_key(r)], summarize(r)) for r in group.runs
+                 if _seed_key(r) in done and r.status.get("state") == "finished"]
+        if len(pairs) < 2:
+            continue
+        row: dict[str, Any] = {"run": group.label, "against": ref.label, "seeds": len(pairs)}
+        for key in PAIRED:
+            diffs = [b[key] - a[key] for a, b in pairs if a[key] is not None and b[key] is not None]
+            if len(diffs) < len(pairs):
+                continue
+            mean = statistics.fmean(diffs)
+            row[f"{key} diff"] = round(mean, 3)
+            row[f"{key} diff sd"] = round(statistics.stdev(diffs), 3)
+            row[f"{key} same sign"] = sum(1 for d in diffs if d * mean > 0)
+        out.append(row)
+    return out

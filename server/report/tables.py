@@ -1,0 +1,149 @@
+"""Tables: summary.md and summary.csv (every run or group of seeds, beside a paper's table where
+asked) and paired.csv."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+from fedseq.common.text import csv_cell, markdown_cell
+from fedseq.server.report.load import ACCURACIES, LAST, Run, divergence_note, splice_note
+from fedseq.server.report.summarize import PAIRED, group_runs, paired_rows, summarize_group
+
+# Published numbers (%), keyed by our algorithm names, and the metric of ours each column
+# compares with. FedReG Table 6: its Jetson testbed (FMNIST, 30 clients, Dir(0.1), join 0.2,
+# ConvNet; best global / best average client accuracy over 100 rounds, mean of five runs). Its
+# "P" scores each client's locally trained model (section 5), which is our L (every client's
+# latest local model, stale for clients not selected lately) or Lr (only the round's trainers'
+# fresh local models): section 5 admits both readings, so both sit beside it. FedSeq Table 2 of
+# the arXiv version, Table 4 of the Appl. Sci. 2024 version (same numbers), MNIST column:
+# accuracy at T = 100/200/300, FedBABU and FedSeq after fine-tuning: our P final.
+PAPERS: dict[str, dict[str, Any]] = {
+    "fedreg-table6": {
+        "title": "FedReG Table 6 (testbed, FMNIST; mean of 5 runs)",
+        "columns": ("G", "P"),
+        "compare": {"G": ("G best",), "P": ("L best", "Lr best")},
+        "rows": {"fedavg": (82.13, 98.05), "fedprox": (81.18, 98.05), "fedper": (72.27, 98.29),
+                 "fedrep": (59.75, 97.88), "fedbabu": (78.73, 97.76), "fedrod": (83.96, 98.01),
+                 "fedreg": (86.12, 98.25)},
+    },
+    "fedseq-table2-mnist": {
+        "title": "FedSeq Table 2 (arXiv) = Table 4 (Appl. Sci. 2024), MNIST",
+        "columns": ("T=100", "T=200", "T=300"),
+        "compare": {"T=100": ("P final",), "T=200": ("P final",), "T=300": ("P final",)},
+        "rows": {"fedavg": (91.48, 96.32, 97.48), "fedper": (98.30, 98.63, 98.69),
+                 "lg-fedavg": (97.95, 98.17, 98.13), "fedrep": (98.56, 98.69, 98.75),
+                 "fedrod": (98.61, 98.95, 99.06), "fedbabu": (98.19, 98.77, 98.84),
+                 "fedseq-vanilla": (98.21, 98.84, 98.99), "fedseq-anti": (98.34, 98.81, 98.96)},
+    },
+}
+
+
+_ACC_KEYS = {f"{n} {w}" for n in ACCURACIES for w in ("final", "best", f"last{LAST}")} \
+    | {"client mean", "client sd", "worst 10%"}
+
+
+def _paired_table(rows: list[dict[str, Any]]) -> list[str]:
+    shown = [k for k in PAIRED if any(f"{k} diff" in r for r in rows)]
+    lines = ["", f"Paired by seed against {markdown_cell(rows[0]['against'])} (runs of one seed share the "
+             "partition, the client selection and the initial weights): mean ± sd over seeds of "
+             "this row minus the reference, in points, and (k/n) the seeds whose difference has "
+             "that sign.", "",
+             "| run | seeds | " + " | ".join(f"{k} diff" for k in shown) + " |",
+             "|" + "---|" * (len(shown) + 2)]
+    for r in rows:
+        cells = [f"{r[k + ' diff']:+.2f} ± {r[k + ' diff sd']:.2f} ({r[k + ' same sign']}/"
+                 f"{r['seeds']})" if f"{k} diff" in r else "-" for k in shown]
+        lines.append(f"| {markdown_cell(r['run'])} | {r['seeds']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+# The Markdown table's columns (summary.csv has every number, spreads included); an accuracy
+# shows mean ± sd where a group has several seeds.
+MD_COLUMNS = ("run", "algorithm", "dataset", "model", "seeds", "varied", "rounds", "finetuned",
+              "device", "G best", f"G last{LAST}", "G final", "P best", "P final", "L best", "L final",
+              "Lr best", "client mean", "client sd", "worst 10%", "global model", "MB moved", "train TFLOP",
+              "wall s", "energy kJ", "J/round", "finetune kJ")
+
+
+def _paper_columns(rows: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str, str]:
+    """Add the paper's numbers to the rows; returns {paper column: the last of our columns it
+    is compared with}, where it goes in the Markdown table. FedSeq's T columns: only the one
+    equal to the runs' rounds, where there is one."""
+    rounds = {r["of"] for r in rows}
+    columns = [c for c in ref["columns"] if c.startswith("T=") and int(c[2:]) in rounds] \
+        or list(ref["columns"])
+    for row in rows:
+        published = ref["rows"].get(row["algorithm"])
+        for col in columns:
+            row[f"paper {col}"] = published[ref["columns"].index(col)] if published else None
+    return {f"paper {c}": ref["compare"][c][-1] for c in columns}
+
+
+def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[dict[str, Any]]:
+    groups = group_runs(runs)
+    rows = [summarize_group(g) for g in groups]
+    ref = PAPERS[paper] if paper else None
+    beside = _paper_columns(rows, ref) if ref is not None else {}
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with (out / "summary.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows({k: csv_cell(v) for k, v in r.items()} for r in rows)
+    gpu = any(r["device"] not in (None, "cpu") for r in rows)  # CPU only, the usual case: no column
+    shown = [k for k in MD_COLUMNS if any(r.get(k) is not None for r in rows) and (gpu or k != "device")]
+    for col, after in beside.items():  # the paper's number right of the metric it matches
+        shown.insert(shown.index(after) + 1 if after in shown else len(shown), col)
+
+    def cell(row: dict[str, Any], key: str) -> str:
+        if key == "rounds" and row["state"] != "finished":  # never a partial run read as whole
+            return f"{row['rounds']} of {row['of']}, {row['state']}"
+        sd = row.get(f"{key} sd")
+        text = _fmt(row.get(key)) + (f" ± {sd:.2f}" if sd is not None and key in _ACC_KEYS else "")
+        return markdown_cell(text, 400)  # run folders and device names are anyone's words
+
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    lines += ["| " + " | ".join(cell(r, k) for k in shown) + " |" for r in rows]
+    notes = [
+        "",
+        "G: global model on all clients' test rows; P: each client's personalized model after "
+        "aggregation (after fine-tuning for FedBABU/FedSeq/local); L: each client's most recent "
+        "locally trained model (stale for clients not selected lately); Lr: the fresh local "
+        "models of each round's trainers only (FedReG section 5 admits both readings of its "
+        f"testbed's P). final = last evaluated row, best = best evaluated round (what FedReG "
+        f"reports), last{LAST} = mean of the last {LAST} evaluated training rounds. client mean "
+        "/ client sd / worst 10%: the final personalized accuracies over clients, each client "
+        "once (FedBABU's mean ± sd over clients; P pools sum-correct / sum-total), and the mean "
+        "of the worst tenth. "
+        "Accuracies in %; with several seeds: mean ± sd over seeds (min/max in summary.csv), "
+        "varied = the random streams the seeds changed. train TFLOP: measured training compute, "
+        "fine-tuning included.",
+    ]
+    if any(r["state"] != "finished" for r in rows):
+        notes.append("rounds: a row not finished says so (\"45 of 100, interrupted\"); its final "
+                     "and last10 are those of its last row, and a \"mixed\" group averages runs "
+                     "stopped at different rounds: finish the runs before comparing them.")
+    notes += [n for g in groups for r in g.runs if (n := divergence_note(r)) is not None]
+    notes += [n for g in groups for r in g.runs if (n := splice_note(r)) is not None]
+    if ref is not None:
+        compared = "; ".join(f"paper {c} beside {' and '.join(v)}" for c, v in ref["compare"].items()
+                             if f"paper {c}" in beside)
+        notes.append(f"paper columns: {ref['title']}: {compared}.")
+    paired = paired_rows(groups)
+    if paired:
+        with (out / "paired.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in paired for k in r)))
+            w.writeheader()
+            w.writerows({k: csv_cell(v) for k, v in r.items()} for r in paired)
+        notes += _paired_table(paired)
+    (out / "summary.md").write_text("\n".join(lines + notes) + "\n")
+    return rows
