@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -81,24 +81,6 @@ def record_devices(run_dir: RunDir, pool: MqttPool) -> None:
     run_dir.record_devices({d: stacks.get(d, []) for d in sorted(devices)})
 
 
-@contextlib.contextmanager
-def _opened(pool: MqttPool) -> Iterator[MqttPool]:
-    """The pool connected, and closed at the end: a run that ends early tells its devices why
-    (Control abort) before the error ends the process."""
-    ended: str | None = None
-    try:
-        pool.start()
-        yield pool
-    except KeyboardInterrupt:
-        ended = "the coordinator was stopped (Ctrl-C or SIGTERM); it may be resumed"
-        raise
-    except BaseException as exc:
-        ended = (str(exc).splitlines() or [type(exc).__name__])[0]
-        raise
-    finally:
-        pool.close(abort=ended)
-
-
 def _record_devices_finally(run_dir: RunDir, pool: MqttPool) -> None:
     try:
         record_devices(run_dir, pool)
@@ -166,9 +148,8 @@ class Fleet:
                 login = cfg.deploy.model_copy(update={"username": "rehearsal",
                                                       "password_file": secret})
                 self.cfg_login = cfg.model_copy(update={"deploy": login})
-            embedded = EmbeddedBroker(host, cfg.deploy.port, passwords, cfg.deploy.allow_anonymous)
-            stack.callback(embedded.stop)
-            embedded.start()
+            embedded = stack.enter_context(EmbeddedBroker(host, cfg.deploy.port, passwords,
+                                                          cfg.deploy.allow_anonymous))
             self.url = embedded.url
             self.announce(f"embedded MQTT broker at {self.url} - start devices with: "
                           f"fedseq-client --device NAME --broker {self.url}")
@@ -184,9 +165,10 @@ class Fleet:
                        else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
         d = self.cfg_login.deploy
         tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
-        self.pool = stack.enter_context(_opened(MqttPool(
+        # connected now; on the way out the devices hear why the run ended (MqttPool.__exit__)
+        self.pool = stack.enter_context(MqttPool(
             cfg, self.url, self.run_id, d.username,
-            read_secret(d.password_file, "deploy.password_file"), tls)))
+            read_secret(d.password_file, "deploy.password_file"), tls))
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> MqttPool:

@@ -95,9 +95,9 @@ class InProcess:
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> InProcessPool:
-        return InProcessPool(exp.data, exp.model, exp.algorithm.personal_blocks(),
-                             self.cfg.seed_for("training"), self.cfg.train.eval_batch_size,
-                             self.device)
+        return stack.enter_context(InProcessPool(
+            exp.data, exp.model, exp.algorithm.personal_blocks(), self.cfg.seed_for("training"),
+            self.cfg.train.eval_batch_size, self.device))
 
     def info(self) -> dict[str, Any]:
         # what else bitwise reproducibility depends on (README, Reproducibility); "device" is
@@ -150,16 +150,11 @@ class Workers:
         if on_gpu:
             self._info.update(gpu=group.gpu, torch_device=", ".join(on_gpu),
                               workers_per_gpu=self.per_gpu or None)
-        pool = DistributedPool({c.client: (len(c.train), len(c.test)) for c in exp.data.clients},
-                               exp.model, exp.algorithm.personal_blocks(),
-                               self.cfg.seed_for("training"), self.cfg.train.eval_batch_size)
-
-        def stop_after_a_finished_run(kind: Any, exc: Any, tb: Any) -> None:
-            if kind is None:  # the workers exit; after a failure end_group stops them
-                pool.stop()
-
-        stack.push(stop_after_a_finished_run)
-        return pool
+        # after a finished run the pool tells the workers to stop, then the group ends
+        return stack.enter_context(DistributedPool(
+            {c.client: (len(c.train), len(c.test)) for c in exp.data.clients}, exp.model,
+            exp.algorithm.personal_blocks(), self.cfg.seed_for("training"),
+            self.cfg.train.eval_batch_size))
 
     def info(self) -> dict[str, Any]:
         return self._info
