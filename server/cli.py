@@ -278,19 +278,19 @@ def _summary(out: Path) -> None:
     rows = run.train_rows
 
     def acc(name: str) -> str:
-        final, best = s[f"{name} final"], s[f"{name} best"]
-        return "-" if final is None else f"final {final:.2f}%, best {best:.2f}%"
+        a = s.accuracy[name]
+        return "-" if a.final is None else f"final {a.final:.2f}%, best {a.best:.2f}%"
 
     failed = sum(len(r.failed) for r in rows)
     rejected = sum(len(r.rejected) for r in rows)
-    ft = " + fine-tuning" if s["finetuned"] else ""
-    star = " (head/base at init: see the global_model note)" if s["global model"] != "trained" else ""
-    print(f"run finished: {s['algorithm']} on {s['dataset']} ({s['model']}), {s['rounds']} rounds"
-          f"{ft}, {s['wall s']:.0f} s\n"
+    ft = " + fine-tuning" if s.finetuned else ""
+    star = " (head/base at init: see the global_model note)" if s.init_global else ""
+    print(f"run finished: {s.algorithm} on {s.dataset} ({s.model}), {s.rounds} rounds"
+          f"{ft}, {s.wall_s:.0f} s\n"
           f"  global{star}: {acc('G')}\n"
           f"  personalized: {acc('P')}\n"
           f"  local model (FedReG testbed): {acc('L')}\n"
-          f"  moved {s['MB moved']:.1f} MB, trained {s['train TFLOP']:.2f} TFLOP; "
+          f"  moved {s.mb_moved:.1f} MB, trained {s.train_tflop:.2f} TFLOP; "
           f"missing updates: {failed}, rejected: {rejected}\n"
           f"  -> {out}   (figures and tables: fedseq report {out})", file=sys.stderr)
 

@@ -27,44 +27,97 @@ def _model_label(model: dict[str, Any]) -> str:
     return str(model.get("name", "?")) + ("" if norm == "batch" else f" ({norm})")
 
 
-def summarize(run: Run) -> dict[str, Any]:
-    """One table row: final, best and last-10-rounds G, P, L and Lr (%), the per-client spread
-    of the final personalized accuracy, rounds, bytes, FLOPs, time, energy."""
+@dataclass(frozen=True)
+class Accuracy:
+    """One accuracy of a run (%): its final value, its best, and its mean over the last LAST
+    training rounds (None where the run never measured it)."""
+
+    final: float | None
+    best: float | None
+    last: float | None
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A run summarized, typed: what it is, its accuracies (G, P, L, Lr in %), the per-client
+    spread of its final personalized accuracy, and its costs. `row()` is its table row."""
+
+    run: str
+    algorithm: str
+    dataset: str
+    model: str
+    rounds: int  # training rounds done
+    of: int  # training rounds configured
+    finetuned: bool
+    state: str
+    device: str | None  # "cpu" or the GPU's name (runs made before 2026-11 say nothing)
+    accuracy: dict[str, Accuracy]  # by ACCURACIES' names
+    client_mean: float | None  # FedBABU's form: each client counts once, whatever its test size
+    client_sd: float | None
+    worst10: float | None  # mean of the worst tenth of the clients
+    init_global: bool  # the global model keeps an untrained head or base
+    mb_moved: float
+    train_tflop: float
+    wall_s: float
+    energy_kj: float | None  # measured on the devices (deployments with a sensor)
+    j_per_round: float | None
+    finetune_kj: float | None
+
+    def row(self) -> dict[str, Any]:
+        """The table row: summary.md's and summary.csv's columns by their display names."""
+        out: dict[str, Any] = {"run": self.run, "algorithm": self.algorithm,
+                               "dataset": self.dataset, "model": self.model,
+                               "rounds": self.rounds, "of": self.of, "finetuned": self.finetuned,
+                               "state": self.state, "device": self.device}
+        for name in ACCURACIES:
+            a = self.accuracy[name]
+            out.update({f"{name} final": a.final, f"{name} best": a.best,
+                        f"{name} last{LAST}": a.last})
+        out.update({"client mean": self.client_mean, "client sd": self.client_sd,
+                    "worst 10%": self.worst10,
+                    "global model": "init head/base" if self.init_global else "trained",
+                    "MB moved": self.mb_moved, "train TFLOP": self.train_tflop,
+                    "wall s": self.wall_s, "energy kJ": self.energy_kj,
+                    "J/round": self.j_per_round, "finetune kJ": self.finetune_kj})
+        return out
+
+
+def summarize(run: Run) -> RunSummary:
+    """A run's final, best and last-10-rounds G, P, L and Lr (%), the per-client spread of the
+    final personalized accuracy, rounds, bytes, FLOPs, time, energy."""
     train = run.train_rows
     last = run.rows[-1] if run.rows else None
-    out: dict[str, Any] = {"run": run.label, "algorithm": run.algorithm,
-                           "dataset": run.config.get("data", {}).get("dataset", "?"),
-                           "model": _model_label(run.config.get("model", {})),
-                           "rounds": len(train),
-                           "of": run.config.get("rounds", len(train)),
-                           "finetuned": last is not None and last.phase == "finetune",
-                           "state": run.status.get("state", "?"),
-                           # where it trained: "cpu" or the GPU's name (runs made before 2026-11 say nothing)
-                           "device": run.status.get("device")}
+    accuracy = {}
     for name in ACCURACIES:
         vals = _values(run.rows, name)
         tail = _values(train, name)[-LAST:]
-        out[f"{name} final"] = round(100 * vals[-1], 2) if vals else None
-        out[f"{name} best"] = round(100 * max(vals), 2) if vals else None
-        out[f"{name} last{LAST}"] = round(100 * sum(tail) / len(tail), 2) if tail else None
+        accuracy[name] = Accuracy(round(100 * vals[-1], 2) if vals else None,
+                                  round(100 * max(vals), 2) if vals else None,
+                                  round(100 * sum(tail) / len(tail), 2) if tail else None)
     accs = sorted(100 * float(c["accuracy"]) for c in run.clients if c.get("accuracy"))
     worst = accs[: max(1, math.ceil(0.1 * len(accs)))]
-    # FedBABU's form: the mean over clients (each client counts once, whatever its test size) ±
-    # the sd over clients, beside P's pooled sum-correct / sum-total
-    out["client mean"] = round(statistics.fmean(accs), 2) if accs else None
-    out["client sd"] = round(statistics.pstdev(accs), 2) if accs else None
-    out["worst 10%"] = round(sum(worst) / len(worst), 2) if accs else None
-    out["global model"] = "init head/base" if run.init_global else "trained"
-    out["MB moved"] = round(sum(r.bytes_down + r.bytes_up for r in train) / 1e6, 1)
-    out["train TFLOP"] = round(sum(r.train_flops for r in run.rows) / 1e12, 2)
-    out["wall s"] = round(sum(r.seconds or 0 for r in run.rows), 1)
-    # measured on the devices (deployments with a sensor)
     joules = [r.energy_j for r in train if r.energy_j is not None]
-    out["energy kJ"] = round(sum(joules) / 1e3, 3) if joules else None
-    out["J/round"] = round(sum(joules) / len(joules), 1) if joules else None
     tuned = [r.energy_j for r in run.rows if r.phase == "finetune" and r.energy_j is not None]
-    out["finetune kJ"] = round(sum(tuned) / 1e3, 3) if tuned else None
-    return out
+    return RunSummary(
+        run=run.label, algorithm=run.algorithm,
+        dataset=run.config.get("data", {}).get("dataset", "?"),
+        model=_model_label(run.config.get("model", {})),
+        rounds=len(train), of=run.config.get("rounds", len(train)),
+        finetuned=last is not None and last.phase == "finetune",
+        state=run.status.get("state", "?"), device=run.status.get("device"),
+        accuracy=accuracy,
+        # the mean over clients ± the sd over clients, beside P's pooled sum-correct / sum-total
+        client_mean=round(statistics.fmean(accs), 2) if accs else None,
+        client_sd=round(statistics.pstdev(accs), 2) if accs else None,
+        worst10=round(sum(worst) / len(worst), 2) if accs else None,
+        init_global=run.init_global,
+        mb_moved=round(sum(r.bytes_down + r.bytes_up for r in train) / 1e6, 1),
+        train_tflop=round(sum(r.train_flops for r in run.rows) / 1e12, 2),
+        wall_s=round(sum(r.seconds or 0 for r in run.rows), 1),
+        energy_kj=round(sum(joules) / 1e3, 3) if joules else None,
+        j_per_round=round(sum(joules) / len(joules), 1) if joules else None,
+        finetune_kj=round(sum(tuned) / 1e3, 3) if tuned else None,
+    )
 
 
 # -- seeds: runs of one config that differ only by seed ------------------------------------
@@ -125,7 +178,7 @@ def group_runs(runs: list[Run]) -> list[Group]:
 def summarize_group(group: Group) -> dict[str, Any]:
     """One table row for a group: for every number of `summarize`, the mean over the seeds (in
     the metric's own column) and its sd, min and max (sample sd; none for a single run)."""
-    rows = [summarize(r) for r in group.runs]
+    rows = [summarize(r).row() for r in group.runs]
     first = rows[0]
     out: dict[str, Any] = {"run": group.label, "algorithm": first["algorithm"],
                            "dataset": first["dataset"], "model": first["model"],
@@ -169,10 +222,11 @@ def paired_rows(groups: list[Group]) -> list[dict[str, Any]]:
     Per metric: the mean and sd of the differences (points) and in how many seeds the
     difference has the mean's sign. Finished runs only; a group needs two seeds in common."""
     ref, *others = groups
-    done = {_seed_key(r): summarize(r) for r in ref.runs if r.status.get("state") == "finished"}
+    done = {_seed_key(r): summarize(r).row() for r in ref.runs
+            if r.status.get("state") == "finished"}
     out = []
     for group in others:
-        pairs = [(done[_seed_key(r)], summarize(r)) for r in group.runs
+        pairs = [(done[_seed_key(r)], summarize(r).row()) for r in group.runs
                  if _seed_key(r) in done and r.status.get("state") == "finished"]
         if len(pairs) < 2:
             continue

@@ -76,10 +76,12 @@ def test_the_report_reads_a_run_directory_of_old_rows(tmp_path):
     rows = [dict(TRAIN_V1, round=t, global_acc=0.1 * (t + 1)) for t in range(3)] + [FINETUNE_V1]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     s = summarize(load_run(tmp_path))
-    assert s["rounds"] == 3 and s["finetuned"] and s["P final"] == 90.0
-    assert s["G last10"] == 20.0 and s["G best"] == 50.0  # (the fine-tuning row's G counts)
-    assert s["MB moved"] == round(3 * 1200 / 1e6, 1) and s["energy kJ"] == round(3 * 12.5 / 1e3, 3)
-    assert s["finetune kJ"] == 0.002
+    assert s.rounds == 3 and s.finetuned and s.accuracy["P"].final == 90.0
+    assert s.accuracy["G"].last == 20.0 and s.accuracy["G"].best == 50.0  # (fine-tuning's G counts)
+    assert s.mb_moved == round(3 * 1200 / 1e6, 1) and s.energy_kj == round(3 * 12.5 / 1e3, 3)
+    assert s.finetune_kj == 0.002
+    row = s.row()  # the table's columns, by their display names
+    assert row["P final"] == 90.0 and row["G last10"] == 20.0 and row["finetune kJ"] == 0.002
 
 
 def test_a_damaged_row_is_one_line_naming_the_file_and_line(tmp_path):
