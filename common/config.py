@@ -6,7 +6,15 @@ import sys
 from pathlib import Path
 from typing import Any, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from fedseq.common.data.catalog import NUM_CLASSES
 from fedseq.common.data.store import default_data_root
@@ -23,6 +31,13 @@ SERVER_ONLY = ("server_lr", "beta1", "beta2", "tau")
 
 #: The random streams a run draws from; each follows `seed` unless [seeds] pins it.
 SEED_STREAMS = ("data", "init", "selection", "training")
+
+
+def _check_registries(info: ValidationInfo) -> bool:
+    """Whether model and algorithm names are checked against their registries (which import
+    torch): always, but where a reader of finished runs validates with the context
+    {"registries": False} (the report, which reads run directories without torch)."""
+    return not (isinstance(info.context, dict) and info.context.get("registries") is False)
 
 
 class _Section(BaseModel):
@@ -80,7 +95,9 @@ class ModelConfig(_Section):
 
     @field_validator("name")
     @classmethod
-    def _modelled(cls, v: str) -> str:
+    def _modelled(cls, v: str, info: ValidationInfo) -> str:
+        if not _check_registries(info):
+            return v
         from fedseq.common.models import MODELS  # torch: read when a config is built, not before
 
         if v not in MODELS:
@@ -126,7 +143,9 @@ class AlgorithmConfig(_Section):
 
     @field_validator("name")
     @classmethod
-    def _registered(cls, v: str) -> str:
+    def _registered(cls, v: str, info: ValidationInfo) -> str:
+        if not _check_registries(info):
+            return v
         from fedseq.common.algorithms import REGISTRY  # imports this module: read at run time
 
         if v not in REGISTRY:

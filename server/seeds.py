@@ -93,7 +93,9 @@ def defining(config: dict[str, Any]) -> dict[str, Any]:
     default filled in, so a run directory written before a key existed (its default then being
     the only behaviour) compares equal to one that records the default."""
     with contextlib.suppress(ValidationError):  # a config this version cannot read: as written
-        config = ExperimentConfig.model_validate(config).model_dump(mode="json")
+        # (names as written: the report compares configs without loading torch's registries)
+        config = ExperimentConfig.model_validate(config, context={"registries": False}
+                                                 ).model_dump(mode="json")
     out = {k: v for k, v in config.items() if k != "deploy"}
     out["data"] = {k: v for k, v in out.get("data", {}).items() if k != "root"}
     return out

@@ -206,3 +206,14 @@ def test_odd_shaped_run_files_are_one_line_or_read(two_runs, tmp_path, name, bod
     else:
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and name in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_report_reads_runs_without_loading_torch(two_runs, tmp_path):
+    """Run directories are read, grouped and tabled without torch (the config's registry checks
+    are left to where runs are made): a fresh interpreter's modules after a report."""
+    code = ("import sys; from pathlib import Path; from fedseq.server.report import report; "
+            f"report([Path({str(two_runs / 'fedavg')!r}), Path({str(two_runs / 'fedbabu')!r})], "
+            f"Path({str(tmp_path / 'rep')!r}), figures=False); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
