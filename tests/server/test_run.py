@@ -77,3 +77,45 @@ def test_the_round_loop_is_a_driver_of_the_run(data_root, one_thread):
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2")
     run_experiment(cfg, None, Recording(), driver=Counting)
     assert Counting.rounds == 2
+
+
+def test_a_fleet_pool_ended_by_an_error_tells_its_devices_why():
+    """MqttPool's lifetime: leaving its block with an error publishes an abort naming the
+    error's first line, then the idle step (devices drop work nobody will collect)."""
+    import threading
+
+    import paho.mqtt.client as mqtt
+
+    from fedseq.common.config import load_config
+    from fedseq.common.protocol.messages import Control, Step
+    from fedseq.common.protocol.topics import Topics
+    from fedseq.server.broker import EmbeddedBroker
+    from fedseq.server.mqtt import MqttPool
+
+    t = Topics("fedseq")
+    got: list[tuple[str, bytes]] = []
+    subscribed, idle = threading.Event(), threading.Event()
+
+    def on_message(client, userdata, msg):
+        got.append((msg.topic, msg.payload))
+        if msg.topic == t.step and Step.decode(msg.payload).kind == "idle":
+            idle.set()
+
+    with EmbeddedBroker("127.0.0.1", 0) as broker:
+        watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watcher")
+        watcher.on_message = on_message
+        watcher.on_connect = lambda c, u, f, rc, p: c.subscribe([(t.control, 1), (t.step, 1)])
+        watcher.on_subscribe = lambda *a: subscribed.set()
+        watcher.connect("127.0.0.1", broker.port)
+        watcher.loop_start()
+        try:
+            assert subscribed.wait(30)
+            with pytest.raises(RuntimeError, match="boom"), \
+                    MqttPool(load_config(None, []), broker.url, "run-1"):
+                raise RuntimeError("boom\nand a second line")
+            assert idle.wait(30), got
+        finally:
+            watcher.loop_stop()
+            watcher.disconnect()
+    controls = [Control.decode(p) for topic, p in got if topic == t.control]
+    assert [(c.command, c.reason, c.run_id) for c in controls] == [("abort", "boom", "run-1")]
