@@ -37,7 +37,6 @@ from fedseq.common.protocol.messages import DeviceStatus, RunConfig, Step
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.protocol.topics import Topics
 from fedseq.server.broker import write_local_mosquitto
-from fedseq.server.mqtt.inbox import Inbox
 from fedseq.server.mqtt.session import ServerSession
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,11 +99,11 @@ def main() -> None:
     broker = subprocess.Popen(["mosquitto", "-c", str(conf)], stderr=subprocess.DEVNULL)
     time.sleep(0.5)
 
-    inbox = Inbox(T, RUN)
+    session = ServerSession(T, RUN, f"mqtt://127.0.0.1:{port}", "coordinator", "c-secret")
+    inbox = session.inbox
     k = args.clients
     inbox.open({**{c: "dev01" for c in range(k)}, **{c: "dev03" for c in range(k, 2 * k)}},
                update)
-    session = ServerSession(T, RUN, f"mqtt://127.0.0.1:{port}", inbox, "coordinator", "c-secret")
     began = time.monotonic()
     delays: list[tuple[float, float]] = []  # (read at, delay s)
     read = inbox.on_message

@@ -40,8 +40,10 @@ def unlimited(monkeypatch):
     monkeypatch.setattr(inbox, "allowance", lambda clients, update: Allowance(1e18, 1e18, 1e18, 1e18))
 
 
-def _inbox(update_bytes: int = 1 << 20) -> Inbox:
-    box = Inbox(T, "r1")
+def _inbox(update_bytes: int = 1 << 20, box: Inbox | None = None, **kw) -> Inbox:
+    """An inbox of run r1 (`box`: this one) with clients 0-1 on dev01 and 2 on dev02, collecting
+    step 5."""
+    box = box or Inbox(T, "r1", **kw)
     box.open({0: "dev01", 1: "dev01", 2: "dev02"}, update_bytes)
     box.collect(5)
     return box
@@ -102,9 +104,8 @@ def test_one_login_cannot_take_the_queue_or_grow_the_bookkeeping(unlimited):
 
 
 def test_an_evaluation_larger_than_its_devices_scores_is_refused_before_parsing():
-    box = _inbox()
     junk: list[str] = []
-    box.on_junk = junk.append
+    box = _inbox(on_junk=junk.append)
     many = EvalResult(run_id="r1", seq=5, device="dev01", results={c: (1, 2) for c in range(100_000)})
     box.on_message(T.evaluation("dev01"), many.encode())
     assert junk == [T.evaluation("dev01")] and box.queue.qsize() == 0
@@ -115,9 +116,9 @@ def test_a_status_is_never_lost_to_a_full_queue(unlimited):
     reaches presence, and so do its later ones (its coalescing never sticks)."""
     from fedseq.server.mqtt.session import ServerSession
 
-    box = _inbox()
+    session = ServerSession(T, "r1", "mqtt://127.0.0.1:1")
+    box = _inbox(box=session.inbox)
     box.queue = queue.Queue(2)
-    session = ServerSession(T, "r1", "mqtt://127.0.0.1:1", box)
     for i in range(3):
         box.on_message(T.evaluation("dev01"), EvalResult(run_id="r1", seq=5, device="dev01",
                                                          results={0: (i, 9)}).encode())
@@ -148,9 +149,8 @@ def test_warnings_about_one_device_are_rate_limited_and_plain_text(caplog):
 
 
 def test_invalid_messages_on_device_topics_are_reported_for_clearing():
-    box = _inbox()
     junk: list[str] = []
-    box.on_junk = junk.append
+    box = _inbox(on_junk=junk.append)
     box.on_message(T.update("dev01"), b"\x00junk")
     box.on_message(T.evaluation("dev02"), b'{"v": 4}')
     box.on_message(T.device_status("dev01"), b"not json")  # its own retained topic: kept
