@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, List, Literal, Optional, Union
+from typing import Any, Iterable, List, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -31,6 +31,14 @@ SERVER_ONLY = ("server_lr", "beta1", "beta2", "tau")
 
 #: The random streams a run draws from; each follows `seed` unless [seeds] pins it.
 SEED_STREAMS = ("data", "init", "selection", "training")
+
+
+def _one_of(kind: str, name: str, names: Iterable[str]) -> str:
+    """`name` if `names` (a registry's keys) holds it; else a ValueError that lists them."""
+    names = list(names)
+    if name not in names:
+        raise ValueError(f"unknown {kind} {printable(name, 60)!r}; use one of {', '.join(names)}")
+    return name
 
 
 def _check_registries(info: ValidationInfo) -> bool:
@@ -67,10 +75,7 @@ class DataConfig(_Section):
     @field_validator("dataset")
     @classmethod
     def _catalogued(cls, v: str) -> str:
-        if v not in NUM_CLASSES:
-            raise ValueError(f"unknown dataset {printable(v, 60)!r}; use one of "
-                             f"{', '.join(NUM_CLASSES)}")
-        return v
+        return _one_of("dataset", v, NUM_CLASSES)
 
 
 class ModelConfig(_Section):
@@ -100,9 +105,7 @@ class ModelConfig(_Section):
             return v
         from fedseq.common.models import MODELS  # torch: read when a config is built, not before
 
-        if v not in MODELS:
-            raise ValueError(f"unknown model {printable(v, 60)!r}; use one of {', '.join(MODELS)}")
-        return v
+        return _one_of("model", v, MODELS)
 
 
 class AlgorithmConfig(_Section):
@@ -148,10 +151,7 @@ class AlgorithmConfig(_Section):
             return v
         from fedseq.common.algorithms import REGISTRY  # imports this module: read at run time
 
-        if v not in REGISTRY:
-            raise ValueError(f"unknown algorithm {printable(v, 60)!r}; use one of "
-                             f"{', '.join(REGISTRY)}")
-        return v
+        return _one_of("algorithm", v, REGISTRY)
 
     @field_validator("finetune_blocks")
     @classmethod

@@ -35,7 +35,8 @@ F64 = torch.float64
 
 
 class ServerOptimizer(FedAvg):
-    """FedAvg's clients under a server optimizer; subclasses give `moments` and `step`."""
+    """FedAvg's clients under a server optimizer: FedAvgM as it is; an adaptive subclass sets
+    `adaptive` and gives its `second_moment` rule (FedAdam, FedYogi)."""
 
     default_server_lr = 1.0
     adaptive = False  # keeps a second moment v

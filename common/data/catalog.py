@@ -86,10 +86,8 @@ EXTRACTED = {"cifar10": "cifar-10-batches-py", "cifar100": "cifar-100-python",
              "emnist": "EMNIST/raw", "tiny-imagenet": "tiny-imagenet-200"}
 
 
-IDX_LAYOUT = {
-    "mnist": "MNIST/raw",
-    "fmnist": "FashionMNIST/raw",
-}
+#: the folder of each IDX dataset's files under the data root (its DATASETS entry's)
+IDX_LAYOUT = {name: DATASETS[name].folder for name in ("mnist", "fmnist")}
 IDX_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
@@ -106,7 +104,7 @@ INPUT_SHAPES = {"mnist": (1, 28, 28), "fmnist": (1, 28, 28), "cifar10": (3, 32, 
 EMNIST_SPLITS = {"byclass": 62, "bymerge": 47, "balanced": 47, "letters": 26, "digits": 10,
                  "mnist": 10}
 for _split, _classes in EMNIST_SPLITS.items():
-    IDX_LAYOUT[f"emnist-{_split}"] = "EMNIST/raw"
+    IDX_LAYOUT[f"emnist-{_split}"] = DATASETS["emnist"].folder
     NUM_CLASSES[f"emnist-{_split}"] = _classes
     INPUT_SHAPES[f"emnist-{_split}"] = (1, 28, 28)
 

@@ -81,7 +81,8 @@ def decode_tensors(
 
 # safetensors lays tensors out by dtype, in its Dtype enum's declaration order from the last
 # (F64 before F32 ...), then by name; this is that order for the dtypes above
-_LAYOUT_ORDER = ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL")
+_LAYOUT_RANK = {name: i for i, name in enumerate(
+    ("I64", "F64", "F32", "I32", "BF16", "F16", "I16", "I8", "U8", "BOOL"))}
 _NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
@@ -90,9 +91,8 @@ def frame_size(weights: Weights) -> int:
     (names, dtypes, shapes) without encoding the data: 8 bytes of length, the JSON header as
     safetensors writes it (compact, tensors in its layout order, padded with spaces to a multiple
     of 8) and every tensor's raw bytes (tests/common/protocol: equal to the encoded length)."""
-    order = {name: i for i, name in enumerate(_LAYOUT_ORDER)}
     named = sorted(((_NAMES[v.dtype], k, v) for k, v in weights.items()),
-                   key=lambda t: (order[t[0]], t[1].encode()))
+                   key=lambda t: (_LAYOUT_RANK[t[0]], t[1].encode()))
     entries, offset = [], 0
     for dtype, key, v in named:
         size = v.numel() * ITEMSIZE[dtype]
