@@ -23,8 +23,8 @@ from fedseq.common.config import load_config
 from fedseq.server.simulation import run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT = ["fedavg", "fedavgm", "fedadam", "fedyogi", "fedper", "fedrep", "lg-fedavg", "fedbabu",
-           "fedrod", "fedreg", "fedseq-anti"]
+DEFAULT = ["fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedper", "fedrep", "lg-fedavg",
+           "fedbabu", "fedrod", "fedreg", "fedseq-anti"]
 
 
 def fingerprint(data_root: Path, algorithm: str) -> str:

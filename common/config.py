@@ -138,7 +138,8 @@ class AlgorithmConfig(_Section):
     # server steps along with learning rate `server_lr` (default: 1.0 for FedAvgM, 0.01 for FedAdam
     # and FedYogi), momentum `beta1` (FedAvgM: m = beta1 m + delta; FedAdam, FedYogi: the EMA
     # m = beta1 m + (1 - beta1) delta), second-moment decay `beta2` and adaptivity `tau` (the
-    # second moment starts at tau^2). Server-side only: devices are never sent them.
+    # second moment starts at tau^2). SCAFFOLD's global step size is `server_lr` too (default 1).
+    # Server-side only: devices are never sent them.
     server_lr: Optional[float] = Field(None, gt=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.99, ge=0, lt=1)

@@ -16,6 +16,7 @@ from typing import Dict, Optional, Protocol, Sequence, Tuple
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
+from fedseq.common.algorithms.scaffold import split_controls
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.evaluation import EvalReport, evaluate
 from fedseq.common.models import BlockModel, Weights
@@ -86,7 +87,8 @@ class ClientExecutor:
         `eval_heads` summed) on its own test rows, and (`with_global`) the global model on the
         union of those rows; `clients`: these (None: every client of `data`)."""
         chosen = list(range(len(self.data.clients))) if clients is None else list(clients)
-        blocks = {c: self.personal.load(c, personal) for c in chosen}
+        # the model's tensors of each client's state (not its control variates: SCAFFOLD's)
+        blocks = {c: split_controls(self.personal.load(c, personal))[0] for c in chosen}
         return evaluate(self.model, self.data, shared, blocks, eval_heads,
                         clients=None if clients is None else chosen, batch=self.eval_batch,
                         with_global=with_global)

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
-from typing import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
+from fedseq.common.algorithms.scaffold import corrections, is_control_block, new_controls, split_controls
 from fedseq.common.data.federated import ClientShard, FederatedData
 from fedseq.common.data.rebalance import Rebalanced, rebalance, simple_augment
 from fedseq.common.models import BlockModel, Weights, personal_tensors, set_weights, shared_tensors
@@ -39,6 +40,9 @@ class TrainStats:
     mean_loss: float
     # the batch (counted from 1) whose loss was NaN or Inf, where training stopped; None: finite
     diverged_at: int | None = None
+    # the sum over every step of each corrected parameter's raw gradient (train_plan's
+    # `correction`), on the host; empty without corrections
+    gradients: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class _Diverged(Exception):
@@ -119,8 +123,12 @@ def train_plan(
     seed: int,
     round: int,
     purpose: str = "batches",
+    correction: dict[str, torch.Tensor] | None = None,
 ) -> TrainStats:
     """Run every phase of `plan` on the client's training rows; updates `model` in place.
+    `correction`: parameter name -> what is added to its gradient before every step
+    (SCAFFOLD's c - c_i); the raw gradients of those parameters are then summed over the steps
+    (`TrainStats.gradients`).
 
     Batch order (and FedReG's rebalancing and augmentation) come from generators derived from
     (seed, purpose, round, client), so the result does not depend on who runs it.
@@ -141,6 +149,8 @@ def train_plan(
     loss_sum = 0.0
     effective = None
     diverged_at: int | None = None
+    corrected = [(n, p) for n, p in model.named_parameters() if n in (correction or {})]
+    fixes = [(p, (correction or {})[n], torch.zeros_like(p)) for n, p in corrected]
     try:
         for phase in plan.phases:
             rows = _PhaseRows.of(phase, plan, data, shard, seed, g_aug)
@@ -157,7 +167,8 @@ def train_plan(
                         continue
                     if len(phase.objectives) > 1:
                         set_trainable(model, obj.trainable)
-                    loss = train_step(model, obj, opt, x, y, cache, log_prior, plan, anchor)
+                    loss = train_step(model, obj, opt, x, y, cache, log_prior, plan, anchor,
+                                      fixes)
                     if not math.isfinite(loss):
                         raise _Diverged
                     loss_sum += loss
@@ -172,6 +183,7 @@ def train_plan(
         batches=batches,
         mean_loss=loss_sum / max(1, batches),
         diverged_at=diverged_at,
+        gradients={n: total.cpu() for (n, _), (_, _, total) in zip(corrected, fixes)},
     )
 
 
@@ -233,8 +245,11 @@ def fixed_rebalanced(
     return rb, xs
 
 
-def train_step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientPlan, anchor) -> float:
-    """One optimizer step of one objective on one batch; returns its loss."""
+def train_step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientPlan, anchor,
+               fixes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()) -> float:
+    """One optimizer step of one objective on one batch; returns its loss. `fixes`:
+    (parameter, what is added to its gradient before the step, where its raw gradients are
+    summed)."""
     if obj.reuse_features and "features" in cache:
         feats = cache["features"].detach()
     else:
@@ -259,6 +274,10 @@ def train_step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientP
         loss = loss + 0.5 * plan.prox_mu * prox
     opt.zero_grad()
     loss.backward()
+    for p, fix, total in fixes:
+        if p.grad is not None:
+            total.add_(p.grad)
+            p.grad.add_(fix)
     opt.step()
     return float(loss.detach())
 
@@ -276,17 +295,30 @@ def run_client_round(
     """Load the client's weights (global blocks + its personal blocks), train under the plan and
     return (update with deltas of the uploaded blocks, the client's new personal blocks; both as
     `shared_tensors` and `personal_tensors` split them: FedBN's normalization layers are
-    personal in every block). Where
+    personal in every block). Control variates in `weights` (SCAFFOLD: the server's, the
+    client's) correct the gradients where the plan says so; their changes go into the update and
+    the personal blocks (common/algorithms/scaffold.py). Where
     training diverged (`update.diverged_at`), the update is refused by the round's contract and
     the caller keeps the client's previous personal blocks."""
+    weights, server_c, client_c = split_controls(weights)
     set_weights(model, weights)
-    before = shared_tensors(model, plan.upload)
-    stats = train_plan(model, data, shard, plan, seed, round, purpose)
+    upload = [b for b in plan.upload if not is_control_block(b)]
+    before = shared_tensors(model, upload)
+    correction = None
+    if plan.control_variates:
+        correction = corrections(server_c, client_c, {
+            k: p for k, p in model.named_parameters() if k in before})
+    stats = train_plan(model, data, shard, plan, seed, round, purpose, correction)
     scoring = time.perf_counter()
     score = score_local(model, data, shard, plan.score_heads) if plan.score_heads else None
     compute = stats.seconds + time.perf_counter() - scoring
-    after = shared_tensors(model, plan.upload)
+    after = shared_tensors(model, upload)
     deltas = {k: after[k] - before[k] for k in after}
+    personal = personal_tensors(model, plan.personal)
+    if plan.control_variates:
+        sent, kept = new_controls(client_c, stats.gradients, stats.batches)
+        deltas.update(sent)
+        personal.update(kept)
     update = ClientUpdate(
         client=shard.client,
         round=round,
@@ -297,7 +329,7 @@ def run_client_round(
         local_score=score,
         diverged_at=stats.diverged_at,
     )
-    return update, personal_tensors(model, plan.personal)
+    return update, personal
 
 
 @torch.no_grad()

@@ -150,6 +150,9 @@ class Coordinator:
         self.version = dict.fromkeys(model.spec.blocks, 0)
         self.client_version = {c.client: dict.fromkeys(model.spec.blocks, -1)
                                for c in data.clients}
+        # what the algorithm sends besides the model (SCAFFOLD's control variate), as of its
+        # last change; its blocks are versioned with the model's
+        self.extra: Weights = {}
         self._frame_sizes: dict[tuple[str, int], int] = {}
         self._update_sizes: dict[tuple, int] = {}  # tensors' (name, dtype, shape) -> frame bytes
         self._last_report: EvalReport | None = None
@@ -167,7 +170,7 @@ class Coordinator:
         # what a client must hold to run the plan: the whole base (every forward pass runs it,
         # frozen blocks too) and the heads the plan reads, less its personal blocks
         needed = [b for b in ordered_union((self.model.spec.base, plan.uses))
-                  if b not in plan.personal]
+                  if b not in plan.personal] + list(dict.fromkeys(map(block_of, self.extra)))
         # ... and, on its first round, the initial version of its personal blocks (a device starts
         # a client's personal blocks from the published version 0)
         bytes_down = sum(self._bytes_down(c, needed + [b for b in plan.personal
@@ -220,9 +223,9 @@ class Coordinator:
                ) -> RoundUpdates:
         """Dispatch the round and fold every valid update into a fresh aggregate as it arrives
         (in client order: the same sums in simulation and deployment)."""
-        contract = round_contract(t, selected, plan.upload, self.global_weights, self.data,
+        contract = round_contract(t, selected, plan.upload, self.offered(), self.data,
                                   plan.rebalance_threshold, self._delta_bound(),
-                                  self.model.personal_keys())
+                                  self.model.personal_keys(), self.alg.upload_bound)
         got = RoundUpdates(make_aggregator(self.cfg.aggregation))
 
         def check(update: ClientUpdate) -> Rejection | None:
@@ -235,7 +238,7 @@ class Coordinator:
         # The pool yields only updates that passed `check`, at most one per client, in client
         # order; `rejected` keeps every refusal, also of a client whose valid update came later.
         with torch_threads(self.collect_threads):
-            dispatch = self.pool.train(t, selected, plan, in_blocks(self.global_weights, needed),
+            dispatch = self.pool.train(t, selected, plan, in_blocks(self.offered(), needed),
                                        check)
             for update in dispatch:
                 got.aggregate.add(update.deltas, self.alg.aggregation_weights(update),
@@ -280,8 +283,27 @@ class Coordinator:
         for b in {block_of(k) for k, v in new.items() if v is not self.global_weights[k]}:
             self.version[b] += 1
         self.global_weights = new
+        self._broadcast()
         self.local_scores.update(got.local_scores)
         return None
+
+    def offered(self) -> Weights:
+        """What clients may be sent: the global model and the algorithm's broadcast."""
+        return {**self.global_weights, **self.extra} if self.extra else self.global_weights
+
+    def _broadcast(self, new_versions: bool = True) -> None:
+        """Take the algorithm's broadcast for the global model's shared tensors (FedBN's
+        normalization layers and the personal blocks left out); a block of it whose tensors
+        changed gets a new version (the first one: 0) unless `new_versions` is False (a resumed
+        run: its versions are the checkpoint's)."""
+        personal = self.model.personal_keys() | {k for k in self.global_weights
+                                                 if block_of(k) in self.alg.personal_blocks()}
+        extra = self.alg.broadcast({k: v for k, v in self.global_weights.items()
+                                    if k not in personal})
+        changed = {block_of(k) for k, v in extra.items() if self.extra.get(k) is not v}
+        for b in changed if new_versions else ():
+            self.version[b] = self.version.get(b, -1) + 1
+        self.extra = dict(extra)
 
     def _bytes_down(self, client: int, blocks: list[str]) -> int:
         """Frame bytes of the blocks `client` needs and does not hold at their current version
@@ -290,10 +312,10 @@ class Coordinator:
         total = 0
         held = self.client_version[client]
         for b in blocks:
-            if held[b] != self.version[b]:
+            if held.get(b, -1) != self.version[b]:
                 key = (b, self.version[b])
                 if key not in self._frame_sizes:
-                    self._frame_sizes[key] = frame_size(in_blocks(self.global_weights, b))
+                    self._frame_sizes[key] = frame_size(in_blocks(self.offered(), b))
                 total += self._frame_sizes[key]
                 held[b] = self.version[b]
         return total
@@ -343,12 +365,14 @@ class Coordinator:
         after each, then the algorithm's fine-tuning; writes the run directory's outputs."""
         records = []
         first = self._restore(resume) if resume is not None else 0
+        if resume is None:
+            self._broadcast()  # its first version; a resumed run's is in the checkpoint
         if resume is not None and self.run_dir is not None:
             # the pool's step numbers and block versions now start past the checkpoint's: record
             # that before anything is published, so that a crash before this run's first round
             # ends cannot make a second resume re-use numbers the devices have already seen
             save_checkpoint(self.run_dir.path, self._checkpoint(first, resume.loop.last_row))
-        self.pool.open(self.global_weights, self.alg.personal_blocks())
+        self.pool.open(self.offered(), self.alg.personal_blocks())
         for t in range(first, self.cfg.rounds):
             rec = self.run_round(t)
             records.append(rec)
@@ -418,6 +442,7 @@ class Coordinator:
         self.local_scores, self._last_report = loop.local_scores, loop.last_report
         self.pool.restore(ckpt.pool)
         self.alg.load_server_state(ckpt.server)
+        self._broadcast(new_versions=False)  # as checkpointed, versions included
         row = loop.last_row
         if row is not None and self.run_dir is not None and \
                 row.round not in self.run_dir.logged_rounds:

@@ -9,7 +9,8 @@ never touches the model or displaces a valid update.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +65,7 @@ class RoundContract:
     effective_samples: dict[int, int] | None  # FedReG: client -> original rows when rebalanced
     max_abs_delta: float
     test_samples: dict[int, int] | None = None  # client -> test rows (its local score's total)
+    bounds: dict[str, float] = field(default_factory=dict)  # tensor -> its own max_abs_delta
 
     def check(self, update: ClientUpdate) -> Rejection | None:
         """Why `update` must be rejected (a code and its particulars), or None."""
@@ -112,12 +114,13 @@ class RoundContract:
                     return reason
                 continue
             biggest = largest_magnitude(d)
-            if not biggest <= self.max_abs_delta:
+            bound = self.bounds.get(k, self.max_abs_delta)
+            if not biggest <= bound:
                 if not torch.isfinite(d).all():
                     return Rejection("non-finite", f"tensor {k} contains NaN or Inf")
                 return Rejection("too-large", (
                     f"tensor {k} has an element of magnitude {biggest:.3g} > the round's bound "
-                    f"{self.max_abs_delta:.3g} (aggregation.max_abs_delta; auto = 10 x the "
+                    f"{bound:.3g} (aggregation.max_abs_delta; auto = 10 x the "
                     "model's largest parameter)"))
         return None
 
@@ -142,11 +145,14 @@ def largest_magnitude(t: torch.Tensor) -> float:
 
 def round_contract(round: int, selected: list[int], upload: tuple[str, ...], global_weights: Weights,
                    data: FederatedData, rebalance_threshold: float | None,
-                   max_abs_delta: float, personal_keys: frozenset[str] = frozenset()
-                   ) -> RoundContract:
+                   max_abs_delta: float, personal_keys: frozenset[str] = frozenset(),
+                   bound_of: Callable[[str, float], float] | None = None) -> RoundContract:
     """The contract of one round, from the plan and what the coordinator knows of the clients.
+    `global_weights`: what the clients were offered (the algorithm's broadcast included);
     `personal_keys`: tensors of the uploaded blocks that stay with the clients (FedBN's
-    normalization layers, `BlockModel.personal_keys`), so no update may carry them."""
+    normalization layers, `BlockModel.personal_keys`), so no update may carry them;
+    `bound_of(tensor, max_abs_delta)`: a tensor's own bound where the algorithm gives one
+    (Algorithm.upload_bound)."""
     reference = {k: v for k, v in global_weights.items()
                  if block_of(k) in upload and k not in personal_keys}
     samples = {c: len(data.clients[c].train) for c in selected}
@@ -157,8 +163,10 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
             counts = data.clients[c].train_class_counts(data.y, data.num_classes)
             effective[c] = rebalanced_size(counts, rebalance_threshold)[1]
     tests = {c: len(data.clients[c].test) for c in selected}
+    bounds = {} if bound_of is None else {
+        k: b for k in reference if (b := bound_of(k, max_abs_delta)) != max_abs_delta}
     return RoundContract(round, frozenset(selected), reference, samples, effective, max_abs_delta,
-                         tests)
+                         tests, bounds)
 
 
 def score_problem(data: FederatedData, client: int, correct: int, total: int) -> str | None:

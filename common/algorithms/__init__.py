@@ -16,13 +16,14 @@ from fedseq.common.algorithms.fedseq import FedSeq, FedSeqAnti
 from fedseq.common.algorithms.fedyogi import FedYogi
 from fedseq.common.algorithms.lgfedavg import LGFedAvg
 from fedseq.common.algorithms.local import Local
+from fedseq.common.algorithms.scaffold import Scaffold
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.models import ModelSpec
 
 REGISTRY: dict[str, type[Algorithm]] = {
     cls.name: cls
-    for cls in (FedAvg, FedAvgM, FedAdam, FedYogi, FedProx, FedPer, FedRep, LGFedAvg, FedBABU,
-                FedRoD, FedReG, FedSeq, FedSeqAnti, Local)
+    for cls in (FedAvg, FedAvgM, FedAdam, FedYogi, Scaffold, FedProx, FedPer, FedRep, LGFedAvg,
+                FedBABU, FedRoD, FedReG, FedSeq, FedSeqAnti, Local)
 }
 
 

@@ -78,6 +78,10 @@ class WeightedDeltaSum:
             self.weights[k] = self.weights.get(k, 0.0) + w
         self.clients.append(client)
 
+    def count(self) -> int:
+        """How many updates were added."""
+        return len(self.clients)
+
     def apply(self, global_weights: Weights) -> Weights:
         """New global tensors: old + weighted mean delta (tensors nobody sent stay as they are)."""
         out = dict(global_weights)

@@ -24,7 +24,10 @@ class Algorithm:
     loop with the partition's training-set sizes, then asked for a plan every round; after each
     round's updates are folded in, `server_update` makes the new global model. An algorithm may
     keep server state across rounds (`server_state`, checkpointed with the run and given back
-    by `load_server_state` on resume): the server optimizers do (serveropt.py).
+    by `load_server_state` on resume): the server optimizers do (serveropt.py). It may send the
+    selected clients more than the model (`broadcast`) and have them upload more than deltas
+    (blocks of their own in the plan's `upload`, bounded by `upload_bound`): SCAFFOLD does
+    (scaffold.py).
 
     Default behaviour is FedAvg: train every block, upload every block, nothing personal."""
 
@@ -111,6 +114,17 @@ class Algorithm:
         delta. Raises AggregationError (the round is refused) and then must leave the
         algorithm's state as it was."""
         return aggregate.apply(global_weights)
+
+    def broadcast(self, shared: Weights) -> Weights:
+        """Tensors besides the model that every selected client receives with its round's
+        blocks (`shared`: the global model's shared tensors), in blocks of their own; default:
+        none. SCAFFOLD's server control variate (scaffold.py)."""
+        return {}
+
+    def upload_bound(self, key: str, bound: float) -> float:
+        """The largest |element| a valid update may carry in tensor `key`, given the round's
+        bound on the model's deltas (aggregation.max_abs_delta); default: that bound."""
+        return bound
 
     def server_state(self) -> Weights:
         """Tensors the algorithm keeps on the server across rounds (saved in every checkpoint);

@@ -69,6 +69,9 @@ class ClientPlan:
     # after training, score the local model on the client's test rows with these heads summed
     # (the testbed's "locally trained model" accuracy); () = no score
     score_heads: tuple[str, ...] = ()
+    # SCAFFOLD: correct each step's gradient by the control variates the client was sent and
+    # keeps, and upload the change of its own (common/algorithms/scaffold.py)
+    control_variates: bool = False
 
     @property
     def trainable(self) -> tuple[str, ...]:

@@ -46,6 +46,10 @@ class Aggregator(Protocol):
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
             device: str | None = None) -> None: ...
 
+    def count(self) -> int:
+        """How many updates were added (SCAFFOLD scales its control variate's step by it)."""
+        ...
+
     def apply(self, global_weights: Weights) -> Weights: ...
 
 
@@ -82,6 +86,10 @@ class DeviceVotes:
             device: str | None) -> None:
         self.groups.setdefault(device if device is not None else f"client {client}",
                                []).append((deltas, weight_of))
+
+    def count(self) -> int:
+        """How many updates were added, over every device."""
+        return sum(len(g) for g in self.groups.values())
 
     def votes(self, rule: str) -> list[Vote]:
         """One (deltas, weights) per device, in arrival order; AggregationError below quorum."""
@@ -130,6 +138,9 @@ class ClippedMean:
             device: str | None = None) -> None:
         self._held.add(deltas, weight_of, client, device)
 
+    def count(self) -> int:
+        return self._held.count()
+
     def apply(self, global_weights: Weights) -> Weights:
         votes = self._held.votes("clipped-mean")
         self.bound = self.clip_norm
@@ -157,6 +168,9 @@ class CoordinateWise:
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
             device: str | None = None) -> None:
         self._held.add(deltas, weight_of, client, device)
+
+    def count(self) -> int:
+        return self._held.count()
 
     def trimmed(self, n: int) -> int:
         """Votes dropped from each end of every coordinate (0 for the median rule)."""

@@ -57,14 +57,18 @@ def _wait_online(port, home, device, timeout=120.0):
         watcher.disconnect()
 
 
-@pytest.mark.parametrize("algorithm", ["fedrod", "fedyogi"])
+@pytest.mark.parametrize("algorithm", ["fedrod", "fedyogi", "scaffold"])
 def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread, algorithm):
-    """A two-head algorithm, and one with a server optimizer (its state on the coordinator)."""
-    cfg = quick_config(data_root, f"algorithm.name={algorithm}", "rounds=2",
+    """A two-head algorithm, one with a server optimizer (its state on the coordinator), and
+    SCAFFOLD (c published as blocks, dc in the updates, each c_i on its device's disk: three
+    rounds, so that clients train twice)."""
+    rounds = 3 if algorithm == "scaffold" else 2
+    cfg = quick_config(data_root, f"algorithm.name={algorithm}", f"rounds={rounds}",
                        "train.join_ratio=0.6", "deploy.port=0")
     dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1, announce=_quiet)
     sim = run_simulation(cfg, out=None)
-    assert len(dep.rows) == len(sim.rows) == 2
+    assert len(dep.rows) == len(sim.rows) == rounds
+    assert set(sim.rows[0]["clients"]) & set(sim.rows[-1]["clients"])  # someone trained again
     for d, s in zip(dep.rows, sim.rows, strict=True):
         assert d["clients"] == s["clients"] and d["reported"] == d["clients"]
         assert d["global_acc"] == s["global_acc"] and d["personal_acc"] == s["personal_acc"]

@@ -136,13 +136,15 @@ def test_srun_tasks_become_a_groups_ranks(monkeypatch):
 
 @pytest.mark.parametrize("name,workers,model", [("fedavg", 2, "convnet"), ("fedper", 3, "convnet"),
                                                 ("fedadam", 2, "convnet"),
+                                                ("scaffold", 2, "convnet"),
                                                 ("fedreg", 2, "convnet"),
                                                 ("fedseq-anti", 2, "convnet"),
                                                 ("fedseq-anti", 3, "4convnet"),
                                                 ("fedseq-anti", 2, "4convnet running"),
                                                 ("fedavg", 3, "4convnet fedbn")])
 def test_workers_give_bitwise_the_in_process_run(data_root, one_thread, name, workers, model):
-    """A plain, a personalized, a server-optimized, a two-head and a fine-tuned algorithm, and a
+    """A plain, a personalized, a server-optimized, a control-variate (SCAFFOLD: c_i kept by
+    rank 0 as personal state), a two-head and a fine-tuned algorithm, and a
     BatchNorm model (its
     global model scored in shards) on batch statistics, on running statistics and under FedBN:
     weights, rows (accuracies, bytes, FLOPs, client steps) and per-client scores equal the

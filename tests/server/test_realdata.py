@@ -6,7 +6,8 @@ from conftest import quick_config
 from fedseq.common.algorithms import REGISTRY
 from fedseq.server.simulation import run_simulation
 
-TRAINED_GLOBAL = {"fedavg", "fedavgm", "fedadam", "fedyogi", "fedprox", "fedrod", "fedreg"}
+TRAINED_GLOBAL = {"fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedprox", "fedrod",
+                  "fedreg"}
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))
