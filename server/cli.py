@@ -292,7 +292,9 @@ def _summary(out: Path) -> None:
           f"  local model (FedReG testbed): {acc('L')}\n"
           f"  moved {s.mb_moved:.1f} MB, trained {s.train_tflop:.2f} TFLOP; "
           f"missing updates: {failed}, rejected: {rejected}\n"
-          f"  -> {out}   (figures and tables: fedseq report {out})", file=sys.stderr)
+          + (f"  {more}\n" if (more := ", ".join(f"{k} {v:g}" for k, v in s.metrics.items()
+                                                  if v is not None)) else "")
+          + f"  -> {out}   (figures and tables: fedseq report {out})", file=sys.stderr)
 
 
 def sim_main() -> None:

@@ -17,7 +17,8 @@ Nothing here imports torch: `fedseq report` reads run directories without it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from types import UnionType
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -57,8 +58,33 @@ class Rejection:
         return self.text
 
 
+#: numeric RoundRecord fields that the trackers and the report show under names of their own
+#: (accuracies, bytes, FLOPs, time, energy). Every other numeric field is picked up by its name:
+#: the trackers log it as metrics/<field> (track.py) and the report summarizes it over a run's
+#: rows as its field says (`summary`: "sum", the default, "mean" or "max"), so a new metric is
+#: one field here, set where it is measured.
+OWN_NAMES = frozenset({"v", "round", "global_acc", "personal_acc", "local_acc", "round_local_acc",
+                       "bytes_down", "bytes_up", "train_flops", "seconds", "energy_j"})
+
+
+def summary(kind: Literal["sum", "mean", "max"]) -> dict[str, Any]:
+    """A field's `json_schema_extra`: how the report summarizes it over a run's rows."""
+    return {"summary": kind}
+
+
 class _Record(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _args(annotation: Any) -> tuple[Any, ...]:
+    """The types a field's annotation allows: (int,) for int, (float, NoneType) for
+    float | None; () for anything else (lists, dicts, records, literals)."""
+    if annotation in (int, float):
+        return (annotation,)
+    if get_origin(annotation) not in (Union, UnionType):
+        return ()
+    args = get_args(annotation)
+    return args if all(a in (int, float, type(None)) for a in args) else ()
 
 
 class SlowestDevice(_Record):
@@ -128,7 +154,7 @@ class RoundRecord(_Record):
     #: frame bytes of the blocks sent to the selected clients / received in counted updates
     bytes_down: int = 0
     bytes_up: int = 0
-    trainable_params: int = 0
+    trainable_params: int = Field(0, json_schema_extra=summary("max"))
     uploaded_blocks: list[str] = Field(default_factory=list)
     #: measured training FLOPs of the clients whose update arrived (the fine-tuning's, there)
     train_flops: int = 0
@@ -138,7 +164,7 @@ class RoundRecord(_Record):
     #: why the global model keeps an untrained head or base (FedBABU, FedSeq, FedPer, ...)
     global_model: str | None = None
     # -- a transport with deadlines (deployment) --
-    deadline_s: float | None = None
+    deadline_s: float | None = Field(None, json_schema_extra=summary("mean"))
     #: client -> the device that sent its counted update
     reporters: dict[int, str] = Field(default_factory=dict)
     #: device -> the reason it gave for not training
@@ -156,11 +182,24 @@ class RoundRecord(_Record):
     quorum_failed: str | None = None
     received: list[int] = Field(default_factory=list)
     # -- fine-tuning --
-    finetune_epochs: int | None = None
+    finetune_epochs: int | None = Field(None, json_schema_extra=summary("max"))
     #: client -> the batch where its fine-tuning hit a NaN or Inf loss
     diverged: dict[int, int] = Field(default_factory=dict)
     #: keys of an older or newer fedseq that this version does not know, kept as they were
     unknown: dict[str, Any] = Field(default_factory=dict, exclude=True)
+
+    @classmethod
+    def picked_up(cls) -> dict[str, str]:
+        """The numeric fields without names of their own (`OWN_NAMES`), each with how the
+        report summarizes it over a run's rows (sum, mean or max)."""
+        out = {}
+        for name, f in cls.model_fields.items():
+            kinds = {a for a in _args(f.annotation) if a is not type(None)}
+            if name in OWN_NAMES or not kinds or not kinds <= {int, float}:
+                continue
+            extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+            out[name] = str(extra.get("summary", "sum"))
+        return out
 
     def refusal_codes(self) -> dict[int, str]:
         """client -> the code of its refusal; a row written before the codes has them read from

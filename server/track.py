@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fedseq.common.errors import ConfigError
-from fedseq.server.records import RoundRecord
+from fedseq.server.records import OWN_NAMES, RoundRecord
 
 # accuracies (RoundRecord.accuracies' names) -> TensorBoard tags (in %, as the report shows them;
 # tags of letters, digits and _ only, which TensorBoard keeps as written)
@@ -26,8 +26,7 @@ ACCURACY_TAGS = {"G": "accuracy/G_global", "P": "accuracy/P_personalized",
 
 #: RoundRecord fields logged under names of their own below (or not at all: the step); every
 #: other numeric field a row holds is logged as metrics/<field>, so a new field needs no change here
-NAMED = {"v", "round", "global_acc", "personal_acc", "local_acc", "round_local_acc", "bytes_down",
-         "bytes_up", "train_flops", "client_steps", "seconds", "energy_j"}
+NAMED = OWN_NAMES | {"client_steps"}
 
 
 def row_scalars(row: RoundRecord, totals: dict[str, float]) -> tuple[int, dict[str, float]]:

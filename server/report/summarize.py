@@ -62,6 +62,9 @@ class RunSummary:
     energy_kj: float | None  # measured on the devices (deployments with a sensor)
     j_per_round: float | None
     finetune_kj: float | None
+    #: every numeric field of the rows without a column of its own (RoundRecord.picked_up), by
+    #: "<field> (<how>)": its sum, mean or max over the rows that set it (None: none did)
+    metrics: dict[str, float | None]
 
     def row(self) -> dict[str, Any]:
         """The table row: summary.md's and summary.csv's columns by their display names."""
@@ -79,6 +82,7 @@ class RunSummary:
                     "MB moved": self.mb_moved, "train TFLOP": self.train_tflop,
                     "wall s": self.wall_s, "energy kJ": self.energy_kj,
                     "J/round": self.j_per_round, "finetune kJ": self.finetune_kj})
+        out.update(self.metrics)
         return out
 
 
@@ -117,7 +121,18 @@ def summarize(run: Run) -> RunSummary:
         energy_kj=round(sum(joules) / 1e3, 3) if joules else None,
         j_per_round=round(sum(joules) / len(joules), 1) if joules else None,
         finetune_kj=round(sum(tuned) / 1e3, 3) if tuned else None,
+        metrics=picked_up(run.rows),
     )
+
+
+def picked_up(rows: list[RoundRecord]) -> dict[str, float | None]:
+    """Each of RoundRecord.picked_up's fields summarized over the rows that set it."""
+    how = {"sum": sum, "mean": statistics.fmean, "max": max}
+    out: dict[str, float | None] = {}
+    for name, kind in RoundRecord.picked_up().items():
+        vals = [v for r in rows if name in r.model_fields_set and (v := getattr(r, name)) is not None]
+        out[f"{name} ({kind})"] = round(how[kind](vals), 3) if vals else None
+    return out
 
 
 # -- seeds: runs of one config that differ only by seed ------------------------------------

@@ -24,6 +24,7 @@ def test_fedseq_sim_writes_run_dir(tmp_path, data_root):
     # the closing summary
     assert "run finished: fedseq-vanilla on fmnist (cnn), 2 rounds + fine-tuning" in r.stderr
     assert "personalized: final" in r.stderr and f"fedseq report {out}" in r.stderr
+    assert "wire_bytes_in" not in r.stderr  # a simulation measures no wire
 
 
 def test_bad_key_exit_2_one_line(tmp_path):
@@ -54,6 +55,8 @@ def test_server_quick_start_with_local_clients(tmp_path, data_root):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(row["reported"] == row["clients"] for row in rows)
     assert "run finished: fedrep on fmnist (cnn), 2 rounds" in r.stderr
+    # every numeric field without a line of its own, summarized: a deployment's wire bytes
+    assert "wire_bytes_in (sum) " in r.stderr and "client_steps (sum) " in r.stderr
 
 
 def test_client_bad_broker_url_exit_2():

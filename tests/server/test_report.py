@@ -217,3 +217,27 @@ def test_the_report_reads_runs_without_loading_torch(two_runs, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+def test_a_new_numeric_field_reaches_the_report_by_itself(monkeypatch):
+    """Open records: a numeric RoundRecord field without a column of its own is summarized by
+    how its field says (sum by default), for every run and group, with no change to the report."""
+    import importlib
+
+    from pydantic import Field, create_model
+
+    from fedseq.server import records
+
+    summarize_module = importlib.import_module("fedseq.server.report.summarize")
+
+    Extended = create_model("Extended", __base__=records.RoundRecord,
+                            retries=(int | None, None),
+                            peak_mb=(float | None, Field(None, json_schema_extra=records.summary("max"))))
+    assert Extended.picked_up()["retries"] == "sum" and Extended.picked_up()["peak_mb"] == "max"
+    monkeypatch.setattr(summarize_module, "RoundRecord", Extended)
+    rows = [Extended(round=0, phase="train", retries=2, peak_mb=10.5),
+            Extended(round=1, phase="train", peak_mb=12.0),
+            Extended(round=2, phase="train", retries=3)]
+    got = summarize_module.picked_up(rows)
+    assert got["retries (sum)"] == 5 and got["peak_mb (max)"] == 12.0
+    assert got["wire_bytes_in (sum)"] is None  # no row measured it: no zero made up
