@@ -272,6 +272,27 @@ class DeployConfig(_Section):
     allow_anonymous: bool = False
 
 
+class WireConfig(_Section):
+    """[wire]: the codecs of what crosses the wire (common/codecs.py): `up` for the clients'
+    updates, `down` for the global blocks sent to them (the coordinator keeps its float32
+    master). Applied in every transport alike: a simulation trains on what a device would."""
+
+    up: Literal["none", "fp16", "bf16", "int8", "topk"] = "none"
+    down: Literal["none", "fp16", "bf16", "int8"] = "none"
+    topk: float = Field(0.01, gt=0, le=1)  # up = "topk": the fraction of each tensor's entries
+    int8_scale: Literal["channel", "tensor"] = "channel"  # a scale per output channel or tensor
+    # up = "int8": round to nearest, or stochastically from the run's seeded streams (unbiased)
+    int8_rounding: Literal["nearest", "stochastic"] = "nearest"
+
+    def codec(self, direction: Literal["up", "down"]) -> Any:
+        """That direction's common.codecs.Codec."""
+        from fedseq.common.codecs import Codec  # torch: read when a run starts, not before
+
+        name = self.up if direction == "up" else self.down
+        return Codec(name, topk=self.topk, per_channel=self.int8_scale == "channel",
+                     stochastic=direction == "up" and self.int8_rounding == "stochastic")
+
+
 class SeedsConfig(_Section):
     """[seeds]: pin one random stream to its own seed; a stream left unset follows `seed`.
     `fedseq-sim --seeds 0,1,2 --vary init` uses this to vary some streams and fix the others."""
@@ -294,6 +315,7 @@ class ExperimentConfig(_Section):
     aggregation: AggregationConfig = Field(default_factory=lambda: AggregationConfig())
     deploy: DeployConfig = Field(default_factory=lambda: DeployConfig())
     seeds: SeedsConfig = Field(default_factory=lambda: SeedsConfig())
+    wire: WireConfig = Field(default_factory=lambda: WireConfig())
 
     def seed_for(self, stream: str) -> int:
         """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`."""
@@ -322,6 +344,8 @@ class ExperimentConfig(_Section):
             data.pop("seeds")  # nothing pinned: the config as devices before [seeds] read it
         for key in SERVER_ONLY:  # the server optimizer's; devices before it never read them
             data["algorithm"].pop(key, None)
+        if data["wire"] == WireConfig().model_dump(mode="json"):
+            data.pop("wire")  # as devices before [wire] read it
         if data["model"]["head_init"] == "default":
             data["model"].pop("head_init")  # as devices before model.head_init read it
         return data

@@ -3,7 +3,8 @@ ranks and of a device.
 
 A `ClientExecutor` holds one model and the rows of its process's clients, and runs for one
 client at a time a training round, a fine-tuning, or (for several) an evaluation, from the
-shared blocks it is given and the client's personal state. Personal state lives where the client
+shared blocks it is given (in the run's downlink codec: decoded here) and the client's personal
+state. Personal state lives where the client
 lives, behind `PersonalState`: in memory for the in-process pool and a worker's step
 (`InMemory`), on the device's disk there (client/executor.py). The transports only choose the
 clients, loop over them, and move what comes out. Runs on the device floor (Python 3.8, torch
@@ -16,10 +17,10 @@ from typing import Dict, Optional, Protocol, Sequence, Tuple
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
-from fedseq.common.algorithms.scaffold import split_controls
+from fedseq.common.codecs import decode
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.evaluation import EvalReport, evaluate
-from fedseq.common.models import BlockModel, Weights
+from fedseq.common.models import BlockModel, Weights, split_state
 from fedseq.common.training import finetune_and_score, run_client_round
 
 
@@ -65,11 +66,12 @@ class ClientExecutor:
         """One training round of `client` from `shared` and its personal blocks: its update (the
         round loop's check decides whether it counts); its new personal blocks are kept unless
         its training diverged (then it keeps its previous ones)."""
-        start = {**shared, **self.personal.load(client, plan.personal, before=round)}
-        update, blocks = run_client_round(self.model, start, plan, self.data,
-                                          self.data.clients[client], self.seed, round)
+        held = self.personal.load(client, plan.personal, before=round)
+        update, blocks = run_client_round(self.model, {**decode(shared), **held}, plan,
+                                          self.data, self.data.clients[client], self.seed, round)
         if update.diverged_at is None:
-            self.personal.save(client, blocks, round)
+            # state the round did not touch (a residual of a block not uploaded) is kept
+            self.personal.save(client, {**held, **blocks}, round)
         return update
 
     def finetune(self, client: int, plan: ClientPlan, shared: Weights, personal: Sequence[str],
@@ -77,7 +79,7 @@ class ClientExecutor:
         """The final fine-tuning of `client` from `shared` and its personal blocks (`personal`:
         their names): its (correct, total) on its own test rows and the batch where the
         fine-tuning diverged (None: it did not). Nothing is kept."""
-        start = {**shared, **self.personal.load(client, personal)}
+        start = {**decode(shared), **self.personal.load(client, personal)}
         return finetune_and_score(self.model, start, plan, self.data, self.data.clients[client],
                                   self.seed, eval_heads, self.eval_batch)
 
@@ -88,7 +90,7 @@ class ClientExecutor:
         union of those rows; `clients`: these (None: every client of `data`)."""
         chosen = list(range(len(self.data.clients))) if clients is None else list(clients)
         # the model's tensors of each client's state (not its control variates: SCAFFOLD's)
-        blocks = {c: split_controls(self.personal.load(c, personal))[0] for c in chosen}
-        return evaluate(self.model, self.data, shared, blocks, eval_heads,
+        blocks = {c: split_state(self.personal.load(c, personal))[0] for c in chosen}
+        return evaluate(self.model, self.data, decode(shared), blocks, eval_heads,
                         clients=None if clients is None else chosen, batch=self.eval_batch,
                         with_global=with_global)

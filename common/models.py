@@ -383,6 +383,29 @@ def block_of(key: str) -> str:
     return key.split(".", 1)[0]
 
 
+def state_key(key: str, tag: str) -> str:
+    """The name of a state tensor that belongs to model tensor `key` (or to another state
+    tensor): `conv1.weight` + "ef" -> `conv1~ef.weight`. Its block (`conv1~ef`) is never a
+    model block: state travels and is kept beside the model, never loaded into it."""
+    block, rest = key.split(".", 1)
+    return f"{block}~{tag}.{rest}"
+
+
+def split_state(weights: Weights) -> tuple[Weights, dict[str, Weights]]:
+    """(the model's tensors, the state tensors by tag, each keyed by what it belongs to):
+    `conv1~c~ef.weight` is tag "ef" of `conv1~c.weight`."""
+    model: Weights = {}
+    state: dict[str, Weights] = {}
+    for k, v in weights.items():
+        block, rest = k.split(".", 1)
+        if "~" in block:
+            owner, tag = block.rsplit("~", 1)
+            state.setdefault(tag, {})[f"{owner}.{rest}"] = v
+        else:
+            model[k] = v
+    return model, state
+
+
 def in_blocks(weights: Weights, blocks: str | tuple[str, ...] | list[str] | set[str]) -> Weights:
     """The tensors of `weights` that belong to the named block(s), in their order."""
     wanted = {blocks} if isinstance(blocks, str) else set(blocks)

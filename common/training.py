@@ -16,10 +16,19 @@ import torch.nn.functional as F
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
-from fedseq.common.algorithms.scaffold import corrections, is_control_block, new_controls, split_controls
+from fedseq.common.algorithms.scaffold import CLIENT, SERVER, corrections, new_controls
+from fedseq.common.codecs import Codec, encode
 from fedseq.common.data.federated import ClientShard, FederatedData
 from fedseq.common.data.rebalance import Rebalanced, rebalance, simple_augment
-from fedseq.common.models import BlockModel, Weights, personal_tensors, set_weights, shared_tensors
+from fedseq.common.models import (
+    BlockModel,
+    Weights,
+    personal_tensors,
+    set_weights,
+    shared_tensors,
+    split_state,
+    state_key,
+)
 from fedseq.common.seeding import torch_rng
 
 # Overconfident heads on skewed clients drive gradients into denormal floats, which made CPU
@@ -297,12 +306,15 @@ def run_client_round(
     `shared_tensors` and `personal_tensors` split them: FedBN's normalization layers are
     personal in every block). Control variates in `weights` (SCAFFOLD: the server's, the
     client's) correct the gradients where the plan says so; their changes go into the update and
-    the personal blocks (common/algorithms/scaffold.py). Where
+    the personal blocks (common/algorithms/scaffold.py). The update goes out in the plan's
+    wire codec (common/codecs.py); top-k's residual ("ef" state in `weights`, of the client's
+    personal state) is added to the deltas first and what is not sent is kept. Where
     training diverged (`update.diverged_at`), the update is refused by the round's contract and
     the caller keeps the client's previous personal blocks."""
-    weights, server_c, client_c = split_controls(weights)
+    weights, state = split_state(weights)
+    server_c, client_c = state.get(SERVER, {}), state.get(CLIENT, {})
     set_weights(model, weights)
-    upload = [b for b in plan.upload if not is_control_block(b)]
+    upload = [b for b in plan.upload if "~" not in b]  # model blocks; state comes below
     before = shared_tensors(model, upload)
     correction = None
     if plan.control_variates:
@@ -319,6 +331,11 @@ def run_client_round(
         sent, kept = new_controls(client_c, stats.gradients, stats.batches)
         deltas.update(sent)
         personal.update(kept)
+    codec = Codec.parse(plan.codec)
+    if codec.name != "none":
+        g = torch_rng(seed, "int8", round, shard.client) if codec.stochastic else None
+        deltas, left = encode(deltas, codec, state.get("ef"), g)
+        personal.update({state_key(k, "ef"): v for k, v in left.items()})
     update = ClientUpdate(
         client=shard.client,
         round=round,

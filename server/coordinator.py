@@ -8,6 +8,7 @@ process or MQTT, server/pool.py) that only transports, and to a RunDir that only
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from fedseq.common.algorithms import Algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
 from fedseq.common.algorithms.plan import ClientPlan, ordered_union
 from fedseq.common.algorithms.robust import Aggregator, make_aggregator, update_norm
+from fedseq.common.codecs import encode
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.errors import AggregationError, TransportError
@@ -153,6 +155,10 @@ class Coordinator:
         # what the algorithm sends besides the model (SCAFFOLD's control variate), as of its
         # last change; its blocks are versioned with the model's
         self.extra: Weights = {}
+        # the wire codecs (common/codecs.py): the updates' and the global blocks' (the clients
+        # get `_sent`, the downlink's form of the current version; this master copy stays float32)
+        self.up, self.down = cfg.wire.codec("up"), cfg.wire.codec("down")
+        self._down_cache: dict[str, tuple[int, Weights]] = {}  # block -> (version, its wire form)
         self._frame_sizes: dict[tuple[str, int], int] = {}
         self._update_sizes: dict[tuple, int] = {}  # tensors' (name, dtype, shape) -> frame bytes
         self._last_report: EvalReport | None = None
@@ -167,6 +173,8 @@ class Coordinator:
         selected = select_clients(self.cfg.seed_for("selection"), t, self.cfg.data.num_clients,
                                   self.cfg.clients_per_round())
         plan = self.alg.plan(t)
+        if self.up.name != "none":
+            plan = dataclasses.replace(plan, codec=self.up.spec)
         # what a client must hold to run the plan: the whole base (every forward pass runs it,
         # frozen blocks too) and the heads the plan reads, less its personal blocks
         needed = [b for b in ordered_union((self.model.spec.base, plan.uses))
@@ -225,7 +233,7 @@ class Coordinator:
         (in client order: the same sums in simulation and deployment)."""
         contract = round_contract(t, selected, plan.upload, self.offered(), self.data,
                                   plan.rebalance_threshold, self._delta_bound(),
-                                  self.model.personal_keys(), self.alg.upload_bound)
+                                  self.model.personal_keys(), self.alg.upload_bound, self.up)
         got = RoundUpdates(make_aggregator(self.cfg.aggregation))
 
         def check(update: ClientUpdate) -> Rejection | None:
@@ -238,8 +246,8 @@ class Coordinator:
         # The pool yields only updates that passed `check`, at most one per client, in client
         # order; `rejected` keeps every refusal, also of a client whose valid update came later.
         with torch_threads(self.collect_threads):
-            dispatch = self.pool.train(t, selected, plan, in_blocks(self.offered(), needed),
-                                       check)
+            dispatch = self.pool.train(t, selected, plan,
+                                       self._sent(in_blocks(self.offered(), needed)), check)
             for update in dispatch:
                 got.aggregate.add(update.deltas, self.alg.aggregation_weights(update),
                                   update.client, update.device)
@@ -250,7 +258,8 @@ class Coordinator:
                 shard = self.data.clients[update.client]
                 got.flops += plan_flops(self.model, plan, self.data, shard, self.flop_cache)
                 got.steps += plan_steps(plan, self.data, shard)
-                got.bytes_up += self._update_bytes(update.deltas)
+                got.bytes_up += (update.upload_bytes if update.upload_bytes is not None
+                                 else self._update_bytes(update.deltas))
                 got.costs[update.client] = (update.device, update.cost)
         got.outcome = dispatch.outcome
         got.outliers, median = _outliers(got.norms, self.cfg.aggregation.outlier_factor)
@@ -305,6 +314,24 @@ class Coordinator:
             self.version[b] = self.version.get(b, -1) + 1
         self.extra = dict(extra)
 
+    def _sent(self, weights: Weights, personal: tuple[str, ...] = ()) -> Weights:
+        """`weights` as the clients receive them: each block (but those named `personal`: a
+        client's own, sent once as they are) in the downlink codec, encoded once per version."""
+        if self.down.name == "none":
+            return weights
+        out: Weights = {}
+        for b in dict.fromkeys(map(block_of, weights)):
+            tensors = in_blocks(weights, b)
+            if b in personal:
+                out.update(tensors)
+                continue
+            version = self.version.get(b, 0)
+            cached = self._down_cache.get(b)
+            if cached is None or cached[0] != version:
+                cached = self._down_cache[b] = (version, encode(tensors, self.down)[0])
+            out.update(cached[1])
+        return out
+
     def _bytes_down(self, client: int, blocks: list[str]) -> int:
         """Frame bytes of the blocks `client` needs and does not hold at their current version
         (it then holds them), the initial version included. The same definition in simulation
@@ -315,7 +342,8 @@ class Coordinator:
             if held.get(b, -1) != self.version[b]:
                 key = (b, self.version[b])
                 if key not in self._frame_sizes:
-                    self._frame_sizes[key] = frame_size(in_blocks(self.offered(), b))
+                    self._frame_sizes[key] = frame_size(self._sent(
+                        in_blocks(self.offered(), b), self.alg.personal_blocks()))
                 total += self._frame_sizes[key]
                 held[b] = self.version[b]
         return total
@@ -346,9 +374,10 @@ class Coordinator:
         """Every client's personalized model (by the pool), and the global model on the union of
         the clients' test rows (by the pool where it has them, else here); with the step's wire
         bytes."""
-        got = self.pool.evaluate(self.global_weights, self.alg.eval_heads(), self._check_score)
+        got = self.pool.evaluate(self._sent(self.global_weights), self.alg.eval_heads(),
+                                 self._check_score)
         report = got.report
-        if report.global_total is None:
+        if report.global_total is None or self.down.name != "none":  # the master's score
             glob = evaluate(self.model, self.data, self.global_weights, {}, (self.model.spec.head,),
                             batch=self.cfg.train.eval_batch_size)
             report = EvalReport(glob.global_correct, glob.global_total, report.per_client)
@@ -372,7 +401,8 @@ class Coordinator:
             # that before anything is published, so that a crash before this run's first round
             # ends cannot make a second resume re-use numbers the devices have already seen
             save_checkpoint(self.run_dir.path, self._checkpoint(first, resume.loop.last_row))
-        self.pool.open(self.offered(), self.alg.personal_blocks())
+        self.pool.open(self._sent(self.offered(), self.alg.personal_blocks()),
+                       self.alg.personal_blocks())
         for t in range(first, self.cfg.rounds):
             rec = self.run_round(t)
             records.append(rec)
@@ -398,7 +428,7 @@ class Coordinator:
         """The algorithm's final fine-tuning on every client: the final evaluation (the last
         global score, the fine-tuned personalized ones) and its row."""
         start = time.perf_counter()
-        ft = self.pool.finetune(plan, self.global_weights, (self.model.spec.head,),
+        ft = self.pool.finetune(plan, self._sent(self.global_weights), (self.model.spec.head,),
                                 self._check_score, self.on_progress)
         final = EvalReport(last.global_correct, last.global_total, ft.scores)
         tuned = sorted(ft.scores)

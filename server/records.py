@@ -44,6 +44,7 @@ Refusal = Literal[
     "non-finite",  # a tensor holds NaN or Inf
     "too-large",  # an element beyond the round's bound (aggregation.max_abs_delta)
     "bad-statistic",  # a running statistic out of its bounds
+    "bad-encoding",  # a compressed tensor that cannot be decoded safely (wire.up)
 ]
 
 

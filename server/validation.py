@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.codecs import Codec, decode, expected, wire_problem
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.models import Weights, block_of, is_statistic
+from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.text import printable
 from fedseq.server.records import Rejection
 
@@ -66,6 +68,13 @@ class RoundContract:
     max_abs_delta: float
     test_samples: dict[int, int] | None = None  # client -> test rows (its local score's total)
     bounds: dict[str, float] = field(default_factory=dict)  # tensor -> its own max_abs_delta
+    codec: Codec = field(default_factory=Codec)  # the updates' wire codec (wire.up)
+    #: the wire form's tensors an update must have: name -> (dtype, shape)
+    form: dict[str, tuple[torch.dtype, torch.Size]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.form:
+            object.__setattr__(self, "form", expected(self.reference, self.codec))
 
     def check(self, update: ClientUpdate) -> Rejection | None:
         """Why `update` must be rejected (a code and its particulars), or None."""
@@ -92,7 +101,7 @@ class RoundContract:
             if total != self.test_samples.get(c) or not 0 <= correct <= total:
                 return Rejection("wrong-score", f"local score {correct}/{total}, but client {c} "
                                                 f"has {self.test_samples.get(c)} test rows")
-        got, want = set(update.deltas), set(self.reference)
+        got, want = set(update.deltas), set(self.form)
         if got != want:
             extra, missing = _names(got - want), _names(want - got)
             return Rejection("wrong-tensors", (
@@ -100,12 +109,22 @@ class RoundContract:
                 f"{'; ' if extra and missing else ''}{f'missing {missing}' if missing else ''}"))
         # in the model's order, not the frame's (a deployment's frames come in safetensors'
         # sorted order): the reason names the same tensor in a simulation and a deployment
-        for k, ref in self.reference.items():
+        for k, (dtype, shape) in self.form.items():
             d = update.deltas[k]
-            if d.dtype != ref.dtype or d.shape != ref.shape:
+            if d.dtype != dtype or d.shape != shape:
                 return Rejection("wrong-shape", (
                     f"tensor {k} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
-                    f"expected {str(ref.dtype).removeprefix('torch.')}{list(ref.shape)}"))
+                    f"expected {str(dtype).removeprefix('torch.')}{list(shape)}"))
+        if self.codec.name != "none":
+            problem = wire_problem(update.deltas, self.reference, self.codec,
+                                   lambda k: self.bounds.get(k, self.max_abs_delta))
+            if problem is not None:
+                return Rejection("bad-encoding", problem)
+            # decoded once here, checked below as any update: what the round folds in
+            update.upload_bytes = frame_size(update.deltas)
+            update.deltas = decode(update.deltas, {k: v.shape for k, v in self.reference.items()})
+        for k, ref in self.reference.items():
+            d = update.deltas[k]
             if is_statistic(k):
                 # (a mean of statistics within these bounds stays within them: the rules hold
                 # elementwise on convex sets)
@@ -146,13 +165,14 @@ def largest_magnitude(t: torch.Tensor) -> float:
 def round_contract(round: int, selected: list[int], upload: tuple[str, ...], global_weights: Weights,
                    data: FederatedData, rebalance_threshold: float | None,
                    max_abs_delta: float, personal_keys: frozenset[str] = frozenset(),
-                   bound_of: Callable[[str, float], float] | None = None) -> RoundContract:
+                   bound_of: Callable[[str, float], float] | None = None,
+                   codec: Codec | None = None) -> RoundContract:
     """The contract of one round, from the plan and what the coordinator knows of the clients.
     `global_weights`: what the clients were offered (the algorithm's broadcast included);
     `personal_keys`: tensors of the uploaded blocks that stay with the clients (FedBN's
     normalization layers, `BlockModel.personal_keys`), so no update may carry them;
     `bound_of(tensor, max_abs_delta)`: a tensor's own bound where the algorithm gives one
-    (Algorithm.upload_bound)."""
+    (Algorithm.upload_bound); `codec`: the updates' wire codec (None: as they are)."""
     reference = {k: v for k, v in global_weights.items()
                  if block_of(k) in upload and k not in personal_keys}
     samples = {c: len(data.clients[c].train) for c in selected}
@@ -166,7 +186,7 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
     bounds = {} if bound_of is None else {
         k: b for k in reference if (b := bound_of(k, max_abs_delta)) != max_abs_delta}
     return RoundContract(round, frozenset(selected), reference, samples, effective, max_abs_delta,
-                         tests, bounds)
+                         tests, bounds, codec or Codec())
 
 
 def score_problem(data: FederatedData, client: int, correct: int, total: int) -> str | None:

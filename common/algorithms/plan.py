@@ -72,6 +72,9 @@ class ClientPlan:
     # SCAFFOLD: correct each step's gradient by the control variates the client was sent and
     # keeps, and upload the change of its own (common/algorithms/scaffold.py)
     control_variates: bool = False
+    # the update's wire codec (common/codecs.py `Codec.spec`: "none", "fp16", "int8:channel",
+    # "topk:0.01", ...), set by the round loop from wire.up
+    codec: str = "none"
 
     @property
     def trainable(self) -> tuple[str, ...]:

@@ -39,47 +39,25 @@ from fedseq.common.algorithms.aggregate import ClientUpdate, in_dtype
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.models import ModelSpec, Weights, block_of, is_statistic
+from fedseq.common.models import ModelSpec, Weights, block_of, is_statistic, split_state, state_key
 
 if TYPE_CHECKING:
     from fedseq.common.algorithms.robust import Aggregator
 
-SERVER = "~c"  # the server's control variate of a block: block `conv1~c`
-CLIENT = "~ci"  # a client's own: block `conv1~ci`, kept with its personal tensors
+SERVER = "c"  # the server's control variate of a block: block `conv1~c`
+CLIENT = "ci"  # a client's own: block `conv1~ci`, kept with its personal tensors
 
 
 def control_key(key: str, tag: str = SERVER) -> str:
     """The control variate's name for model tensor `key`: conv1.weight -> conv1~c.weight."""
-    block, rest = key.split(".", 1)
-    return f"{block}{tag}.{rest}"
-
-
-def is_control_block(block: str) -> bool:
-    """Whether `block` holds control variates (the server's or a client's), not model tensors."""
-    return block.endswith((SERVER, CLIENT))
-
-
-def model_key(key: str) -> str:
-    """The model tensor a control variate belongs to: conv1~c.weight -> conv1.weight."""
-    block, rest = key.split(".", 1)
-    return f"{block.rsplit('~', 1)[0]}.{rest}"
+    return state_key(key, tag)
 
 
 def split_controls(weights: Weights) -> Tuple[Weights, Weights, Weights]:
     """(the model's tensors, the server's control variates, the client's), each control keyed
-    by its model tensor's name."""
-    model: Weights = {}
-    server: Weights = {}
-    client: Weights = {}
-    for k, v in weights.items():
-        block = block_of(k)
-        if block.endswith(SERVER):
-            server[model_key(k)] = v
-        elif block.endswith(CLIENT):
-            client[model_key(k)] = v
-        else:
-            model[k] = v
-    return model, server, client
+    by its model tensor's name (other state, e.g. a codec's residual, left out)."""
+    model, state = split_state(weights)
+    return model, state.get(SERVER, {}), state.get(CLIENT, {})
 
 
 def corrections(server: Weights, client: Weights, params: Dict[str, torch.Tensor]
@@ -123,12 +101,12 @@ class Scaffold(FedAvg):
 
     def plan(self, round: int) -> ClientPlan:
         plan = super().plan(round)
-        controls = tuple(b + SERVER for b in plan.upload)
+        controls = tuple(f"{b}~{SERVER}" for b in plan.upload)
         return replace(plan, upload=plan.upload + controls, control_variates=True)
 
     def aggregation_weights(self, update: ClientUpdate) -> Dict[str, float]:
         weights = super().aggregation_weights(update)
-        return {b: 1.0 if b.endswith(SERVER) else w for b, w in weights.items()}
+        return {b: 1.0 if b.endswith("~" + SERVER) else w for b, w in weights.items()}
 
     def broadcast(self, shared: Weights) -> Weights:
         """c, created as zeros (float32 as the model's parameters) for every shared parameter
@@ -141,7 +119,7 @@ class Scaffold(FedAvg):
     def upload_bound(self, key: str, bound: float) -> float:
         """dc_i = (x - y) / (K lr) - c under plain SGD, elementwise at most bound / lr + max|c|
         when every |y - x| <= bound: a control variate's bound follows from the model's."""
-        if not block_of(key).endswith(SERVER):
+        if not block_of(key).endswith("~" + SERVER):
             return bound
         c = self.c.get(key)
         return bound / self.cfg.train.lr + (float(c.abs().max()) if c is not None and c.numel()

@@ -11,6 +11,7 @@ from typing import Any
 
 from fedseq.common import __version__
 from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
+from fedseq.common.codecs import decode, encode
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights, block_of, in_blocks
@@ -115,8 +116,10 @@ class MqttPool:
                              if d in self.session.online})
         # An update frame holds at most every shared block's deltas: what bounds what each
         # device may make the inbox hold (its frames, its budget: Inbox.open).
-        shared = in_blocks(weights, {block_of(k) for k in weights} - set(personal))
-        biggest = frame_size(shared) + 4096
+        # (float32 as decoded, or in the updates' codec where that is larger: top-k near 1)
+        shared = decode(in_blocks(weights, {block_of(k) for k in weights} - set(personal)))
+        coded = encode(shared, self.cfg.wire.codec("up"))[0]
+        biggest = max(frame_size(shared), frame_size(coded)) + 4096
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
         self.inbox.open(self.owner, biggest)
         self.update_chunks = self.inbox.update_chunks  # messages per update, at most

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +128,8 @@ def summarize(run: Run) -> RunSummary:
 
 def picked_up(rows: list[RoundRecord]) -> dict[str, float | None]:
     """Each of RoundRecord.picked_up's fields summarized over the rows that set it."""
-    how = {"sum": sum, "mean": statistics.fmean, "max": max}
+    how: dict[str, Callable[[list[float]], float]] = {"sum": sum, "mean": statistics.fmean,
+                                                      "max": max}
     out: dict[str, float | None] = {}
     for name, kind in RoundRecord.picked_up().items():
         vals = [v for r in rows if name in r.model_fields_set and (v := getattr(r, name)) is not None]

@@ -8,7 +8,7 @@ import torch
 from conftest import server_only, synthetic_data
 from fedseq.common.algorithms import REGISTRY, algorithm_class, make_algorithm
 from fedseq.common.config import load_config
-from fedseq.common.models import build_model, get_blocks
+from fedseq.common.models import build_model, get_blocks, split_state
 from fedseq.common.training import run_client_round, train_plan
 
 
@@ -63,13 +63,14 @@ def test_frozen_base_block_gets_no_gradient():
 def test_client_round_reproducible_and_uploads_only_shared(name):
     cfg, model, alg, data = _setup(name)
     start = get_blocks(model, model.spec.blocks)
+    start.update(alg.broadcast(start))  # SCAFFOLD's control variate; nothing for the others
     plan = alg.plan(4)
     u1, p1 = run_client_round(model, start, plan, data, data.clients[1], seed=5, round=4)
     u2, p2 = run_client_round(model, start, plan, data, data.clients[1], seed=5, round=4)
     assert {k.split(".")[0] for k in u1.deltas} == set(plan.upload)
     assert not {k.split(".")[0] for k in u1.deltas} & set(plan.personal)
     assert all(torch.equal(u1.deltas[k], u2.deltas[k]) for k in u1.deltas)
-    assert set(p1) == {k for k in start if k.split(".")[0] in plan.personal}
+    assert set(split_state(p1)[0]) == {k for k in start if k.split(".")[0] in plan.personal}
     assert u1.num_samples == len(data.clients[1].train)
     if name == "fedreg":
         assert 0 < u1.effective_samples <= u1.num_samples
