@@ -4,6 +4,7 @@ per device, against the real coordinator (run_deployment) in this process.
 
     python bench/fleet.py [--devices 10 100 300 1000] [--rounds 4] [--model convnet mobilenet]
                           [--pace 0.05] [--spread 0] [--nofile 0] [--data-root ../shared/data]
+                          [--wire none int8 topk ...]
 
 Each (model, N) runs in a fresh child process with a fresh broker: N devices of 3 logical clients
 each (3N clients, IID), join ratio 0.2, FedAvg (every block changes every round: the most bytes),
@@ -28,6 +29,9 @@ per (model, N), rounds after the first:
   /proc io counters: every socket byte)
 - lost: selected clients whose update did not count, over all rounds (goal 0)
 - status_s: `fedseq-server status` against the fleet's retained statuses (--status)
+- wire: the updates' codec (`--wire`: wire.up, e.g. `int8`, `topk:0.01`; the synthetic devices
+  encode their updates in it and the coordinator checks and decodes them); mb_per_update: an
+  update's frame in MB (bytes_up over the updates); cpu_per_mb_ms: cpu_per_update_ms over it
 
 The devices run in processes of 250 beside the coordinator and the broker on the same cores: on
 a 2-core machine, wall times include that contention; CPU figures do not.
@@ -178,7 +182,8 @@ def one(args: argparse.Namespace) -> dict:
                 f"train.eval_every={100 * args.rounds}", f"deploy.min_devices={n}",
                 "deploy.wait_devices_s=120", "deploy.username=coordinator",
                 f"deploy.round_timeout_max_s={args.timeout}",
-                f"deploy.password_file={str(tmp / 'coordinator.pw')!r}"])
+                f"deploy.password_file={str(tmp / 'coordinator.pw')!r}",
+                *wire_sets(args.wire)])
             out = tmp / "run"
             try:
                 res = run_deployment(cfg, out, broker=url, announce=lambda s: None)
@@ -208,15 +213,25 @@ def one(args: argparse.Namespace) -> dict:
     med = {k: statistics.median(v[later]) if len(v) > 1 else float("nan")
            for k, v in timing.items()}
     participating = statistics.median(len({o for o in r.reporters.values()}) for r in rows[1:])
+    mb_update = sum(r.bytes_up for r in rows[1:]) / 1e6 / sum(timing["updates"][later])
     return {"model": args.model, "devices": n, "participating": participating,
             "round_s": med["round"], "beyond_pace_s": med["round"] - med["pace"],
             "goal_s": 0.05 + 0.001 * participating, "coord_cpu_ms": 1000 * med["cpu"],
             "loop_cpu_ms": 1000 * med["loop_cpu"],
             "cpu_per_update_ms": 1000 * sum(timing["cpu"][later]) / sum(timing["updates"][later]),
+            "wire": args.wire, "mb_per_update": mb_update,
+            "cpu_per_mb_ms": 1000 * sum(timing["cpu"][later]) / sum(timing["updates"][later])
+            / mb_update,
             "broker_cpu_ms": 1000 * med["broker_cpu"], "assign_ms": 1000 * assign[0],
             "step_ms": 1000 * med["step"], "coord_rss_mb": coord_rss, "broker_rss_mb": broker_rss,
             "broker_mb_round": med["io"] / 1e6, "lost": lost, "broker_drops": dropped, "connect_s": connect_s,
             "status_s": status_s}
+
+
+def wire_sets(wire: str) -> list[str]:
+    """The config lines of an updates' codec given as `int8` or `topk:0.01`."""
+    name, _, fraction = wire.partition(":")
+    return [f"wire.up={name!r}"] + ([f"wire.topk={fraction}"] if fraction else [])
 
 
 def main() -> None:
@@ -231,33 +246,34 @@ def main() -> None:
                     help="deploy.round_timeout_max_s: a round waits at most this long")
     ap.add_argument("--status", action="store_true", help="time fedseq-server status too")
     ap.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--wire", nargs="+", default=["none"],
+                    help="updates' codecs to compare: none fp16 bf16 int8 topk:FRACTION")
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:
-        args.n, args.model = args.one, args.model[0]
+        args.n, args.model, args.wire = args.one, args.model[0], args.wire[0]
         print(json.dumps(one(args)), flush=True)
         return
-    cols = ["model", "devices", "participating", "round_s", "beyond_pace_s", "goal_s",
+    cols = ["model", "wire", "devices", "participating", "round_s", "beyond_pace_s", "goal_s",
             "coord_cpu_ms", "loop_cpu_ms", "cpu_per_update_ms", "broker_cpu_ms", "assign_ms",
             "step_ms", "coord_rss_mb", "broker_rss_mb", "broker_mb_round", "lost", "broker_drops",
-            "connect_s", "status_s"]
+            "connect_s", "status_s", "mb_per_update", "cpu_per_mb_ms"]
     print(" | ".join(cols))
-    for model in args.model:
-        for n in args.devices:
-            cmd = [sys.executable, __file__, "--one", str(n), "--model", model,
-                   "--rounds", str(args.rounds), "--pace", str(args.pace),
-                   "--spread", str(args.spread),
-                   "--nofile", str(args.nofile), "--timeout", str(args.timeout),
-                   "--data-root", args.data_root]
-            if args.status:
-                cmd.append("--status")
-            got = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
-            if got.returncode != 0:
-                print(f"{model} | {n} | failed (exit {got.returncode})", flush=True)
-                continue
-            r = json.loads(got.stdout.strip().splitlines()[-1])
-            print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c])
-                             for c in cols), flush=True)
+    for model, wire, n in ((m, w, n) for m in args.model for w in args.wire for n in args.devices):
+        cmd = [sys.executable, __file__, "--one", str(n), "--model", model, "--wire", wire,
+               "--rounds", str(args.rounds), "--pace", str(args.pace),
+               "--spread", str(args.spread),
+               "--nofile", str(args.nofile), "--timeout", str(args.timeout),
+               "--data-root", args.data_root]
+        if args.status:
+            cmd.append("--status")
+        got = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+        if got.returncode != 0:
+            print(f"{model} | {n} | failed (exit {got.returncode})", flush=True)
+            continue
+        r = json.loads(got.stdout.strip().splitlines()[-1])
+        print(" | ".join(f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c])
+                         for c in cols), flush=True)
 
 
 if __name__ == "__main__":

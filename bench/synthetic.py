@@ -10,10 +10,11 @@ reads. It answers a train step once it holds the block versions the step needs, 
 a fleet of unequal devices whose answers come over a while, not in one burst), with an update
 that passes the round contract (its clients' real sample counts
 and test-set sizes from the partition, the plan's upload blocks with the model's names, dtypes and
-shapes) and deterministic deltas instead of training; evaluate and finetune steps get scores of the
-right totals. With `fail_rate` > 0 a device reports a step failure (as a daemon whose step raised)
-for that fraction of steps, deterministically by (seed, device, step). It resends the current
-step's answers after either side reconnects, as a daemon does.
+shapes, in the plan's wire codec) and deterministic deltas instead of training; evaluate and
+finetune steps get scores of the right totals. With `fail_rate` > 0 a device reports a step
+failure (as a daemon whose step raised) for that fraction of steps, deterministically by (seed,
+device, step). It resends the current step's answers after either side reconnects, as a daemon
+does.
 
 What it skips is the device's own work: no training, no sha256 of the weight frames (their chunks
 are counted, not kept). Real daemons stay the reference for correctness; these are for cost.
@@ -45,6 +46,7 @@ import torch
 
 from fedseq.common import __version__
 from fedseq.common.algorithms import algorithm_class
+from fedseq.common.codecs import Codec, encode
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.catalog import INPUT_SHAPES
 from fedseq.common.data.federated import load_federated
@@ -374,6 +376,7 @@ class SyntheticDevice:
         v = delta_value(c, step.round)
         deltas = {k: torch.full_like(t, v) for k, t in facts.reference.items()
                   if block_of(k) in plan["upload"]}
+        deltas = encode(deltas, Codec.parse(plan.get("codec", "none")))[0]  # wire.up
         threshold = plan.get("rebalance_threshold")
         effective = (rebalanced_size(facts.class_counts[c], threshold)[1]
                      if threshold is not None else None)

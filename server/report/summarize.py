@@ -28,6 +28,17 @@ def _model_label(model: dict[str, Any]) -> str:
     return str(model.get("name", "?")) + ("" if norm == "batch" else f" ({norm})")
 
 
+def _wire_label(wire: dict[str, Any]) -> str | None:
+    """The wire codecs, up/down ("int8/fp16", "topk 0.01/none"); None for float32 both ways."""
+    up, down = wire.get("up", "none"), wire.get("down", "none")
+    if up == "none" and down == "none":
+        return None
+    up_label = f"topk {wire.get('topk', 0.01):g}" if up == "topk" else up
+    if up == "int8" and wire.get("int8_rounding") == "stochastic":
+        up_label += " stochastic"
+    return f"{up_label}/{down}"
+
+
 @dataclass(frozen=True)
 class Accuracy:
     """One accuracy of a run (%): its final value, its best, and its mean over the last LAST
@@ -47,6 +58,7 @@ class RunSummary:
     algorithm: str
     dataset: str
     model: str
+    wire: str | None  # the wire codecs, up/down (None: float32 both ways)
     rounds: int  # training rounds done
     of: int  # training rounds configured
     finetuned: bool
@@ -70,7 +82,7 @@ class RunSummary:
     def row(self) -> dict[str, Any]:
         """The table row: summary.md's and summary.csv's columns by their display names."""
         out: dict[str, Any] = {"run": self.run, "algorithm": self.algorithm,
-                               "dataset": self.dataset, "model": self.model,
+                               "dataset": self.dataset, "model": self.model, "wire": self.wire,
                                "rounds": self.rounds, "of": self.of, "finetuned": self.finetuned,
                                "state": self.state, "device": self.device}
         for name in ACCURACIES:
@@ -107,6 +119,7 @@ def summarize(run: Run) -> RunSummary:
         run=run.label, algorithm=run.algorithm,
         dataset=run.config.get("data", {}).get("dataset", "?"),
         model=_model_label(run.config.get("model", {})),
+        wire=_wire_label(run.config.get("wire", {})),
         rounds=len(train), of=run.config.get("rounds", len(train)),
         finetuned=last is not None and last.phase == "finetune",
         state=run.status.get("state", "?"), device=run.status.get("device"),
@@ -199,6 +212,7 @@ def summarize_group(group: Group) -> dict[str, Any]:
     first = rows[0]
     out: dict[str, Any] = {"run": group.label, "algorithm": first["algorithm"],
                            "dataset": first["dataset"], "model": first["model"],
+                           "wire": first["wire"],
                            "seeds": len(rows),
                            "varied": ",".join(group.varied) or "-",
                            "rounds": min(r["rounds"] for r in rows), "of": first["of"],

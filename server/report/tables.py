@@ -69,7 +69,7 @@ def _fmt(v: Any) -> str:
 
 # The Markdown table's columns (summary.csv has every number, spreads included); an accuracy
 # shows mean ± sd where a group has several seeds.
-MD_COLUMNS = ("run", "algorithm", "dataset", "model", "seeds", "varied", "rounds", "finetuned",
+MD_COLUMNS = ("run", "algorithm", "dataset", "model", "wire", "seeds", "varied", "rounds", "finetuned",
               "device", "G best", f"G last{LAST}", "G final", "P best", "P final", "L best", "L final",
               "Lr best", "client mean", "client sd", "worst 10%", "global model", "MB moved", "train TFLOP",
               "wall s", "energy kJ", "J/round", "finetune kJ")

@@ -241,3 +241,17 @@ def test_a_new_numeric_field_reaches_the_report_by_itself(monkeypatch):
     got = summarize_module.picked_up(rows)
     assert got["retries (sum)"] == 5 and got["peak_mb (max)"] == 12.0
     assert got["wire_bytes_in (sum)"] is None  # no row measured it: no zero made up
+
+
+def test_runs_under_a_wire_codec_say_which(two_runs, tmp_path, data_root):
+    """A codec column appears once a run uses one; its MB moved is the coded bytes'."""
+    coded = tmp_path / "int8"
+    run_simulation(quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.threads=1",
+                                "wire.up=int8", "wire.down=fp16"), coded)
+    out = tmp_path / "rep"
+    r = _report(str(two_runs / "fedavg"), str(coded), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader((out / "summary.csv").open()))
+    assert [x["wire"] for x in rows] == ["", "int8/fp16"]
+    assert float(rows[1]["MB moved"]) < 0.4 * float(rows[0]["MB moved"])
+    assert "| wire |" in (out / "summary.md").read_text()
