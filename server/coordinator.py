@@ -374,8 +374,8 @@ class Coordinator:
         """Every client's personalized model (by the pool), and the global model on the union of
         the clients' test rows (by the pool where it has them, else here); with the step's wire
         bytes."""
-        got = self.pool.evaluate(self._sent(self.global_weights), self.alg.eval_heads(),
-                                 self._check_score)
+        got = self.pool.evaluate(self._sent(self.global_weights, self.alg.personal_blocks()),
+                                 self.alg.eval_heads(), self._check_score)
         report = got.report
         if report.global_total is None or self.down.name != "none":  # the master's score
             glob = evaluate(self.model, self.data, self.global_weights, {}, (self.model.spec.head,),
@@ -428,7 +428,8 @@ class Coordinator:
         """The algorithm's final fine-tuning on every client: the final evaluation (the last
         global score, the fine-tuned personalized ones) and its row."""
         start = time.perf_counter()
-        ft = self.pool.finetune(plan, self._sent(self.global_weights), (self.model.spec.head,),
+        ft = self.pool.finetune(plan, self._sent(self.global_weights, self.alg.personal_blocks()),
+                                (self.model.spec.head,),
                                 self._check_score, self.on_progress)
         final = EvalReport(last.global_correct, last.global_total, ft.scores)
         tuned = sorted(ft.scores)

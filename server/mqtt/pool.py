@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from fedseq.common import __version__
 from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
-from fedseq.common.codecs import decode, encode
+from fedseq.common.codecs import decode, expected
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights, block_of, in_blocks
@@ -118,7 +120,8 @@ class MqttPool:
         # device may make the inbox hold (its frames, its budget: Inbox.open).
         # (float32 as decoded, or in the updates' codec where that is larger: top-k near 1)
         shared = decode(in_blocks(weights, {block_of(k) for k in weights} - set(personal)))
-        coded = encode(shared, self.cfg.wire.codec("up"))[0]
+        coded = {k: torch.empty(shape, dtype=dtype)  # sized, never filled
+                 for k, (dtype, shape) in expected(shared, self.cfg.wire.codec("up")).items()}
         biggest = max(frame_size(shared), frame_size(coded)) + 4096
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
         self.inbox.open(self.owner, biggest)

@@ -118,3 +118,19 @@ def test_a_compressed_fedseq_run_on_mosquitto_is_the_simulation_bitwise(
                            None)
     assert dep.rows[0]["bytes_up"] < 0.3 * plain.rows[0]["bytes_up"]
     assert dep.rows[0]["wire_bytes_in"] < 0.3 * plain.rows[0]["bytes_up"] + 200_000
+
+
+def test_personal_blocks_stay_float32_under_a_downlink_codec(data_root, tmp_path, one_thread):
+    """FedPer's heads are each client's own: a device starts a client that never trained from
+    the published initial head, which must be the float32 one the simulation starts from (only
+    the shared blocks go out in wire.down), or its scores would differ."""
+    from fedseq.server.deployment import run_deployment
+
+    cfg = quick_config(data_root, "algorithm.name=fedper", "rounds=2", "train.join_ratio=0.4",
+                       "wire.down=int8", "wire.up=fp16", "deploy.port=0")
+    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+                         announce=lambda s: None)
+    sim = run_simulation(cfg, None)
+    assert len(set(range(5)) - {c for r in sim.rows for c in r["clients"]}) > 0  # someone never trained
+    _same(dep, sim)
+    assert dep.final.per_client == sim.final.per_client
