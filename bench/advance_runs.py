@@ -8,7 +8,8 @@ Each run is `OUT/<algorithm>/`, a normal fedseq-sim run directory with rounds = 
 schedule, e.g. FedSeq's t_k, is the full run's). Fine-tuning happens when a run reaches --until.
 Extra `--set KEY=VALUE` apply to every run (`--set seed=1` for another seed; one algorithm
 under several seeds in one command is `fedseq-sim --seeds 0-2`, README "Seeds"). Stop with
-Ctrl-C; call again to continue.
+Ctrl-C; call again to continue. `--once` advances each run by --step rounds and stops: the first
+rounds of the full schedule (docs/results.md, "Wire codecs": --step 11 --once).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ def main() -> None:
     ap.add_argument("--step", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--set", dest="sets", action="append", default=[])
+    ap.add_argument("--once", action="store_true",
+                    help="advance each run by --step rounds once, then stop (the first rounds of "
+                         "a long schedule: --step 11 --once)")
     ap.add_argument("algorithms", nargs="+")
     a = ap.parse_args()
     while True:
@@ -67,6 +71,8 @@ def main() -> None:
             break
         for alg in todo:
             advance(a.config, a.out / alg, alg, a.until, a.step, a.sets, a.threads)
+        if a.once:
+            break
 
 
 if __name__ == "__main__":
