@@ -383,12 +383,22 @@ def block_of(key: str) -> str:
     return key.split(".", 1)[0]
 
 
+def state_block(block: str, tag: str) -> str:
+    """The block of `block`'s state tagged `tag`: `conv1` + "ef" -> `conv1~ef`. Never a model
+    block: state travels and is kept beside the model, never loaded into it."""
+    return f"{block}~{tag}"
+
+
+def is_state_block(block: str) -> bool:
+    """Whether `block` holds state (`state_block`), not model tensors."""
+    return "~" in block
+
+
 def state_key(key: str, tag: str) -> str:
     """The name of a state tensor that belongs to model tensor `key` (or to another state
-    tensor): `conv1.weight` + "ef" -> `conv1~ef.weight`. Its block (`conv1~ef`) is never a
-    model block: state travels and is kept beside the model, never loaded into it."""
+    tensor): `conv1.weight` + "ef" -> `conv1~ef.weight`, in block `state_block("conv1", "ef")`."""
     block, rest = key.split(".", 1)
-    return f"{block}~{tag}.{rest}"
+    return f"{state_block(block, tag)}.{rest}"
 
 
 def split_state(weights: Weights) -> tuple[Weights, dict[str, Weights]]:
@@ -398,7 +408,7 @@ def split_state(weights: Weights) -> tuple[Weights, dict[str, Weights]]:
     state: dict[str, Weights] = {}
     for k, v in weights.items():
         block, rest = k.split(".", 1)
-        if "~" in block:
+        if is_state_block(block):
             owner, tag = block.rsplit("~", 1)
             state.setdefault(tag, {})[f"{owner}.{rest}"] = v
         else:

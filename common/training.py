@@ -23,6 +23,7 @@ from fedseq.common.data.rebalance import Rebalanced, rebalance, simple_augment
 from fedseq.common.models import (
     BlockModel,
     Weights,
+    is_state_block,
     personal_tensors,
     set_weights,
     shared_tensors,
@@ -158,8 +159,9 @@ def train_plan(
     loss_sum = 0.0
     effective = None
     diverged_at: int | None = None
-    corrected = [(n, p) for n, p in model.named_parameters() if n in (correction or {})]
-    fixes = [(p, (correction or {})[n], torch.zeros_like(p)) for n, p in corrected]
+    correction = correction or {}
+    corrected = [(n, p) for n, p in model.named_parameters() if n in correction]
+    fixes = [(p, correction[n], torch.zeros_like(p)) for n, p in corrected]
     try:
         for phase in plan.phases:
             rows = _PhaseRows.of(phase, plan, data, shard, seed, g_aug)
@@ -314,7 +316,7 @@ def run_client_round(
     weights, state = split_state(weights)
     server_c, client_c = state.get(SERVER, {}), state.get(CLIENT, {})
     set_weights(model, weights)
-    upload = [b for b in plan.upload if "~" not in b]  # model blocks; state comes below
+    upload = [b for b in plan.upload if not is_state_block(b)]  # model blocks; state below
     before = shared_tensors(model, upload)
     correction = None
     if plan.control_variates:

@@ -195,8 +195,7 @@ class RoundRecord(_Record):
         report summarizes it over a run's rows (sum, mean or max)."""
         out = {}
         for name, f in cls.model_fields.items():
-            kinds = {a for a in _args(f.annotation) if a is not type(None)}
-            if name in OWN_NAMES or not kinds or not kinds <= {int, float}:
+            if name in OWN_NAMES or not _args(f.annotation):
                 continue
             extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
             out[name] = str(extra.get("summary", "sum"))

@@ -24,8 +24,8 @@ about 1 / (1 - momentum) times (10x at 0.9) and over-correct, which the mean doe
 Running statistics are not gradients: they have no control variate and are averaged as
 FedAvg's.
 
-The client's half (`split_controls`, `corrections`, `new_controls`) runs on the device floor
-(Python 3.8, torch 1.12): common/training.py calls it.
+The client's half (`corrections`, `new_controls`; common/training.py finds c and c_i with
+`models.split_state`) runs on the device floor (Python 3.8, torch 1.12).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from fedseq.common.algorithms.aggregate import ClientUpdate, in_dtype
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.models import ModelSpec, Weights, block_of, is_statistic, split_state, state_key
+from fedseq.common.models import ModelSpec, Weights, block_of, is_statistic, state_block, state_key
 
 if TYPE_CHECKING:
     from fedseq.common.algorithms.robust import Aggregator
@@ -53,11 +53,9 @@ def control_key(key: str, tag: str = SERVER) -> str:
     return state_key(key, tag)
 
 
-def split_controls(weights: Weights) -> Tuple[Weights, Weights, Weights]:
-    """(the model's tensors, the server's control variates, the client's), each control keyed
-    by its model tensor's name (other state, e.g. a codec's residual, left out)."""
-    model, state = split_state(weights)
-    return model, state.get(SERVER, {}), state.get(CLIENT, {})
+def is_server_control(block: str) -> bool:
+    """Whether `block` holds the server's control variates (`conv1~c`)."""
+    return block.endswith(state_block("", SERVER))
 
 
 def corrections(server: Weights, client: Weights, params: Dict[str, torch.Tensor]
@@ -101,12 +99,12 @@ class Scaffold(FedAvg):
 
     def plan(self, round: int) -> ClientPlan:
         plan = super().plan(round)
-        controls = tuple(f"{b}~{SERVER}" for b in plan.upload)
+        controls = tuple(state_block(b, SERVER) for b in plan.upload)
         return replace(plan, upload=plan.upload + controls, control_variates=True)
 
     def aggregation_weights(self, update: ClientUpdate) -> Dict[str, float]:
         weights = super().aggregation_weights(update)
-        return {b: 1.0 if b.endswith("~" + SERVER) else w for b, w in weights.items()}
+        return {b: 1.0 if is_server_control(b) else w for b, w in weights.items()}
 
     def broadcast(self, shared: Weights) -> Weights:
         """c, created as zeros (float32 as the model's parameters) for every shared parameter
@@ -119,7 +117,7 @@ class Scaffold(FedAvg):
     def upload_bound(self, key: str, bound: float) -> float:
         """dc_i = (x - y) / (K lr) - c under plain SGD, elementwise at most bound / lr + max|c|
         when every |y - x| <= bound: a control variate's bound follows from the model's."""
-        if not block_of(key).endswith("~" + SERVER):
+        if not is_server_control(block_of(key)):
             return bound
         c = self.c.get(key)
         return bound / self.cfg.train.lr + (float(c.abs().max()) if c is not None and c.numel()

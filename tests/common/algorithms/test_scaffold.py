@@ -9,10 +9,10 @@ import torch
 from conftest import synthetic_data
 from fedseq.common.algorithms import make_algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum
-from fedseq.common.algorithms.scaffold import control_key, split_controls
+from fedseq.common.algorithms.scaffold import control_key
 from fedseq.common.config import load_config
 from fedseq.common.errors import AggregationError
-from fedseq.common.models import build_model, get_blocks
+from fedseq.common.models import build_model, get_blocks, split_state
 from fedseq.common.training import run_client_round
 
 
@@ -128,9 +128,9 @@ def test_a_refused_round_leaves_c_as_it_was():
 def test_control_variates_are_kept_apart_from_the_model():
     w = {"conv1.weight": torch.ones(1), "conv1~c.weight": 2 * torch.ones(1),
          "fc~ci.bias": 3 * torch.ones(1)}
-    model, server, client = split_controls(w)
-    assert list(model) == ["conv1.weight"] and list(server) == ["conv1.weight"]
-    assert list(client) == ["fc.bias"]
+    model, state = split_state(w)
+    assert list(model) == ["conv1.weight"] and list(state["c"]) == ["conv1.weight"]
+    assert list(state["ci"]) == ["fc.bias"]
 
 
 def test_the_contract_bounds_control_variates_by_the_models_bound_over_lr():
