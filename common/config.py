@@ -29,6 +29,9 @@ else:  # pragma: no cover - Python 3.10 on Jetson
 #: [algorithm] keys the coordinator alone reads (the server's optimizer)
 SERVER_ONLY = ("server_lr", "beta1", "beta2", "tau")
 
+#: [train] keys the coordinator alone reads (how the run advances)
+ASYNC_ONLY = ("mode", "concurrency", "buffer", "staleness_alpha", "max_staleness", "over_select")
+
 #: The random streams a run draws from; each follows `seed` unless [seeds] pins it.
 SEED_STREAMS = ("data", "init", "selection", "training")
 
@@ -183,6 +186,24 @@ class TrainConfig(_Section):
     # whatever the load); "auto" = the cores not busy at start (1-minute load average: faster
     # beside other work, but the result then depends on the load). Recorded in the run directory.
     threads: Union[int, str, None] = Field(None)
+    # how the run advances (server/asynchronous.py): "sync" rounds, each waiting for its selected
+    # clients (or its deadline), or "async": buffered asynchronous aggregation (FedBuff, Nguyen et
+    # al. 2022): `concurrency` clients train at once, each arrival is replaced by a newly selected
+    # client, and the server steps every `buffer` updates; a server step is a round for
+    # everything that counts rounds (FedSeq's schedule, evaluation, checkpoints, rows)
+    mode: Literal["sync", "async"] = "sync"
+    # async: clients training at once (None: clients_per_round())
+    concurrency: Optional[int] = Field(None, ge=1)
+    # async: updates folded per server step (None: half the concurrency, rounded up)
+    buffer: Optional[int] = Field(None, ge=1)
+    # async: an update trained tau server steps ago counts (1 + tau)^-alpha as much (FedBuff's
+    # 1/sqrt(1 + tau) at 0.5; 0: staleness ignored)
+    staleness_alpha: float = Field(0.5, ge=0)
+    # async: an update staler than this many server steps is refused (None: none is)
+    max_staleness: Optional[int] = Field(10, ge=0)
+    # sync: select over_select x clients_per_round() clients and count the first
+    # clients_per_round() updates to arrive (the others are late); 1 = no over-selection
+    over_select: float = Field(1.0, ge=1)
 
     @field_validator("threads")
     @classmethod
@@ -272,6 +293,29 @@ class DeployConfig(_Section):
     allow_anonymous: bool = False
 
 
+class FleetGroup(_Section):
+    """Devices of one kind in a simulated fleet: a device profile (server/fleet.py PROFILES),
+    how many, and their link (a rehearsal link profile, server/rehearsal.py)."""
+
+    profile: str
+    count: int = Field(1, ge=1)
+    link: str = "wifi-good"
+
+
+class FleetConfig(_Section):
+    """[fleet]: fedseq-sim's model of time (server/fleet.py). Empty (default): no virtual clock.
+    Given devices, clients are dealt to them as a deployment deals them (devices by name,
+    round-robin), and every row carries the round's simulated seconds and modelled joules."""
+
+    devices: List[FleetGroup] = Field(default_factory=list)
+    # the spread of a device's pace from one client-round to the next: its time is multiplied by
+    # exp(jitter x N(0, 1)), drawn from the run's training seed
+    jitter: float = Field(0.1, ge=0, le=2)
+
+    def __bool__(self) -> bool:
+        return bool(self.devices)
+
+
 class WireConfig(_Section):
     """[wire]: the codecs of what crosses the wire (common/codecs.py): `up` for the clients'
     updates, `down` for the global blocks sent to them (the coordinator keeps its float32
@@ -316,11 +360,25 @@ class ExperimentConfig(_Section):
     deploy: DeployConfig = Field(default_factory=lambda: DeployConfig())
     seeds: SeedsConfig = Field(default_factory=lambda: SeedsConfig())
     wire: WireConfig = Field(default_factory=lambda: WireConfig())
+    fleet: FleetConfig = Field(default_factory=lambda: FleetConfig())
 
     def seed_for(self, stream: str) -> int:
         """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`."""
         pinned = getattr(self.seeds, stream)
         return self.seed if pinned is None else pinned
+
+    @model_validator(mode="after")
+    def _check_driver(self) -> ExperimentConfig:
+        t = self.train
+        if t.mode == "async":
+            concurrency, buffer = self.async_shape()
+            if concurrency > self.data.num_clients:
+                raise ValueError(f"train.concurrency={concurrency} is more than the "
+                                 f"{self.data.num_clients} clients; lower it")
+            if t.over_select != 1.0:
+                raise ValueError("train.over_select is for train.mode = \"sync\"; an "
+                                 "asynchronous run has no rounds to over-select")
+        return self
 
     @model_validator(mode="after")
     def _check_schedule(self) -> ExperimentConfig:
@@ -344,6 +402,9 @@ class ExperimentConfig(_Section):
             data.pop("seeds")  # nothing pinned: the config as devices before [seeds] read it
         for key in SERVER_ONLY:  # the server optimizer's; devices before it never read them
             data["algorithm"].pop(key, None)
+        data.pop("fleet")  # the simulation's model of time: a device never reads it
+        for key in ASYNC_ONLY:  # the coordinator's driver; devices before it never read them
+            data["train"].pop(key, None)
         if data["wire"] == WireConfig().model_dump(mode="json"):
             data.pop("wire")  # as devices before [wire] read it
         if data["model"]["head_init"] == "default":
@@ -353,6 +414,17 @@ class ExperimentConfig(_Section):
     def clients_per_round(self) -> int:
         """floor(join_ratio * num_clients), at least one (paper Algorithm 1, line 2)."""
         return max(1, int(self.train.join_ratio * self.data.num_clients + 1e-9))
+
+    def async_shape(self) -> tuple[int, int]:
+        """train.mode = "async": (clients training at once, updates per server step), resolved."""
+        concurrency = self.train.concurrency or self.clients_per_round()
+        return concurrency, self.train.buffer or -(-concurrency // 2)
+
+    def selected_per_round(self) -> int:
+        """Clients a synchronous round selects: clients_per_round() x train.over_select (at most
+        every client)."""
+        k = self.clients_per_round()
+        return min(self.data.num_clients, max(k, int(k * self.train.over_select + 1e-9)))
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -41,6 +41,10 @@ class LoopState:
     local_scores: dict[int, tuple[int, int]] = field(default_factory=dict)
     last_report: EvalReport | None = None
     last_row: RoundRecord | None = None
+    #: simulated time ([fleet]): the virtual clock's seconds
+    clock: float = 0.0
+    #: the asynchronous driver's bookkeeping (server/asynchronous.py); None: a synchronous run
+    driver: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         rep = self.last_report
@@ -52,6 +56,8 @@ class LoopState:
             "last_report": None if rep is None else [
                 rep.global_correct, rep.global_total,
                 {str(c): list(r) for c, r in rep.per_client.items()}],
+            "clock": self.clock,
+            **({"driver": self.driver} if self.driver is not None else {}),
         }
 
     @classmethod
@@ -64,6 +70,8 @@ class LoopState:
             None if rep is None else EvalReport(
                 rep[0], rep[1], {int(c): (r[0], r[1]) for c, r in rep[2].items()}),
             None if row is None else RoundRecord.from_json(row),
+            float(state.get("clock", 0.0)),
+            state.get("driver"),
         )
 
 

@@ -143,6 +143,10 @@ def sim(
         help="Replay the final fine-tuning of this finished simulated run into a new --out, "
              "under other algorithm.finetune_epochs / finetune_blocks (--set); its federated "
              "rounds are reused, not retrained")] = None,
+    replay: Annotated[Path | None, typer.Option(
+        help="Re-execute this asynchronous run (train.mode = \"async\", simulated or deployed) "
+             "in the order its metrics.jsonl records into a new --out, and say whether the "
+             "global model is bitwise the run's (equal threads: --set train.threads=N)")] = None,
     workers: Annotated[int, typer.Option(
         help="Train the clients in N worker processes (torch.distributed, Gloo), train.threads "
              "each (default 1): the numbers of an in-process run with as many threads; N = "
@@ -175,6 +179,10 @@ def sim(
     if seeds is not None and resume is not None:
         _fail(ValueError("--seeds continues a sweep by itself: run the same command again "
                          "(without --resume)"))
+    if replay is not None:
+        _replay(replay, set_ or [], out, overwrite, quiet, workers,
+                config is not None or resume is not None or seeds is not None)
+        return
     if finetune_from is not None:
         _finetune_again(finetune_from, set_ or [], out, quiet,
                         config is not None or resume is not None or seeds is not None or overwrite)
@@ -226,6 +234,35 @@ def _finetune_again(src: Path, overrides: list[str], out: Path | None, quiet: bo
         _fail(exc)
     _simulate(cfg, out, "resume", info, quiet)
     _summary(out)
+
+
+def _replay(src: Path, overrides: list[str], out: Path | None, overwrite: bool, quiet: bool,
+            workers: int, conflicts: bool) -> None:
+    """fedseq-sim --replay RUN_DIR --out NEW: ends with whether the model is bitwise the run's
+    (exit 0) or not (exit 1)."""
+    from fedseq.common import __version__
+    from fedseq.server.rundir import stop_on_sigterm
+    from fedseq.server.simulation import replay
+
+    stop_on_sigterm()
+    if conflicts or out is None:
+        _fail(ValueError("--replay RUN_DIR takes its config from RUN_DIR and needs a new --out; "
+                         "drop --config, --resume and --seeds"))
+    info = {"replayed_from": str(src.resolve()), "package_version": __version__,
+            "command": " ".join(sys.argv)}
+    try:
+        _, verdict = replay(src, out, overrides, workers,
+                            on_round=None if quiet else lambda r: print(
+                                f"step {r.round}: global {_fmt(r.global_acc)}", file=sys.stderr),
+                            info=info, mode="overwrite" if overwrite else "new")
+    except FedseqError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        print(f"interrupted: replay it again with --overwrite --out {out}", file=sys.stderr)
+        raise typer.Exit(130) from None
+    print(f"replayed {src} -> {out}: {verdict}", file=sys.stderr)
+    if "bitwise the run's" not in verdict:
+        raise typer.Exit(1)
 
 
 def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],

@@ -22,16 +22,17 @@ from fedseq.common.algorithms import Algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
 from fedseq.common.algorithms.plan import ClientPlan, ordered_union
 from fedseq.common.algorithms.robust import Aggregator, make_aggregator, update_norm
-from fedseq.common.codecs import encode
+from fedseq.common.codecs import encode, expected
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
-from fedseq.common.errors import AggregationError, TransportError
+from fedseq.common.errors import AggregationError, ConfigError, TransportError
 from fedseq.common.evaluation import EvalReport, evaluate, pooled_accuracy
 from fedseq.common.flops import FlopCache, plan_flops, plan_steps
 from fedseq.common.models import BlockModel, Weights, block_of, count_params, get_blocks, in_blocks
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.seeding import numpy_rng
 from fedseq.server.checkpoint import Checkpoint, LoopState, save_checkpoint
+from fedseq.server.fleet import ClientTiming, VirtualFleet, energy_j, sync_round
 from fedseq.server.pool import ClientPool, RoundOutcome
 from fedseq.server.records import ClientEnergy, Rejection, RoundRecord
 from fedseq.server.rundir import RunDir
@@ -46,7 +47,7 @@ def select_clients(seed: int, round: int, num_clients: int, per_round: int) -> l
     return sorted(int(c) for c in rng.choice(num_clients, per_round, replace=False))
 
 
-def _outliers(norms: dict[int, float], factor: float) -> tuple[list[int], float]:
+def outliers(norms: dict[int, float], factor: float) -> tuple[list[int], float]:
     """Clients whose update norm exceeds factor x the round's median norm, and that median."""
     if len(norms) < 3:
         return [], 0.0
@@ -120,6 +121,9 @@ class Coordinator:
     broker and the network thread need); None leaves the count as it is (simulation).
     """
 
+    #: simulated time ([fleet]): the virtual clock, seconds since the run's start
+    clock: float
+
     def __init__(
         self,
         cfg: ExperimentConfig,
@@ -165,44 +169,67 @@ class Coordinator:
         # client -> (correct, total) of its most recent locally trained model (FedReG's testbed)
         self.local_scores: dict[int, tuple[int, int]] = {}
         self.flop_cache: FlopCache = {}
+        # simulated time ([fleet]): the devices' paces and links, and the virtual clock (seconds
+        # since the run's start); None: no model of time
+        self.fleet = VirtualFleet(cfg) if cfg.fleet else None
+        self.clock = 0.0
+        self._upload_sizes: dict[tuple[str, ...], int] = {}
 
     # -- one round -------------------------------------------------------------------------
     def run_round(self, t: int) -> RoundRecord:
         """Train, aggregate and (when due) evaluate round t; returns its record."""
         start = time.perf_counter()
         selected = select_clients(self.cfg.seed_for("selection"), t, self.cfg.data.num_clients,
-                                  self.cfg.clients_per_round())
-        plan = self.alg.plan(t)
-        if self.up.name != "none":
-            plan = dataclasses.replace(plan, codec=self.up.spec)
-        # what a client must hold to run the plan: the whole base (every forward pass runs it,
-        # frozen blocks too) and the heads the plan reads, less its personal blocks
-        needed = [b for b in ordered_union((self.model.spec.base, plan.uses))
-                  if b not in plan.personal] + list(dict.fromkeys(map(block_of, self.extra)))
-        # ... and, on its first round, the initial version of its personal blocks (a device starts
-        # a client's personal blocks from the published version 0)
-        bytes_down = sum(self._bytes_down(c, needed + [b for b in plan.personal
-                                                       if self.client_version[c][b] < 0])
-                         for c in selected)
-        got = self._train(t, selected, plan, needed)
+                                  self.cfg.selected_per_round())
+        plan, needed = self._plan(t)
+        down = {c: self._client_bytes_down(c, plan, needed) for c in selected}
+        bytes_down = sum(down.values())
+        # over-selection (simulated time): the first clients_per_round() to arrive count; the
+        # others are cancelled when the round ends (a simulation does not train them)
+        timing = self._timing(t, selected, plan, down) if self.fleet is not None else None
+        trainers = selected
+        if timing is not None and len(selected) > self.cfg.clients_per_round():
+            first = sorted(selected, key=lambda c: (timing[c].arrival, c))
+            trainers = sorted(first[:self.cfg.clients_per_round()])
+        got = self._train(t, trainers, plan, needed)
         self._no_device_can_train(selected, got.reported, got.outcome)
         refused = self._apply(t, got)
-        report, wire = None, got.outcome.wire
+        wire = _add(got.outcome.wire, self._evaluate_if_due(t))
+        rec = self._row(t, plan, got, refused, selected, trainers, bytes_down, start)
+        if got.outcome.deadline_s is not None:  # a fleet: its deadlines, what the devices measured
+            rec.set_transport(got.outcome)
+            rec.set_device_energy(got.costs)
+        if wire is not None:  # measured on the coordinator's connection, this round's steps
+            rec.wire_bytes_out, rec.wire_bytes_in = wire
+        if timing is not None:
+            rec.cancelled = sorted(set(selected) - set(trainers))
+            self._advance_clock(rec, timing, trainers)
+        return rec
+
+    def _evaluate_if_due(self, t: int) -> tuple[int, int] | None:
+        """Evaluate after round t when it is due (train.eval_every, and the last round): the
+        report is kept for the round's row; returns the step's wire bytes."""
+        self._last_report, wire = None, None
         if (t + 1) % self.cfg.train.eval_every == 0 or t == self.cfg.rounds - 1:
-            report, eval_wire = self._evaluate()
-            wire = _add(wire, eval_wire)
-        self._last_report = report
-        counted = refused is None
+            self._last_report, wire = self._evaluate()
+        return wire
+
+    def _row(self, t: int, plan: ClientPlan, got: RoundUpdates, refused: str | None,
+             clients: list[int], trainers: list[int], bytes_down: int, start: float
+             ) -> RoundRecord:
+        """Round t's row from what it got (`refused`: why its aggregate did not count; None: it
+        did), its clients, those of them that trained and its last evaluation."""
+        report, counted = self._last_report, refused is None
         rec = RoundRecord(
             round=t, phase="train",
             global_acc=report.global_acc if report else None,
             personal_acc=report.personal_acc if report else None,
             local_acc=self._local_acc(report) if report else None,
             round_local_acc=pooled_accuracy(got.local_scores.values()) if counted else None,
-            clients=selected,
+            clients=clients,
             reported=got.reported if counted else [],
             status="ok" if counted and got.reported else "failed",
-            failed=sorted(set(selected) - set(got.reported if counted else [])),
+            failed=sorted(set(trainers) - set(got.reported if counted else [])),
             rejected={c: r.text for c, r in sorted(got.rejected.items())},
             outliers=got.outliers if counted else [],
             bytes_down=bytes_down, bytes_up=got.bytes_up,
@@ -216,16 +243,58 @@ class Coordinator:
             if self.cfg.model.norm == "fedbn":
                 notes.append("normalization layers at their initial values (FedBN: personal)")
             rec.global_model = "; ".join(notes)
-        if got.outcome.deadline_s is not None:  # a fleet: its deadlines, what the devices measured
-            rec.set_transport(got.outcome)
-            rec.set_device_energy(got.costs)
-        if wire is not None:  # measured on the coordinator's connection, this round's steps
-            rec.wire_bytes_out, rec.wire_bytes_in = wire
         if got.rejected:
             rec.refusals = {c: r.code for c, r in sorted(got.rejected.items())}
         if refused is not None:
             rec.quorum_failed, rec.received = refused, sorted(got.reported)
         return rec
+
+    def _plan(self, t: int) -> tuple[ClientPlan, list[str]]:
+        """Round t's plan (in the uplink's codec) and the blocks a client must hold to run it:
+        the whole base (every forward pass runs it, frozen blocks too) and the heads the plan
+        reads, less its personal blocks, and what the algorithm broadcasts."""
+        plan = self.alg.plan(t)
+        if self.up.name != "none":
+            plan = dataclasses.replace(plan, codec=self.up.spec)
+        needed = [b for b in ordered_union((self.model.spec.base, plan.uses))
+                  if b not in plan.personal] + list(dict.fromkeys(map(block_of, self.extra)))
+        return plan, needed
+
+    def _client_bytes_down(self, client: int, plan: ClientPlan, needed: list[str]) -> int:
+        """What `client` is sent for `plan`: the `needed` blocks it lacks and, on its first
+        round, the initial version of its personal blocks (a device starts a client's personal
+        blocks from the published version 0)."""
+        return self._bytes_down(client, needed + [b for b in plan.personal
+                                                  if self.client_version[client][b] < 0])
+
+    def _timing(self, key: int, clients: list[int], plan: ClientPlan, down: dict[int, int]
+                ) -> dict[int, ClientTiming]:
+        """When each of a round's clients would start, train and arrive on the simulated fleet."""
+        assert self.fleet is not None
+        flops = {c: plan_flops(self.model, plan, self.data, self.data.clients[c], self.flop_cache)
+                 for c in clients}
+        up = self._upload_size(plan)
+        return sync_round(self.fleet, clients, flops, down, dict.fromkeys(clients, up), key)
+
+    def _upload_size(self, plan: ClientPlan) -> int:
+        """The frame bytes of an update to `plan` in the uplink's codec (simulated time)."""
+        if plan.upload not in self._upload_sizes:
+            reference = {k: v for k, v in self.offered().items() if block_of(k) in plan.upload
+                         and k not in self.model.personal_keys()}
+            coded = {k: torch.empty(shape, dtype=dtype)  # sized, never filled
+                     for k, (dtype, shape) in expected(reference, self.up).items()}
+            self._upload_sizes[plan.upload] = frame_size(coded)
+        return self._upload_sizes[plan.upload]
+
+    def _advance_clock(self, rec: RoundRecord, timing: dict[int, ClientTiming],
+                       counted: list[int]) -> None:
+        """A synchronous round on the simulated fleet lasts until its last counted update has
+        arrived (with none: until every client's has); a cancelled client trained until then."""
+        assert self.fleet is not None
+        end = max(timing[c].arrival for c in counted or timing)
+        trained = {c: min(x.train_s, max(0.0, end - x.start)) for c, x in timing.items()}
+        rec.set_virtual(end, self.clock + end, energy_j(self.fleet, end, trained))
+        self.clock += end
 
     def _train(self, t: int, selected: list[int], plan: ClientPlan, needed: list[str]
                ) -> RoundUpdates:
@@ -262,7 +331,7 @@ class Coordinator:
                                  else self._update_bytes(update.deltas))
                 got.costs[update.client] = (update.device, update.cost)
         got.outcome = dispatch.outcome
-        got.outliers, median = _outliers(got.norms, self.cfg.aggregation.outlier_factor)
+        got.outliers, median = outliers(got.norms, self.cfg.aggregation.outlier_factor)
         for c in got.outliers:
             log.warning("round %d: update of client %d has norm %.4g, > %g x the round's median %.4g",
                         t, c, got.norms[c], self.cfg.aggregation.outlier_factor, median)
@@ -413,6 +482,7 @@ class Coordinator:
             self._emit(rec)
             if self.pause_after is not None and t + 1 >= self.pause_after and t + 1 < self.cfg.rounds:
                 raise RunPaused(f"paused after round {t} (resume to continue)")
+        self._rounds_done()
         final = self._last_report
         assert final is not None
         plan = self.alg.finetune_plan()
@@ -461,16 +531,28 @@ class Coordinator:
     def _checkpoint(self, next_round: int, row: RoundRecord | None) -> Checkpoint:
         return Checkpoint(next_round, self.global_weights,
                           LoopState(self.version, self.client_version, self.local_scores,
-                                    self._last_report, row),
+                                    self._last_report, row, self.clock,
+                                    self._driver_state()),
                           self.pool.snapshot(), self.alg.server_state())
+
+    def _rounds_done(self) -> None:
+        """After the last round, before the fine-tuning: what a driver settles (nothing here)."""
+
+    def _driver_state(self) -> dict[str, Any] | None:
+        """What a driver other than this round loop checkpoints besides it (None: nothing)."""
+        return None
 
     def _restore(self, ckpt: Checkpoint) -> int:
         """Continue after the checkpoint's last complete round; returns the next round."""
+        if ckpt.loop.driver is not None and self._driver_state() is None:
+            raise ConfigError("--resume: the checkpoint is an asynchronous run's; resume it with "
+                              "train.mode = \"async\"")
         self.global_weights = {k: ckpt.global_weights[k].to(v.dtype) for k, v in
                                self.global_weights.items()}
         loop = ckpt.loop
         self.version, self.client_version = loop.version, loop.client_version
         self.local_scores, self._last_report = loop.local_scores, loop.last_report
+        self.clock = loop.clock
         self.pool.restore(ckpt.pool)
         self.alg.load_server_state(ckpt.server)
         self._broadcast(new_versions=False)  # as checkpointed, versions included

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fedseq.common.config import ExperimentConfig
+from fedseq.common.config import ExperimentConfig, FleetConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.files import read_secret
 from fedseq.common.protocol.link import TlsOptions
@@ -106,6 +106,14 @@ def run_deployment(
     if rehearsal is not None and (broker or cfg.deploy.broker) is not None:
         raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
                           "its bridge; leave out --broker and deploy.broker")
+    if cfg.train.mode != "sync" or cfg.train.over_select != 1.0:
+        raise ConfigError("train.mode = \"async\" and train.over_select run in fedseq-sim so far: "
+                          "the MQTT fleet runs synchronous rounds; set train.mode = \"sync\" and "
+                          "train.over_select = 1")
+    if cfg.fleet:
+        announce("note: [fleet] models a simulation's time; a deployment's devices are real, "
+                 "so it is ignored here")
+        cfg = cfg.model_copy(update={"fleet": FleetConfig()})
     fleet = Fleet(cfg, out, broker, local_clients, announce, client_threads, rehearsal)
     return run_experiment(cfg, out, fleet, mode, info, on_round, on_progress)
 

@@ -45,6 +45,7 @@ Refusal = Literal[
     "too-large",  # an element beyond the round's bound (aggregation.max_abs_delta)
     "bad-statistic",  # a running statistic out of its bounds
     "bad-encoding",  # a compressed tensor that cannot be decoded safely (wire.up)
+    "too-stale",  # trained on a model more than train.max_staleness server steps old (async)
 ]
 
 
@@ -123,6 +124,19 @@ class RoundEnergy(ClientEnergy):
     devices: dict[str, DeviceEnergy]
 
 
+class Fold(_Record):
+    """One update that arrived during an asynchronous server step, in arrival order: its client,
+    the model version (server step) it trained on, its staleness (steps since then) and the
+    weight that gave it, or why it was refused (then it was not folded in). The order is what
+    `fedseq-sim --replay` re-executes."""
+
+    client: int
+    version: int
+    staleness: int
+    discount: float | None = None
+    refused: Refusal | None = None
+
+
 class RoundRecord(_Record):
     """One line of metrics.jsonl: a training round (`phase` "train") or the final fine-tuning
     ("finetune", `round` = the number of rounds). Accuracies are fractions (correct over total,
@@ -179,6 +193,20 @@ class RoundRecord(_Record):
     #: payload bytes on the coordinator's connection during the round's steps
     wire_bytes_out: int | None = None
     wire_bytes_in: int | None = None
+    # -- simulated time ([fleet]) --
+    #: the round's (an asynchronous step's) seconds on the simulated fleet
+    virtual_s: float | None = None
+    #: the virtual clock at the round's end: seconds since the run's start
+    virtual_time_s: float | None = Field(None, json_schema_extra=summary("max"))
+    #: the fleet's modelled joules during the round (server/fleet.py)
+    modelled_energy_j: float | None = None
+    #: over-selected clients that were not among the first to arrive (not trained)
+    cancelled: list[int] = Field(default_factory=list)
+    # -- an asynchronous server step (train.mode = "async") --
+    #: every update that arrived, in order, folded in or refused (`reported`: the folded ones)
+    folds: list[Fold] = Field(default_factory=list)
+    #: the stalest update folded in
+    max_staleness: int | None = Field(None, json_schema_extra=summary("max"))
     # -- a round that did not count --
     quorum_failed: str | None = None
     received: list[int] = Field(default_factory=list)
@@ -200,6 +228,12 @@ class RoundRecord(_Record):
             extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
             out[name] = str(extra.get("summary", "sum"))
         return out
+
+    def set_virtual(self, seconds: float, clock: float, joules: float) -> None:
+        """The round's span on the simulated fleet, the clock at its end and the joules spent."""
+        self.virtual_s = round(seconds, 3)
+        self.virtual_time_s = round(clock, 3)
+        self.modelled_energy_j = round(joules, 3)
 
     def refusal_codes(self) -> dict[int, str]:
         """client -> the code of its refusal; a row written before the codes has them read from

@@ -14,8 +14,9 @@ one ExitStack, so whatever a step opened is closed in reverse, on success, error
     transport.started(stack, run_dir)                    what the transport records beside it
     driver(...).run(ckpt)                                the round loop (coordinator.py)
 
-The driver is the round loop's class: the synchronous one (`Coordinator`) by default; another
-(buffered asynchronous aggregation) takes the same arguments and runs over the same run.
+The driver is the round loop's class: the synchronous one (`Coordinator`), or with
+train.mode = "async" buffered asynchronous aggregation (`BufferedAsync`, asynchronous.py), which
+takes the same arguments and runs over the same run.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def run_experiment(
     on_round: Callable[[RoundRecord], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     pause_after: int | None = None,
-    driver: type[Coordinator] = Coordinator,
+    driver: Callable[..., Coordinator] | None = None,
 ) -> RunResult:
     """Run `cfg` over `transport` into the run directory `out` (None: write nothing); mode
     "resume" continues `out` after its checkpoint's last complete round. `pause_after`: stop
@@ -84,6 +85,10 @@ def run_experiment(
             run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0,
                              {**(info or {}), **transport.info()})
             transport.started(stack, run_dir)
+        if driver is None:
+            from fedseq.server.asynchronous import BufferedAsync
+
+            driver = BufferedAsync if cfg.train.mode == "async" else Coordinator
         loop = driver(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir, on_round,
                       on_progress, collect_threads=transport.collect_threads,
                       pause_after=pause_after)

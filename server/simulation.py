@@ -14,7 +14,7 @@ from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.hardware import compute_record, torch_device
 from fedseq.server.checkpoint import Checkpoint
-from fedseq.server.coordinator import RunResult
+from fedseq.server.coordinator import Coordinator, RunResult
 from fedseq.server.experiment import Experiment
 from fedseq.server.pool import InProcessPool
 from fedseq.server.records import RoundRecord
@@ -62,19 +62,59 @@ def run_simulation(
     pause_after: int | None = None,
     workers: int = 0,
     workers_per_gpu: int = 0,
+    driver: Callable[..., Coordinator] | None = None,
 ) -> RunResult:
     """Load data, build the seed-derived model, run all rounds (and fine-tuning): in-process, or
     with `workers` > 0 by that many worker processes (server/distributed.py; under torchrun, the
     group's; `workers_per_gpu` workers share a GPU, and without `workers` there are that many per
     GPU of this machine). mode "resume" continues `out` after its checkpoint's last complete
-    round."""
+    round. `driver`: the run's driver (run_experiment; default: by train.mode)."""
     from fedseq.server.distributed import under_torchrun
 
     if workers > 0 or workers_per_gpu > 0 or under_torchrun():
         transport: Transport = Workers(cfg, workers, workers_per_gpu)
     else:
         transport = InProcess(cfg)
-    return run_experiment(cfg, out, transport, mode, info, on_round, on_progress, pause_after)
+    return run_experiment(cfg, out, transport, mode, info, on_round, on_progress, pause_after,
+                          driver)
+
+
+def replay(src: Path, out: Path | None, overrides: list[str] | None = None, workers: int = 0,
+           on_round: Callable[[RoundRecord], None] | None = None,
+           info: dict[str, Any] | None = None, mode: str = "new") -> tuple[RunResult, str]:
+    """Re-execute the asynchronous run in `src` in the order its rows record
+    (asynchronous.Replay) into `out`: the result, and whether its global model is bitwise the
+    one `src` holds (a sentence)."""
+    import functools
+
+    from safetensors.torch import load_file
+
+    from fedseq.common.config import FleetConfig, load_config
+    from fedseq.server.asynchronous import Replay, fold_log
+    from fedseq.server.report import load_run
+
+    if not (src / "config.toml").is_file():
+        raise ConfigError(f"--replay {src}: no config.toml there; is it a run directory?")
+    cfg = load_config(src / "config.toml", overrides)
+    if cfg.train.mode != "async":
+        raise ConfigError(f"--replay {src}: a train.mode = \"{cfg.train.mode}\" run; only an "
+                          "asynchronous run is replayed (a synchronous one: run its config again)")
+    cfg = cfg.model_copy(update={"fleet": FleetConfig()})  # the order is the log's
+    log = fold_log(load_run(src).train_rows)
+    done = max(log) + 1
+    if done < cfg.rounds:
+        cfg = cfg.model_copy(update={"rounds": done})  # a run that stopped early: its steps
+    result = run_simulation(cfg, out, on_round, mode, info, workers=workers,
+                            driver=functools.partial(Replay, log=log))
+    model = src / "model.safetensors"
+    if not model.is_file():
+        return result, f"{src} holds no final model (model.safetensors) to compare with"
+    theirs = load_file(str(model))
+    same = theirs.keys() == result.global_weights.keys() and all(
+        torch.equal(theirs[k], v) for k, v in result.global_weights.items())
+    return result, ("the replayed global model is bitwise the run's" if same else
+                    "the replayed global model differs from the run's (train.threads and the "
+                    "devices' torch must equal the run's for bitwise equality)")
 
 
 class InProcess:

@@ -37,6 +37,8 @@ class Algorithm:
     fine_tunes = False
     #: what the global model is when evaluated, where it is not a trained whole model
     global_model_note: str | None = None
+    #: why the algorithm cannot run asynchronously (train.mode = "async"); None: it can
+    async_problem: str | None = None
 
     def __init__(self, cfg: ExperimentConfig, spec: ModelSpec):
         self.cfg = cfg

@@ -90,6 +90,8 @@ class Scaffold(FedAvg):
     """SCAFFOLD: FedAvg's plan with drift-corrected local steps and both control variates."""
 
     name = "scaffold"
+    async_problem = ("its control variates assume every client of a round corrects its steps "
+                     "with the current c and x; a stale c_i breaks the variance reduction")
 
     def __init__(self, cfg: ExperimentConfig, spec: ModelSpec):
         super().__init__(cfg, spec)

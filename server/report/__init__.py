@@ -9,8 +9,9 @@ and paired.csv (every other run or sweep against the first, seed by seed, also i
 Figures: accuracy.png (global, personalized and the testbed's local-model accuracy per round, all
 runs on one axis each), clients.png (per-client accuracy distribution), cost.png (cumulative bytes
 and training FLOPs against global accuracy), edge.png (global accuracy against cumulative wall
-time and against the energy the devices measured, and energy per round), seconds.png (seconds per
-round). The table adds the devices' energy (kJ in total, J per round) where it was measured.
+time and against the energy the devices measured, and energy per round), time.png (global
+accuracy against the simulated fleet's time and modelled energy, [fleet]), seconds.png (seconds
+per round). The table adds the devices' energy (kJ in total, J per round) where it was measured.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Figures (matplotlib, the `report` extra): accuracy.png, clients.png, cost.png, edge.png and
-seconds.png, each run in its group of seeds' colour."""
+"""Figures (matplotlib, the `report` extra): accuracy.png, clients.png, cost.png, edge.png,
+time.png and seconds.png, each run in its group of seeds' colour."""
 
 from __future__ import annotations
 
@@ -195,6 +195,41 @@ def _edge_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
     return fig
 
 
+def _time_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
+    """time.png: global accuracy against the simulated fleet's time and modelled energy ([fleet]:
+    sync, over-selected and asynchronous runs on one axis of seconds, not of rounds)."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
+    simulated = False
+    for run in runs:
+        energy = 0.0
+        xt, xe, ys = [], [], []
+        for r in run.train_rows:
+            if r.virtual_time_s is None:
+                continue
+            energy += r.modelled_energy_j or 0.0
+            if r.global_acc is not None:
+                xt.append(r.virtual_time_s)
+                xe.append(energy / 1e3)
+                ys.append(100 * r.global_acc)
+        if ys:
+            simulated = True
+            style = pal.style(run, len(ys))
+            axes[0].plot(xt, ys, **style)
+            axes[1].plot(xe, ys, **style)
+    axes[0].set_xlabel("simulated time (s)")
+    axes[1].set_xlabel("modelled energy of the fleet (kJ)")
+    axes[0].set_ylabel("global accuracy (%)")
+    if not simulated:
+        for ax in axes:
+            ax.text(0.5, 0.5, "no simulated time\n(give the simulation a [fleet])",
+                    ha="center", va="center", transform=ax.transAxes, fontsize=9)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    if simulated:
+        axes[0].legend(fontsize=8, loc="lower right")
+    return fig
+
+
 def _seconds_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
     """seconds.png: seconds per round."""
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -211,7 +246,8 @@ def _seconds_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
 
 
 FIGURES = {"accuracy.png": _accuracy_figure, "clients.png": _clients_figure,
-           "cost.png": _cost_figure, "edge.png": _edge_figure, "seconds.png": _seconds_figure}
+           "cost.png": _cost_figure, "edge.png": _edge_figure, "time.png": _time_figure,
+           "seconds.png": _seconds_figure}
 
 
 def write_figures(runs: list[Run], out: Path) -> list[Path]:

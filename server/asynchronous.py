@@ -1,0 +1,377 @@
+"""Buffered asynchronous aggregation (FedBuff: Nguyen et al., AISTATS 2022), the second driver of a
+run (train.mode = "async").
+
+At most `concurrency` clients train at once. Each one trains on the model as it was when it was
+dispatched; when its update arrives it is checked (the round contract of the version it trained
+on, and its staleness) and folded into the buffer, and a newly selected client takes its place,
+dispatched on the current model. Every `buffer` folded updates the server steps (the algorithm's
+own server update), and that step is a round for everything that counts rounds: FedSeq's schedule,
+evaluation, the checkpoint, the rows of metrics.jsonl, reports.
+
+An update trained tau steps ago (its staleness) counts (1 + tau)^-alpha as much: its deltas are
+scaled by that discount (and by algorithm.server_lr where the algorithm has no server update of
+its own) before they are folded in, so the step's mean delta shrinks when stale updates fill it;
+an update staler than train.max_staleness is refused ("too-stale").
+
+In simulation, arrivals come in the order of the simulated fleet's virtual clock ([fleet],
+server/fleet.py): a client's device starts it when the device is free, receives the blocks over
+its link, trains at its pace and sends the update back. Training is lazy: a dispatched client
+is trained when its update is first needed, together with every other client dispatched on the
+same model version (one pool step: the `--workers` ranks train them in parallel). Selection is a
+pure function of (seed, dispatch number) over the clients neither in flight nor already trained
+on the current version, so the same config and seed give the same run in-process and with
+`--workers`.
+
+A resumed run continues after its last checkpointed step; the clients then in flight are lost
+(as a coordinator's crash loses them) and their places are filled again: a resumed asynchronous
+run is not bitwise the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fedseq.common.algorithms import Algorithm
+from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.plan import ClientPlan
+from fedseq.common.algorithms.robust import make_aggregator, update_norm
+from fedseq.common.errors import ConfigError
+from fedseq.common.evaluation import EvalReport
+from fedseq.common.flops import plan_flops, plan_steps
+from fedseq.common.models import Weights, in_blocks
+from fedseq.common.seeding import numpy_rng
+from fedseq.server.checkpoint import Checkpoint
+from fedseq.server.coordinator import Coordinator, RoundUpdates, outliers
+from fedseq.server.fleet import energy_j
+from fedseq.server.pool import PoolState
+from fedseq.server.records import Fold, Rejection, RoundRecord
+from fedseq.server.validation import round_contract
+
+log = logging.getLogger(__name__)
+
+
+def staleness_discount(staleness: int, alpha: float) -> float:
+    """FedBuff's polynomial staleness weight: (1 + staleness)^-alpha."""
+    return float((1 + staleness) ** -alpha)
+
+
+@dataclass
+class Flight:
+    """A dispatched client: the dispatch number, the model version (server step) it trains on,
+    when its device starts on it, its seconds of training, when its update arrives (virtual
+    seconds), and once trained its update or the reason it was refused."""
+
+    seq: int
+    client: int
+    version: int
+    start: float
+    train_s: float
+    arrival: float
+    trained: bool = False
+    update: ClientUpdate | None = None
+    rejection: Rejection | None = None
+    #: once trained: the client's personal state before, until its update arrives
+    held: Weights | None = None
+
+
+@dataclass
+class Version:
+    """A model version that clients train on: its plan, the blocks they need, what they are
+    sent, what they were offered and the bound on their deltas, all as of that version."""
+
+    plan: ClientPlan
+    needed: list[str]
+    sent: Weights
+    offered: Weights
+    bound: float
+
+
+class BufferedAsync(Coordinator):
+    """The asynchronous driver: `run` (inherited) checkpoints after every server step and
+    fine-tunes at the end; `run_round(t)` folds server step t's arrivals and steps."""
+
+    clock: float
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._check_can_run()
+        if self.alg.async_problem is not None:
+            raise ConfigError(f"algorithm {self.alg.name} cannot run with train.mode = \"async\": "
+                              f"{self.alg.async_problem}; use train.mode = \"sync\"")
+        self.concurrency, self.buffer = self.cfg.async_shape()
+        self.alpha = self.cfg.train.staleness_alpha
+        # the server learning rate scales the folded deltas where the algorithm's server
+        # update is FedAvg's (a server optimizer applies algorithm.server_lr itself)
+        own_update = type(self.alg).server_update is not Algorithm.server_update
+        self.server_lr = 1.0 if own_update else (self.cfg.algorithm.server_lr or 1.0)
+        self.flights: list[Flight] = []
+        self.seq = 0  # dispatches so far
+        self.trained_on: dict[int, int] = {}  # client -> the version it was last dispatched on
+        self.device_free: dict[str, float] = {}  # device -> virtual time it is free
+        # the versions a flight waiting to be trained needs
+        self._versions: dict[int, Version] = {}
+        self._bytes_down_step = 0
+        self._extra_j = 0.0  # the step's modelled joules above idle
+
+    def _check_can_run(self) -> None:
+        if self.fleet is None:
+            raise ConfigError("train.mode = \"async\" needs a [fleet]: the devices' paces order "
+                              "the updates' arrivals; e.g. --set "
+                              "'fleet.devices=[{profile=\"nano\",count=5},"
+                              "{profile=\"orin-nano\",count=5}]'")
+
+    def _version(self, t: int) -> Version:
+        """The current model (version t) as its clients get it; kept while a flight needs it."""
+        if t not in self._versions:
+            plan, needed = self._plan(t)
+            offered = self.offered()
+            self._versions[t] = Version(plan, needed, self._sent(in_blocks(offered, needed)),
+                                        offered, self._delta_bound())
+        return self._versions[t]
+
+    # -- dispatch --------------------------------------------------------------------------
+    def _fill(self, t: int) -> None:
+        """Dispatch newly selected clients on the current model (version t) until `concurrency`
+        are in flight, or no client is left that is not in flight and has not trained on it."""
+        busy = {f.client for f in self.flights}
+        while len(self.flights) < self.concurrency:
+            eligible = [c for c in range(self.cfg.data.num_clients)
+                        if c not in busy and self.trained_on.get(c) != t]
+            if not eligible:
+                return
+            rng = numpy_rng(self.cfg.seed_for("selection"), "async-select", self.seq)
+            client = eligible[int(rng.integers(len(eligible)))]
+            self._dispatch(t, client)
+            busy.add(client)
+
+    def _dispatch(self, t: int, client: int) -> None:
+        """Start `client` on version t: its device starts when it is free, receives the blocks,
+        trains at its pace and sends its update (virtual seconds)."""
+        assert self.fleet is not None
+        v = self._version(t)
+        nbytes = self._client_bytes_down(client, v.plan, v.needed)
+        self._bytes_down_step += nbytes
+        device = self.fleet.device_of[client]
+        start = max(self.clock, self.device_free.get(device.name, 0.0)) + device.down_s(nbytes)
+        flops = plan_flops(self.model, v.plan, self.data, self.data.clients[client],
+                           self.flop_cache)
+        train_s = self.fleet.train_s(client, flops, self.seq)
+        self.device_free[device.name] = start + train_s
+        arrival = start + train_s + device.up_s(self._upload_size(v.plan))
+        self.flights.append(Flight(self.seq, client, t, start, train_s, arrival))
+        self.trained_on[client] = t
+        self.seq += 1
+
+    def _train_flights(self, flights: list[Flight]) -> None:
+        """Train `flights` (clients dispatched on one version) in one pool step, each against
+        the round contract of its version."""
+        version = flights[0].version
+        v = self._versions[version]
+        waiting = {f.client: f for f in flights}
+        clients = sorted(waiting)
+        contract = round_contract(version, clients, v.plan.upload, v.offered, self.data,
+                                  v.plan.rebalance_threshold, v.bound,
+                                  self.model.personal_keys(), self.alg.upload_bound, self.up)
+
+        def check(update: ClientUpdate) -> Rejection | None:
+            reason = contract.check(update)
+            if reason is not None and update.client in waiting:
+                waiting[update.client].rejection = reason
+            return reason
+
+        before = self.pool.snapshot().personal  # a trained flight's state until it arrives
+        for f in flights:
+            f.held = before.get(f.client)
+        for update in self.pool.train(version, clients, v.plan, v.sent, check):
+            waiting[update.client].update = update
+        for f in flights:
+            f.trained = True
+            if f.update is None and f.rejection is None:
+                f.rejection = Rejection("diverged", "no update came back")
+
+    def _arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
+        """Server step t's arrivals in virtual-time order, until the buffer is full; each is
+        replaced by a newly dispatched client."""
+        assert self.fleet is not None
+        self._fill(t)
+        # a step that cannot fill its buffer (every update refused) gives up after this many
+        limit, arrived = self.concurrency + 4 * self.buffer, 0
+        while len(got.reported) < self.buffer and self.flights and arrived < limit:
+            f = min(self.flights, key=lambda f: (f.arrival, f.seq))
+            if not f.trained:
+                self._train_flights([g for g in self.flights
+                                     if g.version == f.version and not g.trained])
+                if not any(g.version == f.version and not g.trained for g in self.flights):
+                    del self._versions[f.version]
+            self.flights.remove(f)
+            self.clock = f.arrival
+            self._extra_j += self.fleet.extra_j(f.client, f.train_s)
+            arrived += 1
+            yield f
+            self._fill(t)
+
+    # -- one server step -------------------------------------------------------------------
+    def run_round(self, t: int) -> RoundRecord:
+        """Fold step t's arrivals (each discounted by its staleness; the stale beyond the bound
+        refused), then step the server, evaluate when due, and make the step's row."""
+        start = time.perf_counter()
+        began: float = self.clock
+        got = RoundUpdates(make_aggregator(self.cfg.aggregation))
+        folds: list[Fold] = []
+        for f in self._arrivals(t, got):
+            staleness = t - f.version
+            if f.rejection is None and self.cfg.train.max_staleness is not None \
+                    and staleness > self.cfg.train.max_staleness:
+                f.rejection = Rejection("too-stale", f"trained on the model of step {f.version}, "
+                                        f"{staleness} steps ago > train.max_staleness="
+                                        f"{self.cfg.train.max_staleness}")
+            fold = Fold(client=f.client, version=f.version, staleness=staleness)
+            if f.rejection is not None:
+                log.warning("step %d: rejected update of client %d: %s", t, f.client, f.rejection)
+                got.rejected[f.client] = f.rejection
+                fold.refused = f.rejection.code
+            else:
+                assert f.update is not None
+                discount = staleness_discount(staleness, self.alpha)
+                self._fold(got, f.update, discount * self.server_lr, f.version)
+                fold.discount = round(discount, 6)
+            folds.append(fold)
+        got.outliers, _ = outliers(got.norms, self.cfg.aggregation.outlier_factor)
+        refused = self._apply(t, got)
+        self._evaluate_if_due(t)
+        arrived = sorted({f.client for f in folds})
+        rec = self._row(t, self.alg.plan(t), got, refused, arrived, arrived,
+                        self._bytes_down_step, start)
+        rec.folds = folds
+        if refused is None:
+            rec.max_staleness = max((f.staleness for f in folds if f.refused is None),
+                                    default=None)
+        if self.fleet is not None:
+            spent = self.clock - began
+            rec.set_virtual(spent, self.clock, energy_j(self.fleet, spent, {}) + self._extra_j)
+        self._bytes_down_step, self._extra_j = 0, 0.0
+        return rec
+
+    def _fold(self, got: RoundUpdates, update: ClientUpdate, scale: float, version: int) -> None:
+        """Fold one update, its deltas scaled by `scale` (staleness and server learning rate),
+        into the step's aggregate, with the row's bookkeeping."""
+        deltas = update.deltas if scale == 1.0 else {k: v * scale for k, v in
+                                                      update.deltas.items()}
+        got.aggregate.add(deltas, self.alg.aggregation_weights(update), update.client,
+                          update.device)
+        got.norms[update.client] = update_norm(update.deltas)
+        got.reported.append(update.client)
+        if update.local_score is not None:
+            got.local_scores[update.client] = update.local_score
+        plan = self.alg.plan(version)
+        shard = self.data.clients[update.client]
+        got.flops += plan_flops(self.model, plan, self.data, shard, self.flop_cache)
+        got.steps += plan_steps(plan, self.data, shard)
+        got.bytes_up += (update.upload_bytes if update.upload_bytes is not None
+                         else self._update_bytes(update.deltas))
+
+    # -- what never arrived ----------------------------------------------------------------
+    def _not_arrived(self) -> dict[int, Weights]:
+        """The clients trained ahead of their arrival (with others of their version) whose update
+        has not arrived: their personal state as it was before. A client's state changes when
+        its update arrives, so an update that never arrives (the run ended, or the coordinator
+        stopped) changes nothing, and a run's rows say all that moved (`--replay`)."""
+        return {f.client: f.held for f in self.flights if f.trained and f.held is not None}
+
+    def _rounds_done(self) -> None:
+        self.pool.restore(PoolState(None, self._not_arrived()))
+
+    def _evaluate(self) -> tuple[EvalReport, tuple[int, int] | None]:
+        """The scores with every client's state as of its last arrival."""
+        undo = self._not_arrived()
+        if not undo:
+            return super()._evaluate()
+        current = self.pool.snapshot().personal
+        ahead = {c: current[c] for c in undo}
+        self.pool.restore(PoolState(None, undo))
+        try:
+            return super()._evaluate()
+        finally:
+            self.pool.restore(PoolState(None, ahead))
+
+    def _checkpoint(self, next_round: int, row: RoundRecord | None) -> Checkpoint:
+        ckpt = super()._checkpoint(next_round, row)
+        undo = self._not_arrived()
+        if undo:  # the flights in flight are lost on resume: so is their training
+            ckpt.pool = PoolState(ckpt.pool.state, {**ckpt.pool.personal, **undo})
+        return ckpt
+
+    # -- checkpoint ------------------------------------------------------------------------
+    def _driver_state(self) -> dict[str, Any] | None:
+        return {"seq": self.seq,
+                "trained_on": {str(c): v for c, v in self.trained_on.items()},
+                "device_free": self.device_free,
+                "in_flight": [[f.client, f.version] for f in self.flights]}
+
+    def _restore(self, ckpt: Checkpoint) -> int:
+        first = super()._restore(ckpt)
+        state = ckpt.loop.driver
+        if state is None:
+            raise ConfigError("--resume: the checkpoint is a synchronous run's; resume it with "
+                              "train.mode = \"sync\"")
+        self.seq = int(state["seq"])
+        # the clients in flight at the checkpoint are lost; they may be selected again
+        lost = {int(c) for c, _ in state["in_flight"]}
+        self.trained_on = {int(c): int(v) for c, v in state["trained_on"].items()
+                           if int(c) not in lost}
+        self.device_free = {d: float(s) for d, s in state["device_free"].items()}
+        return first
+
+
+class Replay(BufferedAsync):
+    """`fedseq-sim --replay RUN_DIR`: an asynchronous run re-executed in the order its rows
+    record (`folds`: client and model version of every arrival, step by step), so a deployed
+    asynchronous run gives its global model again, bitwise with equal threads. Every arrival
+    is trained again (a refused one too: its client's personal state moved on its device) and
+    checked again; the time and order come from the log, not from a fleet."""
+
+    def __init__(self, *args: Any, log: dict[int, list[Fold]], **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.log = log
+        # version -> the last step that folds an update trained on it
+        self.last_use: dict[int, int] = {}
+        for t, folds in sorted(log.items()):
+            for f in folds:
+                self.last_use[f.version] = t
+
+    def _check_can_run(self) -> None:
+        """A replay needs no fleet: the order is the log's."""
+
+    def _arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
+        if t in self.last_use:
+            self._version(t)  # clients of a later step train on this version
+        for fold in self.log.get(t, []):
+            if fold.version not in self._versions:
+                raise ConfigError(f"--replay: step {t} folds an update trained on step "
+                                  f"{fold.version}, which the log never reached; the run "
+                                  "directory's rows are not an asynchronous run's")
+            f = Flight(-1, fold.client, fold.version, 0.0, 0.0, 0.0)
+            self._train_flights([f])
+            yield f
+        for version in [v for v, last in self.last_use.items() if last <= t]:
+            self._versions.pop(version, None)
+
+    def _driver_state(self) -> dict[str, Any] | None:
+        return {"replay": True}
+
+    def _restore(self, ckpt: Checkpoint) -> int:
+        raise ConfigError("--replay runs into a new --out from the start; it does not resume")
+
+
+def fold_log(rows: list[RoundRecord]) -> dict[int, list[Fold]]:
+    """An asynchronous run's arrivals per server step, from its rows (metrics.jsonl); a ConfigError
+    where the rows are not an asynchronous run's."""
+    log = {r.round: list(r.folds) for r in rows if r.phase == "train"}
+    if not log or not any(log.values()):
+        raise ConfigError("--replay: the run directory's rows record no asynchronous arrivals "
+                          "(folds); only a train.mode = \"async\" run can be replayed")
+    return log
