@@ -253,7 +253,9 @@ def _replay(src: Path, overrides: list[str], out: Path | None, overwrite: bool, 
     try:
         _, verdict = replay(src, out, overrides, workers,
                             on_round=None if quiet else lambda r: print(
-                                f"step {r.round}: global {_fmt(r.global_acc)}", file=sys.stderr),
+                                f"{'step ' + str(r.round) if r.phase == 'train' else r.phase}: "
+                                f"global {_fmt(r.global_acc)}, personal {_fmt(r.personal_acc)}",
+                                file=sys.stderr),
                             info=info, mode="overwrite" if overwrite else "new")
     except FedseqError as exc:
         _fail(exc)

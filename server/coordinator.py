@@ -184,14 +184,18 @@ class Coordinator:
         plan, needed = self._plan(t)
         down = {c: self._client_bytes_down(c, plan, needed) for c in selected}
         bytes_down = sum(down.values())
-        # over-selection (simulated time): the first clients_per_round() to arrive count; the
-        # others are cancelled when the round ends (a simulation does not train them)
+        # over-selection: the first clients_per_round() updates to arrive count; the others are
+        # cancelled (on a simulated fleet, by its clock: they are not trained; on a real one the
+        # pool stops waiting for them)
         timing = self._timing(t, selected, plan, down) if self.fleet is not None else None
-        trainers = selected
-        if timing is not None and len(selected) > self.cfg.clients_per_round():
-            first = sorted(selected, key=lambda c: (timing[c].arrival, c))
-            trainers = sorted(first[:self.cfg.clients_per_round()])
-        got = self._train(t, trainers, plan, needed)
+        trainers, enough = selected, None
+        if len(selected) > self.cfg.clients_per_round():
+            if timing is not None:
+                first = sorted(selected, key=lambda c: (timing[c].arrival, c))
+                trainers = sorted(first[:self.cfg.clients_per_round()])
+            else:
+                enough = self.cfg.clients_per_round()
+        got = self._train(t, trainers, plan, needed, enough)
         self._no_device_can_train(selected, got.reported, got.outcome)
         refused = self._apply(t, got)
         wire = _add(got.outcome.wire, self._evaluate_if_due(t))
@@ -201,8 +205,8 @@ class Coordinator:
             rec.set_device_energy(got.costs)
         if wire is not None:  # measured on the coordinator's connection, this round's steps
             rec.wire_bytes_out, rec.wire_bytes_in = wire
+        rec.cancelled = sorted(set(selected) - set(trainers)) or got.outcome.cancelled
         if timing is not None:
-            rec.cancelled = sorted(set(selected) - set(trainers))
             self._advance_clock(rec, timing, trainers)
         return rec
 
@@ -296,10 +300,11 @@ class Coordinator:
         rec.set_virtual(end, self.clock + end, energy_j(self.fleet, end, trained))
         self.clock += end
 
-    def _train(self, t: int, selected: list[int], plan: ClientPlan, needed: list[str]
-               ) -> RoundUpdates:
+    def _train(self, t: int, selected: list[int], plan: ClientPlan, needed: list[str],
+               enough: int | None = None) -> RoundUpdates:
         """Dispatch the round and fold every valid update into a fresh aggregate as it arrives
-        (in client order: the same sums in simulation and deployment)."""
+        (in client order: the same sums in simulation and deployment); `enough`: the pool stops
+        waiting once that many valid updates came (over-selection on a real fleet)."""
         contract = round_contract(t, selected, plan.upload, self.offered(), self.data,
                                   plan.rebalance_threshold, self._delta_bound(),
                                   self.model.personal_keys(), self.alg.upload_bound, self.up)
@@ -315,8 +320,9 @@ class Coordinator:
         # The pool yields only updates that passed `check`, at most one per client, in client
         # order; `rejected` keeps every refusal, also of a client whose valid update came later.
         with torch_threads(self.collect_threads):
-            dispatch = self.pool.train(t, selected, plan,
-                                       self._sent(in_blocks(self.offered(), needed)), check)
+            sent = self._sent(in_blocks(self.offered(), needed))
+            dispatch = (self.pool.train(t, selected, plan, sent, check) if enough is None else
+                        self.pool.train(t, selected, plan, sent, check, enough))
             for update in dispatch:
                 got.aggregate.add(update.deltas, self.alg.aggregation_weights(update),
                                   update.client, update.device)

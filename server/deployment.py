@@ -106,10 +106,10 @@ def run_deployment(
     if rehearsal is not None and (broker or cfg.deploy.broker) is not None:
         raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
                           "its bridge; leave out --broker and deploy.broker")
-    if cfg.train.mode != "sync" or cfg.train.over_select != 1.0:
-        raise ConfigError("train.mode = \"async\" and train.over_select run in fedseq-sim so far: "
-                          "the MQTT fleet runs synchronous rounds; set train.mode = \"sync\" and "
-                          "train.over_select = 1")
+    if cfg.train.mode != "sync":
+        raise ConfigError("train.mode = \"async\" runs in fedseq-sim so far: the MQTT fleet runs "
+                          "synchronous rounds (train.over_select applies); set train.mode = "
+                          "\"sync\"")
     if cfg.fleet:
         announce("note: [fleet] models a simulation's time; a deployment's devices are real, "
                  "so it is ignored here")

@@ -292,7 +292,7 @@ class DistributedPool:
         """Nothing to announce: every step carries what its clients need."""
 
     def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
-              check: UpdateCheck) -> TrainRound:
+              check: UpdateCheck, enough: int | None = None) -> TrainRound:
         return TrainRound(self._train(round, clients, plan, weights, check))
 
     def _train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,

@@ -62,6 +62,8 @@ class RoundOutcome:
     #: payload bytes (sent, received) on the coordinator's connection since the previous step
     #: measured, this one included; None where nothing crosses a wire (in-process)
     wire: tuple[int, int] | None = None
+    #: over-selection: the clients whose update was not waited for once `enough` had come
+    cancelled: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -125,8 +127,11 @@ class ClientPool(Protocol):
         ...
 
     def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
-              check: UpdateCheck) -> TrainRound:
-        """Have the selected clients train `plan` from `weights` (plus their personal blocks)."""
+              check: UpdateCheck, enough: int | None = None) -> TrainRound:
+        """Have the selected clients train `plan` from `weights` (plus their personal blocks);
+        `enough` (over-selection on a fleet): stop waiting once that many valid updates came. A
+        simulation's pools train every client they are given (the round loop gives them only
+        the first to arrive on its simulated fleet) and ignore it."""
         ...
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
@@ -201,7 +206,7 @@ class InProcessPool:
         """Nothing to announce: the clients live in this process."""
 
     def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
-              check: UpdateCheck) -> TrainRound:
+              check: UpdateCheck, enough: int | None = None) -> TrainRound:
         return TrainRound(self._train(round, clients, plan, weights, check))
 
     def _train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,

@@ -71,6 +71,11 @@ def run_simulation(
     round. `driver`: the run's driver (run_experiment; default: by train.mode)."""
     from fedseq.server.distributed import under_torchrun
 
+    if cfg.train.over_select != 1.0 and not cfg.fleet:
+        raise ConfigError("train.over_select in fedseq-sim needs a [fleet]: its devices' paces "
+                          "say which clients arrive first; e.g. --set "
+                          "'fleet.devices=[{profile=\"nano\",count=5},"
+                          "{profile=\"orin-nano\",count=5}]'")
     if workers > 0 or workers_per_gpu > 0 or under_torchrun():
         transport: Transport = Workers(cfg, workers, workers_per_gpu)
     else:

@@ -130,18 +130,24 @@ class DeadlinePolicy:
 
 def collect_updates(session: ServerSession, seq: int, round: int, clients: list[int],
                     owner: dict[int, str], check: UpdateCheck, policy: DeadlinePolicy,
-                    chunks: int = 1) -> Generator[ClientUpdate, None, RoundOutcome]:
+                    chunks: int = 1, enough: int | None = None
+                    ) -> Generator[ClientUpdate, None, RoundOutcome]:
     """The valid updates of step `seq`, in client order as soon as they can be folded in (the
     same order as the simulation: bitwise parity), until every selected client answered, failed
-    or went offline with its device, or the deadline passed. `chunks`: messages per update (what
-    one client's resend costs the broker's queue)."""
+    or went offline with its device, or the deadline passed, or (over-selection) `enough` valid
+    updates came: the clients still owing one are then cancelled (their updates will be late).
+    `chunks`: messages per update (what one client's resend costs the broker's queue)."""
     step = _TrainStep(session, seq, round, clients, owner, check, policy)
     again = Resender(session, seq, chunks)
-    while step.owing and time.monotonic() < step.deadline:
+    while step.owing and time.monotonic() < step.deadline and \
+            (enough is None or len(step.arrived) < enough):
         for ev in session.drain(min(1.0, step.deadline - time.monotonic())):
             step.take(ev)
         again.poll(sorted(step.owing))
         yield from step.ready()
+    if enough is not None and len(step.arrived) >= enough and step.owing:
+        step.outcome.cancelled = sorted(step.owing)
+        step.owing.clear()  # not late for the deadline: not waited for
     outcome = step.close()
     yield from step.ready()  # those that waited for a client that never came
     return outcome

@@ -175,12 +175,12 @@ class MqttPool:
         return step
 
     def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
-              check: UpdateCheck) -> TrainRound:
+              check: UpdateCheck, enough: int | None = None) -> TrainRound:
         versions = self._prepare_step(weights)
         step = self._publish_step(kind="train", round=round, clients=clients,
                                   plan=plan_to_dict(plan), versions=versions)
         return TrainRound(collect_updates(self.session, step.seq, round, clients, self.owner,
-                                          check, self.deadlines, self.update_chunks))
+                                          check, self.deadlines, self.update_chunks, enough))
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
                  ) -> EvalOutcome:

@@ -182,10 +182,32 @@ def test_async_needs_a_fleet_and_refuses_what_cannot_run_asynchronously(data_roo
                                     MIXED), None)
 
 
+def test_over_selection_on_a_real_fleet_counts_the_first_to_arrive(data_root, tmp_path,
+                                                                    one_thread):
+    """Two daemons, 4 of 6 clients selected, the first 2 valid updates count; the pool stops
+    waiting for the others (cancelled: their updates come late and are dropped). A [fleet] is
+    the simulation's model of time: a deployment says it ignores it."""
+    from fedseq.server.deployment import run_deployment
+
+    said: list[str] = []
+    cfg = quick_config(data_root, "data.num_clients=6", "train.join_ratio=0.34",
+                       "train.over_select=2", "rounds=2", "deploy.port=0", MIXED)
+    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+                         announce=said.append)
+    assert any("[fleet] models a simulation's time" in m for m in said)
+    rows = [r for r in dep.records if r.phase == "train"]
+    for r in rows:
+        assert len(r.clients) == 4 and len(r.reported) == 2 and r.virtual_s is None
+        assert r.cancelled == sorted(set(r.clients) - set(r.reported))
+        assert r.missed_deadline == [] and r.status == "ok"
+    with pytest.raises(ConfigError, match="over_select in fedseq-sim needs a \\[fleet\\]"):
+        run_simulation(quick_config(data_root, "train.over_select=2"), None)
+
+
 def test_a_deployment_refuses_async_in_one_line(data_root):
     from fedseq.server.deployment import run_deployment
 
-    with pytest.raises(ConfigError, match="run in fedseq-sim so far"):
+    with pytest.raises(ConfigError, match="runs in fedseq-sim so far"):
         run_deployment(quick_config(data_root, "train.mode='async'", MIXED), None,
                        announce=lambda m: None)
 

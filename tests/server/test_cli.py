@@ -141,3 +141,29 @@ def test_default_threads_are_fixed_and_auto_follows_the_load():
     assert sim_threads(None) == torch.get_num_threads()  # whatever the load: reproducible
     assert sim_threads(3) == 3
     assert 1 <= sim_threads("auto") <= (os.cpu_count() or 1)
+
+
+def test_replay_says_whether_the_model_is_the_runs(tmp_path, data_root):
+    """fedseq-sim --replay RUN_DIR --out NEW: exit 0 and 'bitwise' when the re-executed order
+    gives the run's model; exit 1 when the run's model is not what its order gives; exit 2
+    without --out."""
+    from safetensors.torch import load_file, save_file
+
+    run = tmp_path / "run"
+    r = _run("fedseq-sim", "-q", "--set", f"data.root={str(data_root)!r}", "--set",
+             "data.fraction=0.03", "--set", "data.num_clients=6", "--set", "rounds=3", "--set",
+             "train.local_epochs=1", "--set", "train.threads=1", "--set", "train.mode='async'",
+             "--set", "fleet.devices=[{profile='nano'},{profile='orin-nano'}]", "--out", str(run))
+    assert r.returncode == 0, r.stderr
+    r = _run("fedseq-sim", "--replay", str(run), "--out", str(tmp_path / "again"))
+    assert r.returncode == 0, r.stderr
+    assert "the replayed global model is bitwise the run's" in r.stderr
+    assert "step 2: global" in r.stderr
+    weights = load_file(str(run / "model.safetensors"))
+    first = next(iter(weights))
+    weights[first] = weights[first] + 1e-3
+    save_file(weights, str(run / "model.safetensors"))
+    r = _run("fedseq-sim", "-q", "--replay", str(run), "--out", str(tmp_path / "third"))
+    assert r.returncode == 1 and "differs from the run's" in r.stderr
+    r = _run("fedseq-sim", "--replay", str(run))
+    assert r.returncode == 2 and "needs a new --out" in r.stderr
