@@ -124,14 +124,14 @@ def one(args: argparse.Namespace) -> dict:
                 timing["step"].append(time.perf_counter() - self._t0)
             return step
 
-        def train(self, round, clients, plan, weights, check):
+        def train(self, round, clients, plan, weights, check, enough=None):
             self._t0 = start = time.perf_counter()
             cpu0, bcpu0, io0 = cpu_s(me), cpu_s(broker_pid[0]), io_bytes(broker_pid[0])
             loop0 = cpu_s(me, main_thread=True)
             load: dict[str, int] = {}
             for c in clients:
                 load[self.owner[c]] = load.get(self.owner[c], 0) + 1
-            inner = super().train(round, clients, plan, weights, check)
+            inner = super().train(round, clients, plan, weights, check, enough)
 
             def timed():
                 yield from inner

@@ -58,11 +58,11 @@ def cpu_now() -> dict[str, float]:
 
 
 class TimedPool(MqttPool):
-    def train(self, round, clients, plan, weights, check):
+    def train(self, round, clients, plan, weights, check, enough=None):
         # Updates are consumed (aggregated) as they stream in, as in a real run.
         before = cpu_now()
         start = time.perf_counter()
-        inner = super().train(round, clients, plan, weights, check)
+        inner = super().train(round, clients, plan, weights, check, enough)
 
         def timed():
             slowest = 0.0

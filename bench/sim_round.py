@@ -34,8 +34,8 @@ class TimedPool(InProcessPool):
     eval_s = 0.0
     steps = 0
 
-    def train(self, round, clients, plan, weights, check):
-        inner = super().train(round, clients, plan, weights, check)
+    def train(self, round, clients, plan, weights, check, enough=None):
+        inner = super().train(round, clients, plan, weights, check, enough)
 
         def timed():
             t = time.perf_counter()

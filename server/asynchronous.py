@@ -38,10 +38,10 @@ from typing import Any
 from fedseq.common.algorithms import Algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
-from fedseq.common.algorithms.robust import make_aggregator, update_norm
+from fedseq.common.algorithms.robust import make_aggregator
 from fedseq.common.errors import ConfigError
 from fedseq.common.evaluation import EvalReport
-from fedseq.common.flops import plan_flops, plan_steps
+from fedseq.common.flops import plan_flops
 from fedseq.common.models import Weights, in_blocks
 from fedseq.common.seeding import numpy_rng
 from fedseq.server.checkpoint import Checkpoint
@@ -49,7 +49,6 @@ from fedseq.server.coordinator import Coordinator, RoundUpdates, outliers
 from fedseq.server.fleet import energy_j
 from fedseq.server.pool import PoolState
 from fedseq.server.records import Fold, Rejection, RoundRecord
-from fedseq.server.validation import round_contract
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +172,7 @@ class BufferedAsync(Coordinator):
         v = self._versions[version]
         waiting = {f.client: f for f in flights}
         clients = sorted(waiting)
-        contract = round_contract(version, clients, v.plan.upload, v.offered, self.data,
-                                  v.plan.rebalance_threshold, v.bound,
-                                  self.model.personal_keys(), self.alg.upload_bound, self.up)
+        contract = self._contract(version, clients, v.plan, v.offered, v.bound)
 
         def check(update: ClientUpdate) -> Rejection | None:
             reason = contract.check(update)
@@ -205,8 +202,7 @@ class BufferedAsync(Coordinator):
             if not f.trained:
                 self._train_flights([g for g in self.flights
                                      if g.version == f.version and not g.trained])
-                if not any(g.version == f.version and not g.trained for g in self.flights):
-                    del self._versions[f.version]
+                del self._versions[f.version]  # none of its flights waits to be trained now
             self.flights.remove(f)
             self.clock = f.arrival
             self._extra_j += self.fleet.extra_j(f.client, f.train_s)
@@ -237,7 +233,8 @@ class BufferedAsync(Coordinator):
             else:
                 assert f.update is not None
                 discount = staleness_discount(staleness, self.alpha)
-                self._fold(got, f.update, discount * self.server_lr, f.version)
+                self._fold(got, f.update, self.alg.plan(f.version),
+                           discount * self.server_lr)
                 fold.discount = round(discount, 6)
             folds.append(fold)
         got.outliers, _ = outliers(got.norms, self.cfg.aggregation.outlier_factor)
@@ -255,24 +252,6 @@ class BufferedAsync(Coordinator):
             rec.set_virtual(spent, self.clock, energy_j(self.fleet, spent, {}) + self._extra_j)
         self._bytes_down_step, self._extra_j = 0, 0.0
         return rec
-
-    def _fold(self, got: RoundUpdates, update: ClientUpdate, scale: float, version: int) -> None:
-        """Fold one update, its deltas scaled by `scale` (staleness and server learning rate),
-        into the step's aggregate, with the row's bookkeeping."""
-        deltas = update.deltas if scale == 1.0 else {k: v * scale for k, v in
-                                                      update.deltas.items()}
-        got.aggregate.add(deltas, self.alg.aggregation_weights(update), update.client,
-                          update.device)
-        got.norms[update.client] = update_norm(update.deltas)
-        got.reported.append(update.client)
-        if update.local_score is not None:
-            got.local_scores[update.client] = update.local_score
-        plan = self.alg.plan(version)
-        shard = self.data.clients[update.client]
-        got.flops += plan_flops(self.model, plan, self.data, shard, self.flop_cache)
-        got.steps += plan_steps(plan, self.data, shard)
-        got.bytes_up += (update.upload_bytes if update.upload_bytes is not None
-                         else self._update_bytes(update.deltas))
 
     # -- what never arrived ----------------------------------------------------------------
     def _not_arrived(self) -> dict[int, Weights]:

@@ -216,18 +216,29 @@ def sim(
     print(f"sweep finished: {len(todo)} seeds in {out}  (fedseq report {out})", file=sys.stderr)
 
 
-def _finetune_again(src: Path, overrides: list[str], out: Path | None, quiet: bool,
-                    conflicts: bool) -> None:
-    """fedseq-sim --finetune-from SRC --set algorithm.finetune_blocks=head --out NEW."""
+def _from_run(flag: str, key: str, src: Path, out: Path | None, conflicts: bool,
+              drop: str) -> tuple[Path, dict[str, Any]]:
+    """The start of a run made from another (`flag` RUN_DIR): stop on SIGTERM, a one-line error
+    where options conflict or --out is missing (`drop`: the options to leave out); the new run's
+    folder and what its status.json records (`key`: the source run)."""
     from fedseq.common import __version__
-    from fedseq.server.rundir import copy_for_finetune, stop_on_sigterm
+    from fedseq.server.rundir import stop_on_sigterm
 
     stop_on_sigterm()
     if conflicts or out is None:
-        _fail(ValueError("--finetune-from RUN_DIR takes its config from RUN_DIR and needs a new "
-                         "--out; drop --config, --resume, --seeds and --overwrite"))
-    info = {"finetuned_from": str(src.resolve()), "package_version": __version__,
-            "command": " ".join(sys.argv)}
+        _fail(ValueError(f"{flag} RUN_DIR takes its config from RUN_DIR and needs a new --out; "
+                         f"drop {drop}"))
+    return out, {key: str(src.resolve()), "package_version": __version__,
+                 "command": " ".join(sys.argv)}
+
+
+def _finetune_again(src: Path, overrides: list[str], out: Path | None, quiet: bool,
+                    conflicts: bool) -> None:
+    """fedseq-sim --finetune-from SRC --set algorithm.finetune_blocks=head --out NEW."""
+    from fedseq.server.rundir import copy_for_finetune
+
+    out, info = _from_run("--finetune-from", "finetuned_from", src, out, conflicts,
+                          "--config, --resume, --seeds and --overwrite")
     try:
         cfg = copy_for_finetune(src, out, overrides, info)
     except FedseqError as exc:
@@ -240,18 +251,12 @@ def _replay(src: Path, overrides: list[str], out: Path | None, overwrite: bool, 
             workers: int, conflicts: bool) -> None:
     """fedseq-sim --replay RUN_DIR --out NEW: ends with whether the model is bitwise the run's
     (exit 0) or not (exit 1)."""
-    from fedseq.common import __version__
-    from fedseq.server.rundir import stop_on_sigterm
     from fedseq.server.simulation import replay
 
-    stop_on_sigterm()
-    if conflicts or out is None:
-        _fail(ValueError("--replay RUN_DIR takes its config from RUN_DIR and needs a new --out; "
-                         "drop --config, --resume and --seeds"))
-    info = {"replayed_from": str(src.resolve()), "package_version": __version__,
-            "command": " ".join(sys.argv)}
+    out, info = _from_run("--replay", "replayed_from", src, out, conflicts,
+                          "--config, --resume and --seeds")
     try:
-        _, verdict = replay(src, out, overrides, workers,
+        _, same, verdict = replay(src, out, overrides, workers,
                             on_round=None if quiet else lambda r: print(
                                 f"{'step ' + str(r.round) if r.phase == 'train' else r.phase}: "
                                 f"global {_fmt(r.global_acc)}, personal {_fmt(r.personal_acc)}",
@@ -263,7 +268,7 @@ def _replay(src: Path, overrides: list[str], out: Path | None, overwrite: bool, 
         print(f"interrupted: replay it again with --overwrite --out {out}", file=sys.stderr)
         raise typer.Exit(130) from None
     print(f"replayed {src} -> {out}: {verdict}", file=sys.stderr)
-    if "bitwise the run's" not in verdict:
+    if not same:
         raise typer.Exit(1)
 
 

@@ -36,7 +36,12 @@ from fedseq.server.fleet import ClientTiming, VirtualFleet, energy_j, sync_round
 from fedseq.server.pool import ClientPool, RoundOutcome
 from fedseq.server.records import ClientEnergy, Rejection, RoundRecord
 from fedseq.server.rundir import RunDir
-from fedseq.server.validation import parameter_scale, round_contract, score_problem
+from fedseq.server.validation import (
+    RoundContract,
+    parameter_scale,
+    round_contract,
+    score_problem,
+)
 
 log = logging.getLogger(__name__)
 
@@ -277,8 +282,7 @@ class Coordinator:
         assert self.fleet is not None
         flops = {c: plan_flops(self.model, plan, self.data, self.data.clients[c], self.flop_cache)
                  for c in clients}
-        up = self._upload_size(plan)
-        return sync_round(self.fleet, clients, flops, down, dict.fromkeys(clients, up), key)
+        return sync_round(self.fleet, clients, flops, down, self._upload_size(plan), key)
 
     def _upload_size(self, plan: ClientPlan) -> int:
         """The frame bytes of an update to `plan` in the uplink's codec (simulated time)."""
@@ -305,9 +309,7 @@ class Coordinator:
         """Dispatch the round and fold every valid update into a fresh aggregate as it arrives
         (in client order: the same sums in simulation and deployment); `enough`: the pool stops
         waiting once that many valid updates came (over-selection on a real fleet)."""
-        contract = round_contract(t, selected, plan.upload, self.offered(), self.data,
-                                  plan.rebalance_threshold, self._delta_bound(),
-                                  self.model.personal_keys(), self.alg.upload_bound, self.up)
+        contract = self._contract(t, selected, plan, self.offered(), self._delta_bound())
         got = RoundUpdates(make_aggregator(self.cfg.aggregation))
 
         def check(update: ClientUpdate) -> Rejection | None:
@@ -320,21 +322,11 @@ class Coordinator:
         # The pool yields only updates that passed `check`, at most one per client, in client
         # order; `rejected` keeps every refusal, also of a client whose valid update came later.
         with torch_threads(self.collect_threads):
-            sent = self._sent(in_blocks(self.offered(), needed))
-            dispatch = (self.pool.train(t, selected, plan, sent, check) if enough is None else
-                        self.pool.train(t, selected, plan, sent, check, enough))
+            dispatch = self.pool.train(t, selected, plan,
+                                       self._sent(in_blocks(self.offered(), needed)), check,
+                                       enough)
             for update in dispatch:
-                got.aggregate.add(update.deltas, self.alg.aggregation_weights(update),
-                                  update.client, update.device)
-                got.norms[update.client] = update_norm(update.deltas)
-                got.reported.append(update.client)
-                if update.local_score is not None:
-                    got.local_scores[update.client] = update.local_score
-                shard = self.data.clients[update.client]
-                got.flops += plan_flops(self.model, plan, self.data, shard, self.flop_cache)
-                got.steps += plan_steps(plan, self.data, shard)
-                got.bytes_up += (update.upload_bytes if update.upload_bytes is not None
-                                 else self._update_bytes(update.deltas))
+                self._fold(got, update, plan)
                 got.costs[update.client] = (update.device, update.cost)
         got.outcome = dispatch.outcome
         got.outliers, median = outliers(got.norms, self.cfg.aggregation.outlier_factor)
@@ -342,6 +334,33 @@ class Coordinator:
             log.warning("round %d: update of client %d has norm %.4g, > %g x the round's median %.4g",
                         t, c, got.norms[c], self.cfg.aggregation.outlier_factor, median)
         return got
+
+    def _contract(self, t: int, clients: list[int], plan: ClientPlan, offered: Weights,
+                  bound: float) -> RoundContract:
+        """What a valid update of round t (or model version t) looks like, for `clients` under
+        `plan`, given what they were `offered` and the bound on their deltas."""
+        return round_contract(t, clients, plan.upload, offered, self.data,
+                              plan.rebalance_threshold, bound, self.model.personal_keys(),
+                              self.alg.upload_bound, self.up)
+
+    def _fold(self, got: RoundUpdates, update: ClientUpdate, plan: ClientPlan,
+              scale: float = 1.0) -> None:
+        """Fold one valid update trained under `plan` into the aggregate, its deltas scaled by
+        `scale` (an asynchronous step's staleness discount), with what the row reports of it:
+        its (unscaled) norm, local score, FLOPs, steps and bytes."""
+        deltas = update.deltas if scale == 1.0 else {k: v * scale for k, v in
+                                                      update.deltas.items()}
+        got.aggregate.add(deltas, self.alg.aggregation_weights(update), update.client,
+                          update.device)
+        got.norms[update.client] = update_norm(update.deltas)
+        got.reported.append(update.client)
+        if update.local_score is not None:
+            got.local_scores[update.client] = update.local_score
+        shard = self.data.clients[update.client]
+        got.flops += plan_flops(self.model, plan, self.data, shard, self.flop_cache)
+        got.steps += plan_steps(plan, self.data, shard)
+        got.bytes_up += (update.upload_bytes if update.upload_bytes is not None
+                         else self._update_bytes(update.deltas))
 
     def _delta_bound(self) -> float:
         """aggregation.max_abs_delta for this round (auto: from the scale of the global model's

@@ -115,7 +115,8 @@ class VirtualFleet:
     def __init__(self, cfg: ExperimentConfig):
         devices: list[Device] = []
         for group in cfg.fleet.devices:
-            profile, link = parse_device(group.profile), _link(group.link)
+            profile = parse_device(group.profile)
+            link = parse_profile(group.link, "fleet.devices: link")
             kind = group.profile.split(":", 1)[0]
             devices += [Device(f"{kind}-{len(devices) + i:02d}", profile, link)
                         for i in range(group.count)]
@@ -153,7 +154,7 @@ class ClientTiming:
 
 
 def sync_round(fleet: VirtualFleet, clients: list[int], flops: dict[int, int],
-               down_bytes: dict[int, int], up_bytes: dict[int, int], round: int
+               down_bytes: dict[int, int], up_bytes: int, round: int
                ) -> dict[int, ClientTiming]:
     """When each selected client's update arrives: a device receives the round's blocks once
     (the most any of its clients needed), then trains its clients in client order, sending each
@@ -167,7 +168,7 @@ def sync_round(fleet: VirtualFleet, clients: list[int], flops: dict[int, int],
         t = device.down_s(max(down_bytes[c] for c in mine))
         for c in mine:
             train = fleet.train_s(c, flops[c], round)
-            out[c] = ClientTiming(t, train, t + train + device.up_s(up_bytes[c]))
+            out[c] = ClientTiming(t, train, t + train + device.up_s(up_bytes))
             t += train
     return out
 
@@ -178,8 +179,3 @@ def energy_j(fleet: VirtualFleet, seconds: float, trained: dict[int, float]) -> 
     return fleet.idle_w * seconds + sum(fleet.extra_j(c, s) for c, s in trained.items())
 
 
-def _link(text: str) -> LinkProfile:
-    try:
-        return parse_profile(text)
-    except ConfigError as exc:
-        raise ConfigError(f"fleet.devices: {str(exc).replace('--link ', 'link ')}") from None

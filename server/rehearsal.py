@@ -59,28 +59,28 @@ PROFILES: dict[str, LinkProfile] = {
 }
 
 
-def parse_profile(text: str) -> LinkProfile:
+def parse_profile(text: str, where: str = "--link") -> LinkProfile:
     """A profile name, or `custom:down=MBIT,up=MBIT,delay=MS,jitter=MS,loss=PCT` (down required;
-    up defaults to down, the others to 0)."""
+    up defaults to down, the others to 0); `where`: what an error names (the flag or key)."""
     if text in PROFILES:
         return PROFILES[text]
     if not text.startswith("custom:"):
-        raise ConfigError(f"--link {text!r}: unknown profile; use one of {', '.join(PROFILES)} or "
+        raise ConfigError(f"{where} {text!r}: unknown profile; use one of {', '.join(PROFILES)} or "
                           "custom:down=MBIT,up=MBIT,delay=MS,jitter=MS,loss=PCT")
     fields: dict[str, float] = {}
     for part in text[len("custom:"):].split(","):
         key, _, value = part.partition("=")
         if key not in ("down", "up", "delay", "jitter", "loss"):
-            raise ConfigError(f"--link {text!r}: unknown field {key!r}; fields: down, up, delay, "
+            raise ConfigError(f"{where} {text!r}: unknown field {key!r}; fields: down, up, delay, "
                               "jitter, loss")
         try:
             fields[key] = float(value)
         except ValueError:
-            raise ConfigError(f"--link {text!r}: {key}={value!r} is not a number") from None
+            raise ConfigError(f"{where} {text!r}: {key}={value!r} is not a number") from None
     if fields.get("down", 0) <= 0 or fields.get("up", fields.get("down", 1)) <= 0:
-        raise ConfigError(f"--link {text!r}: down (and up) must be a rate in Mbit/s above 0")
+        raise ConfigError(f"{where} {text!r}: down (and up) must be a rate in Mbit/s above 0")
     if not 0 <= fields.get("loss", 0) < 100 or fields.get("delay", 0) < 0 or fields.get("jitter", 0) < 0:
-        raise ConfigError(f"--link {text!r}: loss must be 0-100 %, delay and jitter >= 0 ms")
+        raise ConfigError(f"{where} {text!r}: loss must be 0-100 %, delay and jitter >= 0 ms")
     return LinkProfile("custom", fields["down"], fields.get("up", fields["down"]),
                        fields.get("delay", 0.0), fields.get("jitter", 0.0), fields.get("loss", 0.0))
 

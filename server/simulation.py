@@ -86,10 +86,11 @@ def run_simulation(
 
 def replay(src: Path, out: Path | None, overrides: list[str] | None = None, workers: int = 0,
            on_round: Callable[[RoundRecord], None] | None = None,
-           info: dict[str, Any] | None = None, mode: str = "new") -> tuple[RunResult, str]:
+           info: dict[str, Any] | None = None, mode: str = "new"
+           ) -> tuple[RunResult, bool, str]:
     """Re-execute the asynchronous run in `src` in the order its rows record
-    (asynchronous.Replay) into `out`: the result, and whether its global model is bitwise the
-    one `src` holds (a sentence)."""
+    (asynchronous.Replay) into `out`: the result, whether its global model is bitwise the one
+    `src` holds, and that in a sentence."""
     import functools
 
     from safetensors.torch import load_file
@@ -113,13 +114,13 @@ def replay(src: Path, out: Path | None, overrides: list[str] | None = None, work
                             driver=functools.partial(Replay, log=log))
     model = src / "model.safetensors"
     if not model.is_file():
-        return result, f"{src} holds no final model (model.safetensors) to compare with"
+        return result, False, f"{src} holds no final model (model.safetensors) to compare with"
     theirs = load_file(str(model))
     same = theirs.keys() == result.global_weights.keys() and all(
         torch.equal(theirs[k], v) for k, v in result.global_weights.items())
-    return result, ("the replayed global model is bitwise the run's" if same else
-                    "the replayed global model differs from the run's (train.threads and the "
-                    "devices' torch must equal the run's for bitwise equality)")
+    return result, same, ("the replayed global model is bitwise the run's" if same else
+                          "the replayed global model differs from the run's (train.threads and "
+                          "the devices' torch must equal the run's for bitwise equality)")
 
 
 class InProcess:

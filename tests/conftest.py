@@ -70,6 +70,15 @@ def coordinator_run(data_root: Path, out: Path | None, mosquitto, *overrides: st
     return cfg, run_deployment(cfg, out, broker=f"mqtt://127.0.0.1:{port}", announce=lambda m: None)
 
 
+def same_run(a, b):
+    """Bitwise the same run (two RunResults): weights, every row but its seconds, every client's
+    final score."""
+    assert all(torch.equal(a.global_weights[k], v) for k, v in b.global_weights.items())
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
+    assert strip(a.rows) == strip(b.rows)
+    assert a.final.per_client == b.final.per_client
+
+
 def synthetic_data(num_clients: int = 3, per_client: int = 40, classes: int = 4, seed: int = 0):
     """Random 28x28 images with a label-dependent offset: tiny, fast, learnable."""
     g = torch.Generator().manual_seed(seed)

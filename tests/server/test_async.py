@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import quick_config, synthetic_data
+from conftest import quick_config, same_run, synthetic_data
 from fedseq.common.algorithms import algorithm_class, make_algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import load_config
@@ -16,14 +16,6 @@ from fedseq.server.pool import InProcessPool, TrainRound
 from fedseq.server.simulation import run_simulation
 
 MIXED = "fleet.devices=[{profile='nano',count=2},{profile='orin-nano',count=2}]"
-
-
-def _same(a, b):
-    """Bitwise the same run: weights, every row but its seconds, every client's final score."""
-    assert all(torch.equal(a.global_weights[k], v) for k, v in b.global_weights.items())
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
-    assert strip(a.rows) == strip(b.rows)
-    assert a.final.per_client == b.final.per_client
 
 
 # -- the model of time -------------------------------------------------------------------------
@@ -43,8 +35,7 @@ def test_a_synchronous_round_on_a_fleet_is_hand_computable():
     fleet = VirtualFleet(cfg)
     assert [fleet.device_of[c].name for c in range(4)] == ["custom-00", "custom-01"] * 2
     timing = sync_round(fleet, [0, 1, 2], {0: 2e9, 1: 1e9, 2: 3e9},
-                        {0: 10**6, 1: 2 * 10**6, 2: 3 * 10**6}, dict.fromkeys([0, 1, 2], 10**6),
-                        round=0)
+                        {0: 10**6, 1: 2 * 10**6, 2: 3 * 10**6}, 10**6, round=0)
     # device 00 holds clients 0 and 2: blocks 3 MB (the most either needs) = 3 s
     assert (timing[0].start, timing[0].train_s, timing[0].arrival) == (3.0, 2.0, 6.0)
     assert (timing[2].start, timing[2].train_s, timing[2].arrival) == (5.0, 3.0, 9.0)
@@ -104,14 +95,14 @@ def test_over_selection_counts_the_first_to_arrive(data_root, one_thread):
 def test_simulated_time_is_bitwise_the_same_with_workers(data_root, one_thread, over):
     cfg = quick_config(data_root, "data.num_clients=8", "train.join_ratio=0.25", "rounds=4",
                        "train.threads=1", MIXED, *over)
-    _same(run_simulation(cfg, None, workers=2), run_simulation(cfg, None))
+    same_run(run_simulation(cfg, None, workers=2), run_simulation(cfg, None))
 
 
 # -- the asynchronous driver, by hand ----------------------------------------------------------
 class ConstantPool(InProcessPool):
     """Client c's update is 0.01 x (c + 1) in every uploaded element, over its training rows."""
 
-    def train(self, round, clients, plan, weights, check):
+    def train(self, round, clients, plan, weights, check, enough=None):
         def updates():
             for c in clients:
                 deltas = {k: torch.full_like(v, 0.01 * (c + 1)) for k, v in weights.items()
@@ -246,8 +237,8 @@ def test_replay_gives_the_asynchronous_run_again_bitwise(data_root, tmp_path, on
     original = run_simulation(cfg, tmp_path / "run")
     if "train.max_staleness=0" in over:
         assert any(f.refused for r in original.records for f in r.folds)
-    again, verdict = replay(tmp_path / "run", tmp_path / "replay")
-    assert verdict == "the replayed global model is bitwise the run's"
+    again, same, verdict = replay(tmp_path / "run", tmp_path / "replay")
+    assert same and verdict == "the replayed global model is bitwise the run's"
     assert all(torch.equal(original.global_weights[k], v) for k, v in again.global_weights.items())
     assert [r.accuracies() for r in again.records] == [r.accuracies() for r in original.records]
     assert again.final.per_client == original.final.per_client

@@ -97,7 +97,7 @@ class PoisonPool(InProcessPool):
 
     mode = "nan"
 
-    def train(self, round, clients, plan, weights, check):
+    def train(self, round, clients, plan, weights, check, enough=None):
         inner = super().train(round, clients, plan, weights, lambda u: None)
 
         def poisoned():
@@ -150,8 +150,8 @@ def test_run_dir_outputs(tmp_path):
 
 def test_late_update_ignored():
     class LatePool(InProcessPool):
-        def train(self, round, clients, plan, weights, check):
-            inner = super().train(round, clients, plan, weights, check)
+        def train(self, round, clients, plan, weights, check, enough=None):
+            inner = super().train(round, clients, plan, weights, check, enough)
 
             def with_a_late_one():
                 late = ClientUpdate(clients[0], round - 1, {}, 10)
@@ -301,7 +301,7 @@ class FailingDevicePool(InProcessPool):
 
     able = 1
 
-    def train(self, round, clients, plan, weights, check):
+    def train(self, round, clients, plan, weights, check, enough=None):
         def nothing():
             return RoundOutcome(blocked=set(clients), device_failures={"dev01": "out of memory"},
                                 deadline_s=60.0, able_devices=self.able)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import quick_config
+from conftest import quick_config, same_run
 from fedseq.common.errors import ConfigError, TransportError
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.distributed import adopt_slurm_env, balance, pack, placement, unpack
@@ -24,14 +24,6 @@ from fedseq.server.simulation import run_simulation
 # 3 of 5 clients a round: the rounds' selections differ and are split unevenly over workers
 OVER = ("rounds=3", "train.join_ratio=0.6", "train.threads=1", "model.name=convnet",
         "algorithm.unfreeze_rounds=[0,1,1,2]", "algorithm.finetune_epochs=1")
-
-
-def _same(a, b):
-    """Bitwise the same run: weights, every row but its seconds, every client's final score."""
-    assert all(torch.equal(a.global_weights[k], v) for k, v in b.global_weights.items())
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
-    assert strip(a.rows) == strip(b.rows)
-    assert a.final.per_client == b.final.per_client
 
 
 def test_balance_spreads_a_steps_rows_and_is_deterministic():
@@ -113,7 +105,7 @@ def test_gpu_workers_give_bitwise_the_in_process_gpu_run(data_root, one_thread):
     """Workers sharing the GPU(s), K = 2 to a GPU, train what one process trains on the GPU."""
     for name in ("fedavg", "fedseq-anti"):
         cfg = quick_config(data_root, f"algorithm.name={name}", *OVER, "train.device='cuda'")
-        _same(run_simulation(cfg, None, workers_per_gpu=2), run_simulation(cfg, None))
+        same_run(run_simulation(cfg, None, workers_per_gpu=2), run_simulation(cfg, None))
 
 
 def test_srun_tasks_become_a_groups_ranks(monkeypatch):
@@ -152,7 +144,7 @@ def test_workers_give_bitwise_the_in_process_run(data_root, one_thread, name, wo
     model, norm = (model.split() + ["batch"])[:2]
     cfg = quick_config(data_root, f"algorithm.name={name}", *OVER, f"model.name={model}",
                        f"model.norm={norm}")
-    _same(run_simulation(cfg, None, workers=workers), run_simulation(cfg, None))
+    same_run(run_simulation(cfg, None, workers=workers), run_simulation(cfg, None))
 
 
 @pytest.mark.parametrize("personal", [("algorithm.name=fedper",),
