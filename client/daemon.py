@@ -109,13 +109,16 @@ class DeviceDaemon:
                 continue
             run, step = ready
             log.info("step %d: %s%s", step.seq, step.kind,
-                     f" round {step.round}" if step.kind == "train" else "")
+                     f" round {step.round}" if step.kind in ("train", "async") else "")
+            failed = True
             try:
                 self.executor.execute(run, step)
+                failed = False
             except FedseqError as exc:
                 log.error("step %d (%s) failed: %s", step.seq, step.kind, exc)
                 self.session.report_failure(run.run_id, step.seq, str(exc))
             except Exception as exc:
                 log.exception("step %d (%s) failed", step.seq, step.kind)
                 self.session.report_failure(run.run_id, step.seq, f"{type(exc).__name__}: {exc}")
-            run.done.add(step.seq)
+            if step.kind != "async" or failed:  # an async step is done when nothing is owed
+                run.done.add(step.seq)

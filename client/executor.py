@@ -42,7 +42,8 @@ class StepExecutor:
         self.abort = abort  # true once the step must not go on
         self.meter = meter or EnergyMeter(None, reason="not measured")
         self.handlers: Dict[str, Callable[[RunState, Step, List[int]], None]] = {
-            "train": self._train, "evaluate": self._evaluate, "finetune": self._finetune}
+            "train": self._train, "async": self._async, "evaluate": self._evaluate,
+            "finetune": self._finetune}
 
     def execute(self, run: RunState, step: Step) -> None:
         """Run `step` for those of its clients this device hosts (all of them without a list)."""
@@ -80,22 +81,40 @@ class StepExecutor:
         for c in mine:
             if self.abort(step):
                 return
-            mark = self.meter.mark()
-            update = clients.train(c, step.round, plan, shared)
-            cost = self._cost(mark)
-            if update.diverged_at is not None:  # refused by the coordinator; blocks kept as they were
-                log.warning("round %d: client %d's training diverged (NaN or Inf loss at batch %d)",
-                            step.round, c, update.diverged_at)
-            meta = dict(run_id=run.run_id, seq=step.seq, round=step.round, client=c,
-                        device=self.session.device, num_samples=update.num_samples,
-                        effective_samples=update.effective_samples,
-                        train_seconds=update.train_seconds,
-                        local_correct=update.local_score[0] if update.local_score else None,
-                        local_total=update.local_score[1] if update.local_score else None,
-                        diverged_at=update.diverged_at, **dataclasses.asdict(cost))
-            frame = encode_tensors(update.deltas)
-            self.session.send(f"update/{c}", step.seq,
-                              functools.partial(self._publish_update, meta, frame))
+            self._train_client(run, step, clients, plan, shared, c, step.seq)
+
+    def _async(self, run: RunState, step: Step, mine: List[int]) -> None:
+        """One dispatch of an async step: the oldest of this device's clients' dispatches not
+        trained yet, on this step's model (the newest here); the worker then takes the newest
+        step again, so every client starts on the newest model this device holds."""
+        owed = self.session.owed_dispatches(run, step)
+        if not owed or self.abort(step):
+            return
+        c, dispatched = owed[0]
+        clients = self.clients(run)
+        self._train_client(run, step, clients, _plan(step),
+                           self.session.weights(run, list(step.versions)), c, dispatched)
+        run.answered[c] = dispatched
+
+    def _train_client(self, run: RunState, step: Step, clients: ClientExecutor, plan: ClientPlan,
+                      shared: Weights, c: int, seq: int) -> None:
+        """Train client `c` on round `step.round`'s model and send its update as an answer to
+        step `seq`."""
+        mark = self.meter.mark()
+        update = clients.train(c, step.round, plan, shared)
+        cost = self._cost(mark)
+        if update.diverged_at is not None:  # refused by the coordinator; blocks kept as they were
+            log.warning("round %d: client %d's training diverged (NaN or Inf loss at batch %d)",
+                        step.round, c, update.diverged_at)
+        meta = dict(run_id=run.run_id, seq=seq, round=step.round, client=c,
+                    device=self.session.device, num_samples=update.num_samples,
+                    effective_samples=update.effective_samples,
+                    train_seconds=update.train_seconds,
+                    local_correct=update.local_score[0] if update.local_score else None,
+                    local_total=update.local_score[1] if update.local_score else None,
+                    diverged_at=update.diverged_at, **dataclasses.asdict(cost))
+        frame = encode_tensors(update.deltas)
+        self.session.send(f"update/{c}", seq, functools.partial(self._publish_update, meta, frame))
 
     def _evaluate(self, run: RunState, step: Step, mine: List[int]) -> None:
         clients = self.clients(run)

@@ -65,6 +65,8 @@ class RunState:
     data_clients: Optional[List[int]] = None  # whose rows `data` holds
     model: Optional[BlockModel] = None
     frames: Optional[FramePool] = None  # weights frames being reassembled, bounded by the model
+    # async steps: client -> the dispatch (step seq) this device last trained it for
+    answered: Dict[int, int] = field(default_factory=dict)
 
 
 def weights_frame_pool(cfg: ExperimentConfig) -> FramePool:
@@ -348,7 +350,9 @@ class DeviceSession:
         moved on)."""
         if step.run_id != run.run_id or step.seq in run.done:
             return "waiting"
-        if step.kind not in ("train", "evaluate", "finetune"):
+        if step.kind not in ("train", "async", "evaluate", "finetune"):
+            return "waiting"
+        if step.kind == "async" and not self.owed_dispatches(run, step):
             return "waiting"
         held = self.blocks.get(run.run_id, {})
         for block, version in step.versions.items():
@@ -357,6 +361,16 @@ class DeviceSession:
             if held[block][0] > version:
                 return "superseded"
         return "ready"
+
+    def owed_dispatches(self, run: RunState, step: Step) -> List[Tuple[int, int]]:
+        """An async step's dispatches of this device's clients not trained yet: (client, the
+        seq that dispatched it), oldest dispatch first."""
+        if len(step.dispatched) != len(step.clients):
+            raise ProtocolError(f"async step {step.seq} lists {len(step.clients)} clients and "
+                                f"{len(step.dispatched)} dispatches")
+        mine = set(run.clients)
+        return sorted(((c, d) for c, d in zip(step.clients, step.dispatched)
+                       if c in mine and run.answered.get(c) != d), key=lambda cd: (cd[1], cd[0]))
 
     def weights_stalled(self, now: float) -> bool:
         """Whether the current step lacks a block and no weights chunk has arrived for
@@ -399,11 +413,23 @@ class DeviceSession:
         return out
 
     # -- outbox ----------------------------------------------------------------------------
+    def _current(self, key: str, seq: int) -> bool:
+        """Whether the coordinator still takes the answer `key` to step `seq`: one of the current
+        step's, or of a dispatch the current async step lists (hold `cond`)."""
+        step = self.step
+        if step is None:
+            return False
+        if seq == step.seq:
+            return True
+        return step.kind == "async" and key.startswith("update/") and \
+            (int(key.split("/")[1]), seq) in zip(step.clients, step.dispatched)
+
     def send(self, key: str, seq: int, publish: Callable[[], None]) -> None:
-        """Publish a result of step `seq` now and again on every reconnect while it is current."""
+        """Publish a result of step `seq` now and again on every reconnect while it is current
+        (an async dispatch's while the current step lists it)."""
         with self.cond:
             for k, (s, _) in list(self.outbox.items()):
-                if s != seq:
+                if s != seq and not self._current(k, s):
                     del self.outbox[k]  # an older step's: the coordinator has moved on
             self.outbox[key] = (seq, publish)
         publish()
@@ -416,7 +442,7 @@ class DeviceSession:
             step = self.step
             if step is None or seq != step.seq:
                 return
-            pending = [p for k, (s, p) in self.outbox.items() if s == seq and (
+            pending = [p for k, (s, p) in self.outbox.items() if self._current(k, s) and (
                 k == "eval" and bool(clients & set(mine))
                 or k.startswith("update/") and int(k.split("/")[1]) in clients)]
         if pending:
@@ -427,8 +453,7 @@ class DeviceSession:
 
     def resend(self, why: str) -> None:
         with self.cond:
-            step = self.step
-            pending = [p for s, p in self.outbox.values() if step is not None and s == step.seq]
+            pending = [p for k, (s, p) in self.outbox.items() if self._current(k, s)]
         if pending:
             log.info("%s: sending the current step's %d results again", why, len(pending))
         for publish in pending:

@@ -203,7 +203,7 @@ class Coordinator:
         got = self._train(t, trainers, plan, needed, enough)
         self._no_device_can_train(selected, got.reported, got.outcome)
         refused = self._apply(t, got)
-        wire = _add(got.outcome.wire, self._evaluate_if_due(t))
+        wire = add_wire(got.outcome.wire, self._evaluate_if_due(t))
         rec = self._row(t, plan, got, refused, selected, trainers, bytes_down, start)
         if got.outcome.deadline_s is not None:  # a fleet: its deadlines, what the devices measured
             rec.set_transport(got.outcome)
@@ -593,7 +593,7 @@ class Coordinator:
         self.on_round(row)
 
 
-def _add(a: tuple[int, int] | None, b: tuple[int, int] | None) -> tuple[int, int] | None:
+def add_wire(a: tuple[int, int] | None, b: tuple[int, int] | None) -> tuple[int, int] | None:
     """Two steps' (sent, received) bytes together; None where neither was measured."""
     if a is None or b is None:
         return a or b

@@ -18,6 +18,7 @@ from fedseq.common.config import ExperimentConfig, FleetConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.files import read_secret
 from fedseq.common.protocol.link import TlsOptions
+from fedseq.server.asynchronous import OnFleet
 from fedseq.server.broker import EmbeddedBroker, one_run_login
 from fedseq.server.checkpoint import Checkpoint
 from fedseq.server.coordinator import RunResult
@@ -106,16 +107,13 @@ def run_deployment(
     if rehearsal is not None and (broker or cfg.deploy.broker) is not None:
         raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
                           "its bridge; leave out --broker and deploy.broker")
-    if cfg.train.mode != "sync":
-        raise ConfigError("train.mode = \"async\" runs in fedseq-sim so far: the MQTT fleet runs "
-                          "synchronous rounds (train.over_select applies); set train.mode = "
-                          "\"sync\"")
     if cfg.fleet:
         announce("note: [fleet] models a simulation's time; a deployment's devices are real, "
                  "so it is ignored here")
         cfg = cfg.model_copy(update={"fleet": FleetConfig()})
     fleet = Fleet(cfg, out, broker, local_clients, announce, client_threads, rehearsal)
-    return run_experiment(cfg, out, fleet, mode, info, on_round, on_progress)
+    driver = OnFleet if cfg.train.mode == "async" else None
+    return run_experiment(cfg, out, fleet, mode, info, on_round, on_progress, driver=driver)
 
 
 class Fleet:

@@ -46,6 +46,7 @@ Refusal = Literal[
     "bad-statistic",  # a running statistic out of its bounds
     "bad-encoding",  # a compressed tensor that cannot be decoded safely (wire.up)
     "too-stale",  # trained on a model more than train.max_staleness server steps old (async)
+    "bad-version",  # names a model version it cannot have trained on (async, on a fleet)
 ]
 
 

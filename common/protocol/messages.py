@@ -16,7 +16,9 @@ from fedseq.common.errors import ProtocolError, validation_problem
 # 4: UpdateHeader.diverged_at and EvalResult.diverged (a NaN or Inf loss stops training).
 # 5: updates on one topic per device (fedseq/update/<device>; client and chunk in the header), so
 # a device login can leave at most one retained message there (the ACL grants no deeper level).
-PROTOCOL_VERSION = 5
+# 6: the "async" step kind (train.mode = "async"): Step.dispatched; an update's seq is then the
+# step that dispatched its client, its round the model version it trained on.
+PROTOCOL_VERSION = 6
 #: seconds between an online device's status messages (its heartbeat)
 HEARTBEAT_S = 15.0
 
@@ -52,7 +54,7 @@ class Message(BaseModel):
     protocol version (a peer of another version is rejected loudly, see version_mismatch)."""
 
     model_config = ConfigDict(extra="forbid")
-    v: Literal[5] = 5  # PROTOCOL_VERSION
+    v: Literal[6] = 6  # PROTOCOL_VERSION
 
     def encode(self) -> bytes:
         """The message as compact JSON bytes."""
@@ -148,13 +150,21 @@ class Assignment(Message):
 
 
 class Step(Message):
-    """The coordinator's current step, retained so a reconnecting device resumes from it."""
+    """The coordinator's current step, retained so a reconnecting device resumes from it.
+
+    train: each of `clients` trains once on the model of round `round`; a newer step supersedes
+    it (the device stops between clients). async (train.mode = "async"): `clients` are the
+    clients in flight, `dispatched` the step that dispatched each; a device trains each of its
+    own once per dispatch, one after another, on the newest model it holds (`round`, `plan`,
+    `versions` of the newest async step), and answers with that dispatch's seq: a newer async
+    step does not supersede the dispatches it still lists."""
 
     run_id: str
     seq: int = Field(ge=0)  # strictly increasing within a run
-    kind: Literal["train", "evaluate", "finetune", "idle"]
+    kind: Literal["train", "async", "evaluate", "finetune", "idle"]
     round: int = -1
     clients: List[int] = Field(default_factory=list)
+    dispatched: List[int] = Field(default_factory=list)  # async: the seq each client answers
     plan: Optional[Dict[str, Any]] = None  # ClientPlan as plain data (train, finetune)
     versions: Dict[str, int] = Field(default_factory=dict)  # block -> version the step needs
     eval_heads: List[str] = Field(default_factory=list)

@@ -322,8 +322,13 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
         for ev in session.drain(min(1.0, deadline - time.monotonic())):
             if isinstance(ev, DeviceOffline):
                 owing.discard(ev.device)
-            elif isinstance(ev, UpdateArrived):  # of a training step that has ended
-                session.inbox.release(ev)
+                if session.inbox.async_from >= 0:  # its flights are lost: the driver hears it
+                    session.stashed.append(ev)
+            elif isinstance(ev, UpdateArrived):
+                if session.inbox.async_from >= 0:  # an async run's: taken after this step
+                    session.stashed.append(ev)
+                else:  # of a training step that has ended
+                    session.inbox.release(ev)
             elif isinstance(ev, StepFailed) and ev.seq in (seq, -1):
                 log.warning("step %d: %s cannot evaluate (%s)", seq, ev.device, ev.reason)
                 owing.discard(ev.device)

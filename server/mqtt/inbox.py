@@ -259,6 +259,9 @@ class Inbox:
         self.run_id = run_id
         self.queue: queue.Queue[Event] = queue.Queue(MAX_EVENTS)
         self.collecting = -1  # the step whose answers are being collected; others are late
+        # an asynchronous run: updates answering any step from this one on are taken (each
+        # answers the step that dispatched its client), whatever step is being collected
+        self.async_from = -1
         self.late = 0
         self.late_evals = 0
         self.arrivals = 0  # answers (update chunks, evaluations) of the step being collected
@@ -326,10 +329,29 @@ class Inbox:
         t = self.topics
         return [t.device_status(), t.device_info(), t.update(), t.evaluation()]
 
+    def takes_update(self, seq: int) -> bool:
+        """Whether an update answering step `seq` is taken now."""
+        return seq == self.collecting or 0 <= self.async_from <= seq
+
+    def collect_async(self, seq: int) -> None:
+        """An asynchronous run's updates from step `seq` on (-1: that part is over): they answer
+        the step that dispatched their client, across the steps published meanwhile. Called
+        again as the oldest dispatch in flight moves on: older answers are late, and their
+        per-step counts go."""
+        if seq < 0 or self.async_from < 0:
+            self.async_from = -1
+            self.collect(seq)
+        self.async_from = seq
+        with self._lock:
+            self._queued = {k: n for k, n in self._queued.items() if k[1] >= seq}
+
     def collect(self, seq: int) -> None:
         """Accept answers (updates, evaluations) of step `seq` from now on (-1: none); partial
-        frames and the per-step counts of other steps go."""
+        frames and the per-step counts of other steps go (not an asynchronous run's updates,
+        which answer earlier steps)."""
         self.collecting = seq
+        if self.async_from >= 0:
+            return
         self.frames.expire(lambda sender, tag: tag[1] == seq)
         with self._lock:
             if seq >= 0:  # the previous step's updates are all folded in or dropped
@@ -360,7 +382,8 @@ class Inbox:
             self.spool.free(ev.spooled)
             size = ev.spooled.size
         with self._lock:
-            if ev.seq == self._frames_of:  # (an older step's frames were forgotten with it)
+            if ev.seq == self._frames_of or self.async_from >= 0:
+                # (an older step's frames were forgotten with it, not an asynchronous run's)
                 left = self._frame_bytes.get(ev.device, 0) - size
                 if left > 0:
                     self._frame_bytes[ev.device] = left
@@ -544,7 +567,7 @@ class Inbox:
             raise ProtocolError(f"update for run {head.run_id}, this is {self.run_id}")
         if self.owner.get(head.client) != device:
             raise ProtocolError(f"client {head.client} is not assigned to {device}")
-        if head.seq != self.collecting:
+        if not self.takes_update(head.seq):
             if head.chunk == 0:
                 self.late += 1
                 self._warn(device, "late update of client %d from %s dropped: step %d, "

@@ -6,12 +6,14 @@ Per step it publishes the blocks that changed (retained, versioned, chunked), th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 import torch
 
 from fedseq.common import __version__
+from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.codecs import decode, expected
 from fedseq.common.config import ExperimentConfig
@@ -19,12 +21,13 @@ from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
-from fedseq.common.protocol.tensors import frame_size
+from fedseq.common.protocol.tensors import decode_tensors, frame_size
 from fedseq.common.protocol.topics import Topics
 from fedseq.common.text import printable
 from fedseq.server.mqtt.blocks import BlockPublisher
 from fedseq.server.mqtt.collect import DeadlinePolicy, collect_scores, collect_updates
-from fedseq.server.mqtt.session import ServerSession
+from fedseq.server.mqtt.inbox import UpdateArrived
+from fedseq.server.mqtt.session import ServerSession, SessionEvent
 from fedseq.server.pool import (
     EvalOutcome,
     FinetuneOutcome,
@@ -181,6 +184,52 @@ class MqttPool:
                                   plan=plan_to_dict(plan), versions=versions)
         return TrainRound(collect_updates(self.session, step.seq, round, clients, self.owner,
                                           check, self.deadlines, self.update_chunks, enough))
+
+    # -- an asynchronous run (server/asynchronous.py, OnFleet) ------------------------------
+    def dispatch(self, round: int, flights: dict[int, int | None], plan: ClientPlan,
+                 weights: Weights) -> int:
+        """Publish an async step: model version `round` (its plan and blocks) and the clients in
+        flight, each with the step that dispatched it (None: this one). Returns the step's seq:
+        what the update of a client it dispatches answers."""
+        versions = self._prepare_step(weights)
+        seq = self.seq + 1
+        table = {c: seq if d is None else d for c, d in flights.items()}
+        self.inbox.collect_async(min(table.values(), default=seq))
+        clients = sorted(table)
+        self._publish_step(kind="async", round=round, clients=clients,
+                           dispatched=[table[c] for c in clients], plan=plan_to_dict(plan),
+                           versions=versions)
+        return seq
+
+    def async_events(self, timeout: float) -> list[SessionEvent]:
+        """What the fleet sent within `timeout` seconds: updates (first those that came while an
+        evaluation was collected), devices gone offline or failing."""
+        if self.session.stashed:
+            out: list[SessionEvent] = list(self.session.stashed)
+            self.session.stashed.clear()
+            return out
+        return self.session.drain(timeout)
+
+    def take(self, ev: UpdateArrived) -> ClientUpdate:
+        """An arrived update, its deltas in memory (read back if they were spooled); its room in
+        the inbox is free."""
+        update = ev.update
+        if ev.spooled is not None:
+            update = dataclasses.replace(update, deltas=decode_tensors(
+                self.inbox.spool.read(ev.spooled), copy=False, check_finite=False))
+        self.inbox.release(ev)
+        return update
+
+    def release(self, ev: UpdateArrived) -> None:
+        """An arrived update nobody takes (late, or refused before its deltas were read)."""
+        self.inbox.release(ev)
+
+    def end_async(self) -> None:
+        """The asynchronous part is over: late updates are dropped from now on."""
+        self.inbox.collect_async(-1)
+        for ev in self.session.stashed:
+            self.inbox.release(ev)
+        self.session.stashed.clear()
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
                  ) -> EvalOutcome:

@@ -80,6 +80,9 @@ class ServerSession:
         # queue to this coordinator (collect.Resender asked again), and heartbeats with them
         self.lossy_until = 0.0
         self._restored_at: dict[str, list[float]] = {}
+        # an asynchronous run's updates that arrived while an evaluation was collected: the
+        # driver takes them first when it collects updates again (MqttPool.async_events)
+        self.stashed: list[SessionEvent] = []
 
     def start(self) -> None:
         self.link.start(attempts=3)
@@ -170,7 +173,7 @@ class ServerSession:
             if isinstance(ev, StatusArrived):
                 for status in self.inbox.take_statuses():
                     out.extend(self._presence(status))
-            elif isinstance(ev, UpdateArrived) and ev.seq != self.inbox.collecting:
+            elif isinstance(ev, UpdateArrived) and not self.inbox.takes_update(ev.seq):
                 self.inbox.release(ev)  # of a step that is over: nobody will take it
             else:
                 out.append(ev)
@@ -239,7 +242,7 @@ class ServerSession:
         for the whole run, spent while the run waits for it: one that is gone for good costs one
         wait, and one that goes offline before every step and comes back after it (flapping)
         costs no more; a device whose share is spent is not waited for again."""
-        self.drain(0.0)
+        self._keep(self.drain(0.0))
 
         def missing() -> set[str]:
             return {d for d in assigned - set(self.online) if self.wait_left.get(d, wait_s) > 0}
@@ -256,7 +259,7 @@ class ServerSession:
                     ", ".join(sorted(missing())))
         began = last = time.monotonic()
         while not enough():
-            self.drain(0.5)
+            self._keep(self.drain(0.5))
             now = time.monotonic()
             for d in missing():  # the time just waited is charged to every device waited for
                 self.wait_left[d] = self.wait_left.get(d, wait_s) - (now - last)
@@ -264,11 +267,20 @@ class ServerSession:
         spent = sorted(d for d in assigned - set(self.online) if self.wait_left.get(d, wait_s) <= 0)
         if not spent:
             time.sleep(0.5)  # let the others that reconnect together announce themselves
-            self.drain(0.0)
+            self._keep(self.drain(0.0))
         log.warning("waited %.1f s for devices; continuing with %d online%s", time.monotonic() - began,
                     len(assigned & set(self.online)),
                     f"; not waiting again this run for {', '.join(spent)} (its share of "
                     f"deploy.wait_devices_s={wait_s:.0f} is spent)" if spent else "")
+
+    def _keep(self, events: list[SessionEvent]) -> None:
+        """Events that came while presence was awaited: an asynchronous run's updates and lost
+        devices wait in `stashed` for its driver; otherwise an update is late (dropped)."""
+        for ev in events:
+            if self.inbox.async_from >= 0 and not isinstance(ev, EvalArrived):
+                self.stashed.append(ev)
+            elif isinstance(ev, UpdateArrived):
+                self.inbox.release(ev)
 
     def close(self, goodbye: Callable[[], None]) -> None:
         """Run `goodbye` (the last retained messages) if still connected, say offline, then

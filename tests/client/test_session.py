@@ -143,3 +143,52 @@ def test_a_step_lacking_blocks_resyncs_after_a_silence_with_backoff(tmp_path):
         s.blocks["r1"] = {"conv1": (2, {"conv1.weight": torch.zeros(1)})}
         assert s.next_ready() == (s.run, step)
         assert not s.weights_stalled(1e12) and s.resync_after == mod.RESYNC_S
+
+
+def test_an_async_step_owes_each_dispatch_once_and_keeps_its_answers_while_listed(tmp_path):
+    """An async step lists every client in flight with the step that dispatched it: the device
+    owes its own clients' dispatches it has not answered, oldest first; a newer async step does
+    not drop an answer to a dispatch it still lists (a reconnect sends it again), and a client
+    dispatched again is owed again."""
+    import torch
+
+    s = _session(tmp_path)
+    s.on_message(T.assignment("dev01"), b'{"v": %d, "run_id": "r1", "device": "dev01", '
+                                        b'"clients": [1, 4, 6]}' % PROTOCOL_VERSION)
+    first = Step(run_id="r1", seq=5, kind="async", round=2, clients=[1, 3, 4, 6],
+                 dispatched=[5, 5, 4, 5], versions={"conv1": 2})
+    s.on_message(T.step, first.encode())
+    with s.cond:
+        s.blocks["r1"] = {"conv1": (2, {"conv1.weight": torch.zeros(1)})}
+        run, step = s.next_ready()
+        assert s.owed_dispatches(run, step) == [(4, 4), (1, 5), (6, 5)]  # not 3: not ours
+        run.answered[4] = 4
+        assert s.owed_dispatches(run, step) == [(1, 5), (6, 5)]
+    sent = []
+    s.send("update/4", 4, lambda: sent.append(4))
+    later = Step(run_id="r1", seq=6, kind="async", round=3, clients=[1, 4, 6],
+                 dispatched=[5, 4, 5], versions={"conv1": 3})
+    s.on_message(T.step, later.encode())
+    s.send("update/1", 5, lambda: sent.append(1))
+    s.resend("reconnected")
+    assert sorted(sent) == [1, 1, 4, 4]  # both still listed: both sent again
+    again = Step(run_id="r1", seq=7, kind="async", round=4, clients=[4, 6], dispatched=[7, 5],
+                 versions={"conv1": 4})
+    s.on_message(T.step, again.encode())
+    with s.cond:
+        s.blocks["r1"]["conv1"] = (4, {"conv1.weight": torch.zeros(1)})
+        run, step = s.next_ready()
+        assert s.owed_dispatches(run, step) == [(6, 5), (4, 7)]  # 4 dispatched anew
+    sent.clear()
+    s.send("update/6", 5, lambda: sent.append(6))  # 1's answer is no longer listed: dropped
+    s.resend("reconnected")
+    assert sorted(sent) == [6, 6]
+    bad = Step(run_id="r1", seq=8, kind="async", round=4, clients=[4, 6], dispatched=[8],
+               versions={"conv1": 4})
+    s.on_message(T.step, bad.encode())
+    with s.cond:
+        import pytest
+
+        from fedseq.common.errors import ProtocolError
+        with pytest.raises(ProtocolError, match="lists 2 clients and 1 dispatches"):
+            s.next_ready()

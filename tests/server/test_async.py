@@ -195,12 +195,28 @@ def test_over_selection_on_a_real_fleet_counts_the_first_to_arrive(data_root, tm
         run_simulation(quick_config(data_root, "train.over_select=2"), None)
 
 
-def test_a_deployment_refuses_async_in_one_line(data_root):
+def test_an_asynchronous_deployment_is_replayed_bitwise(data_root, tmp_path, one_thread):
+    """Two real daemons on amqtt, 4 clients in flight, a step every 2 arrivals: each update is
+    checked against the version its device trained on (the newest it held) and folded in its
+    arrival order; fedseq-sim --replay of the run directory gives its global model bitwise."""
     from fedseq.server.deployment import run_deployment
+    from fedseq.server.simulation import replay
 
-    with pytest.raises(ConfigError, match="runs in fedseq-sim so far"):
-        run_deployment(quick_config(data_root, "train.mode='async'", MIXED), None,
-                       announce=lambda m: None)
+    cfg = quick_config(data_root, "data.num_clients=6", "rounds=4", "train.mode='async'",
+                       "train.concurrency=4", "train.buffer=2", "train.threads=1",
+                       "deploy.port=0")
+    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+                         announce=lambda m: None)
+    rows = [r for r in dep.records if r.phase == "train"]
+    assert [r.round for r in rows] == [0, 1, 2, 3]
+    for r in rows:
+        assert r.status == "ok" and len(r.reported) == 2 and r.virtual_s is None
+        assert all(f.refused is None and 0 <= f.staleness <= r.round for f in r.folds)
+        assert [f.client for f in r.folds] == r.reported
+    assert any(f.staleness > 0 for r in rows for f in r.folds)  # some trained on older models
+    again, same, verdict = replay(tmp_path / "dep", tmp_path / "replay")
+    assert same, verdict
+    assert all(torch.equal(dep.global_weights[k], v) for k, v in again.global_weights.items())
 
 
 def test_an_async_run_resumes_after_its_last_step(data_root, tmp_path, one_thread):

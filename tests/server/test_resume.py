@@ -200,28 +200,11 @@ def test_deployment_resume_after_sigkill_is_bitwise(data_root, tmp_path, mosquit
     port, home, _ = mosquitto
     devices = [device_process(n, port, home, data_root) for n in ("local01", "local02")]
     out = tmp_path / "run"
-    cred = ["--set", "deploy.username=coordinator",
-            "--set", f"deploy.password_file={str(home / 'coordinator.pw')!r}"]
     over = [f"algorithm.name={algorithm}", "rounds=4", "train.join_ratio=0.6", "deploy.min_devices=2",
             "deploy.round_timeout_s=120", "deploy.eval_timeout_s=120"]
     cfg = quick_config(data_root, *over)
-    sets = _server_sets(cfg, over)
-    url = f"mqtt://127.0.0.1:{port}"
     try:
-        server = subprocess.Popen(["fedseq-server", "start", "-q", "--broker", url, "--out",
-                                   str(out), *sets, *cred])
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and server.poll() is None:
-            if (out / "metrics.jsonl").exists() and len(_rows(out)) >= 2:
-                break
-            time.sleep(0.2)
-        server.send_signal(signal.SIGKILL)
-        server.wait(30)
-        assert len(_rows(out)) in (2, 3), "the coordinator was not killed mid-run"
-        assert _status(out) == "running"  # what a crash leaves behind
-        r = subprocess.run(["fedseq-server", "start", "-q", "--broker", url, "--resume", str(out)],
-                           capture_output=True, text=True, timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
+        _kill_after_two_rows_then_resume(port, home, out, _server_sets(cfg, over), most=3)
     finally:
         stop_children(devices)
     rows = _rows(out)
@@ -412,3 +395,73 @@ def test_passwd_file_is_never_readable_by_others(tmp_path):
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "passwd").stat().st_mode & 0o077 == 0
     assert (tmp_path / "passwd").read_text().startswith("dev01:")
+
+
+def _kill_after_two_rows_then_resume(port: int, home: Path, out: Path, sets: list[str],
+                                     most: int) -> None:
+    """fedseq-server start on the test's Mosquitto, SIGKILLed once two rows are recorded (at
+    most `most` by then: mid-run), then the same command with --resume, which must succeed."""
+    cred = ["--set", "deploy.username=coordinator",
+            "--set", f"deploy.password_file={str(home / 'coordinator.pw')!r}"]
+    url = f"mqtt://127.0.0.1:{port}"
+    server = subprocess.Popen(["fedseq-server", "start", "-q", "--broker", url, "--out",
+                               str(out), *sets, *cred])
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and server.poll() is None:
+        if (out / "metrics.jsonl").exists() and len(_rows(out)) >= 2:
+            break
+        time.sleep(0.2)
+    server.send_signal(signal.SIGKILL)
+    server.wait(30)
+    assert 2 <= len(_rows(out)) <= most, "the coordinator was not killed mid-run"
+    assert _status(out) == "running"  # what a crash leaves behind
+    r = subprocess.run(["fedseq-server", "start", "-q", "--broker", url, "--resume", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def _cpu_quota(pid: int, cores: float, name: str) -> Path | None:
+    """Put process `pid` under a cgroup v1 CPU quota of `cores` (root only; None elsewhere)."""
+    from fedseq.server.rehearsal import CGROUP_CPU
+
+    if os.geteuid() != 0 or not (CGROUP_CPU / "cpu.cfs_quota_us").exists():
+        return None
+    group = CGROUP_CPU / f"fedseq-test-{name}-{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    (group / "cpu.cfs_period_us").write_text("100000\n")
+    (group / "cpu.cfs_quota_us").write_text(f"{int(cores * 100000)}\n")
+    (group / "cgroup.procs").write_text(f"{pid}\n")
+    return group
+
+
+def test_an_async_deployment_resumes_after_sigkill_and_replays_bitwise(
+        data_root, tmp_path, mosquitto, one_thread):
+    """train.mode = "async" on Mosquitto (broker.conf, ACL), two daemons of unequal speed (one
+    under a quarter of a core, as root): fedseq-server is SIGKILLed after two server steps; the
+    same command with --resume re-selects the clients that were in flight and finishes; every
+    fold was trained on a model of its step or before, some of them on an older one; and
+    fedseq-sim --replay of the run directory gives the deployment's global model bitwise."""
+    port, home, _ = mosquitto
+    devices = [device_process(n, port, home, data_root) for n in ("local01", "local02")]
+    group = _cpu_quota(devices[1].pid, 0.25, "local02")
+    out = tmp_path / "run"
+    over = ["algorithm.name=fedavg", "rounds=6", "train.mode='async'", "train.concurrency=4",
+            "train.buffer=2", "deploy.min_devices=2", "deploy.round_timeout_s=300",
+            "deploy.eval_timeout_s=300"]
+    cfg = quick_config(data_root, *over)
+    try:
+        _kill_after_two_rows_then_resume(port, home, out, _server_sets(cfg, over), most=5)
+    finally:
+        stop_children(devices)
+        if group is not None:
+            group.rmdir()
+    rows = [x for x in _rows(out) if x["phase"] == "train"]
+    assert [x["round"] for x in rows] == [0, 1, 2, 3, 4, 5]
+    folds = [(x["round"], f) for x in rows for f in x["folds"]]
+    assert all(f["refused"] is None and f["version"] <= t for t, f in folds)
+    assert all(len(x["reported"]) == 2 for x in rows)
+    assert any(f["staleness"] > 0 for _, f in folds)
+    r = subprocess.run(["fedseq-sim", "--replay", str(out), "--out", str(tmp_path / "again"),
+                        "-q", "--set", "train.threads=1"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
