@@ -265,7 +265,11 @@ class BufferedAsync(Coordinator):
             spent = self.clock - began
             rec.set_virtual(spent, self.clock, energy_j(self.fleet, spent, {}) + self._extra_j)
         self._bytes_down_step, self._extra_j = 0, 0.0
+        self._finish(t, rec, got)
         return rec
+
+    def _finish(self, t: int, rec: RoundRecord, got: RoundUpdates) -> None:
+        """What a driver adds to step t's row (nothing in simulation)."""
 
     # -- what never arrived ----------------------------------------------------------------
     def _not_arrived(self) -> dict[int, Weights]:
@@ -448,15 +452,17 @@ class OnFleet(BufferedAsync):
                 yield f
                 self._fill(t)
 
-    def run_round(self, t: int) -> RoundRecord:
-        rec = super().run_round(t)
+    def _finish(self, t: int, rec: RoundRecord, got: RoundUpdates) -> None:
+        """The fleet's part of the row: flights lost, late updates, who sent each counted update
+        and its measured pace, the wire bytes."""
         self._prune_versions(t + 1)
         if self.lost:
             rec.failed, self.lost = sorted(self.lost), []
         if self._wire is not None:
             rec.wire_bytes_out, rec.wire_bytes_in = self._wire
         rec.late_updates, self.late = self.late, 0
-        return rec
+        rec.reporters = {c: self.pool.owner[c] for c in got.reported}
+        rec.set_paces(got.paces)
 
     def _evaluate_if_due(self, t: int) -> tuple[int, int] | None:
         """(and the step's wire bytes: its dispatches' and arrivals', and its evaluation's)"""

@@ -92,6 +92,8 @@ class RoundUpdates:
     flops: int = 0
     steps: int = 0
     bytes_up: int = 0
+    #: client -> (its training seconds where it trained, the FLOPs counted for it)
+    paces: dict[int, tuple[float, int]] = field(default_factory=dict)
     costs: dict[int, tuple[str | None, DeviceCost | None]] = field(default_factory=dict)
     outcome: RoundOutcome = field(default_factory=RoundOutcome)
 
@@ -208,6 +210,7 @@ class Coordinator:
         if got.outcome.deadline_s is not None:  # a fleet: its deadlines, what the devices measured
             rec.set_transport(got.outcome)
             rec.set_device_energy(got.costs)
+            rec.set_paces(got.paces)
         if wire is not None:  # measured on the coordinator's connection, this round's steps
             rec.wire_bytes_out, rec.wire_bytes_in = wire
         rec.cancelled = sorted(set(selected) - set(trainers)) or got.outcome.cancelled
@@ -357,7 +360,9 @@ class Coordinator:
         if update.local_score is not None:
             got.local_scores[update.client] = update.local_score
         shard = self.data.clients[update.client]
-        got.flops += plan_flops(self.model, plan, self.data, shard, self.flop_cache)
+        flops = plan_flops(self.model, plan, self.data, shard, self.flop_cache)
+        got.flops += flops
+        got.paces[update.client] = (update.train_seconds, flops)
         got.steps += plan_steps(plan, self.data, shard)
         got.bytes_up += (update.upload_bytes if update.upload_bytes is not None
                          else self._update_bytes(update.deltas))

@@ -15,7 +15,8 @@ The profiles' figures (docs/results.md, "Mixed fleets", gives their sources): pe
 the datasheets' core counts x clocks x 2 (FMA) for the GPUs and x 8 or 16 FLOP/cycle (NEON FMA
 units) for the CPUs; training power is the power mode's budget. The fraction of the peak a small
 model's training reaches (`utilisation`) and the idle power are ASSUMPTIONS, one per kind of
-processor, until a device's run is measured: a user with a measured pace gives a custom profile.
+processor, until a device's run is measured: a user with a measured pace gives a custom profile
+(`fedseq fleet RUN_DIR` makes them from a deployment's rows: measured_fleet).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from fedseq.server.rehearsal import LinkProfile, parse_profile
 
 if TYPE_CHECKING:
     from fedseq.common.config import ExperimentConfig
+    from fedseq.server.records import RoundRecord
 
 #: assumed fraction of the FP32 peak a client's training reaches (small batches of a small
 #: model leave most of a GPU idle); replace with a measured pace where there is one
@@ -179,3 +181,36 @@ def energy_j(fleet: VirtualFleet, seconds: float, trained: dict[int, float]) -> 
     return fleet.idle_w * seconds + sum(fleet.extra_j(c, s) for c, s in trained.items())
 
 
+
+
+def measured_fleet(rows: list[RoundRecord], train_w: float, idle_w: float, link: str) -> str:
+    """A deployment's devices as a [fleet] (`fedseq fleet RUN_DIR`): one custom profile per
+    device, its effective GFLOP/s = the FLOPs of its counted updates over the training seconds
+    it reported for them (the rows' `paces` and `reporters`), its training watts the mean it
+    measured where it did (else `train_w`), devices by name as the deployment dealt clients to
+    them. The rows do not say the links: `link` for every device. A ConfigError where no row
+    has paces (a simulation, or a deployment from before they were recorded)."""
+    flops: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    watts: dict[str, list[float]] = {}
+    for r in rows:
+        for c, (s, f) in r.paces.items():
+            device = r.reporters.get(c)
+            if device is not None and s > 0:
+                flops[device] = flops.get(device, 0.0) + f
+                seconds[device] = seconds.get(device, 0.0) + s
+        devices = getattr(r.energy, "devices", None) or {}
+        for device, e in devices.items():
+            if e.w is not None:
+                watts.setdefault(device, []).append(e.w)
+    if not flops:
+        raise ConfigError("the run directory's rows record no measured paces: only a deployment "
+                          "(fedseq-server start) of this version records them")
+    parse_profile(link, "--link")
+    groups = []
+    for device in sorted(flops):
+        w = sum(watts[device]) / len(watts[device]) if device in watts else train_w
+        gflops = flops[device] / seconds[device] / 1e9
+        groups.append(f'{{profile="custom:gflops={gflops:.4g},train_w={w:.3g},idle_w={idle_w:g}",'
+                      f'count=1,link="{link}"}},  # {device}')
+    return "fleet.devices = [\n" + "".join(f"    {g}\n" for g in groups) + "]"

@@ -191,6 +191,9 @@ class RoundRecord(_Record):
     #: joules the devices measured (None where none did: never 0), and their breakdown
     energy_j: float | None = None
     energy: RoundEnergy | ClientEnergy | None = None
+    #: client -> [seconds its device said training took, the FLOPs counted for it]: a fleet's
+    #: measured pace (`fedseq fleet RUN_DIR` makes profiles of it)
+    paces: dict[int, tuple[float, int]] = Field(default_factory=dict)
     #: payload bytes on the coordinator's connection during the round's steps
     wire_bytes_out: int | None = None
     wire_bytes_in: int | None = None
@@ -259,6 +262,10 @@ class RoundRecord(_Record):
         self.missed_deadline = outcome.missed_deadline
         self.slowest_device = None if outcome.slowest is None else SlowestDevice(
             device=outcome.slowest[0], waited_s=round(outcome.slowest[1], 3))
+
+    def set_paces(self, paces: dict[int, tuple[float, int]]) -> None:
+        """A deployment's counted clients' training seconds (as their devices said) and FLOPs."""
+        self.paces = {c: (round(s, 4), f) for c, (s, f) in sorted(paces.items())}
 
     def set_device_energy(self, costs: dict[int, tuple[str | None, DeviceCost | None]]) -> None:
         """A deployment round's energy and device health as the devices measured them

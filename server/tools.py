@@ -131,6 +131,26 @@ def report_cmd(
           + "".join(f", {f}" for f in figures))
 
 
+@app.command("fleet")
+def fleet_cmd(
+    run: Annotated[Path, typer.Argument(help="a deployment's run directory (fedseq-server --out)")],
+    train_w: Annotated[float, typer.Option(
+        help="training watts of a device that measured none")] = 0.0,
+    idle_w: Annotated[float, typer.Option(help="idle watts of every device")] = 0.0,
+    link: Annotated[str, typer.Option(
+        help="every device's link (a --link profile; the rows do not say)")] = "wifi-good",
+) -> None:
+    """The deployment's devices as a [fleet] for fedseq-sim: each device's measured training
+    pace (GFLOP/s of its counted updates) as a custom profile, in the deployment's order."""
+    from fedseq.server.fleet import measured_fleet
+    from fedseq.server.report.load import load_run
+
+    try:
+        print(measured_fleet(load_run(run).train_rows, train_w, idle_w, link))
+    except FedseqError as exc:
+        _fail(exc)
+
+
 export_app = typer.Typer(add_completion=False, no_args_is_help=True,
                          help="Export run directories to an experiment tracker.")
 app.add_typer(export_app, name="export")

@@ -6,12 +6,12 @@ import torch
 from conftest import quick_config, same_run, synthetic_data
 from fedseq.common.algorithms import algorithm_class, make_algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate
-from fedseq.common.config import load_config
+from fedseq.common.config import FleetConfig, load_config
 from fedseq.common.errors import ConfigError
 from fedseq.common.models import block_of, build_model
 from fedseq.server.asynchronous import BufferedAsync, staleness_discount
 from fedseq.server.coordinator import RunPaused
-from fedseq.server.fleet import VirtualFleet, energy_j, parse_device, sync_round
+from fedseq.server.fleet import VirtualFleet, energy_j, measured_fleet, parse_device, sync_round
 from fedseq.server.pool import InProcessPool, TrainRound
 from fedseq.server.simulation import run_simulation
 
@@ -217,6 +217,19 @@ def test_an_asynchronous_deployment_is_replayed_bitwise(data_root, tmp_path, one
     again, same, verdict = replay(tmp_path / "dep", tmp_path / "replay")
     assert same, verdict
     assert all(torch.equal(dep.global_weights[k], v) for k, v in again.global_weights.items())
+    # the devices' measured paces make a fleet a simulation can run with (fedseq fleet RUN_DIR)
+    assert all(sorted(r.paces) == sorted(r.reported) and set(r.reporters) == set(r.reported)
+               for r in rows)
+    measured = measured_fleet(rows, 5.0, 1.0, "wifi-poor")
+    import tomllib
+
+    groups = tomllib.loads(measured)["fleet"]["devices"]
+    assert [g["link"] for g in groups] == ["wifi-poor"] * 2 and "# local02" in measured
+    fleet = FleetConfig.model_validate({"devices": groups})
+    sim = run_simulation(cfg.model_copy(update={"fleet": fleet}), None)
+    assert all(r.virtual_s > 0 for r in sim.records if r.phase == "train")
+    with pytest.raises(ConfigError, match="record no measured paces"):
+        measured_fleet(again.records, 5.0, 1.0, "wifi-good")
 
 
 def test_an_async_run_resumes_after_its_last_step(data_root, tmp_path, one_thread):
