@@ -87,6 +87,9 @@ class StepExecutor:
         """One dispatch of an async step: the oldest of this device's clients' dispatches not
         trained yet, on this step's model (the newest here); the worker then takes the newest
         step again, so every client starts on the newest model this device holds."""
+        if not run.answered_read:  # a restarted daemon: what it answered before
+            run.answered.update(self.store.answered(run.run_id))
+            run.answered_read = True
         owed = self.session.owed_dispatches(run, step)
         if not owed or self.abort(step):
             return
@@ -95,6 +98,7 @@ class StepExecutor:
         self._train_client(run, step, clients, _plan(step),
                            self.session.weights(run, list(step.versions)), c, dispatched)
         run.answered[c] = dispatched
+        self.store.answer(run.run_id, run.answered)
 
     def _train_client(self, run: RunState, step: Step, clients: ClientExecutor, plan: ClientPlan,
                       shared: Weights, c: int, seq: int) -> None:

@@ -65,8 +65,10 @@ class RunState:
     data_clients: Optional[List[int]] = None  # whose rows `data` holds
     model: Optional[BlockModel] = None
     frames: Optional[FramePool] = None  # weights frames being reassembled, bounded by the model
-    # async steps: client -> the dispatch (step seq) this device last trained it for
+    # async steps: client -> the dispatch (step seq) this device last trained it for (read from
+    # the state folder before the first async step here: StepExecutor._async)
     answered: Dict[int, int] = field(default_factory=dict)
+    answered_read: bool = False
 
 
 def weights_frame_pool(cfg: ExperimentConfig) -> FramePool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -38,6 +39,23 @@ class StateStore:
         time."""
         held = {r: p for r, p in self._rounds(run_id, client).items() if before is None or r < before}
         return decode_tensors(held[max(held)].read_bytes()) if held else None
+
+    def answered(self, run_id: str) -> dict[int, int]:
+        """An asynchronous run's dispatches this device has answered (client -> the dispatching
+        step), as `answer` last saved them; none where nothing readable was saved."""
+        path = self._dir(run_id) / "answered.json"
+        try:
+            raw = json.loads(path.read_text())
+            return {int(c): int(d) for c, d in raw.items()}
+        except (OSError, ValueError, AttributeError, TypeError):
+            return {}
+
+    def answer(self, run_id: str, answered: dict[int, int]) -> None:
+        """Save the dispatches answered so far: a restarted daemon does not train them again."""
+        folder = self._dir(run_id)
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(folder / "answered.json",
+                     json.dumps({str(c): d for c, d in sorted(answered.items())}).encode())
 
     def save(self, run_id: str, client: int, weights: Weights, round: int = 0) -> None:
         """Write to a temporary file and rename: a crash never leaves a half-written state. The

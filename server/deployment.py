@@ -18,12 +18,12 @@ from fedseq.common.config import ExperimentConfig, FleetConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.files import read_secret
 from fedseq.common.protocol.link import TlsOptions
-from fedseq.server.asynchronous import OnFleet
 from fedseq.server.broker import EmbeddedBroker, one_run_login
 from fedseq.server.checkpoint import Checkpoint
 from fedseq.server.coordinator import RunResult
 from fedseq.server.experiment import Experiment
 from fedseq.server.mqtt import MqttPool
+from fedseq.server.mqtt.asynchronous import OnFleet
 from fedseq.server.processes import die_with_parent, stop_children
 from fedseq.server.records import RoundRecord
 from fedseq.server.rehearsal import Rehearsal

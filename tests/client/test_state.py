@@ -32,3 +32,14 @@ def test_a_round_run_again_starts_from_the_state_before_it(tmp_path):
     assert float(st.load("run-1", 3, before=3)["h"][0]) == 2.0
     assert st.load("run-1", 3, before=2) is None  # only the two newest rounds are kept
     assert len(list((tmp_path / "run-1").iterdir())) == 2
+
+
+def test_answered_dispatches_survive_a_restart_and_junk_reads_as_none(tmp_path):
+    store = StateStore(tmp_path)
+    assert store.answered("r1") == {}
+    store.answer("r1", {4: 12, 1: 9})
+    assert StateStore(tmp_path).answered("r1") == {1: 9, 4: 12}
+    (tmp_path / "r1" / "answered.json").write_text('["not", "a", "map"]')
+    assert store.answered("r1") == {}
+    (tmp_path / "r1" / "answered.json").write_text('{"x": 1')
+    assert store.answered("r1") == {}

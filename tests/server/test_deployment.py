@@ -391,9 +391,11 @@ def test_broker_loses_everything_then_a_device_reboots(data_root, tmp_path, mosq
     assert len(res.final.per_client) == 5
 
 
-def test_device_without_its_dataset_is_known_at_once(data_root, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_device_without_its_dataset_is_known_at_once(data_root, tmp_path, mode):
     """A daemon with a wrong data dir reports why; with nobody able to train the coordinator stops
-    with one line naming the device and the cause, exit 2, long before its deadlines."""
+    with one line naming the device and the cause, exit 2, long before its deadlines (also
+    asynchronously, where its flights are dropped and nobody else can take them)."""
     port = free_port()
     dev = subprocess.Popen([sys.executable, "-m", "fedseq.client.cli", "--device", "dev01",
                             "--broker", f"mqtt://127.0.0.1:{port}", "--data-dir", str(tmp_path),
@@ -404,7 +406,7 @@ def test_device_without_its_dataset_is_known_at_once(data_root, tmp_path):
             ["fedseq-server", "start", "-q", "--set", f"data.root={str(data_root)!r}",
              "--set", "data.fraction=0.03", "--set", "data.num_clients=4", "--set", "rounds=2",
              "--set", f"deploy.port={port}", "--set", "deploy.round_timeout_s=600",
-             "--out", str(tmp_path / "run")],
+             "--set", f"train.mode={mode!r}", "--out", str(tmp_path / "run")],
             capture_output=True, text=True, timeout=300)
     finally:
         stop_children([dev])

@@ -465,3 +465,48 @@ def test_an_async_deployment_resumes_after_sigkill_and_replays_bitwise(
                         "-q", "--set", "train.threads=1"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
+
+
+def test_an_async_deployment_goes_on_when_a_device_is_killed_and_restarted(
+        data_root, tmp_path, mosquitto, one_thread):
+    """A daemon SIGKILLed mid-run (its last will says offline): its flights are dropped and the
+    other device's clients carry the steps; restarted, it takes dispatches again, without
+    training again what it answered before (its state folder says so). The run finishes, and
+    fedseq-sim --replay gives its model bitwise."""
+    port, home, _ = mosquitto
+    devices = [device_process(n, port, home, data_root) for n in ("local01", "local02")]
+    out = tmp_path / "run"
+    over = ["algorithm.name=fedavg", "rounds=30", "train.mode='async'", "train.concurrency=4",
+            "train.buffer=2", "deploy.min_devices=1", "deploy.round_timeout_s=300",
+            "deploy.eval_timeout_s=300", "deploy.wait_devices_s=5"]
+    cfg = quick_config(data_root, *over)
+    cred = ["--set", "deploy.username=coordinator",
+            "--set", f"deploy.password_file={str(home / 'coordinator.pw')!r}"]
+    try:
+        server = subprocess.Popen(["fedseq-server", "start", "-q", "--broker",
+                                   f"mqtt://127.0.0.1:{port}", "--out", str(out),
+                                   *_server_sets(cfg, over), *cred])
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and server.poll() is None:
+            if (out / "metrics.jsonl").exists() and len(_rows(out)) >= 1:
+                break
+            time.sleep(0.1)
+        devices[1].send_signal(signal.SIGKILL)
+        devices[1].wait(30)
+        time.sleep(3.0)
+        devices.append(device_process("local02", port, home, data_root))
+        assert server.wait(600) == 0
+    finally:
+        stop_children(devices)
+    rows = [x for x in _rows(out) if x["phase"] == "train"]
+    assert [x["round"] for x in rows] == list(range(30)) and _status(out) == "finished"
+    assert all(len(x["reported"]) == 2 for x in rows)
+    assert any(x["failed"] for x in rows)  # the flights it held when it was killed
+    # local02 holds the odd clients: it came back and trained again
+    assert any(c % 2 for x in rows[-10:] for c in x["reported"])
+    answered = json.loads(next((home / "state" / "local02").glob("*/answered.json")).read_text())
+    assert answered  # what it answered, kept across its restart
+    r = subprocess.run(["fedseq-sim", "--replay", str(out), "--out", str(tmp_path / "again"),
+                        "-q", "--set", "train.threads=1"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])

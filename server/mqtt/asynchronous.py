@@ -1,0 +1,216 @@
+"""train.mode = "async" on an MQTT fleet: the asynchronous driver (server/asynchronous.py) with
+the devices' own pace ordering the arrivals (docs/protocol.md, "An asynchronous run")."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fedseq.common.errors import TransportError
+from fedseq.common.text import printable
+from fedseq.server.asynchronous import BufferedAsync, Flight
+from fedseq.server.checkpoint import Checkpoint
+from fedseq.server.coordinator import RoundUpdates, add_wire
+from fedseq.server.mqtt.collect import Resender
+from fedseq.server.mqtt.inbox import UpdateArrived
+from fedseq.server.mqtt.pool import MqttPool
+from fedseq.server.mqtt.session import DeviceOffline, StepFailed
+from fedseq.server.records import Rejection, RoundRecord
+
+log = logging.getLogger(__name__)
+
+
+class OnFleet(BufferedAsync):
+    """train.mode = "async" on a real fleet (MqttPool): the devices' own pace orders arrivals.
+
+    Every fill publishes an async step: the current model version and every client in flight
+    with the step that dispatched it. A device trains its clients' dispatches one after another,
+    each on the newest model it holds, and its update says which version that was (its round):
+    the version it is checked against (that version's round contract, kept while an update may
+    still come for it) and discounted by. A client is selected only while its device is online;
+    a flight is dropped when its device goes offline or fails the step, or when no answer came
+    within deploy.round_timeout_s (else round_timeout_max_s); its client may be selected again.
+    A resumed run re-selects: the devices' answers to the crashed coordinator's dispatches come
+    too late and are dropped (the pool's steps jump past them)."""
+
+    pool: MqttPool
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.wire: dict[int, int] = {}  # client in flight -> the step that dispatched it
+        self.since: dict[int, float] = {}  # client in flight -> when (monotonic)
+        self.published = -1  # the model version the last async step carried
+        self.events: list[Any] = []  # what the fleet sent, not handled yet
+        self.lost: list[int] = []  # the step's clients whose flight was dropped
+        self.late = 0  # updates of flights no longer in flight
+        self._wire: tuple[int, int] | None = None  # the step's (sent, received) bytes
+        self.failing: dict[str, str] = {}  # device -> why it could not train, this step
+
+    def _check_can_run(self) -> None:
+        """The devices' own pace orders the arrivals: no [fleet] is needed."""
+
+    def _can_train(self, client: int) -> bool:
+        """Its device is online and has not said this step that it cannot train."""
+        device = self.pool.owner.get(client)
+        return device in self.pool.session.online and device not in self.pool.session.incompatible \
+            and device not in self.failing
+
+    def _dispatch(self, t: int, client: int) -> None:
+        self.flights.append(Flight(self.seq, client, t, 0.0, 0.0, math.inf))
+        self.trained_on[client] = t
+        self.seq += 1
+
+    def _fill(self, t: int) -> None:
+        """Select clients until `concurrency` are in flight, then publish the async step when a
+        client was dispatched or the model moved on."""
+        super()._fill(t)
+        new = [f.client for f in self.flights if f.client not in self.wire]
+        if not new and self.published == t:
+            return
+        v = self._version(t)
+        seq = self.pool.dispatch(t, {f.client: self.wire.get(f.client) for f in self.flights},
+                                 v.plan, v.sent)
+        now = time.monotonic()
+        for c in new:
+            self.wire[c], self.since[c] = seq, now
+            self._bytes_down_step += self._client_bytes_down(c, v.plan, v.needed)
+        self.published = t
+
+    def _land(self, f: Flight, why: str | None = None) -> None:
+        """`f` is no longer in flight (`why`: it was dropped, and why)."""
+        self.flights.remove(f)
+        self.wire.pop(f.client, None)
+        self.since.pop(f.client, None)
+        if why is not None:
+            log.warning("client %d: dropped from flight (%s); it may be selected again", f.client,
+                        why)
+            self.lost.append(f.client)
+
+    def _expire(self) -> None:
+        limit = self.cfg.deploy.round_timeout_s or self.cfg.deploy.round_timeout_max_s
+        now = time.monotonic()
+        for f in [f for f in self.flights if now - self.since.get(f.client, now) > limit]:
+            self._land(f, f"no update within {limit:.0f} s")
+
+    def _wait_for_a_flight(self, t: int) -> bool:
+        """No client is in flight: wait for devices as a round does before its step (each has
+        deploy.wait_devices_s for the run), then select again. Whether a client is in flight
+        now; a fleet whose devices all said they cannot train stops the run with their reasons
+        (as a round does)."""
+        session = self.pool.session
+        session.await_devices(set(self.pool.assignment), self.cfg.deploy.min_devices,
+                              self.cfg.deploy.wait_devices_s)
+        self._fill(t)
+        if self.flights:
+            return True
+        online = {self.pool.owner[c] for c in range(self.cfg.data.num_clients)
+                  if self.pool.owner.get(c) in session.online}
+        why = {**self.failing, **session.incompatible}
+        if online and online <= set(why):
+            raise TransportError("no device can train: " + "; ".join(
+                f"{d}: {why[d]}" for d in sorted(online)) + " (fix it on the devices, check with "
+                "fedseq-client doctor, then start the run again)")
+        log.warning("step %d: no client can train now (no device of theirs online, or every one "
+                    "trained on this model already)", t)
+        return False
+
+    def _answer(self, ev: Any, t: int) -> Flight | None:
+        """The flight an event of the fleet lands (its update checked), or None."""
+        if isinstance(ev, (DeviceOffline, StepFailed)):
+            why = "its device went offline"
+            if isinstance(ev, StepFailed):
+                self.failing[ev.device] = ev.reason
+                why = f"its device cannot train: {printable(ev.reason, 200)}"
+            for gone in [g for g in self.flights if self.pool.owner.get(g.client) == ev.device]:
+                self._land(gone, why)
+            return None
+        if not isinstance(ev, UpdateArrived):
+            return None  # a late evaluation
+        c = ev.update.client
+        f = next((f for f in self.flights if f.client == c), None)
+        if f is None or self.wire.get(c) != ev.seq:
+            self.late += 1
+            log.info("late update of client %d (answering step %d) dropped", c, ev.seq)
+            self.pool.release(ev)
+            return None
+        update = self.pool.take(ev)
+        self._land(f)
+        dispatched_on, f.version = f.version, update.round
+        v = self._versions.get(f.version)
+        if not dispatched_on <= f.version <= t:
+            f.version = dispatched_on
+            f.rejection = Rejection("bad-version", f"trained on the model of step {update.round},"
+                                    f" but dispatched on step {dispatched_on} before step {t}")
+        elif v is None:  # older than any update may be folded
+            f.rejection = Rejection("too-stale", f"trained on the model of step {f.version}, "
+                                    f"{t - f.version} steps ago > train.max_staleness="
+                                    f"{self.cfg.train.max_staleness}")
+        else:
+            contract = self._contract(f.version, [c], v.plan, v.offered, v.bound)
+            f.rejection = contract.check(update)
+            if f.rejection is None:
+                f.update = update
+        self.trained_on[c] = max(self.trained_on.get(c, f.version), f.version)
+        return f
+
+    def _arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
+        self._fill(t)
+        limit, arrived = self.concurrency + 4 * self.buffer, 0
+        # answers lost on the broker's queue: asked for again after a silence (as a round does)
+        again = Resender(self.pool.session, self.pool.seq, self.pool.update_chunks)
+        while len(got.reported) < self.buffer and arrived < limit:
+            if not self.events:
+                self._expire()
+                self._fill(t)
+                if not self.flights and not self._wait_for_a_flight(t):
+                    return
+                self.events = self.pool.async_events(1.0)
+                again.seq = self.pool.seq  # a device answers an ask of its current step
+                again.poll(sorted(self.wire))
+                continue
+            f = self._answer(self.events.pop(0), t)
+            if f is not None:
+                arrived += 1
+                yield f
+                self._fill(t)
+
+    def _finish(self, t: int, rec: RoundRecord, got: RoundUpdates) -> None:
+        """The fleet's part of the row: flights lost, late updates, who sent each counted update
+        and its measured pace, the wire bytes."""
+        self._prune_versions(t + 1)
+        self.failing.clear()  # a device that failed is asked again next step (as in a round)
+        if self.lost:
+            rec.failed, self.lost = sorted(self.lost), []
+        if self._wire is not None:
+            rec.wire_bytes_out, rec.wire_bytes_in = self._wire
+        rec.late_updates, self.late = self.late, 0
+        rec.reporters = {c: self.pool.owner[c] for c in got.reported}
+        rec.set_paces(got.paces)
+
+    def _evaluate_if_due(self, t: int) -> tuple[int, int] | None:
+        """(and the step's wire bytes: its dispatches' and arrivals', and its evaluation's)"""
+        arrivals = self.pool.session.wire_bytes()
+        wire = super()._evaluate_if_due(t)
+        self._wire = add_wire(arrivals, wire)
+        return wire
+
+    def _prune_versions(self, t: int) -> None:
+        """Keep the model versions an update may still come for (from the oldest in flight's
+        dispatch, and no staler than train.max_staleness at step t)."""
+        floor = min((f.version for f in self.flights), default=t)
+        if self.cfg.train.max_staleness is not None:
+            floor = max(floor, t - self.cfg.train.max_staleness)
+        for v in [v for v in self._versions if v < floor]:
+            del self._versions[v]
+
+    def _rounds_done(self) -> None:
+        """Updates coming after the last step are late; no personal state moved here."""
+        self.pool.end_async()
+
+    def _restore(self, ckpt: Checkpoint) -> int:
+        first = super()._restore(ckpt)
+        self.published = -1
+        return first
