@@ -2,8 +2,8 @@
 # (b) of docs/results.md "Mixed fleets": the mixed fleet rehearsed on this machine (root: network
 # namespaces, tc, cgroups). FedAvg on the testbed config with a quarter of its data (rounds of
 # tens of seconds on 2 cores), 6 local devices of 5 clients each: two under a quarter of the
-# others' CPU (0.1 core against 0.4), two behind an 8 Mbit/s link with 20 ms delay (wifi-poor's
-# 2 Mbit/s collapses under the embedded broker's QoS 1 retries of 1 MiB chunks: docs/results.md),
+# others' CPU (0.1 core against 0.4), two behind an 8 Mbit/s link (with wifi-poor's 2 Mbit/s
+# the embedded broker's rehearsal stalled: docs/results.md, "Mixed fleets rehearsed"),
 # the rest wifi-good. Synchronous
 # rounds, over-selection (1.5x) and asynchronous aggregation (concurrency 6, buffer 3: about the
 # same number of client-rounds), then the same three simulated with the fleet the synchronous
