@@ -79,6 +79,10 @@ class Flight:
     rejection: Rejection | None = None
     #: once trained: the client's personal state before, until its update arrives
     held: Weights | None = None
+    #: on a real fleet: the pool step that dispatched it (what its update answers; None until
+    #: published) and when (monotonic seconds)
+    answers: int | None = None
+    sent_at: float = 0.0
 
 
 @dataclass

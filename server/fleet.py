@@ -181,8 +181,6 @@ def energy_j(fleet: VirtualFleet, seconds: float, trained: dict[int, float]) -> 
     return fleet.idle_w * seconds + sum(fleet.extra_j(c, s) for c, s in trained.items())
 
 
-
-
 def measured_fleet(rows: list[RoundRecord], train_w: float, idle_w: float, link: str) -> str:
     """A deployment's devices as a [fleet] (`fedseq fleet RUN_DIR`): one custom profile per
     device, its effective GFLOP/s = the FLOPs of its counted updates over the training seconds

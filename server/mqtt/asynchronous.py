@@ -40,13 +40,11 @@ class OnFleet(BufferedAsync):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.wire: dict[int, int] = {}  # client in flight -> the step that dispatched it
-        self.since: dict[int, float] = {}  # client in flight -> when (monotonic)
         self.published = -1  # the model version the last async step carried
         self.events: list[Any] = []  # what the fleet sent, not handled yet
         self.lost: list[int] = []  # the step's clients whose flight was dropped
         self.late = 0  # updates of flights no longer in flight
-        self._wire: tuple[int, int] | None = None  # the step's (sent, received) bytes
+        self._step_bytes: tuple[int, int] | None = None  # the step's (sent, received) bytes
         self.failing: dict[str, str] = {}  # device -> why it could not train, this step
 
     def _check_can_run(self) -> None:
@@ -67,23 +65,20 @@ class OnFleet(BufferedAsync):
         """Select clients until `concurrency` are in flight, then publish the async step when a
         client was dispatched or the model moved on."""
         super()._fill(t)
-        new = [f.client for f in self.flights if f.client not in self.wire]
+        new = [f for f in self.flights if f.answers is None]
         if not new and self.published == t:
             return
         v = self._version(t)
-        seq = self.pool.dispatch(t, {f.client: self.wire.get(f.client) for f in self.flights},
-                                 v.plan, v.sent)
+        seq = self.pool.dispatch(t, {f.client: f.answers for f in self.flights}, v.plan, v.sent)
         now = time.monotonic()
-        for c in new:
-            self.wire[c], self.since[c] = seq, now
-            self._bytes_down_step += self._client_bytes_down(c, v.plan, v.needed)
+        for f in new:
+            f.answers, f.sent_at = seq, now
+            self._bytes_down_step += self._client_bytes_down(f.client, v.plan, v.needed)
         self.published = t
 
     def _land(self, f: Flight, why: str | None = None) -> None:
         """`f` is no longer in flight (`why`: it was dropped, and why)."""
         self.flights.remove(f)
-        self.wire.pop(f.client, None)
-        self.since.pop(f.client, None)
         if why is not None:
             log.warning("client %d: dropped from flight (%s); it may be selected again", f.client,
                         why)
@@ -92,7 +87,7 @@ class OnFleet(BufferedAsync):
     def _expire(self) -> None:
         limit = self.cfg.deploy.round_timeout_s or self.cfg.deploy.round_timeout_max_s
         now = time.monotonic()
-        for f in [f for f in self.flights if now - self.since.get(f.client, now) > limit]:
+        for f in [f for f in self.flights if now - f.sent_at > limit]:
             self._land(f, f"no update within {limit:.0f} s")
 
     def _wait_for_a_flight(self, t: int) -> bool:
@@ -131,7 +126,7 @@ class OnFleet(BufferedAsync):
             return None  # a late evaluation
         c = ev.update.client
         f = next((f for f in self.flights if f.client == c), None)
-        if f is None or self.wire.get(c) != ev.seq:
+        if f is None or f.answers != ev.seq:
             self.late += 1
             log.info("late update of client %d (answering step %d) dropped", c, ev.seq)
             self.pool.release(ev)
@@ -169,7 +164,7 @@ class OnFleet(BufferedAsync):
                     return
                 self.events = self.pool.async_events(1.0)
                 again.seq = self.pool.seq  # a device answers an ask of its current step
-                again.poll(sorted(self.wire))
+                again.poll(sorted(f.client for f in self.flights))
                 continue
             f = self._answer(self.events.pop(0), t)
             if f is not None:
@@ -184,8 +179,8 @@ class OnFleet(BufferedAsync):
         self.failing.clear()  # a device that failed is asked again next step (as in a round)
         if self.lost:
             rec.failed, self.lost = sorted(self.lost), []
-        if self._wire is not None:
-            rec.wire_bytes_out, rec.wire_bytes_in = self._wire
+        if self._step_bytes is not None:
+            rec.wire_bytes_out, rec.wire_bytes_in = self._step_bytes
         rec.late_updates, self.late = self.late, 0
         rec.reporters = {c: self.pool.owner[c] for c in got.reported}
         rec.set_paces(got.paces)
@@ -194,7 +189,7 @@ class OnFleet(BufferedAsync):
         """(and the step's wire bytes: its dispatches' and arrivals', and its evaluation's)"""
         arrivals = self.pool.session.wire_bytes()
         wire = super()._evaluate_if_due(t)
-        self._wire = add_wire(arrivals, wire)
+        self._step_bytes = add_wire(arrivals, wire)
         return wire
 
     def _prune_versions(self, t: int) -> None:

@@ -10,7 +10,6 @@ from collections.abc import Generator, Iterator
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import DeployConfig
 from fedseq.common.protocol.messages import HEARTBEAT_S, Control, EvalResult
-from fedseq.common.protocol.tensors import decode_tensors
 from fedseq.server.mqtt.inbox import HELD_IN_MEMORY, EvalArrived, UpdateArrived, plausible
 from fedseq.server.mqtt.session import DeviceOffline, ServerSession, StepFailed
 from fedseq.server.pool import FinetuneOutcome, Progress, RoundOutcome, ScoreCheck, UpdateCheck
@@ -213,10 +212,8 @@ class _TrainStep:
 
     def _update(self, ev: UpdateArrived) -> bool:
         """Whether the update counts (it then waits in `got` for its turn)."""
-        update, device = ev.update, ev.device
-        if ev.spooled is not None:  # checked from the spool, then left there
-            update = dataclasses.replace(update, deltas=decode_tensors(
-                self.session.inbox.spool.read(ev.spooled), copy=False, check_finite=False))
+        device = ev.device
+        update = self.session.inbox.in_memory(ev.update, ev)  # checked from the spool, left there
         # Validation comes first: an invalid update never displaces a valid one.
         if self.check(update) is not None:
             if update.diverged_at is not None and self.owner.get(update.client) == device:
@@ -246,11 +243,8 @@ class _TrainStep:
     def _take(self, c: int) -> ClientUpdate:
         """Client c's update, its deltas back in memory if they waited in the spool."""
         update, ev = self.got.pop(c)
-        inbox = self.session.inbox
-        if ev.spooled is not None:
-            update = dataclasses.replace(update, deltas=decode_tensors(
-                inbox.spool.read(ev.spooled), copy=False, check_finite=False))
-        inbox.release(ev)
+        update = self.session.inbox.in_memory(update, ev)
+        self.session.inbox.release(ev)
         return update
 
     def ready(self) -> Iterator[ClientUpdate]:
@@ -322,13 +316,9 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
         for ev in session.drain(min(1.0, deadline - time.monotonic())):
             if isinstance(ev, DeviceOffline):
                 owing.discard(ev.device)
-                if session.inbox.async_from >= 0:  # its flights are lost: the driver hears it
-                    session.stashed.append(ev)
-            elif isinstance(ev, UpdateArrived):
-                if session.inbox.async_from >= 0:  # an async run's: taken after this step
-                    session.stashed.append(ev)
-                else:  # of a training step that has ended
-                    session.inbox.release(ev)
+                session.set_aside([ev])  # an asynchronous run's flights on it are lost
+            elif isinstance(ev, UpdateArrived):  # an async run's (taken after this step) or late
+                session.set_aside([ev])
             elif isinstance(ev, StepFailed) and ev.seq in (seq, -1):
                 log.warning("step %d: %s cannot evaluate (%s)", seq, ev.device, ev.reason)
                 owing.discard(ev.device)

@@ -4,6 +4,7 @@ within their memory bound, and queues an event; the coordinator thread acts on e
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -372,6 +373,14 @@ class Inbox:
                 device = _device_of(ev)
                 self._held[device] = self._held.get(device, 1) - 1
         return ev
+
+    def in_memory(self, update: ClientUpdate, ev: UpdateArrived) -> ClientUpdate:
+        """`update` (`ev`'s, or a copy of it) with its deltas in memory: read back from the spool
+        file where `ev`'s frame waits there."""
+        if ev.spooled is None:
+            return update
+        return dataclasses.replace(update, deltas=decode_tensors(
+            self.spool.read(ev.spooled), copy=False, check_finite=False))
 
     def release(self, ev: UpdateArrived) -> None:
         """Coordinator thread: done with `ev`'s frame (folded in, refused or too late): its room in

@@ -6,7 +6,6 @@ Per step it publishes the blocks that changed (retained, versioned, chunked), th
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -21,7 +20,7 @@ from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
-from fedseq.common.protocol.tensors import decode_tensors, frame_size
+from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.protocol.topics import Topics
 from fedseq.common.text import printable
 from fedseq.server.mqtt.blocks import BlockPublisher
@@ -213,10 +212,7 @@ class MqttPool:
     def take(self, ev: UpdateArrived) -> ClientUpdate:
         """An arrived update, its deltas in memory (read back if they were spooled); its room in
         the inbox is free."""
-        update = ev.update
-        if ev.spooled is not None:
-            update = dataclasses.replace(update, deltas=decode_tensors(
-                self.inbox.spool.read(ev.spooled), copy=False, check_finite=False))
+        update = self.inbox.in_memory(ev.update, ev)
         self.inbox.release(ev)
         return update
 

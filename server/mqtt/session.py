@@ -242,7 +242,7 @@ class ServerSession:
         for the whole run, spent while the run waits for it: one that is gone for good costs one
         wait, and one that goes offline before every step and comes back after it (flapping)
         costs no more; a device whose share is spent is not waited for again."""
-        self._keep(self.drain(0.0))
+        self.set_aside(self.drain(0.0))
 
         def missing() -> set[str]:
             return {d for d in assigned - set(self.online) if self.wait_left.get(d, wait_s) > 0}
@@ -259,7 +259,7 @@ class ServerSession:
                     ", ".join(sorted(missing())))
         began = last = time.monotonic()
         while not enough():
-            self._keep(self.drain(0.5))
+            self.set_aside(self.drain(0.5))
             now = time.monotonic()
             for d in missing():  # the time just waited is charged to every device waited for
                 self.wait_left[d] = self.wait_left.get(d, wait_s) - (now - last)
@@ -267,15 +267,16 @@ class ServerSession:
         spent = sorted(d for d in assigned - set(self.online) if self.wait_left.get(d, wait_s) <= 0)
         if not spent:
             time.sleep(0.5)  # let the others that reconnect together announce themselves
-            self._keep(self.drain(0.0))
+            self.set_aside(self.drain(0.0))
         log.warning("waited %.1f s for devices; continuing with %d online%s", time.monotonic() - began,
                     len(assigned & set(self.online)),
                     f"; not waiting again this run for {', '.join(spent)} (its share of "
                     f"deploy.wait_devices_s={wait_s:.0f} is spent)" if spent else "")
 
-    def _keep(self, events: list[SessionEvent]) -> None:
-        """Events that came while presence was awaited: an asynchronous run's updates and lost
-        devices wait in `stashed` for its driver; otherwise an update is late (dropped)."""
+    def set_aside(self, events: list[SessionEvent]) -> None:
+        """Events that came while something else was awaited (presence, an evaluation): an
+        asynchronous run's updates and lost devices wait in `stashed` for its driver; otherwise
+        an update is late (dropped)."""
         for ev in events:
             if self.inbox.async_from >= 0 and not isinstance(ev, EvalArrived):
                 self.stashed.append(ev)
