@@ -16,7 +16,7 @@ from typing import Optional
 
 from fedseq.client.executor import StepExecutor
 from fedseq.client.power import EnergyMeter
-from fedseq.client.session import DeviceSession, RunState
+from fedseq.client.session import DeviceSession, RunState, Superseded
 from fedseq.client.state import StateStore
 from fedseq.common.errors import FedseqError
 from fedseq.common.hardware import torch_device as choose_device
@@ -113,6 +113,9 @@ class DeviceDaemon:
             failed = True
             try:
                 self.executor.execute(run, step)
+                failed = False
+            except Superseded as exc:
+                log.info("step %d (%s) left: %s", step.seq, step.kind, exc)
                 failed = False
             except FedseqError as exc:
                 log.error("step %d (%s) failed: %s", step.seq, step.kind, exc)

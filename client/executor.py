@@ -77,7 +77,7 @@ class StepExecutor:
     def _train(self, run: RunState, step: Step, mine: List[int]) -> None:
         clients = self.clients(run)
         plan = _plan(step)
-        shared = self.session.weights(run, list(step.versions))
+        shared = self.session.weights(run, step)
         for c in mine:
             if self.abort(step):
                 return
@@ -96,7 +96,7 @@ class StepExecutor:
         c, dispatched = owed[0]
         clients = self.clients(run)
         self._train_client(run, step, clients, _plan(step),
-                           self.session.weights(run, list(step.versions)), c, dispatched)
+                           self.session.weights(run, step), c, dispatched)
         run.answered[c] = dispatched
         self.store.answer(run.run_id, run.answered)
 
@@ -122,7 +122,7 @@ class StepExecutor:
 
     def _evaluate(self, run: RunState, step: Step, mine: List[int]) -> None:
         clients = self.clients(run)
-        shared = self.session.weights(run, list(step.versions))
+        shared = self.session.weights(run, step)
         # the stored state even without personal blocks: FedBN's normalization layers are in it
         rep = clients.evaluate(shared, step.personal, tuple(step.eval_heads), clients=mine,
                                with_global=False)
@@ -131,7 +131,7 @@ class StepExecutor:
     def _finetune(self, run: RunState, step: Step, mine: List[int]) -> None:
         clients = self.clients(run)
         plan = _plan(step)
-        shared = self.session.weights(run, list(step.versions))
+        shared = self.session.weights(run, step)
         results: Dict[int, Tuple[int, int]] = {}
         energy: Dict[int, float] = {}
         diverged: Dict[int, int] = {}
@@ -206,7 +206,7 @@ class OnDisk:
         stored = self.store.load(self.run.run_id, client, before)
         if stored is not None:
             return stored
-        return self.session.weights(self.run, list(names))
+        return self.session.initial(self.run, list(names))
 
     def save(self, client: int, blocks: Weights, round: int) -> None:
         if blocks:  # the plan's personal blocks, FedBN's normalization layers

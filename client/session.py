@@ -53,6 +53,11 @@ log = logging.getLogger(__name__)
 RESYNC_S, RESYNC_MAX_S = 30.0, 480.0
 
 
+class Superseded(Exception):
+    """The step's blocks were replaced by newer versions before the worker read them: the step is
+    left (an async dispatch stays owed and is trained on the newer step), not failed."""
+
+
 @dataclass
 class RunState:
     """One run as this device knows it."""
@@ -406,13 +411,27 @@ class DeviceSession:
         cur = self.step
         return cur is None or cur.seq != step.seq or step.run_id in self.aborted
 
-    def weights(self, run: RunState, blocks: List[str]) -> Weights:
-        """The held tensors of the named blocks."""
-        held = self.blocks[run.run_id]
-        out: Weights = {}
-        for b in blocks:
-            out.update(held[b][1])
-        return out
+    def weights(self, run: RunState, step: Step) -> Weights:
+        """The held tensors of `step`'s blocks, each at the version the step names. Raises
+        Superseded when a newer version has replaced one since the step was taken: in an async
+        run the coordinator steps while devices train, and a client trained on the newer blocks
+        would be reported on the older version (and fold, and replay, as a different update)."""
+        with self.cond:
+            held = self.blocks[run.run_id]
+            out: Weights = {}
+            for b, version in step.versions.items():
+                if held[b][0] != version:
+                    raise Superseded(f"step {step.seq} needs {b} version {version}, "
+                                     f"version {held[b][0]} replaced it")
+                out.update(held[b][1])
+            return out
+
+    def initial(self, run: RunState, blocks: List[str]) -> Weights:
+        """The held tensors of blocks the coordinator never updates (personal blocks: the run's
+        version 0)."""
+        with self.cond:
+            held = self.blocks[run.run_id]
+            return {k: v for b in blocks for k, v in held[b][1].items()}
 
     # -- outbox ----------------------------------------------------------------------------
     def _current(self, key: str, seq: int) -> bool:

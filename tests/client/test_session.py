@@ -192,3 +192,42 @@ def test_an_async_step_owes_each_dispatch_once_and_keeps_its_answers_while_liste
         from fedseq.common.errors import ProtocolError
         with pytest.raises(ProtocolError, match="lists 2 clients and 1 dispatches"):
             s.next_ready()
+
+
+def test_a_step_whose_blocks_are_replaced_after_it_was_taken_is_left_not_trained_on_them(
+        tmp_path):
+    """In an async run the coordinator steps while a device trains: newer blocks may replace the
+    taken step's before the worker reads them (a restarted daemon loads its data in between).
+    Reading them raises Superseded instead of handing out the newer tensors under the older
+    version's name (that update would fold, and replay, as a different one); the dispatch stays
+    owed and the newer step trains it."""
+    import pytest
+    import torch
+
+    from fedseq.client.session import Superseded
+
+    s = _session(tmp_path)
+    s.on_message(T.assignment("dev01"), b'{"v": %d, "run_id": "r1", "device": "dev01", '
+                                        b'"clients": [1]}' % PROTOCOL_VERSION)
+    step = Step(run_id="r1", seq=5, kind="async", round=2, clients=[1], dispatched=[5],
+                versions={"conv1": 2, "fc1": 2})
+    s.on_message(T.step, step.encode())
+    v2 = {"conv1.weight": torch.zeros(1)}
+    with s.cond:
+        s.blocks["r1"] = {"conv1": (2, v2), "fc1": (2, {"fc1.weight": torch.zeros(1)})}
+        run, taken = s.next_ready()
+    assert s.weights(run, taken)["conv1.weight"] is v2["conv1.weight"]
+    s.blocks["r1"]["fc1"] = (3, {"fc1.weight": torch.ones(1)})  # one block of version 3 is in
+    with pytest.raises(Superseded, match="step 5 needs fc1 version 2, version 3 replaced it"):
+        s.weights(run, taken)
+    assert s.owed_dispatches(run, taken) == [(1, 5)]
+    with s.cond:
+        assert s.next_ready() is None  # left, not failed: the newer step is awaited
+    later = Step(run_id="r1", seq=6, kind="async", round=3, clients=[1], dispatched=[5],
+                 versions={"conv1": 3, "fc1": 3})
+    s.on_message(T.step, later.encode())
+    with s.cond:
+        s.blocks["r1"]["conv1"] = (3, {"conv1.weight": torch.ones(1)})
+        run, taken = s.next_ready()
+    assert taken.seq == 6 and s.owed_dispatches(run, taken) == [(1, 5)]
+    assert all(t.eq(1).all() for t in s.weights(run, taken).values())
