@@ -181,10 +181,10 @@ class StepExecutor:
                          energy_j=energy, diverged=diverged)
         s.send("eval", step.seq, lambda: s.link.publish(s.topics.evaluation(s.device), msg))
 
-    def _publish_update(self, meta: dict, frame: bytes) -> None:
+    def _publish_update(self, meta: dict, frame: bytes) -> object:
         s = self.session
-        s.link.publish_frame(lambda i: s.topics.update(s.device),
-                             lambda **kw: UpdateHeader(**meta, **kw), frame)
+        return s.link.publish_frame(lambda i: s.topics.update(s.device),
+                                    lambda **kw: UpdateHeader(**meta, **kw), frame)
 
 
 def _plan(step: Step) -> ClientPlan:

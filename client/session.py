@@ -29,7 +29,7 @@ from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import FedseqError, ProtocolError, validation_problem
 from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
-from fedseq.common.protocol.link import Link, TlsOptions, session_id
+from fedseq.common.protocol.link import Link, TlsOptions, on_the_way, session_id
 from fedseq.common.protocol.messages import (
     PROTOCOL_VERSION,
     Assignment,
@@ -118,7 +118,12 @@ class DeviceSession:
         # reconnects: a message published while the other side was away is otherwise lost, and
         # the round would wait for its deadline. Duplicates are harmless (the coordinator keeps
         # the first valid update per client).
-        self.outbox: Dict[str, Tuple[int, Callable[[], None]]] = {}
+        self.outbox: Dict[str, Tuple[int, Callable[[], object]]] = {}
+        # what each answer's last publish returned (its chunks' message infos): an answer still on
+        # its way to the broker is not sent again when the coordinator asks (on a 2 Mbit/s link an
+        # update takes longer than the coordinator's silence before it asks; sending it again
+        # then only queued more behind it)
+        self.sending: Dict[str, object] = {}
         # when a weights chunk last arrived (or the current step, or the last resync), and the
         # silence after which a step still lacking blocks resyncs them (weights_stalled)
         self.weights_heard = time.monotonic()
@@ -264,6 +269,7 @@ class DeviceSession:
             self.aborted.add(run.run_id)
             self.step = None
             self.outbox.clear()
+            self.sending.clear()
             self.cond.notify_all()
 
     def _on_run_config(self, rc: RunConfig) -> None:
@@ -445,15 +451,22 @@ class DeviceSession:
         return step.kind == "async" and key.startswith("update/") and \
             (int(key.split("/")[1]), seq) in zip(step.clients, step.dispatched)
 
-    def send(self, key: str, seq: int, publish: Callable[[], None]) -> None:
+    def send(self, key: str, seq: int, publish: Callable[[], object]) -> None:
         """Publish a result of step `seq` now and again on every reconnect while it is current
         (an async dispatch's while the current step lists it)."""
         with self.cond:
             for k, (s, _) in list(self.outbox.items()):
                 if s != seq and not self._current(k, s):
                     del self.outbox[k]  # an older step's: the coordinator has moved on
+                    self.sending.pop(k, None)
             self.outbox[key] = (seq, publish)
-        publish()
+        self._publish([(key, publish)])
+
+    def _publish(self, pending: List[Tuple[str, Callable[[], object]]]) -> None:
+        for key, publish in pending:
+            sent = publish()
+            with self.cond:
+                self.sending[key] = sent
 
     def resend_for(self, seq: Optional[int], clients: Set[int], mine: List[int]) -> None:
         """The coordinator lacks answers of step `seq` for `clients` (Control resend): publish
@@ -463,19 +476,18 @@ class DeviceSession:
             step = self.step
             if step is None or seq != step.seq:
                 return
-            pending = [p for k, (s, p) in self.outbox.items() if self._current(k, s) and (
+            pending = [(k, p) for k, (s, p) in self.outbox.items() if self._current(k, s) and (
                 k == "eval" and bool(clients & set(mine))
                 or k.startswith("update/") and int(k.split("/")[1]) in clients)]
+            pending = [(k, p) for k, p in pending if not on_the_way(self.sending.get(k))]
         if pending:
             log.info("the coordinator lacks %d of this device's answers to step %d: sending them "
                      "again", len(pending), seq)
-        for publish in pending:
-            publish()
+        self._publish(pending)
 
     def resend(self, why: str) -> None:
         with self.cond:
-            pending = [p for k, (s, p) in self.outbox.items() if self._current(k, s)]
+            pending = [(k, p) for k, (s, p) in self.outbox.items() if self._current(k, s)]
         if pending:
             log.info("%s: sending the current step's %d results again", why, len(pending))
-        for publish in pending:
-            publish()
+        self._publish(pending)

@@ -334,21 +334,35 @@ class Link:
             log.exception("dropped message on %s", msg.topic)
 
     def publish(self, topic: str, payload: bytes | Message, retain: bool = False,
-                wait: bool = False, timeout: float = 30.0) -> None:
-        """Publish at QoS 1 (optionally waiting up to `timeout` for the broker's ack)."""
+                wait: bool = False, timeout: float = 30.0) -> mqtt.MQTTMessageInfo:
+        """Publish at QoS 1 (optionally waiting up to `timeout` for the broker's ack); the
+        message's info says when the broker has acknowledged it (`on_the_way`)."""
         data = payload.encode() if isinstance(payload, Message) else payload
         info = self.client.publish(topic, data, qos=1, retain=retain)
         self.bytes_out += len(data)
         if wait:
             with contextlib.suppress(RuntimeError, ValueError):  # not connected: nothing to wait for
                 info.wait_for_publish(timeout)
+        return info
 
     def publish_frame(self, topic_of: Callable[[int], str], header_of: Callable[..., Message],
-                      frame: bytes, retain: bool = False, digest: str | None = None) -> None:
+                      frame: bytes, retain: bool = False, digest: str | None = None
+                      ) -> list[mqtt.MQTTMessageInfo]:
         """Publish a frame as chunks; header_of(chunk=i, chunks=n, size=, sha256=) builds headers
-        (`digest`: the frame's sha256 where the caller has it already)."""
+        (`digest`: the frame's sha256 where the caller has it already). Returns the chunks'
+        message infos."""
         digest = digest or hashlib.sha256(frame).hexdigest()
         chunks = split_frame(frame, CHUNK_BYTES)
+        infos = []
         for i, part in enumerate(chunks):
             head = header_of(chunk=i, chunks=len(chunks), size=len(frame), sha256=digest)
-            self.publish(topic_of(i), pack_chunk(head, part), retain=retain)
+            infos.append(self.publish(topic_of(i), pack_chunk(head, part), retain=retain))
+        return infos
+
+
+def on_the_way(sent: object) -> bool:
+    """Whether a publish (a message info, a list of them, or None) is still on its way to the
+    broker: queued here or sent and not acknowledged yet (QoS 1). A publish refused outright (not
+    connected) is not: a reconnect sends it again."""
+    infos: list = sent if isinstance(sent, list) else [sent] if sent is not None else []
+    return any(getattr(i, "rc", 1) == mqtt.MQTT_ERR_SUCCESS and not i.is_published() for i in infos)

@@ -115,6 +115,51 @@ def test_a_resend_asks_again_for_the_named_clients_answers_of_the_current_step(t
     assert sent == [1, 4, 4, "eval", "eval"]  # its evaluation names client 7, not 9
 
 
+def test_an_answer_still_on_its_way_to_the_broker_is_not_sent_again_when_asked(tmp_path):
+    """On a slow link an update takes longer to upload than the coordinator's silence before it
+    asks for answers again; sending it again then would only queue another copy behind it (on a
+    2 Mbit/s rehearsal link that quadrupled the bytes uploaded). An ask re-sends only what the
+    broker has acknowledged (and may have dropped since); a reconnect re-sends everything."""
+    import paho.mqtt.client as mqtt
+
+    from fedseq.common.protocol.link import on_the_way
+
+    class Info:  # what paho's publish returns
+        def __init__(self, rc=mqtt.MQTT_ERR_SUCCESS):
+            self.rc, self.acked = rc, False
+
+        def is_published(self):
+            return self.acked
+
+    s = _session(tmp_path)
+    s.on_message(T.assignment("dev01"), b'{"v": %d, "run_id": "r1", "device": "dev01", '
+                                        b'"clients": [1, 4]}' % PROTOCOL_VERSION)
+    s.on_message(T.step, Step(run_id="r1", seq=5, kind="train", round=2).encode())
+    with s.cond:
+        s.next_ready()
+    sent, chunks = [], [Info(), Info()]
+
+    def publish():
+        sent.append(4)
+        return chunks
+
+    s.send("update/4", 5, publish)
+    ask = Control(run_id="r1", command="resend", seq=5, clients=[4]).encode()
+    s.on_message(T.control, ask)
+    assert sent == [4]  # both chunks on their way
+    chunks[0].acked = True
+    s.on_message(T.control, ask)
+    assert sent == [4]  # one still is
+    chunks[1].acked = True
+    s.on_message(T.control, ask)
+    assert sent == [4, 4]  # acknowledged, and missing at the coordinator: sent again
+    chunks[:] = [Info()]
+    s.resend("reconnected")
+    assert sent == [4, 4, 4]  # a reconnect sends it whatever its state
+    assert not on_the_way(None) and not on_the_way(Info(rc=mqtt.MQTT_ERR_NO_CONN))
+    assert on_the_way(Info()) and on_the_way([chunks[0]])
+
+
 def test_a_step_lacking_blocks_resyncs_after_a_silence_with_backoff(tmp_path):
     """A step whose blocks stopped arriving (chunks the broker dropped for this device) asks for
     the retained blocks again after RESYNC_S without a weights chunk, then after twice that, and
