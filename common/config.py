@@ -291,6 +291,12 @@ class DeployConfig(_Section):
     # loopback it refuses anonymous logins unless allow_anonymous is set.
     broker_password_file: Optional[Path] = None
     allow_anonymous: bool = False
+    # Which embedded broker: amqtt in the coordinator, or "mosquitto": Mosquitto started for the run
+    # from the checkout's broker.conf and ACL, with a login made for the run that the coordinator
+    # and its --local-clients share (devices elsewhere need a Mosquitto of your own: --broker).
+    # amqtt drops a message a device does not acknowledge within 5 s (amqtt issue #391), so links
+    # on which a model takes longer (a rehearsal's wifi-poor, 3g-fast) need Mosquitto.
+    embedded_broker: Literal["amqtt", "mosquitto"] = "amqtt"
 
 
 class FleetGroup(_Section):
@@ -395,7 +401,7 @@ class ExperimentConfig(_Section):
         neither need nor should learn."""
         data = self.model_dump(mode="json")
         for key in ("username", "password_file", "ca_file", "cert_file", "key_file",
-                    "broker_password_file", "broker", "host"):
+                    "broker_password_file", "broker", "host", "embedded_broker"):
             data["deploy"].pop(key, None)
         data["data"].pop("root", None)
         if not any(v is not None for v in data["seeds"].values()):

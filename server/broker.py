@@ -1,8 +1,10 @@
-"""The embedded amqtt broker: runs inside the coordinator on its own asyncio thread."""
+"""The embedded brokers: amqtt inside the coordinator on its own asyncio thread, or a Mosquitto
+started for one run from the project's broker.conf and ACL (`LocalMosquitto`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import ipaddress
 import logging
@@ -10,11 +12,43 @@ import shutil
 import socket
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 from fedseq.common.errors import TransportError
 
 log = logging.getLogger(__name__)
+
+#: the source checkout's broker.conf and ACL (the coordinator is installed from one, editable)
+CHECKOUT = Path(__file__).resolve().parents[1]
+BROKER_CONF, PROJECT_ACL = CHECKOUT / "broker.conf", CHECKOUT / "deploy" / "mosquitto" / "fedseq.acl"
+
+
+#: amqtt's loggers that report its PUBACK timeouts
+NOISY = ("amqtt.mqtt.protocol.handler", "amqtt.broker")
+
+
+class SlowLinkNotice(logging.Filter):
+    """amqtt waits 5 s for a subscriber's PUBACK and then drops the message (hard-coded in
+    amqtt 0.12, amqtt issue #391): on a link where a model's blocks take longer, devices lose
+    weights chunks and wait for resyncs. amqtt says so with a warning and a traceback per
+    message; this turns them into one warning that says what to do, then stays quiet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.said = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()  # a failed task's line names its exception
+        if "Timeout waiting for PUBACK" not in text and "PUBACK for unknown pending" not in text:
+            return True
+        if not self.said:
+            self.said = True
+            log.warning("the embedded broker (amqtt) dropped a message a device did not acknowledge "
+                        "within 5 s (amqtt's fixed limit, amqtt issue #391): a link too slow for "
+                        "it; devices there wait for resyncs. Use Mosquitto: "
+                        "deploy.embedded_broker = \"mosquitto\", or --broker (docs/deploy.md)")
+        return False
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -82,6 +116,7 @@ class EmbeddedBroker:
         self._loop = asyncio.new_event_loop()
         self._broker = None
         self._thread = threading.Thread(target=self._loop.run_forever, name="amqtt", daemon=True)
+        self._notice = SlowLinkNotice()
 
     @property
     def url(self) -> str:
@@ -120,6 +155,8 @@ class EmbeddedBroker:
             ) from exc
         for lg in quiet:
             lg.setLevel(logging.WARNING)
+        for name in NOISY:
+            logging.getLogger(name).addFilter(self._notice)
 
     def __enter__(self) -> EmbeddedBroker:
         """Started (`start`), and stopped at the end of the block."""
@@ -155,37 +192,40 @@ class EmbeddedBroker:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
         self._broker = None
+        for name in NOISY:
+            logging.getLogger(name).removeFilter(self._notice)
         gc.collect()
 
 
 def local_mosquitto_conf(broker_conf: str, port: int, passwd: Path, acl: Path, home: Path,
-                         user: str) -> str:
-    """The project's production broker.conf turned into a loopback-only copy for tests and
-    rehearsals: this port on 127.0.0.1, these password and ACL files, persistence under `home`,
-    logs to stderr, and `user` to run as (as root, Mosquitto drops to a user without access)."""
+                         user: str, host: str = "127.0.0.1") -> str:
+    """The project's production broker.conf turned into a local copy for tests and rehearsals:
+    this port on `host` (loopback, or a rehearsal's bridge), these password and ACL files,
+    persistence under `home`, logs to stderr, and `user` to run as (as root, Mosquitto drops to
+    a user without access)."""
     import re
 
-    conf = re.sub(r"^listener 1883 0\.0\.0\.0$", f"listener {port} 127.0.0.1", broker_conf,
+    conf = re.sub(r"^listener 1883 0\.0\.0\.0$", f"listener {port} {host}", broker_conf,
                   flags=re.M)
     conf = conf.replace("/etc/mosquitto/fedseq.passwd", str(passwd))
     conf = conf.replace("/etc/mosquitto/fedseq.acl", str(acl))
     conf = conf.replace("/var/lib/mosquitto/", f"{home}/")
     conf = conf.replace("log_dest syslog", "log_dest stderr") + f"\nuser {user}\n"
-    if f"listener {port} 127.0.0.1" not in conf or "allow_anonymous false" not in conf:
+    if f"listener {port} {host}" not in conf or "allow_anonymous false" not in conf:
         raise ValueError("broker.conf no longer has the expected listener/anonymous lines")
     return conf
 
 
 def write_local_mosquitto(home: Path, port: int, logins: dict[str, str], broker_conf: Path,
                           acl: Path, user: str, settings: dict[str, str] | None = None,
-                          log_file: Path | None = None) -> Path:
+                          log_file: Path | None = None, host: str = "127.0.0.1") -> Path:
     """The files of a loopback Mosquitto under `home` (tests, benchmarks, rehearsals): a password
     file of these logins (login -> password, hashed by one mosquitto_passwd -U however many),
     a copy of the ACL, and mosquitto.conf from `local_mosquitto_conf`, where `settings` replace
     broker.conf's lines of the same keys and `log_file` takes the log instead of stderr. Returns
     the config's path: `mosquitto -c PATH`."""
     passwd, acl_copy, conf_path = home / "passwd", home / "acl", home / "mosquitto.conf"
-    conf = local_mosquitto_conf(broker_conf.read_text(), port, passwd, acl_copy, home, user)
+    conf = local_mosquitto_conf(broker_conf.read_text(), port, passwd, acl_copy, home, user, host)
     for key, value in (settings or {}).items():
         line = next((x for x in conf.splitlines() if x.startswith(key + " ")), None)
         if line is None:
@@ -198,3 +238,63 @@ def write_local_mosquitto(home: Path, port: int, logins: dict[str, str], broker_
     shutil.copy(acl, acl_copy)
     conf_path.write_text(conf)
     return conf_path
+
+
+class LocalMosquitto:
+    """Mosquitto for one run (deploy.embedded_broker = "mosquitto"): the project's broker.conf and
+    ACL on host:port (port 0 = a free one), its files under `home`, one login: `user` with a
+    password made for this run (the ACL's coordinator account, which the run's --local-clients
+    share). Unlike amqtt it never drops a message to a slow subscriber (no in-session retries
+    since Mosquitto 1.5): a rehearsal's wifi-poor and 3g-fast links need it."""
+
+    def __init__(self, host: str, port: int, home: Path, user: str = "coordinator"):
+        import getpass
+        import secrets
+
+        from fedseq.common.files import atomic_write
+
+        exe = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
+        if not Path(exe).exists() or not shutil.which("mosquitto_passwd"):
+            raise TransportError("deploy.embedded_broker = \"mosquitto\" needs Mosquitto: "
+                                 "apt-get install mosquitto (or use the embedded amqtt)")
+        if not BROKER_CONF.is_file() or not PROJECT_ACL.is_file():
+            raise TransportError(f"deploy.embedded_broker = \"mosquitto\" reads the project's "
+                                 f"broker.conf and ACL from a source checkout; {BROKER_CONF} is "
+                                 "not there (install fedseq from its checkout: pip install -e)")
+        self.host, self.port, self.user = host, port or free_port(host), user
+        password = secrets.token_urlsafe(24)
+        self.secret = home / f"{user}.pw"
+        atomic_write(self.secret, f"{password}\n".encode(), mode=0o600)
+        self.log_file = home / "mosquitto.log"
+        self.conf = write_local_mosquitto(home, self.port, {user: password}, BROKER_CONF,
+                                          PROJECT_ACL, getpass.getuser(), log_file=self.log_file,
+                                          host=host)
+        self.command = [exe, "-c", str(self.conf)]
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"mqtt://{self.host}:{self.port}"
+
+    def __enter__(self) -> LocalMosquitto:
+        self.proc = subprocess.Popen(self.command, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            with contextlib.suppress(OSError), socket.create_connection((self.host, self.port), 0.5):
+                return self
+            time.sleep(0.1)
+        self.__exit__()
+        said = self.log_file.read_text().strip().splitlines()[-1:] if self.log_file.exists() else []
+        raise TransportError(f"Mosquitto did not start on {self.host}:{self.port}"
+                             + (f" ({said[0]})" if said else "")
+                             + "; pick another deploy.port (0 = any free one)")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)

@@ -18,7 +18,7 @@ from fedseq.common.config import ExperimentConfig, FleetConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.files import read_secret
 from fedseq.common.protocol.link import TlsOptions
-from fedseq.server.broker import EmbeddedBroker, one_run_login
+from fedseq.server.broker import EmbeddedBroker, LocalMosquitto, one_run_login
 from fedseq.server.checkpoint import Checkpoint
 from fedseq.server.coordinator import RunResult
 from fedseq.server.experiment import Experiment
@@ -148,17 +148,20 @@ class Fleet:
             # daemons there run as root, and nobody else may publish to them
             host = rehearsal.broker_host if rehearsal is not None else cfg.deploy.host
             passwords = cfg.deploy.broker_password_file
-            if rehearsal is not None and passwords is None:
+            if cfg.deploy.embedded_broker == "mosquitto":
+                self._mosquitto(stack, host)
+            elif rehearsal is not None and passwords is None:
                 auth = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-rehearsal-"))
                 passwords, secret = one_run_login(Path(auth))
                 login = cfg.deploy.model_copy(update={"username": "rehearsal",
                                                       "password_file": secret})
                 self.cfg_login = cfg.model_copy(update={"deploy": login})
-            embedded = stack.enter_context(EmbeddedBroker(host, cfg.deploy.port, passwords,
-                                                          cfg.deploy.allow_anonymous))
-            self.url = embedded.url
-            self.announce(f"embedded MQTT broker at {self.url} - start devices with: "
-                          f"fedseq-client --device NAME --broker {self.url}")
+            if self.url is None:
+                embedded = stack.enter_context(EmbeddedBroker(host, cfg.deploy.port, passwords,
+                                                              cfg.deploy.allow_anonymous))
+                self.url = embedded.url
+                self.announce(f"embedded MQTT broker at {self.url} - start devices with: "
+                              f"fedseq-client --device NAME --broker {self.url}")
         # the local devices' personal state lives in the run directory, so --resume keeps it
         self.state = Path(self.out) / "local-devices" if self.out is not None else None
         if self.local_clients and self.state is None:
@@ -175,6 +178,21 @@ class Fleet:
         self.pool = stack.enter_context(MqttPool(
             cfg, self.url, self.run_id, d.username,
             read_secret(d.password_file, "deploy.password_file"), tls))
+
+    def _mosquitto(self, stack: contextlib.ExitStack, host: str) -> None:
+        """deploy.embedded_broker = "mosquitto": started for this run, its one login the
+        coordinator's and its local devices'."""
+        if self.cfg.deploy.broker_password_file is not None:
+            raise ConfigError("deploy.broker_password_file is the embedded amqtt's; the run's "
+                              "Mosquitto makes its own login (devices elsewhere: --broker)")
+        home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-mosquitto-")))
+        broker = stack.enter_context(LocalMosquitto(host, self.cfg.deploy.port, home))
+        login = self.cfg.deploy.model_copy(update={"username": broker.user,
+                                                   "password_file": broker.secret})
+        self.cfg_login = self.cfg.model_copy(update={"deploy": login})
+        self.url = broker.url
+        self.announce(f"Mosquitto for this run at {self.url} (the project's broker.conf and ACL; "
+                      "one login, for the coordinator and its local devices)")
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> MqttPool:

@@ -147,3 +147,47 @@ def test_a_local_mosquitto_is_the_projects_broker_conf_on_loopback(tmp_path):
     with pytest.raises(ValueError, match="no 'no_such_key' line"):
         write_local_mosquitto(tmp_path, 18830, {}, ROOT / "broker.conf", PROJECT_ACL, "someone",
                               settings={"no_such_key": "1"})
+
+
+def test_a_run_s_mosquitto_takes_its_one_login_only_and_stops_with_the_run(tmp_path):
+    """deploy.embedded_broker = "mosquitto": the project's broker.conf and ACL on the given
+    address, one login made for the run (a stranger and a wrong password are refused), gone
+    when the block ends."""
+    from conftest import connack
+    from fedseq.server.broker import LocalMosquitto
+
+    with LocalMosquitto("127.0.0.1", 0, tmp_path) as broker:
+        password = broker.secret.read_text().strip()
+        assert broker.secret.stat().st_mode & 0o077 == 0
+        assert connack("127.0.0.1", broker.port, "coordinator", password) == 0
+        assert connack("127.0.0.1", broker.port) != 0
+        assert connack("127.0.0.1", broker.port, "coordinator", password + "x") != 0
+        assert "acl_file" in broker.conf.read_text()
+    assert connack("127.0.0.1", broker.port, "coordinator", password) == -1
+
+
+def test_amqtt_s_dropped_messages_are_said_once_with_what_to_do(caplog):
+    """amqtt drops a message not acknowledged in 5 s with a warning and a traceback each time; the
+    embedded broker says it once, with the fix, and leaves amqtt's other lines alone."""
+    import logging
+
+    b = EmbeddedBroker("127.0.0.1", 0)
+    b.start()
+    try:
+        handler, broker = (logging.getLogger(n) for n in ("amqtt.mqtt.protocol.handler",
+                                                          "amqtt.broker"))
+        with caplog.at_level(logging.WARNING):
+            for i in (16, 17):
+                handler.warning("Timeout waiting for PUBACK for packet ID %d", i)
+                broker.error("Task failed and will be skipped: <Task exception=TimeoutError("
+                             "'Timeout waiting for PUBACK for packet ID %d')>", i)
+            handler.warning("Received PUBACK for unknown pending message Id: '16'")
+            broker.warning("something else")
+    finally:
+        b.stop()
+    amqtt = [r.getMessage() for r in caplog.records if r.name.startswith("amqtt")]
+    ours = [r.getMessage() for r in caplog.records if r.name == "fedseq.server.broker"]
+    assert amqtt == ["something else"], amqtt
+    assert len(ours) == 1 and "amqtt issue #391" in ours[0], ours
+    assert 'embedded_broker = "mosquitto"' in ours[0]
+    assert not handler.filters and not broker.filters  # gone with the broker
