@@ -327,7 +327,9 @@ class Replay(BufferedAsync):
     record (`folds`: client and model version of every arrival, step by step), so a deployed
     asynchronous run gives its global model again, bitwise with equal threads. Every arrival
     is trained again (a refused one too: its client's personal state moved on its device) and
-    checked again; the time and order come from the log, not from a fleet."""
+    checked again; one the run refused is refused again, whatever the reason was (a forged or
+    malformed update that was refused is, trained again here, a valid one); the time and order
+    come from the log, not from a fleet."""
 
     def __init__(self, *args: Any, log: dict[int, list[Fold]], **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -351,6 +353,8 @@ class Replay(BufferedAsync):
                                   "directory's rows are not an asynchronous run's")
             f = Flight(-1, fold.client, fold.version, 0.0, 0.0, 0.0)
             self._train_flights([f])
+            if fold.refused is not None:
+                f.update, f.rejection = None, Rejection(fold.refused, "refused in the run")
             yield f
         for version in [v for v, last in self.last_use.items() if last <= t]:
             self._versions.pop(version, None)

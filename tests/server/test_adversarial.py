@@ -761,3 +761,81 @@ def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_
         rounds = _device_rounds(res, index, 3)
         assert len(rounds) == 2 and all(s and r == s for s, r in rounds), res.rows
 
+
+
+def test_forged_async_updates_are_refused_and_never_fold(data_root, tmp_path, mosquitto, one_thread):
+    """An asynchronous run (protocol v6): local02's login also forges an answer to each dispatch
+    of its clients, alternately naming a model version the dispatch cannot have trained on
+    (refused: bad-version) and claiming 10**12 samples for delta = -w (refused by that version's
+    round contract). The run finishes, every forged answer that landed is refused with its
+    reason, and fedseq-sim --replay of the logged folds gives the run's model bitwise: nothing
+    refused entered it."""
+    forged: list[tuple[int, int]] = []
+
+    def attack(att, step):
+        if step.kind != "async":
+            return
+        for c, d in zip(step.clients, step.dispatched, strict=True):
+            if c % 2 == 1 and (c, d) not in forged:
+                forged.append((c, d))
+                w = _upload_shapes(cfg_holder[0], step)
+                if len(forged) % 2:
+                    att.forged_update(step, c, "local02", {k: torch.zeros_like(v) for k, v in w.items()},
+                                      10, seq=d, round=step.round + 50)
+                else:
+                    att.forged_update(step, c, "local02", {k: -v for k, v in w.items()}, 10**12,
+                                      seq=d)
+
+    over = ["algorithm.name=fedavg", "rounds=8", "train.mode='async'", "train.concurrency=4",
+            "train.buffer=2"]
+    cfg_holder = [quick_config(data_root, *over)]
+    cfg, res, att = _mosquitto_run(data_root, tmp_path, mosquitto, attack, *over)
+    assert forged and [r["round"] for r in res.rows if r["phase"] == "train"] == list(range(8))
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    reasons = [r for row in rows for r in (row.get("rejected") or {}).values()]
+    codes = [f["refused"] for row in rows for f in row.get("folds") or [] if f["refused"]]
+    # a forged answer that came before the device's own landed its flight and was refused; one
+    # that came after was late: both kinds of forgery are among the refused
+    assert set(codes) == {"bad-version", "wrong-samples"}, codes
+    assert all("num_samples=1000000000000" in r or re.search(
+        r"trained on the model of step \d+, but dispatched on step \d+ before step \d+", r)
+        for r in reasons), reasons
+    again = subprocess.run([sys.executable, "-c", "from fedseq.server.cli import sim_main; sim_main()",
+                            "--replay", str(tmp_path / "run"), "--out", str(tmp_path / "again"),
+                            "-q", "--set", "train.threads=1"], capture_output=True, text=True,
+                           timeout=600)
+    assert again.returncode == 0, (again.stdout[-2000:], again.stderr[-2000:])
+
+
+def test_a_flooding_login_does_not_starve_an_asynchronous_run(data_root, tmp_path, mosquitto,
+                                                             one_thread):
+    """The per-login budgets hold while an asynchronous run collects: local03's login floods the
+    coordinator with 100,000 evaluations under every step number and statuses from the first async
+    step on; local01's and local02's clients go on being dispatched and folded in the second half
+    of the run, and it finishes."""
+    port, home, _ = mosquitto
+    names = ["local01", "local02", "local03"]
+    daemons = [device_process(n, port, home, data_root) for n in names]
+    flood: list[subprocess.Popen] = []
+
+    def attack(att, step):
+        if step.kind == "async" and not flood:
+            flood.append(subprocess.Popen([sys.executable, "-c", FLOOD, str(port),
+                                           (home / "local03.pw").read_text().strip(),
+                                           att.run_id, "100000"]))
+
+    cfg = _three_devices(data_root, home, "rounds=12", "train.mode='async'",
+                         "train.concurrency=4", "train.buffer=2", "deploy.round_timeout_s=60",
+                         "deploy.wait_devices_s=120")
+    attacker = Attacker(port, attack, "local03", (home / "local03.pw").read_text().strip())
+    try:
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=lambda s: None)
+    finally:
+        attacker.stop()
+        stop_children(daemons + flood)
+    assert flood
+    rows = [r for r in res.rows if r["phase"] == "train"]
+    assert [r["round"] for r in rows] == list(range(12))
+    folded = [f["client"] for r in rows[6:] for f in r["folds"] if not f["refused"]]
+    assert {c % 3 for c in folded} >= {0, 1}, [r["folds"] for r in rows]
