@@ -13,6 +13,10 @@ seconds, the later rounds' mean seconds, their mean MB under the per-client defi
 bytes_down + bytes_up (a client's first download of the model counts), and their mean wire MB
 (what the coordinator's connection published and received: blocks once per version, fanned out
 by the broker).
+
+Its figures of issue 18 were taken on the embedded amqtt. amqtt drops what a device does not
+acknowledge within 5 s (docs/rehearsal.md), which wifi-poor's 2 Mbit/s can exceed: add
+`--set deploy.embedded_broker='"mosquitto"'` to rehearse slow links on the run's Mosquitto.
 """
 
 from __future__ import annotations
