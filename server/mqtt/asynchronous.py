@@ -46,6 +46,7 @@ class OnFleet(BufferedAsync):
         self.late = 0  # updates of flights no longer in flight
         self._step_bytes: tuple[int, int] | None = None  # the step's (sent, received) bytes
         self.failing: dict[str, str] = {}  # device -> why it could not train, this step
+        self.refused: dict[int, Rejection] = {}  # updates refused while their flight goes on
 
     def _check_can_run(self) -> None:
         """The devices' own pace orders the arrivals: no [fleet] is needed."""
@@ -132,24 +133,40 @@ class OnFleet(BufferedAsync):
             self.pool.release(ev)
             return None
         update = self.pool.take(ev)
+        version, rejection = self._check(update, f.version, t)
+        honest = rejection is not None and (rejection.code == "too-stale" or (
+            update.diverged_at is not None and self.pool.owner.get(c) == ev.device))
+        if rejection is not None and not honest:
+            # as in a round, an invalid update never displaces a valid one: the flight waits
+            # for its client's valid answer (or its device going, or its deadline); the refusal
+            # goes into the step's row, not into its folds (nothing was trained for it here).
+            # Refused and landed: an update too stale, or its own device saying it diverged.
+            log.warning("step %d: rejected update of client %d (still in flight): %s", t, c,
+                        rejection)
+            self.refused[c] = rejection
+            return None
         self._land(f)
-        dispatched_on, f.version = f.version, update.round
-        v = self._versions.get(f.version)
-        if not dispatched_on <= f.version <= t:
-            f.version = dispatched_on
-            f.rejection = Rejection("bad-version", f"trained on the model of step {update.round},"
-                                    f" but dispatched on step {dispatched_on} before step {t}")
-        elif v is None:  # older than any update may be folded
-            f.rejection = Rejection("too-stale", f"trained on the model of step {f.version}, "
-                                    f"{t - f.version} steps ago > train.max_staleness="
-                                    f"{self.cfg.train.max_staleness}")
-        else:
-            contract = self._contract(f.version, [c], v.plan, v.offered, v.bound)
-            f.rejection = contract.check(update)
-            if f.rejection is None:
-                f.update = update
+        f.version, f.rejection = version, rejection
+        if rejection is None:
+            f.update = update
         self.trained_on[c] = max(self.trained_on.get(c, f.version), f.version)
         return f
+
+    def _check(self, update: Any, dispatched_on: int, t: int) -> tuple[int, Rejection | None]:
+        """(the version the update is counted on, why it is refused or None): it must name a
+        version between its dispatch's and the current step, one still kept, and pass that
+        version's round contract."""
+        if not dispatched_on <= update.round <= t:
+            return dispatched_on, Rejection(
+                "bad-version", f"trained on the model of step {update.round}, but dispatched on "
+                f"step {dispatched_on} before step {t}")
+        v = self._versions.get(update.round)
+        if v is None:  # older than any update may be folded
+            return update.round, Rejection(
+                "too-stale", f"trained on the model of step {update.round}, {t - update.round} "
+                f"steps ago > train.max_staleness={self.cfg.train.max_staleness}")
+        contract = self._contract(update.round, [update.client], v.plan, v.offered, v.bound)
+        return update.round, contract.check(update)
 
     def _arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
         self._fill(t)
@@ -167,6 +184,8 @@ class OnFleet(BufferedAsync):
                 again.poll(sorted(f.client for f in self.flights))
                 continue
             f = self._answer(self.events.pop(0), t)
+            got.rejected.update(self.refused)
+            self.refused.clear()
             if f is not None:
                 arrived += 1
                 yield f
