@@ -46,7 +46,6 @@ class OnFleet(BufferedAsync):
         self.late = 0  # updates of flights no longer in flight
         self._step_bytes: tuple[int, int] | None = None  # the step's (sent, received) bytes
         self.failing: dict[str, str] = {}  # device -> why it could not train, this step
-        self.refused: dict[int, Rejection] = {}  # updates refused while their flight goes on
 
     def _check_can_run(self) -> None:
         """The devices' own pace orders the arrivals: no [fleet] is needed."""
@@ -113,8 +112,9 @@ class OnFleet(BufferedAsync):
                     "trained on this model already)", t)
         return False
 
-    def _answer(self, ev: Any, t: int) -> Flight | None:
-        """The flight an event of the fleet lands (its update checked), or None."""
+    def _answer(self, ev: Any, t: int, got: RoundUpdates) -> Flight | None:
+        """The flight an event of the fleet lands (its update checked), or None; a refusal that
+        leaves its flight in flight goes into `got.rejected`."""
         if isinstance(ev, (DeviceOffline, StepFailed)):
             why = "its device went offline"
             if isinstance(ev, StepFailed):
@@ -134,16 +134,16 @@ class OnFleet(BufferedAsync):
             return None
         update = self.pool.take(ev)
         version, rejection = self._check(update, f.version, t)
-        honest = rejection is not None and (rejection.code == "too-stale" or (
-            update.diverged_at is not None and self.pool.owner.get(c) == ev.device))
-        if rejection is not None and not honest:
-            # as in a round, an invalid update never displaces a valid one: the flight waits
-            # for its client's valid answer (or its device going, or its deadline); the refusal
-            # goes into the step's row, not into its folds (nothing was trained for it here).
-            # Refused and landed: an update too stale, or its own device saying it diverged.
+        # Refused and landed: an update too stale, or its own device saying it diverged. Any
+        # other refusal, as in a round, displaces no valid update: the flight waits for its
+        # client's valid answer (or its device going, or its deadline), and the refusal goes into
+        # the step's row, not into its folds (nothing was trained for it here).
+        lands = rejection is None or rejection.code == "too-stale" or (
+            update.diverged_at is not None and self.pool.owner.get(c) == ev.device)
+        if not lands:
             log.warning("step %d: rejected update of client %d (still in flight): %s", t, c,
                         rejection)
-            self.refused[c] = rejection
+            got.rejected[c] = rejection
             return None
         self._land(f)
         f.version, f.rejection = version, rejection
@@ -183,9 +183,7 @@ class OnFleet(BufferedAsync):
                 again.seq = self.pool.seq  # a device answers an ask of its current step
                 again.poll(sorted(f.client for f in self.flights))
                 continue
-            f = self._answer(self.events.pop(0), t)
-            got.rejected.update(self.refused)
-            self.refused.clear()
+            f = self._answer(self.events.pop(0), t, got)
             if f is not None:
                 arrived += 1
                 yield f
