@@ -509,6 +509,19 @@ def _device_rounds(res, index: int, n_devices: int) -> list[tuple[list[int], lis
              [c for c in r.get("reported", r["clients"]) if c % n_devices == index]) for r in rows]
 
 
+def _attacked_run(cfg, port: int, home: Path, tmp_path: Path, attack, login: str, children):
+    """run_deployment with an Attacker on `login`'s account calling `attack(attacker, step)` on
+    each new step; then the processes `children()` lists then (started or restarted during the
+    run) are stopped, in any case."""
+    attacker = Attacker(port, attack, login, (home / f"{login}.pw").read_text().strip())
+    try:
+        return run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                              announce=lambda s: None)
+    finally:
+        attacker.stop()
+        stop_children(children())
+
+
 FLOOD = """
 import sys, time
 import paho.mqtt.client as mqtt
@@ -563,13 +576,8 @@ def test_a_flooding_login_does_not_silence_another_device(data_root, tmp_path, m
     # flood (its own loss), so that round ends at a short deadline
     cfg = _three_devices(data_root, home, "rounds=4", "deploy.round_timeout_s=40",
                          "deploy.wait_devices_s=120")
-    attacker = Attacker(port, attack, "local03", (home / "local03.pw").read_text().strip())
-    try:
-        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
-                             announce=lambda s: None)
-    finally:
-        attacker.stop()
-        stop_children(list(daemons.values()) + flood)
+    res = _attacked_run(cfg, port, home, tmp_path, attack, "local03",
+                        lambda: list(daemons.values()) + flood)
     assert restarted and flood
     summary = [{k: r.get(k) for k in ("round", "reported", "failed", "missed_deadline", "seconds")}
                for r in res.rows if r["phase"] == "train"]
@@ -829,13 +837,7 @@ def test_a_flooding_login_does_not_starve_an_asynchronous_run(data_root, tmp_pat
     cfg = _three_devices(data_root, home, "rounds=12", "train.mode='async'",
                          "train.concurrency=4", "train.buffer=2", "deploy.round_timeout_s=60",
                          "deploy.wait_devices_s=120")
-    attacker = Attacker(port, attack, "local03", (home / "local03.pw").read_text().strip())
-    try:
-        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
-                             announce=lambda s: None)
-    finally:
-        attacker.stop()
-        stop_children(daemons + flood)
+    res = _attacked_run(cfg, port, home, tmp_path, attack, "local03", lambda: daemons + flood)
     assert flood
     rows = [r for r in res.rows if r["phase"] == "train"]
     assert [r["round"] for r in rows] == list(range(12))
