@@ -4,8 +4,8 @@
 # tens of seconds on 2 cores), 6 local devices of 5 clients each: two under a quarter of the
 # others' CPU (0.1 core against 0.4), two behind wifi-poor (2 Mbit/s), the rest wifi-good, on a
 # Mosquitto started for each run (deploy.embedded_broker: amqtt drops what a 2 Mbit/s link does
-# not acknowledge within 5 s, docs/rehearsal.md). Synchronous rounds, over-selection (1.5x) and asynchronous aggregation (concurrency 6, buffer 3: about the
-# same number of client-rounds), then the same three simulated with the fleet the synchronous
+# not acknowledge within 5 s, docs/rehearsal.md). Synchronous rounds, over-selection (1.5x) and
+# asynchronous aggregation (concurrency 6, buffer 3: about the same number of client-rounds), then the same three simulated with the fleet the synchronous
 # rehearsal measured (fedseq fleet, with each device's link), and bench/mixed_rehearsal.py
 # compares the rehearsal's wall seconds with the simulation's virtual ones.
 #   bash bench/mixed_rehearsal.sh OUT [ROUNDS] [ASYNC_STEPS]
