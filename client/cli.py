@@ -10,7 +10,8 @@ import threading
 from pathlib import Path
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """fedseq-client's command line (also the CLI reference's source, docs/reference)."""
     p = argparse.ArgumentParser(
         prog="fedseq-client",
         description="fedseq device daemon; `fedseq-client doctor [...]` checks this device instead. "
@@ -26,7 +27,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path,
                    help="this device's data root, holding MNIST/raw, FashionMNIST/raw, ... "
                         "(default: $FEDSEQ_DATA, else ~/.local/share/fedseq/data)")
-    p.add_argument("--state-dir", type=Path, help="where personal blocks are kept across restarts")
+    p.add_argument("--state-dir", type=Path,
+                   help="where personal state (personal blocks, residuals) is kept across restarts")
     p.add_argument("--torch-device", choices=["auto", "cpu", "cuda"],
                    help="where to train (default auto: CUDA when available)")
     p.add_argument("--topic-root", help="MQTT topic root (default fedseq)")
@@ -39,7 +41,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-verify-hostname", dest="verify_hostname", action="store_false",
                    default=None, help="accept a broker certificate that does not name its host")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

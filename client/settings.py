@@ -25,21 +25,28 @@ class ClientSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    device: str = Field(pattern=rf"^{DEVICE_NAME.pattern}$")
-    broker: str = "mqtt://127.0.0.1:1883"
-    username: Optional[str] = None
-    password_file: Optional[Path] = None
-    ca_file: Optional[Path] = None  # mqtts://: the CA that signed the broker's certificate
-    cert_file: Optional[Path] = None  # mutual TLS: this device's certificate and key
-    key_file: Optional[Path] = None
-    verify_hostname: bool = True
-    # this device's data root, whatever the coordinator's is ($FEDSEQ_DATA or the default)
-    data_dir: Path = Field(default_factory=default_data_root)
-    state_dir: Path = Path("fedseq-state")
-    torch_device: Literal["auto", "cpu", "cuda"] = "auto"
-    topic_root: str = "fedseq"
-    threads: Optional[int] = Field(None, ge=1)
-    log_level: str = "INFO"
+    device: str = Field(pattern=rf"^{DEVICE_NAME.pattern}$", description=(
+        "This device's name, e.g. jetson01 (letters, digits, - and _); its broker login usually."))
+    broker: str = Field("mqtt://127.0.0.1:1883", description="mqtt://HOST:PORT or mqtts://HOST:PORT.")
+    username: Optional[str] = Field(None, description="The broker login (usually the device name).")
+    password_file: Optional[Path] = Field(None, description="A file holding the broker password.")
+    ca_file: Optional[Path] = Field(None, description=(
+        "mqtts://: the PEM file of the CA that signed the broker's certificate."))
+    cert_file: Optional[Path] = Field(None, description="Mutual TLS: this device's PEM certificate.")
+    key_file: Optional[Path] = Field(None, description="Mutual TLS: the certificate's PEM key.")
+    verify_hostname: bool = Field(True, description=(
+        "Check that the broker's certificate names the host connected to."))
+    data_dir: Path = Field(default_factory=default_data_root, description=(
+        "This device's data root, whatever the coordinator's is (default: $FEDSEQ_DATA, else "
+        "~/.local/share/fedseq/data)."))
+    state_dir: Path = Field(Path("fedseq-state"), description=(
+        "Where each logical client's personal state (personal blocks, error-feedback residuals) "
+        "is kept across restarts."))
+    torch_device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "Where to train: auto (CUDA when available), cpu or cuda."))
+    topic_root: str = Field("fedseq", description="The MQTT topic root (deploy.topic_root).")
+    threads: Optional[int] = Field(None, ge=1, description="torch CPU threads (default: torch's).")
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
 
 
 def load_settings(config: Path | None, flags: dict[str, Any],

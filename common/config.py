@@ -58,22 +58,29 @@ class _Section(BaseModel):
 class DataConfig(_Section):
     """[data]: dataset, where its files are, and how it is split over clients."""
 
-    # a dataset of the catalog (common/data/catalog.py): mnist, fmnist, cifar10, cifar100, the
-    # six emnist-<split>s, tiny-imagenet
-    dataset: str = "fmnist"
-    # the folder holding MNIST/raw, FashionMNIST/raw, cifar-10-batches-py, ...; default: the one
-    # data root of every command ($FEDSEQ_DATA, else ~/.local/share/fedseq/data; `fedseq data`)
-    root: Path = Field(default_factory=default_data_root)
-    partition: Literal["dirichlet", "shards", "iid", "classes"] = "dirichlet"
-    alpha: float = Field(0.1, gt=0)
-    shards_per_client: int = Field(2, ge=1)
-    # "classes" (FedPer's CIFAR split): every client holds at most this many classes, each class
-    # shared equally by the clients that hold it; k >= the classes is an IID split by class
-    classes_per_client: int = Field(2, ge=1)
-    num_clients: int = Field(30, ge=1)
-    train_fraction: float = Field(0.75, gt=0, lt=1)
-    min_samples: int = Field(40, ge=1, description="Dirichlet: redraw until every client has this many")
-    fraction: float = Field(1.0, gt=0, le=1, description="use a seed-chosen subset (quick runs)")
+    dataset: str = Field("fmnist", description=(
+        "A dataset of the catalog (common/data/catalog.py): mnist, fmnist, cifar10, cifar100, the six "
+        "emnist-<split>s (emnist-letters, -digits, -balanced, -byclass, -bymerge, -mnist), tiny-imagenet."))
+    root: Path = Field(default_factory=default_data_root, description=(
+        "The folder holding MNIST/raw, FashionMNIST/raw, EMNIST/raw, cifar-10-batches-py, "
+        "cifar-100-python or tiny-imagenet-200. Default: the one data root of every command "
+        "($FEDSEQ_DATA, else ~/.local/share/fedseq/data; `fedseq data where`)."))
+    partition: Literal["dirichlet", "shards", "iid", "classes"] = Field("dirichlet", description=(
+        "How the training rows are dealt to clients: dirichlet (PFLlib's label-Dirichlet, `alpha`), "
+        "shards (FedAvg/FedBABU's, `shards_per_client`), iid, or classes (FedPer's: at most "
+        "`classes_per_client` classes a client)."))
+    alpha: float = Field(0.1, gt=0, description="dirichlet: the concentration; smaller is more skewed.")
+    shards_per_client: int = Field(2, ge=1, description="shards: the label-sorted shards each client gets.")
+    classes_per_client: int = Field(2, ge=1, description=(
+        "classes: every client holds at most this many classes, each class shared equally by the "
+        "clients that hold it; k >= the classes is an IID split by class."))
+    num_clients: int = Field(30, ge=1, description="The logical clients the data is split over.")
+    train_fraction: float = Field(0.75, gt=0, lt=1, description=(
+        "The share of each client's rows it trains on; the rest is its own test split."))
+    min_samples: int = Field(40, ge=1, description=(
+        "dirichlet: redraw the partition until every client has this many rows."))
+    fraction: float = Field(1.0, gt=0, le=1, description=(
+        "Use a seed-chosen subset of the dataset of this size (quick runs)."))
 
     @field_validator("dataset")
     @classmethod
@@ -84,22 +91,19 @@ class DataConfig(_Section):
 class ModelConfig(_Section):
     """[model]: which model of the zoo (common/models.py)."""
 
-    # cnn: the FedSeq paper's (FedAvg/PFLlib) CNN; convnet: FedReG's (FedDyn/FedRoD) ConvNet;
-    # 4convnet and mobilenet: FedBABU's; resnet18, resnet34: FedPer's and FedBABU's appendix
-    # (docs/models.md: blocks, parameters, normalization)
-    # (a name of common/models.py's MODELS, checked below: the registry is the one list)
-    name: str = "cnn"
-    # the heads' initial weights: "default" (PyTorch's, the same for every algorithm) or
-    # "orthogonal" (FedBABU section 3 credits its fixed random head to an orthogonal init, after
-    # Saxe et al.): nn.init.orthogonal_ on each head's weight, its bias as PyTorch initialises it
-    head_init: Literal["default", "orthogonal"] = "default"
-    # what the BatchNorm layers of 4convnet, mobilenet and the ResNets keep (docs/models.md,
-    # "Normalization in FL"): "batch" (FedBABU's code: batch statistics only, no running state),
-    # "running" (running mean and variance, aggregated with their block like its weights; a
-    # frozen block normalizes by them, unchanged) or "fedbn" (running statistics, and every
-    # normalization layer's scale, shift and statistics stay with the client: FedBN, Li et al.
-    # ICLR 2021); cnn and convnet have no normalization layers and take "batch" only
-    norm: Literal["batch", "running", "fedbn"] = "batch"
+    name: str = Field("cnn", description=(
+        "A model of common/models.py's MODELS: cnn (the FedSeq paper's FedAvg/PFLlib CNN), convnet "
+        "(FedReG's FedDyn/FedRoD ConvNet), 4convnet and mobilenet (FedBABU's), resnet18, resnet34 "
+        "(FedPer's and FedBABU's appendix). docs/models.md gives their blocks and parameters."))
+    head_init: Literal["default", "orthogonal"] = Field("default", description=(
+        "The heads' initial weights: default (PyTorch's, the same for every algorithm) or "
+        "orthogonal (nn.init.orthogonal_ on each head's weight, as FedBABU section 3 describes its "
+        "fixed random head; the bias as PyTorch initialises it)."))
+    norm: Literal["batch", "running", "fedbn"] = Field("batch", description=(
+        "What the BatchNorm layers of 4convnet, mobilenet and the ResNets keep (docs/models.md): "
+        "batch (batch statistics only, FedBABU's code), running (running statistics aggregated with "
+        "their block; a frozen block normalizes by them) or fedbn (every normalization layer stays "
+        "with its client: FedBN). cnn and convnet have none and take batch only."))
 
     @field_validator("name")
     @classmethod
@@ -114,39 +118,45 @@ class ModelConfig(_Section):
 class AlgorithmConfig(_Section):
     """[algorithm]: which algorithm and its own hyperparameters."""
 
-    # a name of common/algorithms' REGISTRY (checked below: the registry is the one list)
-    name: str = "fedseq-anti"
-    unfreeze_rounds: List[int] = Field(default_factory=list)
-    finetune_epochs: int = Field(10, ge=0)
-    mu: float = Field(0.001, ge=0, description="FedProx proximal weight")
-    head_epochs: int = Field(1, ge=0, description="FedRep head epochs before the body epochs")
-    # FedPer's K_P: the personalization layers in blocks, the head and the last K_P - 1 base
-    # blocks (1: the head alone, FedPer's default; its section 4.3 tries 1 to 4)
-    personal_layers: int = Field(1, ge=1)
-    rebalance_threshold: Literal["mean", "median", "max"] = "mean"
-    # FedReG's local procedure (docs/design.md, "FedReG"): passes over the original and over the
-    # rebalanced set per round ("epochs": train.local_epochs each, section 4.1; "one": one each,
-    # as Algorithm 1 is written), and whether the rebalanced set is built once per client
-    # (Algorithm 3, an input of Algorithm 1) or rebuilt with fresh augmentations every round.
-    fedreg_passes: Literal["epochs", "one"] = "epochs"
-    fedreg_rebalance: Literal["once", "every-round"] = "once"
-    # What the final fine-tuning (FedBABU, FedSeq, local) trains: "all" blocks (FedBABU's paper,
-    # Algorithm 1: the whole model), the "head" alone (how FedReG section 5 describes FedBABU's
-    # re-tuning), or a block name or list of them ("head" naming the model's head), e.g.
-    # ["conv1", "head"]; the names are checked against the model when the run starts. docs/results.md,
-    # "Deviations from the papers".
-    finetune_blocks: Union[str, List[str]] = "all"
-    # The server's optimizer (FedAvgM, FedAdam, FedYogi; Reddi et al., "Adaptive Federated
-    # Optimization", ICLR 2021, Algorithm 2): the round's mean delta is a pseudo-gradient that the
-    # server steps along with learning rate `server_lr` (default: 1.0 for FedAvgM, 0.01 for FedAdam
-    # and FedYogi), momentum `beta1` (FedAvgM: m = beta1 m + delta; FedAdam, FedYogi: the EMA
-    # m = beta1 m + (1 - beta1) delta), second-moment decay `beta2` and adaptivity `tau` (the
-    # second moment starts at tau^2). SCAFFOLD's global step size is `server_lr` too (default 1).
-    # Server-side only: devices are never sent them.
-    server_lr: Optional[float] = Field(None, gt=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.99, ge=0, lt=1)
-    tau: float = Field(1e-3, gt=0)
+    name: str = Field("fedseq-anti", description=(
+        "An algorithm of common/algorithms' REGISTRY: fedavg, fedavgm, fedadam, fedyogi, scaffold, "
+        "fedprox, fedper, fedrep, lg-fedavg, fedbabu, fedrod, fedreg, fedseq-vanilla, fedseq-anti, "
+        "or the control local (every client alone on the same schedule)."))
+    unfreeze_rounds: List[int] = Field(default_factory=list, description=(
+        "FedSeq: the round (from 0) at which each base block starts training, t_1..t_K in the "
+        "schedule's order; empty: evenly spaced over the rounds. A t_k >= rounds keeps that block "
+        "frozen until fine-tuning."))
+    finetune_epochs: int = Field(10, ge=0, description=(
+        "FedBABU, FedSeq, local: epochs of the final fine-tuning on each client's training rows "
+        "(0: none)."))
+    mu: float = Field(0.001, ge=0, description="FedProx: the proximal term's weight.")
+    head_epochs: int = Field(1, ge=0, description="FedRep: head epochs before the body epochs.")
+    personal_layers: int = Field(1, ge=1, description=(
+        "FedPer's K_P: the personalization layers in blocks, the head and the last K_P - 1 base "
+        "blocks (1: the head alone, FedPer's default; its section 4.3 tries 1 to 4)."))
+    rebalance_threshold: Literal["mean", "median", "max"] = Field("mean", description=(
+        "FedReG: the client size a client's rebalanced set is filled up to."))
+    fedreg_passes: Literal["epochs", "one"] = Field("epochs", description=(
+        "FedReG: passes over the original and over the rebalanced set per round: `epochs` "
+        "(train.local_epochs each, section 4.1) or `one` (one each, Algorithm 1 as written)."))
+    fedreg_rebalance: Literal["once", "every-round"] = Field("once", description=(
+        "FedReG: build a client's rebalanced set with its augmented images once (Algorithm 3, an "
+        "input of Algorithm 1) or again with fresh augmentations every round."))
+    finetune_blocks: Union[str, List[str]] = Field("all", description=(
+        "What the final fine-tuning (FedBABU, FedSeq, local) trains: `all` blocks (FedBABU's "
+        "Algorithm 1), the `head` alone (FedReG section 5's reading), or a block name or list of "
+        "them, e.g. [\"conv1\", \"head\"], checked against the model when the run starts."))
+    server_lr: Optional[float] = Field(None, gt=0, description=(
+        "FedAvgM, FedAdam, FedYogi (Reddi et al., ICLR 2021): the server's learning rate along the "
+        "round's mean delta (default 1.0 for FedAvgM, 0.01 for the others); SCAFFOLD: its global "
+        "step size (default 1). Coordinator only."))
+    beta1: float = Field(0.9, ge=0, lt=1, description=(
+        "The server optimizer's momentum: FedAvgM m = beta1 m + delta; FedAdam, FedYogi the EMA "
+        "m = beta1 m + (1 - beta1) delta. Coordinator only."))
+    beta2: float = Field(0.99, ge=0, lt=1, description=(
+        "FedAdam, FedYogi: the second moment's decay. Coordinator only."))
+    tau: float = Field(1e-3, gt=0, description=(
+        "FedAdam, FedYogi: adaptivity; the second moment starts at tau^2. Coordinator only."))
 
     @field_validator("name")
     @classmethod
@@ -169,41 +179,41 @@ class AlgorithmConfig(_Section):
 class TrainConfig(_Section):
     """[train]: local training and evaluation settings shared by every algorithm."""
 
-    join_ratio: float = Field(0.2, gt=0, le=1)
-    local_epochs: int = Field(5, ge=1)
-    batch_size: int = Field(20, ge=1)
-    lr: float = Field(0.01, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
-    eval_every: int = Field(1, ge=1)
-    # evaluation batch: 128 keeps a device's peak memory low (at 2000 the ConvNet's first
-    # activation alone is 295 MB on a Jetson Nano's 4 GB) at the same speed on CPU
-    eval_batch_size: int = Field(128, ge=1)
-    # fedseq-sim: where the model, batches and the dataset's images live ("cuda", "cuda:1", or
-    # "auto" = cuda when available). Results differ from CPU runs in the last bits (kernels).
-    device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$")
-    # fedseq-sim's torch threads: a number; default torch's count in the process (in fedseq-sim
-    # this machine's physical cores, or OMP_NUM_THREADS: fixed, so a seed gives the same run
-    # whatever the load); "auto" = the cores not busy at start (1-minute load average: faster
-    # beside other work, but the result then depends on the load). Recorded in the run directory.
-    threads: Union[int, str, None] = Field(None)
-    # how the run advances (server/asynchronous.py): "sync" rounds, each waiting for its selected
-    # clients (or its deadline), or "async": buffered asynchronous aggregation (FedBuff, Nguyen et
-    # al. 2022): `concurrency` clients train at once, each arrival is replaced by a newly selected
-    # client, and the server steps every `buffer` updates; a server step is a round for
-    # everything that counts rounds (FedSeq's schedule, evaluation, checkpoints, rows)
-    mode: Literal["sync", "async"] = "sync"
-    # async: clients training at once (None: clients_per_round())
-    concurrency: Optional[int] = Field(None, ge=1)
-    # async: updates folded per server step (None: half the concurrency, rounded up)
-    buffer: Optional[int] = Field(None, ge=1)
-    # async: an update trained tau server steps ago counts (1 + tau)^-alpha as much (FedBuff's
-    # 1/sqrt(1 + tau) at 0.5; 0: staleness ignored)
-    staleness_alpha: float = Field(0.5, ge=0)
-    # async: an update staler than this many server steps is refused (None: none is)
-    max_staleness: Optional[int] = Field(10, ge=0)
-    # sync: select over_select x clients_per_round() clients and count the first
-    # clients_per_round() updates to arrive (the others are late); 1 = no over-selection
-    over_select: float = Field(1.0, ge=1)
+    join_ratio: float = Field(0.2, gt=0, le=1, description=(
+        "The share of clients selected a round: floor(join_ratio x num_clients), at least one."))
+    local_epochs: int = Field(5, ge=1, description="Local epochs a selected client trains a round.")
+    batch_size: int = Field(20, ge=1, description="Local training batch size.")
+    lr: float = Field(0.01, gt=0, description="Local SGD learning rate.")
+    momentum: float = Field(0.9, ge=0, lt=1, description="Local SGD momentum.")
+    eval_every: int = Field(1, ge=1, description="Evaluate every this many rounds (and the last).")
+    eval_batch_size: int = Field(128, ge=1, description=(
+        "Evaluation batch: 128 keeps a device's peak memory low (at 2000 the ConvNet's first "
+        "activation alone is 295 MB on a Jetson Nano's 4 GB) at the same speed on CPU."))
+    device: str = Field("cpu", pattern=r"^(cpu|auto|cuda(:[0-9]+)?)$", description=(
+        "fedseq-sim: where the model, batches and images live: cpu, cuda, cuda:N, or auto (cuda "
+        "when available). Results differ from CPU runs in the last bits (kernels)."))
+    threads: Union[int, str, None] = Field(None, description=(
+        "fedseq-sim's torch threads: a number; default torch's count (this machine's physical "
+        "cores, or OMP_NUM_THREADS: fixed, so a seed gives the same run whatever the load); `auto` "
+        "= the cores not busy at start (faster beside other work, but the result then depends on "
+        "the load). Recorded in the run directory."))
+    mode: Literal["sync", "async"] = Field("sync", description=(
+        "How the run advances (server/asynchronous.py): sync rounds, each waiting for its selected "
+        "clients (or its deadline), or async: buffered asynchronous aggregation (FedBuff): "
+        "`concurrency` clients train at once and the server steps every `buffer` updates; a server "
+        "step is a round for everything that counts rounds."))
+    concurrency: Optional[int] = Field(None, ge=1, description=(
+        "async: clients training at once (default: the clients a round selects)."))
+    buffer: Optional[int] = Field(None, ge=1, description=(
+        "async: updates folded per server step (default: half the concurrency, rounded up)."))
+    staleness_alpha: float = Field(0.5, ge=0, description=(
+        "async: an update trained tau server steps ago counts (1 + tau)^-alpha as much (FedBuff's "
+        "1/sqrt(1 + tau) at 0.5; 0: staleness ignored)."))
+    max_staleness: Optional[int] = Field(10, ge=0, description=(
+        "async: an update staler than this many server steps is refused (none: none is)."))
+    over_select: float = Field(1.0, ge=1, description=(
+        "sync: select over_select x the round's clients and count the first updates to arrive "
+        "(the others are late); 1: no over-selection."))
 
     @field_validator("threads")
     @classmethod
@@ -214,20 +224,21 @@ class TrainConfig(_Section):
 
 
 class AggregationConfig(_Section):
-    """How validated updates become the new global model (docs/security.md)."""
+    """[aggregation]: how validated updates become the new global model (docs/security.md)."""
 
-    rule: Literal["mean", "clipped-mean", "trimmed-mean", "median"] = "mean"
-    clip_norm: Optional[float] = Field(None, gt=0, description="clipped-mean: absolute L2 bound")
-    clip_factor: float = Field(2.0, gt=0, description="clipped-mean: bound = factor x median norm")
-    trim_ratio: float = Field(0.1, gt=0, lt=0.5, description="trimmed-mean: ceil(ratio*n) per end")
-    outlier_factor: float = Field(5.0, gt=1, description="log updates with norm > factor x median")
-    # reject an update with a larger element; "auto": 10 x the largest parameter magnitude of the
-    # global model at that round, at least 1 (measured legitimate maxima: docs/security.md);
-    # running statistics have bounds of their own (server/validation.py, STAT_GROWTH, STAT_CAP)
-    max_abs_delta: Union[float, Literal["auto"]] = "auto"
-    # f: Byzantine devices (logins) a robust rule must withstand; None = 1 for the robust rules
-    # (rounds then need 2f+1 reporting devices), 0 for the mean, which withstands none
-    byzantine_devices: Optional[int] = Field(None, ge=0)
+    rule: Literal["mean", "clipped-mean", "trimmed-mean", "median"] = Field("mean", description=(
+        "mean: exact FedAvg; clipped-mean, trimmed-mean, median: robust rules (docs/security.md)."))
+    clip_norm: Optional[float] = Field(None, gt=0, description="clipped-mean: an absolute L2 bound.")
+    clip_factor: float = Field(2.0, gt=0, description="clipped-mean: bound = factor x median norm.")
+    trim_ratio: float = Field(0.1, gt=0, lt=0.5, description="trimmed-mean: ceil(ratio x n) cut per end.")
+    outlier_factor: float = Field(5.0, gt=1, description="Log updates with a norm > factor x the median.")
+    max_abs_delta: Union[float, Literal["auto"]] = Field("auto", description=(
+        "Refuse an update with a larger element; auto: 10 x the largest parameter magnitude of the "
+        "global model at that round, at least 1. Running statistics have bounds of their own "
+        "(server/validation.py)."))
+    byzantine_devices: Optional[int] = Field(None, ge=0, description=(
+        "f, the Byzantine devices (logins) a robust rule must withstand; default 1 for the robust "
+        "rules (rounds then need 2f+1 reporting devices), 0 for the mean, which withstands none."))
 
     @model_validator(mode="after")
     def _mean_bounds_nothing(self) -> AggregationConfig:
@@ -258,54 +269,66 @@ class AggregationConfig(_Section):
 
 
 class DeployConfig(_Section):
-    """MQTT deployment (fedseq-server start); ignored by fedseq-sim."""
+    """[deploy]: MQTT deployment (fedseq-server start); ignored by fedseq-sim."""
 
-    host: str = "127.0.0.1"  # embedded broker bind address
-    # embedded broker port (0 = a free one); not 1883, where a system Mosquitto usually listens
-    port: int = Field(18830, ge=0, le=65535)
-    broker: Optional[str] = None  # mqtt://HOST:PORT of an external broker (Mosquitto); none = embedded
-    topic_root: str = Field("fedseq", pattern=r"^[A-Za-z0-9_\-]+$")
-    min_devices: int = Field(1, ge=1)
-    # how long to wait for min_devices: at the start, and before a step while fewer of the
-    # assigned devices are online; a device still missing then is not waited for again until
-    # it is back online (one wait per loss)
-    wait_devices_s: float = Field(300, gt=0)
-    # Round deadline: fixed when set; else factor x the slowest device's recent pace (seconds
-    # per client x its clients this round), within [min, max]; max until every device was measured.
-    round_timeout_s: Optional[float] = Field(None, gt=0)
-    round_timeout_factor: float = Field(3.0, gt=1)
-    round_timeout_min_s: float = Field(60, gt=0)
-    round_timeout_max_s: float = Field(1800, gt=0)
-    finetune_timeout_s: float = Field(3600, gt=0)  # every client fine-tunes: its own deadline
-    min_updates: int = Field(1, ge=1)
-    eval_timeout_s: float = Field(600, gt=0)
-    username: Optional[str] = None  # the coordinator's broker account (Mosquitto with a password file)
-    password_file: Optional[Path] = None
-    # TLS for an mqtts:// broker: the CA that signed the broker's certificate, optionally this
-    # side's certificate and key (mutual TLS). Hostname verification stays on unless disabled.
-    ca_file: Optional[Path] = None
-    cert_file: Optional[Path] = None
-    key_file: Optional[Path] = None
-    tls_verify_hostname: bool = True
-    # Embedded broker only: an amqtt password file (`fedseq-server passwd`). Bound to anything but
-    # loopback it refuses anonymous logins unless allow_anonymous is set.
-    broker_password_file: Optional[Path] = None
-    allow_anonymous: bool = False
-    # Which embedded broker: amqtt in the coordinator, or "mosquitto": Mosquitto started for the run
-    # from the checkout's broker.conf and ACL, with a login made for the run that the coordinator
-    # and its --local-clients share (devices elsewhere need a Mosquitto of your own: --broker).
-    # amqtt drops a message a device does not acknowledge within 5 s (amqtt issue #391), so links
-    # on which a model takes longer (a rehearsal's wifi-poor, 3g-fast) need Mosquitto.
-    embedded_broker: Literal["amqtt", "mosquitto"] = "amqtt"
+    host: str = Field("127.0.0.1", description="The embedded broker's bind address.")
+    port: int = Field(18830, ge=0, le=65535, description=(
+        "The embedded broker's port (0: a free one); not 1883, where a system Mosquitto usually "
+        "listens."))
+    broker: Optional[str] = Field(None, description=(
+        "mqtt://HOST:PORT or mqtts://HOST:PORT of an external broker (Mosquitto); none: an embedded "
+        "one."))
+    topic_root: str = Field("fedseq", pattern=r"^[A-Za-z0-9_\-]+$", description=(
+        "The first level of every topic (docs/protocol.md)."))
+    min_devices: int = Field(1, ge=1, description="Devices the run waits for before it starts.")
+    wait_devices_s: float = Field(300, gt=0, description=(
+        "How long to wait for min_devices: at the start, and before a step while fewer of the "
+        "assigned devices are online; a device still missing then is not waited for again until "
+        "it is back online."))
+    round_timeout_s: Optional[float] = Field(None, gt=0, description=(
+        "A fixed round deadline; default: round_timeout_factor x the slowest device's recent pace "
+        "(seconds per client x its clients this round), within [min, max], max until every device "
+        "was measured."))
+    round_timeout_factor: float = Field(3.0, gt=1, description=(
+        "The deadline's multiple of the slowest device's pace."))
+    round_timeout_min_s: float = Field(60, gt=0, description="The shortest measured deadline.")
+    round_timeout_max_s: float = Field(1800, gt=0, description=(
+        "The longest measured deadline, and the deadline until every device was measured."))
+    finetune_timeout_s: float = Field(3600, gt=0, description=(
+        "The final fine-tuning's deadline (every client fine-tunes)."))
+    min_updates: int = Field(1, ge=1, description=(
+        "Valid updates a round needs; below it the round is discarded with its reason."))
+    eval_timeout_s: float = Field(600, gt=0, description="An evaluation step's deadline.")
+    username: Optional[str] = Field(None, description=(
+        "The coordinator's broker account (Mosquitto with a password file)."))
+    password_file: Optional[Path] = Field(None, description="A file holding that account's password.")
+    ca_file: Optional[Path] = Field(None, description=(
+        "TLS (mqtts://): the CA that signed the broker's certificate."))
+    cert_file: Optional[Path] = Field(None, description="Mutual TLS: this side's certificate.")
+    key_file: Optional[Path] = Field(None, description="Mutual TLS: this side's key.")
+    tls_verify_hostname: bool = Field(True, description=(
+        "Check that the broker's certificate names the host connected to."))
+    broker_password_file: Optional[Path] = Field(None, description=(
+        "Embedded amqtt only: its password file (`fedseq-server passwd`). Bound to anything but "
+        "loopback, the embedded broker refuses anonymous logins unless allow_anonymous is set."))
+    allow_anonymous: bool = Field(False, description=(
+        "Embedded amqtt beyond loopback: accept logins without a password."))
+    embedded_broker: Literal["amqtt", "mosquitto"] = Field("amqtt", description=(
+        "Which embedded broker: amqtt in the coordinator, or mosquitto started for the run from the "
+        "checkout's broker.conf and ACL, with a login made for the run that the coordinator and its "
+        "--local-clients share. amqtt drops a message a device does not acknowledge within 5 s "
+        "(amqtt issue #391): slow links (a rehearsal's wifi-poor, 3g-fast) need mosquitto."))
 
 
 class FleetGroup(_Section):
     """Devices of one kind in a simulated fleet: a device profile (server/fleet.py PROFILES),
     how many, and their link (a rehearsal link profile, server/rehearsal.py)."""
 
-    profile: str
-    count: int = Field(1, ge=1)
-    link: str = "wifi-good"
+    profile: str = Field(description=(
+        "nano, xavier-nx, orin-nano (each also -cpu), or custom:gflops=G,train_w=W,idle_w=W."))
+    count: int = Field(1, ge=1, description="How many devices of this kind.")
+    link: str = Field("wifi-good", description=(
+        "Their link: wifi-good, wifi-poor, lte, 3g-fast or custom:... (docs/rehearsal.md)."))
 
 
 class FleetConfig(_Section):
@@ -313,10 +336,12 @@ class FleetConfig(_Section):
     Given devices, clients are dealt to them as a deployment deals them (devices by name,
     round-robin), and every row carries the round's simulated seconds and modelled joules."""
 
-    devices: List[FleetGroup] = Field(default_factory=list)
-    # the spread of a device's pace from one client-round to the next: its time is multiplied by
-    # exp(jitter x N(0, 1)), drawn from the run's training seed
-    jitter: float = Field(0.1, ge=0, le=2)
+    devices: List[FleetGroup] = Field(default_factory=list, description=(
+        "The simulated devices, e.g. [{profile=\"nano\", count=5}, {profile=\"orin-nano\", "
+        "count=5}]; empty: no virtual clock."))
+    jitter: float = Field(0.1, ge=0, le=2, description=(
+        "The spread of a device's pace from one client-round to the next: its time is multiplied "
+        "by exp(jitter x N(0, 1)), drawn from the run's training seed."))
 
     def __bool__(self) -> bool:
         return bool(self.devices)
@@ -327,12 +352,16 @@ class WireConfig(_Section):
     updates, `down` for the global blocks sent to them (the coordinator keeps its float32
     master). Applied in every transport alike: a simulation trains on what a device would."""
 
-    up: Literal["none", "fp16", "bf16", "int8", "topk"] = "none"
-    down: Literal["none", "fp16", "bf16", "int8"] = "none"
-    topk: float = Field(0.01, gt=0, le=1)  # up = "topk": the fraction of each tensor's entries
-    int8_scale: Literal["channel", "tensor"] = "channel"  # a scale per output channel or tensor
-    # up = "int8": round to nearest, or stochastically from the run's seeded streams (unbiased)
-    int8_rounding: Literal["nearest", "stochastic"] = "nearest"
+    up: Literal["none", "fp16", "bf16", "int8", "topk"] = Field("none", description=(
+        "The clients' updates: none (float32), fp16, bf16, int8, or topk (the fraction `topk` of "
+        "each tensor's largest entries, with error feedback kept by the client)."))
+    down: Literal["none", "fp16", "bf16", "int8"] = Field("none", description=(
+        "The global blocks sent to clients (personal blocks always travel as they are)."))
+    topk: float = Field(0.01, gt=0, le=1, description="up = topk: the fraction of each tensor's entries.")
+    int8_scale: Literal["channel", "tensor"] = Field("channel", description=(
+        "int8: a scale per output channel or per tensor."))
+    int8_rounding: Literal["nearest", "stochastic"] = Field("nearest", description=(
+        "up = int8: round to nearest, or stochastically from the run's seeded streams (unbiased)."))
 
     def codec(self, direction: Literal["up", "down"]) -> Any:
         """That direction's common.codecs.Codec."""
@@ -347,26 +376,29 @@ class SeedsConfig(_Section):
     """[seeds]: pin one random stream to its own seed; a stream left unset follows `seed`.
     `fedseq-sim --seeds 0,1,2 --vary init` uses this to vary some streams and fix the others."""
 
-    data: Optional[int] = None  # the partition, each client's train/test split, data.fraction's subset
-    init: Optional[int] = None  # the initial model weights
-    selection: Optional[int] = None  # which clients join each round
-    training: Optional[int] = None  # batch order, augmentation, fine-tuning batches
+    data: Optional[int] = Field(None, description=(
+        "The partition, each client's train/test split, data.fraction's subset."))
+    init: Optional[int] = Field(None, description="The initial model weights.")
+    selection: Optional[int] = Field(None, description="Which clients join each round.")
+    training: Optional[int] = Field(None, description=(
+        "Batch order, augmentation, fine-tuning batches."))
 
 
 class ExperimentConfig(_Section):
     """One experiment: everything a run (simulated or deployed) is a function of, with the seed."""
 
-    seed: int = 0
-    rounds: int = Field(100, ge=1)
-    data: DataConfig = Field(default_factory=lambda: DataConfig())
-    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
-    algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig())
-    train: TrainConfig = Field(default_factory=lambda: TrainConfig())
-    aggregation: AggregationConfig = Field(default_factory=lambda: AggregationConfig())
-    deploy: DeployConfig = Field(default_factory=lambda: DeployConfig())
-    seeds: SeedsConfig = Field(default_factory=lambda: SeedsConfig())
-    wire: WireConfig = Field(default_factory=lambda: WireConfig())
-    fleet: FleetConfig = Field(default_factory=lambda: FleetConfig())
+    seed: int = Field(0, description="The seed of every random stream [seeds] does not pin.")
+    rounds: int = Field(100, ge=1, description="Federated rounds (server steps in async).")
+    data: DataConfig = Field(default_factory=lambda: DataConfig(), description="[data]")
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(), description="[model]")
+    algorithm: AlgorithmConfig = Field(default_factory=lambda: AlgorithmConfig(), description="[algorithm]")
+    train: TrainConfig = Field(default_factory=lambda: TrainConfig(), description="[train]")
+    aggregation: AggregationConfig = Field(default_factory=lambda: AggregationConfig(),
+                                           description="[aggregation]")
+    deploy: DeployConfig = Field(default_factory=lambda: DeployConfig(), description="[deploy]")
+    seeds: SeedsConfig = Field(default_factory=lambda: SeedsConfig(), description="[seeds]")
+    wire: WireConfig = Field(default_factory=lambda: WireConfig(), description="[wire]")
+    fleet: FleetConfig = Field(default_factory=lambda: FleetConfig(), description="[fleet]")
 
     def seed_for(self, stream: str) -> int:
         """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`."""
