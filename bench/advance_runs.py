@@ -7,8 +7,8 @@ and continued at any time (every round is checkpointed; a later call resumes eac
 Each run is `OUT/<algorithm>/`, a normal fedseq-sim run directory with rounds = --until (so its
 schedule, e.g. FedSeq's t_k, is the full run's). Fine-tuning happens when a run reaches --until.
 Extra `--set KEY=VALUE` apply to every run (`--set seed=1` for another seed; one algorithm
-under several seeds in one command is `fedseq-sim --seeds 0-2`, README "Seeds"). Stop with
-Ctrl-C; call again to continue. `--once` advances each run by --step rounds and stops: the first
+under several seeds in one command is `fedseq-sim --seeds 0-2`: docs/explanation/reproducibility.md).
+Stop with Ctrl-C; call again to continue. `--once` advances each run by --step rounds and stops: the first
 rounds of the full schedule (docs/results.md, "Wire codecs": --step 11 --once).
 """
 

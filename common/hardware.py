@@ -20,7 +20,7 @@ def torch_device(choice: str, setting: str = "train.device") -> torch.device:
             build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
             raise ConfigError(f"{setting}={choice!r}, but torch {torch.__version__} ({build}) "
                               f"sees no GPU; use {setting}='cpu' or install a CUDA torch "
-                              "(README, Set up)")
+                              "(docs/getting-started.md)")
         index = int(choice.split(":")[1]) if ":" in choice else 0
         if index >= torch.cuda.device_count():
             raise ConfigError(f"{setting}={choice!r}, but this machine has "
@@ -33,7 +33,7 @@ def full_fp32_on_cuda() -> None:
     """GPU runs compute in IEEE FP32 with cuDNN's deterministic kernels, as the CPU does.
     Left alone, torch lets cuDNN convolve in TF32 on Ampere and newer GPUs (a Jetson Orin, an
     A100, an H100; not a Nano's Maxwell): a 10-bit mantissa, which on an H100 doubled the largest
-    weight difference to a CPU run after 3 rounds (README, Reproducibility), so the same config
+    weight difference to a CPU run after 3 rounds (docs/explanation/reproducibility.md), so the same config
     would train a different model on an Orin than on a Nano or a CPU. What this costs in speed
     was not measured (on an H100 or a Jetson); there is no switch back to TF32."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -72,7 +72,7 @@ def _cpuinfo_value(cpuinfo: str, keys: tuple[str, ...]) -> str:
 
 #: CPU features that decide which kernels torch's CPU code (ATen, oneDNN) dispatches to
 _KERNEL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "asimd", "sve", "sve2")
-#: environment variables that cap those kernels' instruction set (README, Reproducibility)
+#: environment variables that cap those kernels' instruction set (docs/explanation/reproducibility.md)
 KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 
 
@@ -93,8 +93,8 @@ def cpu_kernels(cpuinfo: str = "/proc/cpuinfo") -> str:
 
 
 def compute_record(device: torch.device) -> dict[str, Any]:
-    """What a model trained here depends on besides its config and seed (README,
-    Reproducibility): the torch build, its CPU threads, the hardware and its CPU kernels.
+    """What a model trained here depends on besides its config and seed (docs/explanation/
+    reproducibility.md): the torch build, its CPU threads, the hardware and its CPU kernels.
     Recorded with every simulated run (status.json) and sent by every device (DeviceInfo,
     devices.json)."""
     import platform

@@ -98,7 +98,7 @@ def build(rootfs: Path, mirror: str) -> None:
 
 
 def install(rootfs: Path, work: Path, data: Path, port: int) -> None:
-    """The README's device route: the bare wheel, its dependencies from a wheelhouse, the role."""
+    """docs/deploy.md's device route: the bare wheel, its dependencies from a wheelhouse, the role."""
     if shutil.which("ansible-playbook") is None or subprocess.run(
             ["ansible-doc", "-t", "connection", "-l"], capture_output=True, text=True
             ).stdout.find("community.general.chroot") < 0:

@@ -124,7 +124,7 @@ def _fmt(v: Any) -> str:
 
 SeedsOpt = Annotated[str | None, typer.Option(
     help="Run the config under several seeds, e.g. 0,1,2 or 0-4: one run directory per seed, "
-         "OUT/seed-<s>; the same command again continues the sweep (README, Seeds)")]
+         "OUT/seed-<s>; the same command again continues the sweep (docs/explanation/reproducibility.md)")]
 VaryOpt = Annotated[str, typer.Option(
     help="With --seeds: the random streams the seed changes, 'all' or some of data (partition, "
          "splits), init (initial weights), selection (clients per round), training (batches, "
@@ -151,7 +151,7 @@ def sim(
         help="Train the clients in N worker processes (torch.distributed, Gloo), train.threads "
              "each (default 1): the numbers of an in-process run with as many threads; N = "
              "the cores is the fast setting. Under torchrun the group is torchrun's "
-             "(README, Scaling out)", min=0)] = 0,
+             "(docs/how-to/scale-out.md)", min=0)] = 0,
     workers_per_gpu: Annotated[int, typer.Option(
         help="With train.device on GPUs: K workers share each GPU (without --workers: K per GPU "
              "of this machine). Workers fill a machine's GPUs in turn, K to a GPU", min=0)] = 0,

@@ -248,8 +248,8 @@ def _segments(status: Path, resume_round: int, info: dict[str, Any]) -> list[dic
                    if k in here and before.get(k, here[k]) != here[k]]
         if changed:
             log.warning("%s continues at round %d with other compute than round %d on (%s): "
-                        "the result will not be bitwise an uninterrupted run's (README, "
-                        "Reproducibility)", status.parent, resume_round, before["from_round"],
+                        "the result will not be bitwise an uninterrupted run's (docs/"
+                        "explanation/reproducibility.md)", status.parent, resume_round, before["from_round"],
                         "; ".join(changed))
     return [*parts, here]
 

@@ -5,7 +5,7 @@ data, init, selection, training) either follow the sweep's seed (`--vary`, defau
 or stay pinned at the config's own value, so a researcher can ask "how much of the spread is the
 initialisation?" by varying init alone. Calling the same command again continues it: a finished
 seed is kept, an interrupted one resumes after its last complete round, a missing one starts.
-`fedseq report` groups the runs of one sweep (README, "Seeds").
+`fedseq report` groups the runs of one sweep (docs/explanation/reproducibility.md, "Seeds").
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ class InProcess:
             self.cfg.train.eval_batch_size, self.device))
 
     def info(self) -> dict[str, Any]:
-        # what else bitwise reproducibility depends on (README, Reproducibility); "device" is
+        # what else bitwise reproducibility depends on (docs/explanation/reproducibility.md); "device" is
         # "cpu" or the GPU's name, as the report reads it
         record = compute_record(self.device)
         return {"threads": self.threads, **record, "device": record["gpu"] or str(self.device)}

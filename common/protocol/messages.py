@@ -115,7 +115,7 @@ class DeviceStatus(Message):
 
 class DeviceInfo(Message):
     """What a device trains with (retained, published on every connect): what bitwise
-    reproducibility depends on besides the config and the seed (README, Reproducibility). The
+    reproducibility depends on besides the config and the seed (docs/explanation/reproducibility.md). The
     coordinator records it in the run directory (devices.json). Informational: a device whose
     broker account may not write this topic (an ACL from before it existed) still trains."""
 

@@ -1,4 +1,4 @@
-"""What a run records about the CPU kernels it computed with (README, Reproducibility)."""
+"""What a run records about the CPU kernels it computed with (docs/explanation/reproducibility.md)."""
 
 import os
 import subprocess

@@ -43,7 +43,7 @@ def test_missing_dataset_exit_2_names_file(tmp_path):
 
 
 def test_server_quick_start_with_local_clients(tmp_path, data_root):
-    """The README's one-machine quick start: embedded broker + N fedseq-client child processes."""
+    """docs/how-to/fleet.md's one-machine quick start: embedded broker + N fedseq-client child processes."""
     out = tmp_path / "dep"
     r = _run("fedseq-server", "start", "--local-clients", "2", "--client-threads", "1",
              "--set", f"data.root={str(data_root)!r}", "--set", "data.fraction=0.03",

@@ -49,7 +49,7 @@ def test_gpu_run_agrees_with_cpu(data_root, name):
 @cuda
 def test_gpu_run_is_bitwise_repeatable_in_fp32(data_root):
     """The same config twice on the same GPU: bitwise the same weights (deterministic cuDNN), and
-    the run left TF32 off (README, Reproducibility)."""
+    the run left TF32 off (docs/explanation/reproducibility.md)."""
     over = ["algorithm.name=fedavg", "rounds=2", "model.name=convnet", "train.device=cuda"]
     a = run_simulation(quick_config(data_root, *over), out=None)
     assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32

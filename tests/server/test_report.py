@@ -82,7 +82,7 @@ def test_an_unfinished_run_says_so(two_runs, tmp_path, data_root):
 
 
 def test_a_group_trained_on_cpu_and_gpu_says_so(two_runs, tmp_path):
-    """The same config and seed on a GPU is another run (README, Reproducibility): a group that
+    """The same config and seed on a GPU is another run (docs/explanation/reproducibility.md): a group that
     mixes devices names them; CPU-only tables carry no device column."""
     import shutil
 

@@ -157,8 +157,8 @@ def test_import_from_a_folder_checks_first(data_root, tmp_path):
 
 @pytest.mark.parametrize("below", ["FashionMNIST", "FashionMNIST/raw"])
 def test_import_from_torchvisions_dataset_folder(data_root, tmp_path, below):
-    """`--from DIR/FashionMNIST` (torchvision's layout, files under raw/), as the README's example
-    gives it, and `--from DIR/FashionMNIST/raw`."""
+    """`--from DIR/FashionMNIST` (torchvision's layout, files under raw/), as
+    docs/how-to/datasets.md's example gives it, and `--from DIR/FashionMNIST/raw`."""
     dest = tmp_path / "root"
     store.import_from("fmnist", data_root / below, dest)
     assert store.verify(dest, "fmnist") == []
