@@ -78,39 +78,38 @@ class ServerStatus(Message):
     """The coordinator's presence (retained; its last will says offline)."""
 
     state: Literal["online", "offline"]
-    run_id: Optional[str] = None
-    broker: Optional[str] = None
+    run_id: Optional[str] = Field(None, description="The run the coordinator drives, if any.")
+    broker: Optional[str] = Field(None, description="The broker URL the coordinator connected to.")
 
 
 class DeviceStatus(Message):
     """A device's presence and health (retained; its last will says offline)."""
 
-    device: str
+    device: str = Field(description="The device's name (its broker login).")
     state: Literal["online", "offline"]
-    package_version: str = Field("", max_length=100)
-    torch_device: str = Field("cpu", max_length=100)
-    memory_mb: int = 0
-    # The last step this device could not execute, and why (missing data, out of memory, CUDA
-    # error, ...); the coordinator fails the device's clients in that step at once.
-    error: str = Field("", max_length=2000)
-    error_seq: Optional[int] = None
-    error_run_id: Optional[str] = None
-    # Unix time this state began (online: when the daemon connected); finite, before year 5000
-    since: float = Field(0.0, ge=0, le=1e11)
-    # An online device re-publishes its status every heartbeat_s seconds (v3): the coordinator
-    # treats one it has not heard from for 3 heartbeats as gone, whatever its retained status
-    # says (a device that died while the broker was down leaves "online" retained forever).
-    heartbeat_s: float = Field(HEARTBEAT_S, gt=0, le=4 * HEARTBEAT_S)  # silent 3 min at most
-    # Health, refreshed with every heartbeat (informational; None where the device cannot tell):
-    # the hottest thermal zone, a zone past a passive trip point, the Jetson GPU's load (0-1),
-    # available memory, the power source its energy figures come from (or why there is none),
-    # and the energy of its last client-round.
-    temp_c: Optional[float] = None
-    throttled: Optional[bool] = None
-    gpu_load: Optional[float] = None
-    mem_available_mb: Optional[int] = None
-    energy_source: Optional[str] = Field(None, max_length=200)
-    last_round_j: Optional[float] = None
+    package_version: str = Field("", max_length=100, description="The device's fedseq version.")
+    torch_device: str = Field("cpu", max_length=100, description="Where it trains (cpu, cuda:0).")
+    memory_mb: int = Field(0, description="Its total memory.")
+    # (the coordinator fails the device's clients in the step named by error_seq at once)
+    error: str = Field("", max_length=2000, description=(
+        "The last step this device could not execute, and why (missing data, out of memory, CUDA "
+        "error, ...)."))
+    error_seq: Optional[int] = Field(None, description="That step's seq.")
+    error_run_id: Optional[str] = Field(None, description="That step's run.")
+    since: float = Field(0.0, ge=0, le=1e11, description=(
+        "Unix time this state began (online: when the daemon connected)."))
+    # (a device that died while the broker was down leaves "online" retained forever)
+    heartbeat_s: float = Field(HEARTBEAT_S, gt=0, le=4 * HEARTBEAT_S, description=(
+        "An online device re-publishes its status this often: the coordinator treats one it has "
+        "not heard from for 3 heartbeats as gone, whatever its retained status says."))
+    # Health, refreshed with every heartbeat (informational; None where the device cannot tell)
+    temp_c: Optional[float] = Field(None, description="The hottest thermal zone.")
+    throttled: Optional[bool] = Field(None, description="A zone past a passive trip point.")
+    gpu_load: Optional[float] = Field(None, description="The Jetson GPU's load (0-1).")
+    mem_available_mb: Optional[int] = Field(None, description="Available memory.")
+    energy_source: Optional[str] = Field(None, max_length=200, description=(
+        "The power source its energy figures come from, or why there is none."))
+    last_round_j: Optional[float] = Field(None, description="The energy of its last client-round.")
 
 
 class DeviceInfo(Message):
@@ -119,18 +118,19 @@ class DeviceInfo(Message):
     coordinator records it in the run directory (devices.json). Informational: a device whose
     broker account may not write this topic (an ACL from before it existed) still trains."""
 
-    device: str
-    package_version: str = Field("", max_length=100)
-    python: str = Field("", max_length=100)
-    torch: str = Field("", max_length=100)
-    cuda: str = Field("", max_length=100)  # the CUDA torch was built for ("" for a CPU build)
-    torch_device: str = Field("cpu", max_length=100)
-    gpu: str = Field("", max_length=200)  # the GPU's name when it trains on one
-    threads: int = Field(0, ge=0)  # torch's CPU threads
-    machine: str = Field("", max_length=100)  # aarch64, x86_64
-    cpu: str = Field("", max_length=200)  # the CPU's model (x86) or the board's (Jetson)
-    cpu_kernels: str = Field("", max_length=200)  # hardware.cpu_kernels ("": an older device)
-    l4t: str = Field("", max_length=100)  # a Jetson's L4T release (JetPack generation)
+    device: str = Field(description="The device's name (its broker login).")
+    package_version: str = Field("", max_length=100, description="Its fedseq version.")
+    python: str = Field("", max_length=100, description="Its Python version.")
+    torch: str = Field("", max_length=100, description="Its torch version.")
+    cuda: str = Field("", max_length=100, description="The CUDA torch was built for (\"\": a CPU build).")
+    torch_device: str = Field("cpu", max_length=100, description="Where it trains (cpu, cuda:0).")
+    gpu: str = Field("", max_length=200, description="The GPU's name when it trains on one.")
+    threads: int = Field(0, ge=0, description="torch's CPU threads.")
+    machine: str = Field("", max_length=100, description="aarch64, x86_64.")
+    cpu: str = Field("", max_length=200, description="The CPU's model (x86) or the board's (Jetson).")
+    cpu_kernels: str = Field("", max_length=200, description=(
+        "torch's CPU kernel level and the features deciding it (\"\": an older device)."))
+    l4t: str = Field("", max_length=100, description="A Jetson's L4T release (JetPack generation).")
 
 
 class RunConfig(Message):
@@ -138,7 +138,9 @@ class RunConfig(Message):
     and the seeds from it."""
 
     run_id: str
-    config: Dict[str, Any]  # ExperimentConfig.model_dump(mode="json"); validated again on receipt
+    config: Dict[str, Any] = Field(description=(
+        "The experiment's config as the coordinator resolved it, less its own paths and accounts; "
+        "validated again on receipt."))
 
 
 class Assignment(Message):
@@ -146,7 +148,7 @@ class Assignment(Message):
 
     run_id: str
     device: str
-    clients: List[int]
+    clients: List[int] = Field(description="The logical clients this device hosts in the run.")
 
 
 class Step(Message):
@@ -160,16 +162,19 @@ class Step(Message):
     step does not supersede the dispatches it still lists."""
 
     run_id: str
-    seq: int = Field(ge=0)  # strictly increasing within a run
+    seq: int = Field(ge=0, description="Strictly increasing within a run.")
     kind: Literal["train", "async", "evaluate", "finetune", "idle"]
-    round: int = -1
-    clients: List[int] = Field(default_factory=list)
-    dispatched: List[int] = Field(default_factory=list)  # async: the seq each client answers
-    plan: Optional[Dict[str, Any]] = None  # ClientPlan as plain data (train, finetune)
-    versions: Dict[str, int] = Field(default_factory=dict)  # block -> version the step needs
-    eval_heads: List[str] = Field(default_factory=list)
-    # the algorithm's personal blocks: what a client's stored state overrides (evaluate, finetune)
-    personal: List[str] = Field(default_factory=list)
+    round: int = Field(-1, description="The round, or the model version an async step carries.")
+    clients: List[int] = Field(default_factory=list, description="The clients of the step.")
+    dispatched: List[int] = Field(default_factory=list, description=(
+        "async: the seq each client's answer names."))
+    plan: Optional[Dict[str, Any]] = Field(None, description=(
+        "train, finetune: what each client does (blocks trained, uploaded, epochs; a ClientPlan)."))
+    versions: Dict[str, int] = Field(default_factory=dict, description=(
+        "Block -> the version of its weights the step needs."))
+    eval_heads: List[str] = Field(default_factory=list, description="The heads an evaluation scores.")
+    personal: List[str] = Field(default_factory=list, description=(
+        "The algorithm's personal blocks: what a client's stored state overrides (evaluate, finetune)."))
 
 
 class EvalResult(Message):
@@ -178,14 +183,14 @@ class EvalResult(Message):
     run_id: str
     seq: int
     device: str
-    results: Dict[int, Tuple[int, int]]  # client -> (correct, total)
-    final: bool = True  # False: progress during fine-tuning (the clients done so far)
-    # fine-tuning: the joules each client's fine-tuning took on the device (informational; left
-    # out where the device has no power sensor)
-    energy_j: Optional[Dict[int, float]] = None
-    # fine-tuning: clients whose loss went NaN or Inf -> the batch (from 1) where it stopped;
-    # their scores are their diverged models'
-    diverged: Optional[Dict[int, int]] = None
+    results: Dict[int, Tuple[int, int]] = Field(description="Client -> (correct, total).")
+    final: bool = Field(True, description="False: progress during fine-tuning (the clients done so far).")
+    energy_j: Optional[Dict[int, float]] = Field(None, description=(
+        "Fine-tuning: the joules each client's fine-tuning took on the device (informational; "
+        "left out where the device has no power sensor)."))
+    diverged: Optional[Dict[int, int]] = Field(None, description=(
+        "Fine-tuning: clients whose loss went NaN or Inf -> the batch (from 1) where it stopped; "
+        "their scores are their diverged models'."))
 
 
 class Control(Message):
@@ -201,9 +206,10 @@ class Control(Message):
 
     run_id: Optional[str] = None
     command: Literal["abort", "resend"]
-    reason: str = ""
-    seq: Optional[int] = None  # resend: the step
-    clients: List[int] = Field(default_factory=list, max_length=100_000)  # resend: whose answers
+    reason: str = Field("", description="abort: why the run ended.")
+    seq: Optional[int] = Field(None, description="resend: the step.")
+    clients: List[int] = Field(default_factory=list, max_length=100_000, description=(
+        "resend: whose answers."))
 
 
 class WeightsHeader(Message):
@@ -211,40 +217,42 @@ class WeightsHeader(Message):
 
     run_id: str
     block: str
-    version: int = Field(ge=0)
-    chunk: int = Field(ge=0)
-    chunks: int = Field(ge=1)
-    size: int = Field(ge=0)  # bytes of the whole frame
-    sha256: str
+    version: int = Field(ge=0, description="The block's version (the round that last changed it).")
+    chunk: int = Field(ge=0, description="This chunk's index.")
+    chunks: int = Field(ge=1, description="The frame's chunks.")
+    size: int = Field(ge=0, description="Bytes of the whole frame.")
+    sha256: str = Field(description="The whole frame's SHA-256 (hex).")
 
 
 class UpdateHeader(Message):
     """Header of one chunk of a client's update frame (its deltas) with its sample counts."""
 
     run_id: str
-    seq: int
-    round: int
+    seq: int = Field(description="The step that asked for it (async: that dispatched the client).")
+    round: int = Field(description="The round (async: the model version it trained on).")
     client: int
     device: str
-    num_samples: int
-    effective_samples: Optional[int] = None
-    train_seconds: float = 0.0  # local computation: training and the local score
-    local_correct: Optional[int] = None  # the trained model on the client's test rows
-    local_total: Optional[int] = None
+    num_samples: int = Field(description="The client's training rows.")
+    effective_samples: Optional[int] = Field(None, description=(
+        "FedReG: the original rows in the client's rebalanced set."))
+    train_seconds: float = Field(0.0, description="Local computation: training and the local score.")
+    local_correct: Optional[int] = Field(None, description=(
+        "The trained model's correct answers on the client's test rows."))
+    local_total: Optional[int] = Field(None, description="The client's test rows.")
     # What the client-round cost on the device (informational: recorded, never aggregated, and
-    # sanitised by the coordinator): joules and mean watts in total and per rail, the power
-    # source, the hottest temperature and throttling during it, GPU load and free memory after.
-    energy_j: Optional[float] = None
-    energy_w: Optional[float] = None
-    energy_rails: Optional[Dict[str, float]] = Field(None, max_length=16)
-    energy_source: Optional[str] = Field(None, max_length=40)
-    max_temp_c: Optional[float] = None
-    throttled: Optional[bool] = None
-    gpu_load: Optional[float] = None
-    mem_available_mb: Optional[int] = None
-    # the batch (from 1) where training hit a NaN or Inf loss and stopped; the update is refused
-    diverged_at: Optional[int] = Field(None, ge=1)
-    chunk: int = Field(ge=0)
-    chunks: int = Field(ge=1)
-    size: int = Field(ge=0)
-    sha256: str
+    # sanitised by the coordinator)
+    energy_j: Optional[float] = Field(None, description="Joules of the client-round.")
+    energy_w: Optional[float] = Field(None, description="Mean watts over it.")
+    energy_rails: Optional[Dict[str, float]] = Field(None, max_length=16,
+                                                     description="Joules per power rail.")
+    energy_source: Optional[str] = Field(None, max_length=40, description="The power sensor read.")
+    max_temp_c: Optional[float] = Field(None, description="The hottest temperature during it.")
+    throttled: Optional[bool] = Field(None, description="Whether a zone passed a trip point during it.")
+    gpu_load: Optional[float] = Field(None, description="GPU load after it (0-1).")
+    mem_available_mb: Optional[int] = Field(None, description="Free memory after it.")
+    diverged_at: Optional[int] = Field(None, ge=1, description=(
+        "The batch (from 1) where training hit a NaN or Inf loss and stopped; the update is refused."))
+    chunk: int = Field(ge=0, description="This chunk's index.")
+    chunks: int = Field(ge=1, description="The frame's chunks.")
+    size: int = Field(ge=0, description="Bytes of the whole frame.")
+    sha256: str = Field(description="The whole frame's SHA-256 (hex).")
