@@ -47,8 +47,9 @@ def _fail(exc: Exception) -> NoReturn:
     raise typer.Exit(2)
 
 
-def _interrupted(out: Path, sweep: bool = False) -> NoReturn:
-    again = "run the same fedseq-sim --seeds command again" if sweep else f"--resume {out}"
+def _interrupted(out: Path, sweep: bool = False, again: str | None = None) -> NoReturn:
+    again = again or ("run the same fedseq-sim --seeds command again" if sweep
+                      else f"--resume {out}")
     print(f"interrupted: {out} keeps every complete round; continue with {again}",
           file=sys.stderr)
     raise typer.Exit(130)
@@ -131,6 +132,12 @@ VaryOpt = Annotated[str, typer.Option(
          "augmentation); the others stay at the config's value")]
 
 
+CampaignOpt = Annotated[Path | None, typer.Option(
+    help="Run every run of this campaign file (a grid of algorithms, seeds and settings over a "
+         "base config) one after another into --out, OUT/<setting>/<algorithm>/seed-<s>; --set "
+         "applies to every run; the same command again continues it (docs/how-to/campaigns.md)")]
+
+
 def sim(
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -139,6 +146,7 @@ def sim(
     overwrite: OverwriteOpt = False,
     seeds: SeedsOpt = None,
     vary: VaryOpt = "all",
+    campaign: CampaignOpt = None,
     finetune_from: Annotated[Path | None, typer.Option(
         help="Replay the final fine-tuning of this finished simulated run into a new --out, "
              "under other algorithm.finetune_epochs / finetune_blocks (--set); its federated "
@@ -174,6 +182,14 @@ def sim(
     # other work keeps going (measured beside one busy process, 2 threads: > 200 s per round
     # spinning, 52 s passive; idle: 16.2 s spinning, 19.6 s passive). OMP_WAIT_POLICY overrides.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if campaign is not None:
+        if config is not None or resume is not None or seeds is not None or overwrite \
+                or replay is not None or finetune_from is not None or out is None:
+            _fail(ValueError("--campaign FILE takes the config, the seeds and the grid from FILE "
+                             "and needs --out DIR; drop --config, --resume, --seeds, --overwrite, "
+                             "--replay and --finetune-from"))
+        _campaign_sim(campaign, set_ or [], out, quiet, (workers, workers_per_gpu))
+        return
     if seeds is None and vary != "all":
         _fail(ValueError("--vary chooses what --seeds changes; give --seeds too"))
     if seeds is not None and resume is not None:
@@ -214,6 +230,50 @@ def sim(
                   (workers, workers_per_gpu))
         _summary(path)
     print(f"sweep finished: {len(todo)} seeds in {out}  (fedseq report {out})", file=sys.stderr)
+
+
+def _open_campaign(file: Path, overrides: list[str], out: Path) -> tuple[Any, list[Any], Any]:
+    """A campaign's file, its runs and its folder checked against them (fedseq-sim --campaign,
+    fedseq-server campaign), or a one-line error (exit 2)."""
+    from fedseq.server.campaign import Campaign, load_campaign
+    from fedseq.server.rundir import stop_on_sigterm
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    stop_on_sigterm()
+    try:
+        spec, runs = load_campaign(file, overrides)
+        book = Campaign(out, runs, file)
+        book.open(lambda line: print(line, file=sys.stderr))
+    except FedseqError as exc:
+        _fail(exc)
+    return spec, runs, book
+
+
+def _go_campaign(spec: Any, book: Any, run_one: Any) -> None:
+    """The campaign's runs in order through `run_one(run, path, mode, info)`, a line per run and
+    a closing count; exit 1 where a run failed, 130 on Ctrl-C (the same command continues)."""
+    from fedseq.common import __version__
+
+    info = {"package_version": __version__, "command": " ".join(sys.argv)}
+
+    def one(run: Any, path: Path, mode: str, more: dict[str, Any]) -> None:
+        run_one(run, path, mode, {**info, **more})
+        _summary(path)
+
+    counts = book.go(one, spec.on_failure == "stop", lambda line: print(line, file=sys.stderr))
+    print(f"campaign {book.out}: {len(book.runs)} runs: "
+          + ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+          + f"  (fedseq report {book.out})", file=sys.stderr)
+    if counts["failed"]:
+        raise typer.Exit(1)
+
+
+def _campaign_sim(file: Path, overrides: list[str], out: Path, quiet: bool,
+                  workers: tuple[int, int]) -> None:
+    """fedseq-sim --campaign FILE --out DIR."""
+    spec, _, book = _open_campaign(file, overrides, out)
+    _go_campaign(spec, book, lambda run, path, mode, info: _simulate(
+        run.cfg, path, mode, info, quiet, workers, raises=True))
 
 
 def _from_run(flag: str, key: str, src: Path, out: Path | None, conflicts: bool,
@@ -273,9 +333,10 @@ def _replay(src: Path, overrides: list[str], out: Path | None, overwrite: bool, 
 
 
 def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],
-              quiet: bool, workers: tuple[int, int] = (0, 0)) -> None:
+              quiet: bool, workers: tuple[int, int] = (0, 0), raises: bool = False) -> None:
     """One simulated run with its progress bar (`workers`: --workers and --workers-per-gpu); a
-    one-line error (exit 2) or the resume line (exit 130) where it stops early."""
+    one-line error (exit 2; `raises`: the FedseqError itself, a campaign's failed run) or the
+    resume line (exit 130) where it stops early."""
     from fedseq.common.algorithms import algorithm_class
     from fedseq.server.simulation import run_simulation
 
@@ -307,10 +368,13 @@ def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],
                            workers_per_gpu=workers[1])
         except FedseqError as exc:
             progress.stop()
+            if raises:
+                raise
             _fail(exc)
         except KeyboardInterrupt:
             progress.stop()
-            _interrupted(out, sweep="sweep" in info)
+            _interrupted(out, sweep="sweep" in info, again=(
+                "run the same campaign command again" if "campaign" in info else None))
 
 
 def _summary(out: Path) -> None:
@@ -348,6 +412,10 @@ def sim_main() -> None:
 server_app = typer.Typer(add_completion=False, help="fedseq coordinator.")
 
 
+ClientThreadsOpt = Annotated[
+    int | None, typer.Option(help="torch threads per local client (default: cores / N)")]
+
+
 @server_app.command()
 def start(
     config: ConfigOpt = None,
@@ -356,9 +424,7 @@ def start(
     broker: Annotated[str | None, typer.Option(help="mqtt://HOST:PORT of an external broker; "
                                                    "default: deploy.broker, else an embedded one")] = None,
     local_clients: Annotated[int, typer.Option(help="also start N fedseq-client daemons here")] = 0,
-    client_threads: Annotated[
-        int | None, typer.Option(help="torch threads per local client (default: cores / N)")
-    ] = None,
+    client_threads: ClientThreadsOpt = None,
     link: Annotated[list[str] | None, typer.Option(
         help="rehearse a testbed (root): put each local client in a network namespace behind "
              "an emulated link: wifi-good, wifi-poor, lte, 3g-fast or "
@@ -394,6 +460,56 @@ def start(
     except KeyboardInterrupt:
         _interrupted(out)
     _summary(out)
+
+
+@server_app.command()
+def campaign(
+    file: Annotated[Path, typer.Argument(help="the campaign file (TOML): a base config and a grid "
+                                              "of algorithms, seeds and settings")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="the campaign's folder: "
+                                      "OUT/<setting>/<algorithm>/seed-<s> and campaign.json")],
+    set_: SetOpt = None,
+    broker: Annotated[str | None, typer.Option(help="mqtt://HOST:PORT of the fleet's broker; "
+                                                   "default: deploy.broker, else an embedded one")] = None,
+    local_clients: Annotated[int, typer.Option(
+        help="also start N fedseq-client daemons here, up for the whole campaign")] = 0,
+    client_threads: ClientThreadsOpt = None,
+    username: UsernameOpt = None,
+    password_file: PasswordFileOpt = None,
+    ca_file: CaFileOpt = None,
+    cert_file: CertFileOpt = None,
+    key_file: KeyFileOpt = None,
+    no_verify_hostname: NoVerifyOpt = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No round lines.")] = False,
+) -> None:
+    """Run every run of a campaign file on the fleet, one after another, unattended: the broker
+    and the devices stay up between runs. The same command again continues the campaign
+    (docs/how-to/campaigns.md)."""
+    from fedseq.server.deployment import run_deployment, standing_fleet
+
+    spec, runs, book = _open_campaign(file, set_ or [], out)
+    for run in runs:
+        _login_flags(run.cfg, no_verify_hostname, username=username, password_file=password_file,
+                     ca_file=ca_file, cert_file=cert_file, key_file=key_file)
+    say = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    try:
+        with standing_fleet(runs[0].cfg, out, broker, local_clients, client_threads, say) as (
+                url, login, _):
+            def one(run: Any, path: Path, mode: str, info: dict[str, Any]) -> None:
+                deploy = run.cfg.deploy.model_copy(update={
+                    **login, "min_devices": max(run.cfg.deploy.min_devices, local_clients)})
+                run_deployment(run.cfg.model_copy(update={"deploy": deploy}), path, url, 0,
+                               on_round=None if quiet else _print_row, announce=say,
+                               client_threads=client_threads, mode=mode, info=info,
+                               on_progress=None if quiet else _print_progress)
+
+            _go_campaign(spec, book, one)
+    except FedseqError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        print(f"interrupted: {out} keeps every complete round; continue with the same "
+              "fedseq-server campaign command", file=sys.stderr)
+        raise typer.Exit(130) from None
 
 
 def _rehearsal(local_clients: int, links: list[str], quotas: list[str]) -> Any:

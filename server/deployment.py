@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -215,3 +215,37 @@ class Fleet:
     def started(self, stack: contextlib.ExitStack, run_dir: RunDir) -> None:
         record_devices(run_dir, self.pool)
         stack.callback(_record_devices_finally, run_dir, self.pool)
+
+
+@contextlib.contextmanager
+def standing_fleet(cfg: ExperimentConfig, out: Path, broker: str | None, local_clients: int,
+                   client_threads: int | None, announce: Callable[[str], None]
+                   ) -> Iterator[tuple[str, dict[str, Any], list[subprocess.Popen]]]:
+    """A campaign's fleet, up across its runs: the broker (`broker`, else an embedded one as
+    `cfg.deploy` says) and `local_clients` fedseq-client daemons, whose personal state lives in
+    OUT/local-devices. Yields the broker's URL, the deploy.* login every run uses there (the run's
+    Mosquitto makes one) and the daemons."""
+    with contextlib.ExitStack() as stack:
+        url, login = broker or cfg.deploy.broker, {}
+        d = cfg.deploy
+        if url is None and d.embedded_broker == "mosquitto":
+            if d.broker_password_file is not None:
+                raise ConfigError("deploy.broker_password_file is the embedded amqtt's; the "
+                                  "campaign's Mosquitto makes its own login")
+            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-mosquitto-")))
+            mosquitto = stack.enter_context(LocalMosquitto(d.host, d.port, home))
+            url, login = mosquitto.url, {"username": mosquitto.user,
+                                         "password_file": mosquitto.secret}
+            announce(f"Mosquitto for this campaign at {url} (the project's broker.conf and ACL)")
+        elif url is None:
+            url = stack.enter_context(EmbeddedBroker(d.host, d.port, d.broker_password_file,
+                                                     d.allow_anonymous)).url
+            announce(f"embedded MQTT broker at {url} - start devices with: "
+                     f"fedseq-client --device NAME --broker {url}")
+        children: list[subprocess.Popen] = []
+        stack.callback(stop_children, children)
+        if local_clients:
+            with_login = cfg.model_copy(update={"deploy": d.model_copy(update=login)})
+            children += spawn_local_clients(local_clients, url, with_login,
+                                            Path(out) / "local-devices", client_threads)
+        yield url, login, children

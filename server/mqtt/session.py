@@ -124,6 +124,11 @@ class ServerSession:
         topic root must not flood the broker), so a device that (re)connects reads the
         run's real state."""
         ref = self.topics.parse(topic)
+        if ref is not None and ref.kind in ("weights", "server_status", "control"):
+            # topics this session writes and never subscribes to: amqtt 0.12 replays the retained
+            # messages of every client's subscriptions to each client that connects (its
+            # broker.py, after CONNACK), e.g. the blocks of the run before on a campaign's broker
+            return
         if ref is None or ref.kind not in ("run_config", "assignment", "step"):
             self.inbox.on_message(topic, payload)
             return

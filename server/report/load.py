@@ -197,9 +197,15 @@ def trained_on(stacks: dict[str, Any]) -> str:
 
 def expand_sweeps(paths: list[Path], labels: list[str] | None) -> list[Path]:
     """A sweep's folder (fedseq-sim --seeds: seed-*/ run directories, no metrics.jsonl of its
-    own) stands for its seeds' runs."""
+    own) stands for its seeds' runs, a campaign's (campaign.json) for the runs it has made."""
     out: list[Path] = []
     for p in map(Path, paths):
+        if (p / "campaign.json").is_file() and not (p / "metrics.jsonl").exists():
+            if labels:
+                raise ConfigError(f"{p} is a campaign: --label names single runs; drop --label")
+            runs = [p / r["folder"] for r in _read_object(p / "campaign.json").get("runs", [])]
+            out += [r for r in runs if (r / "metrics.jsonl").exists()]
+            continue
         seeds = sorted(p.glob("seed-*/metrics.jsonl"), key=lambda m: _seed_number(m.parent))
         if not (p / "metrics.jsonl").exists() and seeds:
             if labels:

@@ -202,6 +202,11 @@ def group_runs(runs: list[Run]) -> list[Group]:
             parents = {r.path.resolve().parent for r in members}
             label = parents.pop().name if len(parents) == 1 else f"{label} (+{len(members) - 1})"
         out.append(Group(label, members))
+    seen = [g.label for g in out]
+    for g in out:  # one algorithm under two settings of a campaign: name the setting too
+        parent = g.runs[0].path.resolve().parent
+        if seen.count(g.label) > 1 and g.label == parent.name:
+            g.label = f"{parent.parent.name}/{g.label}"
     return out
 
 

@@ -1,0 +1,170 @@
+"""Campaigns (server/campaign.py): a grid of runs back to back, in simulation and on a fleet of
+real daemons on Mosquitto with the project's broker.conf and ACL; every run bitwise the run it
+stands for, continued after a SIGKILL by the same command, a changed file refused, added runs
+appended, a failed run recorded and passed."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import device_process, server_only
+from fedseq.common.protocol.tensors import decode_tensors
+from fedseq.server.campaign import load_campaign
+from fedseq.server.processes import stop_children
+from fedseq.server.simulation import run_simulation
+
+pytestmark = server_only
+
+
+def _campaign(folder: Path, data_root: Path, body: str, **base: str) -> Path:
+    """A base config (5% of FMNIST over 5 clients, one thread) and a campaign file over it, whose
+    `set` gives the data root and `base` (key=TOML value) to every run."""
+    (folder / "base.toml").write_text(
+        "seed = 0\nrounds = 3\n[data]\ndataset = \"fmnist\"\nfraction = 0.05\nnum_clients = 5\n"
+        "alpha = 0.5\n[algorithm]\nfinetune_epochs = 1\n[train]\njoin_ratio = 0.6\n"
+        "local_epochs = 1\nthreads = 1\n")
+    sets = [f"data.root={str(data_root)!r}", *(f"{k}={v}" for k, v in base.items())]
+    (folder / "campaign.toml").write_text(f'config = "base.toml"\nset = {json.dumps(sets)}\n{body}')
+    return folder / "campaign.toml"
+
+
+def _sim(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(["fedseq-sim", "-q", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return decode_tensors((run / "model.safetensors").read_bytes())
+
+
+def _same(run: Path, weights: dict[str, torch.Tensor]) -> bool:
+    saved = _weights(run)
+    return saved.keys() == weights.keys() and all(torch.equal(saved[k], v) for k, v in weights.items())
+
+
+def _outcomes(out: Path) -> dict[str, str]:
+    return {r["folder"]: r["outcome"]["state"]
+            for r in json.loads((out / "campaign.json").read_text())["runs"]}
+
+
+def test_a_campaign_in_simulation_is_its_runs_and_continues_where_it_stopped(data_root, tmp_path,
+                                                                           one_thread):
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg", "fedseq-anti"]\nseeds = "0-1"\n'
+                     'order = ["seed", "algorithm", "setting"]\n')
+    _, runs = load_campaign(file)
+    assert [r.folder for r in runs] == ["fedavg/seed-0", "fedseq-anti/seed-0", "fedavg/seed-1",
+                                        "fedseq-anti/seed-1"]
+    out = tmp_path / "out"
+    done = _sim("--campaign", str(file), "--out", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert set(_outcomes(out).values()) == {"finished"}
+    for run in runs:  # each run is what fedseq-sim gives for its config and seed
+        assert _same(out / run.folder, run_simulation(run.cfg, None).global_weights), run.folder
+        assert json.loads((out / run.folder / "status.json").read_text())["state"] == "finished"
+
+    again = _sim("--campaign", str(file), "--out", str(out))
+    assert again.returncode == 0 and "4 finished before" in again.stderr
+
+    # only runs added: appended, the others kept
+    file.write_text(file.read_text().replace('seeds = "0-1"', 'seeds = "0-2"'))
+    more = _sim("--campaign", str(file), "--out", str(out))
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "2 runs added to the 4" in more.stderr and "4 finished before, 2 finished" in more.stderr
+    assert len(_outcomes(out)) == 6
+
+    # a run's config changed: refused in one line, nothing touched
+    file.write_text(file.read_text().replace('set = [', 'set = ["train.lr=0.02", '))
+    changed = _sim("--campaign", str(file), "--out", str(out))
+    assert changed.returncode == 2
+    assert "changed run fedavg/seed-0" in changed.stderr and "train.lr" in changed.stderr
+    assert len(changed.stderr.strip().splitlines()) == 1
+
+
+def test_a_failed_run_is_recorded_and_the_campaign_goes_on_or_stops(data_root, tmp_path):
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\nseeds = [0]\n'
+                     'order = ["setting", "algorithm", "seed"]\n'
+                     '[settings.broken]\nset = ["data.root=\\"/nonexistent/fedseq-data\\""]\n'
+                     '[settings.fine]\nset = ["rounds=2"]\n')
+    out = tmp_path / "go-on"
+    done = _sim("--campaign", str(file), "--out", str(out))
+    assert done.returncode == 1  # a run failed
+    assert _outcomes(out) == {"broken/fedavg/seed-0": "failed", "fine/fedavg/seed-0": "finished"}
+    reason = json.loads((out / "campaign.json").read_text())["runs"][0]["outcome"]["reason"]
+    assert "/nonexistent/fedseq-data" in reason
+
+    stop = tmp_path / "stop"
+    text = file.read_text().replace('order = [', 'on_failure = "stop"\norder = [')
+    file.write_text(text)
+    done = _sim("--campaign", str(file), "--out", str(stop))
+    assert done.returncode == 1 and "campaign stopped" in done.stderr
+    assert _outcomes(stop) == {"broken/fedavg/seed-0": "failed", "fine/fedavg/seed-0": "pending"}
+
+
+def test_a_bad_campaign_file_is_one_line(tmp_path, data_root):
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\nseedz = [0]\n')
+    done = _sim("--campaign", str(file), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "seedz" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavgg"]\n')
+    done = _sim("--campaign", str(file), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2 and "fedavgg" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_campaign_on_a_fleet_keeps_its_daemons_and_survives_a_killed_coordinator(
+        data_root, tmp_path, mosquitto, one_thread):
+    """2 algorithms x 2 seeds on Mosquitto (broker.conf, ACL) with two real daemons started once:
+    the coordinator is SIGKILLed during the second run and the same command finishes the
+    campaign; every run is bitwise the simulation's, and the daemons were never restarted."""
+    port, home, _ = mosquitto
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg", "fedper"]\nseeds = [0, 1]\n',
+                     **{"rounds": "4", "deploy.min_devices": "2", "deploy.round_timeout_s": "120",
+                        "deploy.eval_timeout_s": "120"})
+    _, runs = load_campaign(file)
+    out = tmp_path / "out"
+    cmd = ["fedseq-server", "campaign", str(file), "--out", str(out), "-q", "--broker",
+           f"mqtt://127.0.0.1:{port}", "--username", "coordinator", "--password-file",
+           str(home / "coordinator.pw")]
+    devices = [device_process(n, port, home, data_root) for n in ("local01", "local02")]
+    try:
+        server = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+        second = out / runs[1].folder / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and server.poll() is None and not (
+                second.exists() and len(second.read_text().splitlines()) >= 2):
+            time.sleep(0.2)
+        assert server.poll() is None, server.stderr.read()[-2000:] if server.stderr else ""
+        server.send_signal(signal.SIGKILL)
+        server.wait(30)
+        assert _outcomes(out)[runs[0].folder] == "finished"
+        assert _outcomes(out)[runs[1].folder] == "running"  # as the kill left it
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "1 finished before, 3 finished" in done.stderr
+        assert f"campaign run 2 of 4: {runs[1].name} (resume)" in done.stderr
+        assert all(d.poll() is None for d in devices), "a daemon stopped during the campaign"
+    finally:
+        stop_children(devices)
+    assert set(_outcomes(out).values()) == {"finished"}
+    for run in runs:
+        assert _same(out / run.folder, run_simulation(run.cfg, None).global_weights), run.folder
+
+
+def test_the_campaign_report_groups_its_runs(tmp_path, data_root):
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\nseeds = [0, 1]\n'
+                     '[settings.a]\nset = ["rounds=1"]\n[settings.b]\nset = ["rounds=2"]\n')
+    out = tmp_path / "out"
+    assert _sim("--campaign", str(file), "--out", str(out)).returncode == 0
+    report = subprocess.run(["fedseq", "report", str(out),
+                             "--out", str(tmp_path / "rep"), "--no-figures"],
+                            capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    summary = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| a/fedavg |" in summary and "| b/fedavg |" in summary
