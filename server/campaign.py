@@ -209,7 +209,8 @@ class Campaign:
         self.save()
 
     def go(self, run_one: Callable[[CampaignRun, Path, str, dict[str, Any]], None],
-           stop_on_failure: bool, announce: Callable[[str], None]) -> dict[str, int]:
+           stop_on_failure: bool, announce: Callable[[str], None],
+           progress: Progress | None = None) -> dict[str, int]:
         """Every run not finished, in order: run_one(run, its folder, mode, info) with mode
         new, resume or overwrite (a run that died before its first checkpoint). A FedseqError
         fails the run (recorded with its reason); KeyboardInterrupt stops the campaign, the run
@@ -228,6 +229,8 @@ class Campaign:
             mode = {"restart": "overwrite"}.get(state, state)
             announce(f"campaign run {i} of {n}: {run.name} ({mode}) -> {path}")
             self.mark(run, "running")
+            if progress is not None:
+                progress.run_started(i, run)
             try:
                 run_one(run, path, mode, {"campaign": str(self.out.resolve()),
                                           "campaign_run": f"{i} of {n}"})
@@ -237,13 +240,82 @@ class Campaign:
                 announce(f"campaign run {i} of {n}: {run.name} failed: {exc}")
                 if stop_on_failure:
                     counts["not run"] = n - i
+                    if progress is not None:
+                        progress.ended("stopped")
                     announce("campaign stopped (on_failure = \"stop\"); run the same command "
                              "again to try the failed run again and go on")
                     break
                 continue
             except BaseException:
                 self.mark(run, "interrupted")
+                if progress is not None:
+                    progress.ended("interrupted")
                 raise
             self.mark(run, "finished")
             counts["finished"] += 1
+        else:
+            if progress is not None:
+                progress.ended("finished")
         return counts
+
+
+class CampaignStatus(BaseModel):
+    """A campaign's progress, retained on the broker (Topics.campaign) for `fedseq-server status`:
+    JSON the coordinator writes and no device reads."""
+
+    model_config = ConfigDict(extra="ignore")
+    campaign: str = Field(description="The campaign's folder on the coordinator.")
+    state: Literal["running", "finished", "stopped", "interrupted"] = "running"
+    run: int = Field(0, description="The run going on, from 1 (0: none yet).")
+    runs: int = Field(0, description="The campaign's runs.")
+    folder: str = Field("", description="The run going on, as OUT/<folder>.")
+    round: int = Field(-1, description="Its last complete round (-1: none yet).")
+    rounds: int = Field(0, description="Its rounds.")
+    finished: int = 0
+    failed: int = 0
+    seconds_per_round: float | None = Field(None, description=(
+        "The mean seconds of the rounds this campaign process has measured."))
+    left_s: float | None = Field(None, description=(
+        "Rounds left in the campaign x seconds_per_round (fine-tuning not counted)."))
+    updated: float = Field(0.0, description="Unix time of this status.")
+
+
+class Progress:
+    """Where a campaign is: fed by Campaign.go (each run's start and end) and by each round's
+    row, it gives the CampaignStatus and calls `on_change` with it."""
+
+    def __init__(self, book: Campaign, on_change: Callable[[CampaignStatus], None] = lambda s: None):
+        self.book, self.on_change = book, on_change
+        self.status = CampaignStatus(campaign=str(book.out), runs=len(book.runs))
+        self.seconds: list[float] = []
+        self.index = 0
+
+    def _left(self) -> float | None:
+        if not self.seconds:
+            return None
+        s = self.status
+        later = sum(r.cfg.rounds for r in self.book.runs[self.index:]
+                    if self.book.outcomes.get(r.folder, {}).get("state") not in ("finished",))
+        return (max(0, s.rounds - s.round - 1) + later) * (sum(self.seconds) / len(self.seconds))
+
+    def _publish(self, **changes: Any) -> None:
+        counts = [o.get("state") for o in self.book.outcomes.values()]
+        self.status = self.status.model_copy(update={
+            **changes, "finished": counts.count("finished"), "failed": counts.count("failed"),
+            "updated": time.time()})
+        self.status = self.status.model_copy(update={
+            "seconds_per_round": (sum(self.seconds) / len(self.seconds)) if self.seconds else None,
+            "left_s": self._left()})
+        self.on_change(self.status)
+
+    def run_started(self, index: int, run: CampaignRun) -> None:
+        self.index = index
+        self._publish(run=index, folder=run.folder, round=-1, rounds=run.cfg.rounds)
+
+    def round_done(self, round: int, phase: str, seconds: float | None) -> None:
+        if phase == "train" and seconds is not None:
+            self.seconds.append(seconds)
+        self._publish(round=round if phase == "train" else self.status.round)
+
+    def ended(self, state: str) -> None:
+        self._publish(state=state)

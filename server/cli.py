@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -249,7 +251,7 @@ def _open_campaign(file: Path, overrides: list[str], out: Path) -> tuple[Any, li
     return spec, runs, book
 
 
-def _go_campaign(spec: Any, book: Any, run_one: Any) -> None:
+def _go_campaign(spec: Any, book: Any, run_one: Any, progress: Any = None) -> None:
     """The campaign's runs in order through `run_one(run, path, mode, info)`, a line per run and
     a closing count; exit 1 where a run failed, 130 on Ctrl-C (the same command continues)."""
     from fedseq.common import __version__
@@ -260,7 +262,8 @@ def _go_campaign(spec: Any, book: Any, run_one: Any) -> None:
         run_one(run, path, mode, {**info, **more})
         _summary(path)
 
-    counts = book.go(one, spec.on_failure == "stop", lambda line: print(line, file=sys.stderr))
+    counts = book.go(one, spec.on_failure == "stop", lambda line: print(line, file=sys.stderr),
+                     progress)
     print(f"campaign {book.out}: {len(book.runs)} runs: "
           + ", ".join(f"{n} {k}" for k, n in counts.items() if n)
           + f"  (fedseq report {book.out})", file=sys.stderr)
@@ -414,6 +417,11 @@ server_app = typer.Typer(add_completion=False, help="fedseq coordinator.")
 
 ClientThreadsOpt = Annotated[
     int | None, typer.Option(help="torch threads per local client (default: cores / N)")]
+MetricsPortOpt = Annotated[int | None, typer.Option(
+    help="serve Prometheus metrics on this port (0: a free one; docs/how-to/campaigns.md)",
+    min=0, max=65535)]
+MetricsHostOpt = Annotated[str, typer.Option(
+    help="the metrics' address: loopback unless a Prometheus elsewhere must scrape it")]
 
 
 @server_app.command()
@@ -440,6 +448,8 @@ def start(
     no_verify_hostname: NoVerifyOpt = False,
     resume: ResumeOpt = None,
     overwrite: OverwriteOpt = False,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "127.0.0.1",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
 ) -> None:
     """Run an experiment on a device fleet over MQTT and write a run directory."""
@@ -449,9 +459,12 @@ def start(
     _login_flags(cfg, no_verify_hostname, username=username, password_file=password_file,
                  ca_file=ca_file, cert_file=cert_file, key_file=key_file)
     try:
-        with _rehearsal(local_clients, link or [], cpu_quota or []) as rehearsal:
+        with _rehearsal(local_clients, link or [], cpu_quota or []) as rehearsal, \
+                _metrics(metrics_port, metrics_host) as metrics:
+            if metrics is not None:
+                metrics.run_started(cfg, str(out))
             run_deployment(cfg, out, broker, local_clients,
-                           on_round=None if quiet else _print_row,
+                           on_round=_rows(None if quiet else _print_row, metrics),
                            announce=lambda s: print(s, file=sys.stderr),
                            client_threads=client_threads, mode=mode, info=info,
                            on_progress=None if quiet else _print_progress, rehearsal=rehearsal)
@@ -480,6 +493,8 @@ def campaign(
     cert_file: CertFileOpt = None,
     key_file: KeyFileOpt = None,
     no_verify_hostname: NoVerifyOpt = False,
+    metrics_port: MetricsPortOpt = None,
+    metrics_host: MetricsHostOpt = "127.0.0.1",
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No round lines.")] = False,
 ) -> None:
     """Run every run of a campaign file on the fleet, one after another, unattended: the broker
@@ -491,25 +506,94 @@ def campaign(
     for run in runs:
         _login_flags(run.cfg, no_verify_hostname, username=username, password_file=password_file,
                      ca_file=ca_file, cert_file=cert_file, key_file=key_file)
+    from fedseq.server.campaign import Progress as CampaignProgress
+
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     try:
         with standing_fleet(runs[0].cfg, out, broker, local_clients, client_threads, say) as (
-                url, login, _):
+                url, login, _), _metrics(metrics_port, metrics_host) as metrics, \
+                _campaign_beacon(runs[0].cfg, url, login) as beacon:
+            def publish(status: Any) -> None:
+                beacon(status)
+                if metrics is not None:
+                    metrics.campaign(status)
+
+            progress = CampaignProgress(book, publish)
+
             def one(run: Any, path: Path, mode: str, info: dict[str, Any]) -> None:
                 deploy = run.cfg.deploy.model_copy(update={
                     **login, "min_devices": max(run.cfg.deploy.min_devices, local_clients)})
+                if metrics is not None:
+                    metrics.run_started(run.cfg, str(path))
+
+                def row(r: RoundRecord) -> None:
+                    progress.round_done(r.round, r.phase, r.seconds)
+
                 run_deployment(run.cfg.model_copy(update={"deploy": deploy}), path, url, 0,
-                               on_round=None if quiet else _print_row, announce=say,
-                               client_threads=client_threads, mode=mode, info=info,
+                               on_round=_rows(row, None if quiet else _print_row, metrics),
+                               announce=say, client_threads=client_threads, mode=mode, info=info,
                                on_progress=None if quiet else _print_progress)
 
-            _go_campaign(spec, book, one)
+            _go_campaign(spec, book, one, progress)
     except FedseqError as exc:
         _fail(exc)
     except KeyboardInterrupt:
         print(f"interrupted: {out} keeps every complete round; continue with the same "
               "fedseq-server campaign command", file=sys.stderr)
         raise typer.Exit(130) from None
+
+
+def _rows(*sinks: Any) -> Any:
+    """One on_round callback that hands each row to every sink given (a Metrics' row method for
+    a Metrics)."""
+    calls = [getattr(s, "row", s) for s in sinks if s is not None]
+    return (lambda r: [c(r) for c in calls]) if calls else None
+
+
+@contextlib.contextmanager
+def _metrics(port: int | None, host: str) -> Iterator[Any]:
+    """--metrics-port: the Prometheus endpoint for the command's lifetime (None without it)."""
+    if port is None:
+        yield None
+        return
+    from fedseq.server.metrics import Metrics
+
+    try:
+        metrics = Metrics(port, host)
+    except OSError as exc:
+        _fail(ConfigError(f"--metrics-port {port}: cannot listen on {host}:{port} ({exc}); "
+                          "pick a free port"))
+    print(f"Prometheus metrics at http://{host}:{metrics.port}/metrics", file=sys.stderr)
+    try:
+        yield metrics
+    finally:
+        metrics.close()
+
+
+@contextlib.contextmanager
+def _campaign_beacon(cfg: ExperimentConfig, url: str, login: dict[str, Any]) -> Iterator[Any]:
+    """Publishes a campaign's progress retained on the broker for `fedseq-server status` (with the
+    coordinator's login); a broker that refuses it costs the campaign nothing but that line."""
+    from fedseq.common.files import read_secret
+    from fedseq.common.protocol.link import Link, TlsOptions, session_id
+    from fedseq.common.protocol.topics import Topics
+
+    d = cfg.deploy.model_copy(update=login)
+    topic = Topics(d.topic_root).campaign
+    link = Link(session_id("fedseq-campaign"), url, [], lambda t, p: None, username=d.username,
+                password=read_secret(d.password_file, "deploy.password_file"),
+                tls=TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname))
+    try:
+        link.start(attempts=3)
+    except FedseqError as exc:
+        print(f"warning: the campaign's progress is not published for fedseq-server status: {exc}",
+              file=sys.stderr)
+        yield lambda status: None
+        return
+    try:
+        yield lambda status: link.publish(topic, status.model_dump_json().encode(), retain=True)
+    finally:
+        link.stop()
 
 
 def _rehearsal(local_clients: int, links: list[str], quotas: list[str]) -> Any:

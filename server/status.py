@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from fedseq.common.errors import ProtocolError
 from fedseq.common.protocol.link import Link, TlsOptions, session_id
@@ -28,6 +29,7 @@ class FleetView:
     step: Step | None = None
     devices: dict[str, DeviceStatus] = field(default_factory=dict)
     stacks: dict[str, DeviceInfo] = field(default_factory=dict)  # what each device trains with
+    campaign: Any = None  # a campaign.CampaignStatus: the last progress a campaign published
     invalid: list[str] = field(default_factory=list)
 
 
@@ -50,6 +52,8 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
                     view.run = RunConfig.decode(payload)
                 elif topic == t.step:
                     view.step = Step.decode(payload)
+                elif topic == t.campaign:
+                    view.campaign = _campaign_status(payload)
                 elif getattr(t.parse(topic), "kind", "") == "device_info":
                     info = DeviceInfo.decode(payload)
                     if topic == t.device_info(info.device):
@@ -62,7 +66,8 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
             view.invalid.append(f"{topic}: {exc}")
 
     link = Link(session_id("fedseq-status"), url,
-                [t.server_status, t.run_config, t.step, t.device_status(), t.device_info()],
+                [t.server_status, t.campaign, t.run_config, t.step, t.device_status(),
+                 t.device_info()],
                 on_message,
                 username=username, password=password, tls=tls)
     link.start(attempts=1)
@@ -71,6 +76,31 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
     finally:
         link.stop()
     return view
+
+
+def _campaign_status(payload: bytes) -> Any:
+    from pydantic import ValidationError
+
+    from fedseq.server.campaign import CampaignStatus
+
+    try:
+        return CampaignStatus.model_validate_json(payload)
+    except ValidationError as exc:
+        raise ProtocolError(f"invalid campaign status ({exc.error_count()} errors)") from None
+
+
+def format_campaign(c: Any, now: float | None = None) -> str:
+    """The campaign line of `fedseq-server status`: run i of N, its round, the outcomes, the time
+    left estimated from the rounds measured, and how old that is."""
+    now = time.time() if now is None else now
+    at = f"run {c.run} of {c.runs} ({printable(c.folder, 120)})" if c.run else f"{c.runs} runs"
+    rnd = f", round {c.round + 1} of {c.rounds} done" if c.run and c.round >= 0 else ""
+    left = ""
+    if c.state == "running" and c.left_s is not None:
+        h, m = divmod(int(c.left_s // 60), 60)
+        left = f"; about {h} h {m:02d} min left at {c.seconds_per_round:.1f} s a round"
+    return (f"campaign {printable(c.campaign, 200)}: {c.state}, {at}{rnd}; {c.finished} finished, "
+            f"{c.failed} failed{left} (as of {_when(c.updated)}, {max(0, now - c.updated):.0f} s ago)")
 
 
 def _when(ts: float) -> str:
@@ -112,6 +142,8 @@ def format_fleet(view: FleetView, url: str, every: bool = False) -> list[str]:
     s = view.server
     lines = [f"broker {url}: coordinator {s.state if s else 'never seen'}"
              + (f", run {s.run_id}" if s and s.run_id else "")]
+    if view.campaign is not None:
+        lines.append(format_campaign(view.campaign))
     if view.run is not None:
         c = view.run.config
         lines.append(f"run {view.run.run_id}: {c.get('algorithm', {}).get('name')} on "

@@ -15,8 +15,8 @@ DEVICE_NAME = re.compile(r"[A-Za-z0-9_\-]{1,64}")
 class TopicRef:
     """A parsed topic: its kind and the names its levels carry (empty where it has none).
 
-    kind: server_status, device_status, device_info, assignment, run_config, step, weights, update, eval,
-    control. Levels are kept as text: a chunk level that is not a number is the message
+    kind: server_status, campaign, device_status, device_info, assignment, run_config, step,
+    weights, update, eval, control. Levels are kept as text: a chunk level that is not a number is the message
     handler's to refuse, with its reason."""
 
     kind: str
@@ -35,6 +35,10 @@ class Topics:
     @property
     def server_status(self) -> str:  # retained, last will
         return f"{self.root}/server/status"
+
+    @property
+    def campaign(self) -> str:  # retained: a campaign's progress (no device reads it)
+        return f"{self.root}/server/campaign"
 
     def device_status(self, device: str = "+") -> str:  # retained, last will
         return f"{self.root}/device/{device}/status"
@@ -76,8 +80,8 @@ class Topics:
         shape = (p[0], len(p))
         if p[0] in ("device", "update", "eval") and len(p) > 1 and not DEVICE_NAME.fullmatch(p[1]):
             return None  # not a device's name (fedseq-client's --device): nobody's topic
-        if shape == ("server", 2) and p[1] == "status":
-            return TopicRef("server_status")
+        if shape == ("server", 2) and p[1] in ("status", "campaign"):
+            return TopicRef("server_status" if p[1] == "status" else "campaign")
         if shape == ("device", 3) and p[2] in ("status", "info", "assign"):
             kind = {"status": "device_status", "info": "device_info", "assign": "assignment"}[p[2]]
             return TopicRef(kind, device=p[1])

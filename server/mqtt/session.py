@@ -124,7 +124,7 @@ class ServerSession:
         topic root must not flood the broker), so a device that (re)connects reads the
         run's real state."""
         ref = self.topics.parse(topic)
-        if ref is not None and ref.kind in ("weights", "server_status", "control"):
+        if ref is not None and ref.kind in ("weights", "server_status", "campaign", "control"):
             # topics this session writes and never subscribes to: amqtt 0.12 replays the retained
             # messages of every client's subscriptions to each client that connects (its
             # broker.py, after CONNACK), e.g. the blocks of the run before on a campaign's broker

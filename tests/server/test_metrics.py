@@ -1,0 +1,112 @@
+"""A run and a campaign watched: the coordinator's Prometheus metrics scraped by a real Prometheus
+server during a run, the Grafana dashboard's queries against the series the coordinator exports,
+and a campaign's progress in `fedseq-server status` through a real broker."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+
+import pytest
+
+from conftest import ROOT, server_only
+from fedseq.server.broker import EmbeddedBroker, free_port
+
+pytestmark = server_only
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+def _query(port: int, expr: str) -> list[dict]:
+    url = f"http://127.0.0.1:{port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())["data"]["result"]
+
+
+def test_a_real_prometheus_scrapes_the_round_advancing(data_root, tmp_path):
+    if PROMETHEUS is None:
+        if os.environ.get("CI"):
+            pytest.fail("no prometheus: .ci/run installs Debian's prometheus for this check")
+        pytest.skip("no prometheus here (apt-get install prometheus)")
+    metrics, web = free_port("127.0.0.1"), free_port("127.0.0.1")
+    conf = tmp_path / "prometheus.yml"
+    conf.write_text((ROOT / "deploy/prometheus/prometheus.yml").read_text()
+                    .replace("scrape_interval: 5s", "scrape_interval: 1s")
+                    .replace("127.0.0.1:9464", f"127.0.0.1:{metrics}"))
+    prom = subprocess.Popen([PROMETHEUS, f"--config.file={conf}", f"--storage.tsdb.path={tmp_path / 'db'}",
+                             f"--web.listen-address=127.0.0.1:{web}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sets = [f"data.root={str(data_root)!r}", "data.fraction=0.1", "data.num_clients=4", "rounds=12",
+            "train.local_epochs=1", "train.join_ratio=1.0", "algorithm.name=fedavg", "deploy.port=0"]
+    server = subprocess.Popen(["fedseq-server", "start", "-q", "--local-clients", "2",
+                               "--client-threads", "1", "--out", str(tmp_path / "run"),
+                               "--metrics-port", str(metrics),
+                               *[a for s in sets for a in ("--set", s)]],
+                              stderr=subprocess.PIPE, text=True)
+    seen: list[float] = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                result = _query(web, "fedseq_round")
+            except OSError:
+                result = []  # Prometheus still starting
+            if result:
+                value = float(result[0]["value"][1])
+                if not seen or value != seen[-1]:
+                    seen.append(value)
+            if len([v for v in seen if v >= 0]) >= 3:
+                break
+            time.sleep(0.5)
+        assert len([v for v in seen if v >= 0]) >= 3, (seen, server.stderr.read()
+                                                        if server.poll() is not None else "")
+        assert seen == sorted(seen), seen  # the round only advances
+        info = _query(web, "fedseq_run_info")
+        assert info and info[0]["metric"]["algorithm"] == "fedavg"
+        assert float(_query(web, "fedseq_updates_total")[0]["value"][1]) > 0
+    finally:
+        server.terminate()
+        server.wait(60)
+        prom.terminate()
+        prom.wait(30)
+
+
+def test_the_dashboard_and_scrape_config_use_the_exported_series():
+    from fedseq.server.metrics import NAMES
+
+    dashboard = json.loads((ROOT / "deploy/grafana/fedseq-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert exprs and dashboard["uid"]
+    used = {re.sub(r"_(total|info)$", "", m) for e in exprs for m in re.findall(r"fedseq_[a-z_]+", e)}
+    assert used <= set(NAMES), used - set(NAMES)
+    assert {"fedseq_round", "fedseq_accuracy", "fedseq_campaign_left_seconds"} <= used
+    promtool = shutil.which("promtool")
+    if promtool:
+        check = subprocess.run([promtool, "check", "config", str(ROOT / "deploy/prometheus/prometheus.yml")],
+                               capture_output=True, text=True, timeout=60)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_status_shows_a_campaign_s_progress_from_the_broker():
+    from fedseq.common.config import ExperimentConfig
+    from fedseq.server.campaign import CampaignStatus
+    from fedseq.server.cli import _campaign_beacon
+    from fedseq.server.status import format_fleet, read_fleet
+
+    with EmbeddedBroker("127.0.0.1", 0) as broker:
+        status = CampaignStatus(campaign="/data/weekend", run=3, runs=45, folder="dir01/fedavg/seed-2",
+                                round=41, rounds=100, finished=2, failed=0, seconds_per_round=20.0,
+                                left_s=(58 + 42 * 100) * 20.0, updated=time.time())
+        with _campaign_beacon(ExperimentConfig(), broker.url, {}) as publish:
+            publish(status)
+            time.sleep(0.5)
+        lines = format_fleet(read_fleet(broker.url, wait=1.0), broker.url)
+    line = next(x for x in lines if x.startswith("campaign "))
+    assert "run 3 of 45 (dir01/fedavg/seed-2), round 42 of 100 done; 2 finished, 0 failed" in line
+    assert "about 23 h 39 min left at 20.0 s a round" in line
