@@ -417,6 +417,13 @@ server_app = typer.Typer(add_completion=False, help="fedseq coordinator.")
 
 ClientThreadsOpt = Annotated[
     int | None, typer.Option(help="torch threads per local client (default: cores / N)")]
+LinkOpt = Annotated[list[str] | None, typer.Option(
+    help="rehearse a testbed (root): put each local client in a network namespace behind "
+         "an emulated link: wifi-good, wifi-poor, lte, 3g-fast or "
+         "custom:down=MBIT,up=MBIT,delay=MS,jitter=MS,loss=PCT; DEVICE=PROFILE for one "
+         "device (repeatable; docs/rehearsal.md)")]
+CpuQuotaOpt = Annotated[list[str] | None, typer.Option(
+    help="rehearsal (root): CPU cores per local client, e.g. 0.5; DEVICE=CORES for one")]
 MetricsPortOpt = Annotated[int | None, typer.Option(
     help="serve Prometheus metrics on this port (0: a free one; docs/how-to/campaigns.md)",
     min=0, max=65535)]
@@ -433,13 +440,8 @@ def start(
                                                    "default: deploy.broker, else an embedded one")] = None,
     local_clients: Annotated[int, typer.Option(help="also start N fedseq-client daemons here")] = 0,
     client_threads: ClientThreadsOpt = None,
-    link: Annotated[list[str] | None, typer.Option(
-        help="rehearse a testbed (root): put each local client in a network namespace behind "
-             "an emulated link: wifi-good, wifi-poor, lte, 3g-fast or "
-             "custom:down=MBIT,up=MBIT,delay=MS,jitter=MS,loss=PCT; DEVICE=PROFILE for one "
-             "device (repeatable; docs/rehearsal.md)")] = None,
-    cpu_quota: Annotated[list[str] | None, typer.Option(
-        help="rehearsal (root): CPU cores per local client, e.g. 0.5; DEVICE=CORES for one")] = None,
+    link: LinkOpt = None,
+    cpu_quota: CpuQuotaOpt = None,
     username: UsernameOpt = None,
     password_file: PasswordFileOpt = None,
     ca_file: CaFileOpt = None,
@@ -487,6 +489,8 @@ def campaign(
     local_clients: Annotated[int, typer.Option(
         help="also start N fedseq-client daemons here, up for the whole campaign")] = 0,
     client_threads: ClientThreadsOpt = None,
+    link: LinkOpt = None,
+    cpu_quota: CpuQuotaOpt = None,
     username: UsernameOpt = None,
     password_file: PasswordFileOpt = None,
     ca_file: CaFileOpt = None,
@@ -510,8 +514,10 @@ def campaign(
 
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     try:
-        with standing_fleet(runs[0].cfg, out, broker, local_clients, client_threads, say) as (
-                url, login, _), _metrics(metrics_port, metrics_host) as metrics, \
+        with _rehearsal(local_clients, link or [], cpu_quota or []) as rehearsal, \
+                standing_fleet(runs[0].cfg, out, broker, local_clients, client_threads, say,
+                               rehearsal) as (url, login, _), \
+                _metrics(metrics_port, metrics_host) as metrics, \
                 _campaign_beacon(runs[0].cfg, url, login) as beacon:
             def publish(status: Any) -> None:
                 beacon(status)

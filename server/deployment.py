@@ -219,26 +219,37 @@ class Fleet:
 
 @contextlib.contextmanager
 def standing_fleet(cfg: ExperimentConfig, out: Path, broker: str | None, local_clients: int,
-                   client_threads: int | None, announce: Callable[[str], None]
+                   client_threads: int | None, announce: Callable[[str], None],
+                   rehearsal: Rehearsal | None = None
                    ) -> Iterator[tuple[str, dict[str, Any], list[subprocess.Popen]]]:
     """A campaign's fleet, up across its runs: the broker (`broker`, else an embedded one as
-    `cfg.deploy` says) and `local_clients` fedseq-client daemons, whose personal state lives in
-    OUT/local-devices. Yields the broker's URL, the deploy.* login every run uses there (the run's
-    Mosquitto makes one) and the daemons."""
+    `cfg.deploy` says, on the rehearsal's bridge in a rehearsal) and `local_clients`
+    fedseq-client daemons (in the rehearsal's namespaces), whose personal state lives in
+    OUT/local-devices. Yields the broker's URL, the deploy.* login every run uses there (the
+    run's Mosquitto, or a rehearsal's amqtt, makes one) and the daemons."""
+    if rehearsal is not None and (broker or cfg.deploy.broker) is not None:
+        raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
+                          "its bridge; leave out --broker and deploy.broker")
     with contextlib.ExitStack() as stack:
         url, login = broker or cfg.deploy.broker, {}
         d = cfg.deploy
+        host = rehearsal.broker_host if rehearsal is not None else d.host
         if url is None and d.embedded_broker == "mosquitto":
             if d.broker_password_file is not None:
                 raise ConfigError("deploy.broker_password_file is the embedded amqtt's; the "
                                   "campaign's Mosquitto makes its own login")
             home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-mosquitto-")))
-            mosquitto = stack.enter_context(LocalMosquitto(d.host, d.port, home))
+            mosquitto = stack.enter_context(LocalMosquitto(host, d.port, home))
             url, login = mosquitto.url, {"username": mosquitto.user,
                                          "password_file": mosquitto.secret}
             announce(f"Mosquitto for this campaign at {url} (the project's broker.conf and ACL)")
         elif url is None:
-            url = stack.enter_context(EmbeddedBroker(d.host, d.port, d.broker_password_file,
+            passwords = d.broker_password_file
+            if rehearsal is not None and passwords is None:  # only this campaign's processes
+                auth = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-rehearsal-"))
+                passwords, secret = one_run_login(Path(auth))
+                login = {"username": "rehearsal", "password_file": secret}
+            url = stack.enter_context(EmbeddedBroker(host, d.port, passwords,
                                                      d.allow_anonymous)).url
             announce(f"embedded MQTT broker at {url} - start devices with: "
                      f"fedseq-client --device NAME --broker {url}")
@@ -247,5 +258,7 @@ def standing_fleet(cfg: ExperimentConfig, out: Path, broker: str | None, local_c
         if local_clients:
             with_login = cfg.model_copy(update={"deploy": d.model_copy(update=login)})
             children += spawn_local_clients(local_clients, url, with_login,
-                                            Path(out) / "local-devices", client_threads)
+                                            Path(out) / "local-devices", client_threads, rehearsal)
+            if rehearsal is not None:
+                announce(rehearsal.describe())
         yield url, login, children
