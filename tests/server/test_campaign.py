@@ -168,3 +168,11 @@ def test_the_campaign_report_groups_its_runs(tmp_path, data_root):
     assert report.returncode == 0, report.stderr[-2000:]
     summary = (tmp_path / "rep" / "summary.md").read_text()
     assert "| a/fedavg |" in summary and "| b/fedavg |" in summary
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in (Path(__file__).resolve().parents[2]
+                                                         / "examples" / "campaigns").glob("*.toml")))
+def test_example_campaigns_load(name):
+    file = Path(__file__).resolve().parents[2] / "examples" / "campaigns" / name
+    spec, runs = load_campaign(file)
+    assert runs and len({r.folder for r in runs}) == len(runs)
