@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -123,9 +123,12 @@ def _int8(t: torch.Tensor, codec: Codec, g: Optional[torch.Generator]
     return q, scale
 
 
-def decode(wire: Weights, shapes: Optional[Dict[str, torch.Size]] = None) -> Weights:
+def decode(wire: Weights, shapes: Optional[Dict[str, torch.Size]] = None,
+           sparse: bool = False) -> Weights:
     """float32 tensors from their wire form (anything not coded as it is). `shapes`: topk's
-    tensors' shapes by name (the round's reference)."""
+    tensors' shapes by name (the round's reference). `sparse`: a topk tensor stays sparse (a
+    coalesced torch COO tensor of its entries sent), for the coordinator's fold, which then adds
+    only those entries; its dense form is bitwise what `sparse=False` gives."""
     if not any(t.dtype in (torch.float16, torch.bfloat16, torch.int8) or k.endswith(IDX)
                for k, t in wire.items()):
         return wire  # nothing coded (wire.* = none): the very tensors
@@ -138,6 +141,9 @@ def decode(wire: Weights, shapes: Optional[Dict[str, torch.Size]] = None) -> Wei
             if shapes is None or name not in shapes:
                 raise ValueError(f"{name}: a top-k tensor needs its shape")
             shape = shapes[name]
+            if sparse and len(shape):
+                out[name] = _sparse(t.to(torch.int64), wire[name + VAL].float(), torch.Size(shape))
+                continue
             flat = torch.zeros(int(torch.Size(shape).numel()), dtype=torch.float32)
             flat[t.to(torch.int64)] = wire[name + VAL].float()
             out[name] = flat.reshape(shape)
@@ -150,6 +156,20 @@ def decode(wire: Weights, shapes: Optional[Dict[str, torch.Size]] = None) -> Wei
         else:
             out[k] = t
     return out
+
+
+def _sparse(flat: torch.Tensor, values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A coalesced COO tensor of `shape` (at least one dimension) holding `values` at the flat,
+    row-major positions `flat` (distinct: coalescing keeps every value as it is)."""
+    coords = []
+    rest = flat
+    for size in reversed(shape):
+        coords.append(rest % size)
+        rest = torch.div(rest, size, rounding_mode="floor")
+    # the positions were checked (codecs.wire_problem); torch checks them again where it can
+    checks: Dict[str, Any] = ({"check_invariants": True}
+                              if hasattr(torch.sparse, "check_sparse_tensor_invariants") else {})
+    return torch.sparse_coo_tensor(torch.stack(coords[::-1]), values, shape, **checks).coalesce()
 
 
 def expected(reference: Weights, codec: Codec) -> Dict[str, Tuple[torch.dtype, torch.Size]]:

@@ -122,7 +122,8 @@ class RoundContract:
                 return Rejection("bad-encoding", problem)
             # decoded once here, checked below as any update: what the round folds in
             update.upload_bytes = frame_size(update.deltas)
-            update.deltas = decode(update.deltas, {k: v.shape for k, v in self.reference.items()})
+            update.deltas = decode(update.deltas, {k: v.shape for k, v in self.reference.items()},
+                                   sparse=True)  # top-k: folded entry by entry
         for k, ref in self.reference.items():
             d = update.deltas[k]
             if is_statistic(k):
@@ -132,6 +133,8 @@ class RoundContract:
                 if reason is not None:
                     return reason
                 continue
+            if d.is_sparse:  # a top-k update's entries sent (its other entries are zeros)
+                d = d.coalesce().values()
             biggest = largest_magnitude(d)
             bound = self.bounds.get(k, self.max_abs_delta)
             if not biggest <= bound:

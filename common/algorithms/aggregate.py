@@ -76,6 +76,8 @@ class WeightedDeltaSum:
             w = float(weight_of[block_of(k)])
             if k in self.sums:
                 self.sums[k].add_(d, alpha=w)
+            elif d.is_sparse:  # a top-k update (codecs.decode(sparse=True)): its entries only
+                self.sums[k] = torch.zeros(d.shape, dtype=torch.float64).add_(d, alpha=w)
             else:
                 self.sums[k] = d.to(torch.float64) * w
             self.weights[k] = self.weights.get(k, 0.0) + w

@@ -60,8 +60,10 @@ def update_norm(deltas: Weights) -> float:
 
 def _squares(d: torch.Tensor) -> float:
     """The sum of d's squares in float64: squared in place in d's one float64 copy (torch's
-    pow(2) is x * x, so bitwise what `d.double().pow(2).sum()` gives, without a second buffer)."""
-    x = d.to(torch.float64, copy=True)
+    pow(2) is x * x, so bitwise what `d.double().pow(2).sum()` gives, without a second buffer).
+    A sparse d (a top-k update): its entries' squares, summed in another order than d's dense
+    form's, so the last bits may differ from it."""
+    x = (d.coalesce().values() if d.is_sparse else d).to(torch.float64, copy=True)
     return float(x.mul_(x).sum())
 
 
@@ -84,8 +86,9 @@ class DeviceVotes:
 
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
             device: str | None) -> None:
+        dense = {k: d.to_dense() if d.is_sparse else d for k, d in deltas.items()}  # top-k's
         self.groups.setdefault(device if device is not None else f"client {client}",
-                               []).append((deltas, weight_of))
+                               []).append((dense, weight_of))
 
     def count(self) -> int:
         """How many updates were added, over every device."""

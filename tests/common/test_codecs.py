@@ -191,3 +191,55 @@ def test_expected_names_every_wire_tensor():
     assert "fc.weight" not in form
     assert wire_problem(encode(W, Codec("topk", 0.5))[0], W, Codec("topk", 0.5),
                         lambda k: 1.0) is None
+
+
+def test_a_sparse_topk_decode_is_the_dense_one_bitwise():
+    g = torch.Generator().manual_seed(3)
+    delta = {"conv.weight": torch.randn(4, 3, 5, 5, generator=g), "fc.weight": torch.randn(7, 9, generator=g),
+             "fc.bias": torch.randn(7, generator=g)}
+    wire, _ = encode(delta, Codec("topk", topk=0.1))
+    dense, sparse = decode(dict(wire), _shapes(delta)), decode(dict(wire), _shapes(delta), sparse=True)
+    for k in delta:
+        assert sparse[k].is_sparse and sparse[k].shape == delta[k].shape
+        assert torch.equal(sparse[k].to_dense(), dense[k]), k
+
+
+def test_topk_updates_fold_entry_by_entry_to_the_dense_fold_bitwise():
+    """The coordinator folds a top-k update's entries only (codecs.decode(sparse=True)); the
+    aggregate is bitwise the one of its dense form, scaled (async staleness) or not."""
+    from fedseq.common.algorithms.aggregate import WeightedDeltaSum
+    from fedseq.common.algorithms.robust import update_norm
+
+    g = torch.Generator().manual_seed(5)
+    shapes = {"conv.weight": torch.Size([8, 3, 3, 3]), "fc.weight": torch.Size([10, 30]),
+              "fc.bias": torch.Size([10])}
+    glob = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    sparse_sum, dense_sum = WeightedDeltaSum(), WeightedDeltaSum()
+    for c, (w, scale) in enumerate([(37.0, 1.0), (12.0, 0.5), (101.0, 1.0), (3.0, 0.70710678)]):
+        wire, _ = encode({k: torch.randn(s, generator=g) * 0.01 for k, s in shapes.items()},
+                         Codec("topk", topk=0.05))
+        sparse, dense = decode(dict(wire), shapes, sparse=True), decode(dict(wire), shapes)
+        if scale != 1.0:
+            sparse = {k: v * scale for k, v in sparse.items()}
+            dense = {k: v * scale for k, v in dense.items()}
+        weights = {"conv": w, "fc": w}
+        sparse_sum.add(sparse, weights, c)
+        dense_sum.add(dense, weights, c)
+        assert math.isclose(update_norm(sparse), update_norm(dense), rel_tol=1e-12)
+    a, b = sparse_sum.apply(glob), dense_sum.apply(glob)
+    assert all(torch.equal(a[k], b[k]) for k in shapes)
+
+
+@server_only
+def test_the_contract_bounds_a_sparse_topk_update_by_its_entries():
+    wire, _ = encode({"fc.weight": torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.25, 3.0]]),
+                      "fc.bias": torch.tensor([0.5, -0.5])}, Codec("topk", topk=0.5))
+    up = _update(dict(wire))
+    assert _contract(Codec("topk", topk=0.5)).check(up) is None
+    assert up.deltas["fc.weight"].is_sparse
+    for value, code in ((1e6, "too-large"), (math.nan, "non-finite"), (-math.inf, "non-finite")):
+        spoilt = dict(wire)
+        spoilt["fc.weight@val"] = spoilt["fc.weight@val"].clone()
+        spoilt["fc.weight@val"][1] = value
+        reason = _contract(Codec("topk", topk=0.5)).check(_update(spoilt))
+        assert reason is not None and reason.code == code, (value, reason)
