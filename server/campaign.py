@@ -217,13 +217,31 @@ class Campaign:
         resumable. Counts by outcome."""
         counts = {"finished before": 0, "finished": 0, "failed": 0, "not run": 0}
         n = len(self.runs)
+
+        def failed(i: int, run: CampaignRun, exc: FedseqError) -> bool:
+            """Record the failure; whether the campaign stops there."""
+            self.mark(run, "failed", str(exc))
+            counts["failed"] += 1
+            announce(f"campaign run {i} of {n}: {run.name} failed: {exc}")
+            if stop_on_failure:
+                counts["not run"] = n - i
+                announce("campaign stopped (on_failure = \"stop\"); run the same command "
+                         "again to try the failed run again and go on")
+                if progress is not None:
+                    progress.ended("stopped")
+            return stop_on_failure
+
         for i, run in enumerate(self.runs, 1):
             path = self.out / run.folder
-            state = seed_state(path, run.cfg)
+            try:
+                state = seed_state(path, run.cfg)  # its folder may hold another run: it fails
+            except FedseqError as exc:
+                if failed(i, run, exc):
+                    break
+                continue
             if state == "finished":
                 counts["finished before"] += 1
-                self.outcomes.setdefault(run.folder, {"state": "finished"})
-                if self.outcomes[run.folder].get("state") != "finished":
+                if self.outcomes.get(run.folder, {}).get("state") != "finished":
                     self.mark(run, "finished")
                 continue
             mode = {"restart": "overwrite"}.get(state, state)
@@ -235,15 +253,7 @@ class Campaign:
                 run_one(run, path, mode, {"campaign": str(self.out.resolve()),
                                           "campaign_run": f"{i} of {n}"})
             except FedseqError as exc:
-                self.mark(run, "failed", str(exc))
-                counts["failed"] += 1
-                announce(f"campaign run {i} of {n}: {run.name} failed: {exc}")
-                if stop_on_failure:
-                    counts["not run"] = n - i
-                    if progress is not None:
-                        progress.ended("stopped")
-                    announce("campaign stopped (on_failure = \"stop\"); run the same command "
-                             "again to try the failed run again and go on")
+                if failed(i, run, exc):
                     break
                 continue
             except BaseException:

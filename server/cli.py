@@ -518,7 +518,7 @@ def campaign(
                 standing_fleet(runs[0].cfg, out, broker, local_clients, client_threads, say,
                                rehearsal) as (url, login, _), \
                 _metrics(metrics_port, metrics_host) as metrics, \
-                _campaign_beacon(runs[0].cfg, url, login) as beacon:
+                _campaign_beacon(runs[0].cfg, url, login, metrics) as beacon:
             def publish(status: Any) -> None:
                 beacon(status)
                 if metrics is not None:
@@ -577,16 +577,32 @@ def _metrics(port: int | None, host: str) -> Iterator[Any]:
 
 
 @contextlib.contextmanager
-def _campaign_beacon(cfg: ExperimentConfig, url: str, login: dict[str, Any]) -> Iterator[Any]:
+def _campaign_beacon(cfg: ExperimentConfig, url: str, login: dict[str, Any],
+                     metrics: Any = None) -> Iterator[Any]:
     """Publishes a campaign's progress retained on the broker for `fedseq-server status` (with the
-    coordinator's login); a broker that refuses it costs the campaign nothing but that line."""
+    coordinator's login), and with `metrics` counts the devices online from their statuses; a
+    broker that refuses it costs the campaign nothing but that line."""
+    from fedseq.common.errors import ProtocolError
     from fedseq.common.files import read_secret
     from fedseq.common.protocol.link import Link, TlsOptions, session_id
+    from fedseq.common.protocol.messages import DeviceStatus
     from fedseq.common.protocol.topics import Topics
 
     d = cfg.deploy.model_copy(update=login)
-    topic = Topics(d.topic_root).campaign
-    link = Link(session_id("fedseq-campaign"), url, [], lambda t, p: None, username=d.username,
+    t = Topics(d.topic_root)
+    topic = t.campaign
+    heard: dict[str, tuple[float, str, float]] = {}
+
+    def on_message(name: str, payload: bytes) -> None:
+        try:
+            status = DeviceStatus.decode(payload) if payload else None
+        except ProtocolError:
+            return  # the coordinator's inbox says why; these counts are only a gauge
+        if status is not None and name == t.device_status(status.device):
+            metrics.device_status(status, heard)
+
+    link = Link(session_id("fedseq-campaign"), url, [t.device_status()] if metrics else [],
+                on_message, username=d.username,
                 password=read_secret(d.password_file, "deploy.password_file"),
                 tls=TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname))
     try:

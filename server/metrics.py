@@ -32,8 +32,10 @@ class Metrics:
         self.rounds = Gauge("fedseq_rounds", "The run's rounds", registry=r)
         self.accuracy = Gauge("fedseq_accuracy", "Accuracy (0-1) at the last evaluated round: "
                               "global, personal, local", ["kind"], registry=r)
-        self.devices = Gauge("fedseq_devices", "Devices in the last round, by state: reported "
-                             "(an update counted), failed", ["state"], registry=r)
+        self.devices = Gauge("fedseq_devices", "Devices by state: reported (an update counted in "
+                             "the last round), failed (in it); online, offline (their status "
+                             "messages: silent 3 heartbeats is offline; a campaign watches them)",
+                             ["state"], registry=r)
         self.updates = Counter("fedseq_updates", "Updates counted into an aggregate", registry=r)
         self.refused = Counter("fedseq_updates_refused", "Updates refused by the round contract",
                                registry=r)
@@ -84,6 +86,17 @@ class Metrics:
                 self.bytes.labels(direction).inc(value)
         if row.energy_j:
             self.energy.inc(row.energy_j)
+
+    def device_status(self, status: Any, heard: dict[str, tuple[float, str, float]]) -> None:
+        """A device's DeviceStatus arrived: `heard` (device -> when, state, heartbeat_s, kept by
+        the caller) is updated and the online/offline counts set from it."""
+        import time
+
+        now = time.monotonic()
+        heard[status.device] = (now, status.state, status.heartbeat_s)
+        online = sum(state == "online" and now - at <= 3 * beat for at, state, beat in heard.values())
+        self.devices.labels("online").set(online)
+        self.devices.labels("offline").set(len(heard) - online)
 
     def campaign(self, status: Any) -> None:
         """A campaign.CampaignStatus."""

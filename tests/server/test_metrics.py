@@ -93,20 +93,38 @@ def test_the_dashboard_and_scrape_config_use_the_exported_series():
         assert check.returncode == 0, check.stdout + check.stderr
 
 
-def test_status_shows_a_campaign_s_progress_from_the_broker():
+def test_status_shows_a_campaign_s_progress_from_the_broker_and_metrics_count_devices():
     from fedseq.common.config import ExperimentConfig
+    from fedseq.common.protocol.link import Link, session_id
+    from fedseq.common.protocol.messages import DeviceStatus
+    from fedseq.common.protocol.topics import Topics
     from fedseq.server.campaign import CampaignStatus
     from fedseq.server.cli import _campaign_beacon
+    from fedseq.server.metrics import Metrics
     from fedseq.server.status import format_fleet, read_fleet
 
     with EmbeddedBroker("127.0.0.1", 0) as broker:
+        device = Link(session_id("test-device"), broker.url, [], lambda t, p: None)
+        device.start()
+        for name, state in (("jetson01", "online"), ("jetson02", "online"), ("jetson03", "offline")):
+            device.publish(Topics().device_status(name),
+                           DeviceStatus(device=name, state=state).encode(), retain=True)
         status = CampaignStatus(campaign="/data/weekend", run=3, runs=45, folder="dir01/fedavg/seed-2",
                                 round=41, rounds=100, finished=2, failed=0, seconds_per_round=20.0,
                                 left_s=(58 + 42 * 100) * 20.0, updated=time.time())
-        with _campaign_beacon(ExperimentConfig(), broker.url, {}) as publish:
-            publish(status)
-            time.sleep(0.5)
+        metrics = Metrics(0)
+        try:
+            with _campaign_beacon(ExperimentConfig(), broker.url, {}, metrics) as publish:
+                publish(status)
+                time.sleep(1.0)
+                with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10) as r:
+                    scraped = r.read().decode()
+        finally:
+            metrics.close()
+            device.stop()
         lines = format_fleet(read_fleet(broker.url, wait=1.0), broker.url)
+    assert 'fedseq_devices{state="online"} 2.0' in scraped
+    assert 'fedseq_devices{state="offline"} 1.0' in scraped
     line = next(x for x in lines if x.startswith("campaign "))
     assert "run 3 of 45 (dir01/fedavg/seed-2), round 42 of 100 done; 2 finished, 0 failed" in line
     assert "about 23 h 39 min left at 20.0 s a round" in line
