@@ -12,7 +12,7 @@ import sys
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import typer
 from pydantic import BaseModel
@@ -41,7 +41,7 @@ def _type(annotation: Any) -> str:
         return f"table of {_type(args[0])} to {_type(args[1])}" if args else "table"
     if origin in (tuple,):
         return "(" + ", ".join(_type(a) for a in args) + ")"
-    if inspect.isclass(annotation) and issubclass(annotation, BaseModel):
+    if is_table(annotation):
         return f"table ({annotation.__name__})"
     if annotation is Path:
         return "path"
@@ -83,6 +83,11 @@ def _default(field: FieldInfo) -> str:
     return f"`{json.dumps(value) if not isinstance(value, Path) else str(value)}`"
 
 
+def is_table(annotation: Any) -> TypeGuard[type[BaseModel]]:
+    """Whether a field's type is a table of its own (a pydantic model: a config section)."""
+    return inspect.isclass(annotation) and issubclass(annotation, BaseModel)
+
+
 def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
@@ -92,16 +97,17 @@ def field_rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Fiel
     rows = []
     for name, field in model.model_fields.items():
         ann = field.annotation
-        if inspect.isclass(ann) and issubclass(ann, BaseModel):
+        if is_table(ann):
             rows.extend(field_rows(ann, f"{prefix}{name}."))
         else:
             rows.append((prefix + name, field))
     return rows
 
 
-def _table(model: type[BaseModel], prefix: str = "") -> list[str]:
+def _table(rows: list[tuple[str, FieldInfo]]) -> list[str]:
+    """A Markdown table of fields (dotted key, field)."""
     lines = ["| key | type | default | limits | description |", "| --- | --- | --- | --- | --- |"]
-    for key, field in field_rows(model, prefix):
+    for key, field in rows:
         lines.append(f"| `{key}` | {_cell(_type(field.annotation))} | {_cell(_default(field))} | "
                      f"{_cell(_limits(field))} | {_cell(field.description or '')} |")
     return lines
@@ -122,27 +128,21 @@ def config_page() -> str:
            "value; repeatable). A bad key or value stops the command with a one-line message and "
            "exit code 2.", "", "## The experiment (`fedseq-sim`, `fedseq-server start`)", "",
            _doc(ExperimentConfig), ""]
-    top = [n for n, f in ExperimentConfig.model_fields.items()
-           if not (inspect.isclass(f.annotation) and issubclass(f.annotation, BaseModel))]
-    out += ["### Top level", "", "| key | type | default | limits | description |",
-            "| --- | --- | --- | --- | --- |"]
-    for name in top:
-        f = ExperimentConfig.model_fields[name]
-        out.append(f"| `{name}` | {_cell(_type(f.annotation))} | {_cell(_default(f))} | "
-                   f"{_cell(_limits(f))} | {_cell(f.description or '')} |")
-    out.append("")
-    for name, f in ExperimentConfig.model_fields.items():
-        if name in top:
-            continue
+    fields = ExperimentConfig.model_fields
+    out += ["### Top level", "",
+            *_table([(n, f) for n, f in fields.items() if not is_table(f.annotation)]), ""]
+    for name, f in fields.items():
         section = f.annotation
-        assert inspect.isclass(section) and issubclass(section, BaseModel)
-        out += [f"### [{name}]", "", _doc(section), "", *_table(section, f"{name}."), ""]
+        if not is_table(section):
+            continue
+        out += [f"### [{name}]", "", _doc(section), "", *_table(field_rows(section, f"{name}.")), ""]
         for sub in _nested_tables(section):
-            out += [f"Each entry of a list of `{sub.__name__}`: {_doc(sub)}", "", *_table(sub), ""]
+            out += [f"Each entry of a list of `{sub.__name__}`: {_doc(sub)}", "",
+                    *_table(field_rows(sub)), ""]
     out += ["## A device (`fedseq-client`)", "",
             "Settings of the device daemon: a TOML file (`--config /etc/fedseq/client.toml`), "
             "`FEDSEQ_<KEY>` environment variables (`FEDSEQ_DEVICE=jetson01`) and flags, in rising "
-            "precedence.", "", *_table(ClientSettings), ""]
+            "precedence.", "", *_table(field_rows(ClientSettings)), ""]
     return "\n".join(out)
 
 
@@ -151,7 +151,7 @@ def _nested_tables(model: type[BaseModel]) -> list[type[BaseModel]]:
     found = []
     for f in model.model_fields.values():
         for arg in typing.get_args(f.annotation):
-            if inspect.isclass(arg) and issubclass(arg, BaseModel):
+            if is_table(arg):
                 found.append(arg)
     return found
 
@@ -234,7 +234,7 @@ def messages_page() -> str:
            "[the protocol](../protocol.md).", "", _doc(messages.Message), ""]
     for m in models:
         schema = json.dumps(m.model_json_schema(), indent=1, sort_keys=True)
-        out += [f"## {m.__name__}", "", _doc(m), "", *_table(m), "",
+        out += [f"## {m.__name__}", "", _doc(m), "", *_table(field_rows(m)), "",
                 '??? note "JSON schema"', "", "    ```json",
                 *("    " + line for line in schema.splitlines()), "    ```", ""]
     return "\n".join(out)

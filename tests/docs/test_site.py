@@ -5,7 +5,6 @@ page with its navigation, its search box and no missing asset."""
 from __future__ import annotations
 
 import http.server
-import inspect
 import os
 import shutil
 import subprocess
@@ -24,10 +23,9 @@ pytestmark = server_only
 def _models() -> list[type[BaseModel]]:
     from fedseq.client.settings import ClientSettings
     from fedseq.common.config import ExperimentConfig
-    from fedseq.server.reference import _nested_tables
+    from fedseq.server.reference import _nested_tables, is_table
 
-    sections = [f.annotation for f in ExperimentConfig.model_fields.values()
-                if inspect.isclass(f.annotation) and issubclass(f.annotation, BaseModel)]
+    sections = [f.annotation for f in ExperimentConfig.model_fields.values() if is_table(f.annotation)]
     nested = [sub for s in sections for sub in _nested_tables(s)]
     return [ExperimentConfig, *sections, *nested, ClientSettings]
 
