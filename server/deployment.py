@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from fedseq.common.config import ExperimentConfig, FleetConfig
+from fedseq.common.config import DeployConfig, ExperimentConfig, FleetConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.files import read_secret
 from fedseq.common.protocol.link import TlsOptions
@@ -104,9 +104,7 @@ def run_deployment(
 ) -> RunResult:
     """mode "resume" continues `out` after its checkpoint's last complete round, under the same
     run id (devices keep their personal state) and the same assignment."""
-    if rehearsal is not None and (broker or cfg.deploy.broker) is not None:
-        raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
-                          "its bridge; leave out --broker and deploy.broker")
+    _own_broker(rehearsal, broker or cfg.deploy.broker)
     if cfg.fleet:
         announce("note: [fleet] models a simulation's time; a deployment's devices are real, "
                  "so it is ignored here")
@@ -114,6 +112,44 @@ def run_deployment(
     fleet = Fleet(cfg, out, broker, local_clients, announce, client_threads, rehearsal)
     driver = OnFleet if cfg.train.mode == "async" else None
     return run_experiment(cfg, out, fleet, mode, info, on_round, on_progress, driver=driver)
+
+
+def _own_broker(rehearsal: Rehearsal | None, broker: str | None) -> None:
+    """A rehearsal runs its own broker: refuse a given one in one line."""
+    if rehearsal is not None and broker is not None:
+        raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
+                          "its bridge; leave out --broker and deploy.broker")
+
+
+def embedded_broker(stack: contextlib.ExitStack, d: DeployConfig, rehearsal: Rehearsal | None,
+                    announce: Callable[[str], None], whose: str) -> tuple[str, dict[str, Any]]:
+    """The broker started here for a run or a campaign (`whose`), until `stack` closes: amqtt in
+    this process, or Mosquitto from the checkout's broker.conf and ACL (deploy.embedded_broker),
+    on `d.host` or a rehearsal's bridge. Returns its URL and the deploy.* login the coordinator
+    and the local devices use there: Mosquitto's one login, or in a rehearsal a login made for it
+    unless a password file is given; empty where none is needed."""
+    # a rehearsal's bridge is reachable from this machine's namespaces only, and its broker
+    # takes one login made for this run (unless a password file is given): the daemons there
+    # run as root, and nobody else may publish to them
+    host = rehearsal.broker_host if rehearsal is not None else d.host
+    if d.embedded_broker == "mosquitto":
+        if d.broker_password_file is not None:
+            raise ConfigError(f"deploy.broker_password_file is the embedded amqtt's; the {whose}'s "
+                              "Mosquitto makes its own login (devices elsewhere: --broker)")
+        home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-mosquitto-")))
+        broker = stack.enter_context(LocalMosquitto(host, d.port, home))
+        announce(f"Mosquitto for this {whose} at {broker.url} (the project's broker.conf and ACL; "
+                 "one login, for the coordinator and its local devices)")
+        return broker.url, {"username": broker.user, "password_file": broker.secret}
+    passwords, login = d.broker_password_file, {}
+    if rehearsal is not None and passwords is None:
+        auth = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-rehearsal-"))
+        passwords, secret = one_run_login(Path(auth))
+        login = {"username": "rehearsal", "password_file": secret}
+    url = stack.enter_context(EmbeddedBroker(host, d.port, passwords, d.allow_anonymous)).url
+    announce(f"embedded MQTT broker at {url} - start devices with: "
+             f"fedseq-client --device NAME --broker {url}")
+    return url, login
 
 
 class Fleet:
@@ -143,25 +179,10 @@ class Fleet:
             raise ConfigError(f"--resume {self.out}: that run was simulated; resume it with "
                               "fedseq-sim")
         if self.url is None:
-            # a rehearsal's bridge is reachable from this machine's namespaces only, and its
-            # broker takes one login made for this run (unless a password file is given): the
-            # daemons there run as root, and nobody else may publish to them
-            host = rehearsal.broker_host if rehearsal is not None else cfg.deploy.host
-            passwords = cfg.deploy.broker_password_file
-            if cfg.deploy.embedded_broker == "mosquitto":
-                self._mosquitto(stack, host)
-            elif rehearsal is not None and passwords is None:
-                auth = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-rehearsal-"))
-                passwords, secret = one_run_login(Path(auth))
-                login = cfg.deploy.model_copy(update={"username": "rehearsal",
-                                                      "password_file": secret})
-                self.cfg_login = cfg.model_copy(update={"deploy": login})
-            if self.url is None:
-                embedded = stack.enter_context(EmbeddedBroker(host, cfg.deploy.port, passwords,
-                                                              cfg.deploy.allow_anonymous))
-                self.url = embedded.url
-                self.announce(f"embedded MQTT broker at {self.url} - start devices with: "
-                              f"fedseq-client --device NAME --broker {self.url}")
+            self.url, login = embedded_broker(stack, cfg.deploy, rehearsal, self.announce, "run")
+            if login:
+                self.cfg_login = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(
+                    update=login)})
         # the local devices' personal state lives in the run directory, so --resume keeps it
         self.state = Path(self.out) / "local-devices" if self.out is not None else None
         if self.local_clients and self.state is None:
@@ -178,21 +199,6 @@ class Fleet:
         self.pool = stack.enter_context(MqttPool(
             cfg, self.url, self.run_id, d.username,
             read_secret(d.password_file, "deploy.password_file"), tls))
-
-    def _mosquitto(self, stack: contextlib.ExitStack, host: str) -> None:
-        """deploy.embedded_broker = "mosquitto": started for this run, its one login the
-        coordinator's and its local devices'."""
-        if self.cfg.deploy.broker_password_file is not None:
-            raise ConfigError("deploy.broker_password_file is the embedded amqtt's; the run's "
-                              "Mosquitto makes its own login (devices elsewhere: --broker)")
-        home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-mosquitto-")))
-        broker = stack.enter_context(LocalMosquitto(host, self.cfg.deploy.port, home))
-        login = self.cfg.deploy.model_copy(update={"username": broker.user,
-                                                   "password_file": broker.secret})
-        self.cfg_login = self.cfg.model_copy(update={"deploy": login})
-        self.url = broker.url
-        self.announce(f"Mosquitto for this run at {self.url} (the project's broker.conf and ACL; "
-                      "one login, for the coordinator and its local devices)")
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> MqttPool:
@@ -227,36 +233,15 @@ def standing_fleet(cfg: ExperimentConfig, out: Path, broker: str | None, local_c
     fedseq-client daemons (in the rehearsal's namespaces), whose personal state lives in
     OUT/local-devices. Yields the broker's URL, the deploy.* login every run uses there (the
     run's Mosquitto, or a rehearsal's amqtt, makes one) and the daemons."""
-    if rehearsal is not None and (broker or cfg.deploy.broker) is not None:
-        raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
-                          "its bridge; leave out --broker and deploy.broker")
+    _own_broker(rehearsal, broker or cfg.deploy.broker)
     with contextlib.ExitStack() as stack:
-        url, login = broker or cfg.deploy.broker, {}
-        d = cfg.deploy
-        host = rehearsal.broker_host if rehearsal is not None else d.host
-        if url is None and d.embedded_broker == "mosquitto":
-            if d.broker_password_file is not None:
-                raise ConfigError("deploy.broker_password_file is the embedded amqtt's; the "
-                                  "campaign's Mosquitto makes its own login")
-            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-mosquitto-")))
-            mosquitto = stack.enter_context(LocalMosquitto(host, d.port, home))
-            url, login = mosquitto.url, {"username": mosquitto.user,
-                                         "password_file": mosquitto.secret}
-            announce(f"Mosquitto for this campaign at {url} (the project's broker.conf and ACL)")
-        elif url is None:
-            passwords = d.broker_password_file
-            if rehearsal is not None and passwords is None:  # only this campaign's processes
-                auth = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-rehearsal-"))
-                passwords, secret = one_run_login(Path(auth))
-                login = {"username": "rehearsal", "password_file": secret}
-            url = stack.enter_context(EmbeddedBroker(host, d.port, passwords,
-                                                     d.allow_anonymous)).url
-            announce(f"embedded MQTT broker at {url} - start devices with: "
-                     f"fedseq-client --device NAME --broker {url}")
+        url, login = broker or cfg.deploy.broker, dict[str, Any]()
+        if url is None:
+            url, login = embedded_broker(stack, cfg.deploy, rehearsal, announce, "campaign")
         children: list[subprocess.Popen] = []
         stack.callback(stop_children, children)
         if local_clients:
-            with_login = cfg.model_copy(update={"deploy": d.model_copy(update=login)})
+            with_login = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=login)})
             children += spawn_local_clients(local_clients, url, with_login,
                                             Path(out) / "local-devices", client_threads, rehearsal)
             if rehearsal is not None:
