@@ -298,28 +298,22 @@ class Progress:
         self.book, self.on_change = book, on_change
         self.status = CampaignStatus(campaign=str(book.out), runs=len(book.runs))
         self.seconds: list[float] = []
-        self.index = 0
-
-    def _left(self) -> float | None:
-        if not self.seconds:
-            return None
-        s = self.status
-        later = sum(r.cfg.rounds for r in self.book.runs[self.index:]
-                    if self.book.outcomes.get(r.folder, {}).get("state") not in ("finished",))
-        return (max(0, s.rounds - s.round - 1) + later) * (sum(self.seconds) / len(self.seconds))
 
     def _publish(self, **changes: Any) -> None:
-        counts = [o.get("state") for o in self.book.outcomes.values()]
-        self.status = self.status.model_copy(update={
-            **changes, "finished": counts.count("finished"), "failed": counts.count("failed"),
-            "updated": time.time()})
-        self.status = self.status.model_copy(update={
-            "seconds_per_round": (sum(self.seconds) / len(self.seconds)) if self.seconds else None,
-            "left_s": self._left()})
+        s = self.status.model_copy(update=changes)
+        states = [o.get("state") for o in self.book.outcomes.values()]
+        per_round = sum(self.seconds) / len(self.seconds) if self.seconds else None
+        left = None
+        if per_round is not None:  # this run's rounds to go, then every later unfinished run's
+            later = sum(r.cfg.rounds for r in self.book.runs[s.run:]
+                        if self.book.outcomes.get(r.folder, {}).get("state") != "finished")
+            left = (max(0, s.rounds - s.round - 1) + later) * per_round
+        self.status = s.model_copy(update={
+            "finished": states.count("finished"), "failed": states.count("failed"),
+            "seconds_per_round": per_round, "left_s": left, "updated": time.time()})
         self.on_change(self.status)
 
     def run_started(self, index: int, run: CampaignRun) -> None:
-        self.index = index
         self._publish(run=index, folder=run.folder, round=-1, rounds=run.cfg.rounds)
 
     def round_done(self, round: int, phase: str, seconds: float | None) -> None:

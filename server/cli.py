@@ -504,13 +504,13 @@ def campaign(
     """Run every run of a campaign file on the fleet, one after another, unattended: the broker
     and the devices stay up between runs. The same command again continues the campaign
     (docs/how-to/campaigns.md)."""
+    from fedseq.server.campaign import Progress as CampaignProgress
     from fedseq.server.deployment import run_deployment, standing_fleet
 
     spec, runs, book = _open_campaign(file, set_ or [], out)
     for run in runs:
         _login_flags(run.cfg, no_verify_hostname, username=username, password_file=password_file,
                      ca_file=ca_file, cert_file=cert_file, key_file=key_file)
-    from fedseq.server.campaign import Progress as CampaignProgress
 
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     try:
@@ -591,7 +591,6 @@ def _campaign_beacon(cfg: ExperimentConfig, url: str, login: dict[str, Any],
     d = cfg.deploy.model_copy(update=login)
     t = Topics(d.topic_root)
     topic = t.campaign
-    heard: dict[str, tuple[float, str, float]] = {}
 
     def on_message(name: str, payload: bytes) -> None:
         try:
@@ -599,7 +598,7 @@ def _campaign_beacon(cfg: ExperimentConfig, url: str, login: dict[str, Any],
         except ProtocolError:
             return  # the coordinator's inbox says why; these counts are only a gauge
         if status is not None and name == t.device_status(status.device):
-            metrics.device_status(status, heard)
+            metrics.device_status(status)
 
     link = Link(session_id("fedseq-campaign"), url, [t.device_status()] if metrics else [],
                 on_message, username=d.username,

@@ -6,6 +6,7 @@ holds the scrape config and deploy/grafana/ a dashboard of these series."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
@@ -52,6 +53,7 @@ class Metrics:
         self.campaign_left = Gauge("fedseq_campaign_left_seconds", "Estimated seconds left in "
                                    "the campaign (rounds left x measured seconds per round)",
                                    registry=r)
+        self._heard: dict[str, tuple[float, str, float]] = {}  # device -> when, state, heartbeat_s
         self.server, self.thread = start_http_server(port, addr=host, registry=r)
         self.host, self.port = host, self.server.server_port
 
@@ -87,12 +89,11 @@ class Metrics:
         if row.energy_j:
             self.energy.inc(row.energy_j)
 
-    def device_status(self, status: Any, heard: dict[str, tuple[float, str, float]]) -> None:
-        """A device's DeviceStatus arrived: `heard` (device -> when, state, heartbeat_s, kept by
-        the caller) is updated and the online/offline counts set from it."""
-        import time
-
+    def device_status(self, status: Any) -> None:
+        """A device's DeviceStatus arrived: the online/offline counts from every device's last
+        one (online, and heard within 3 heartbeats)."""
         now = time.monotonic()
+        heard = self._heard
         heard[status.device] = (now, status.state, status.heartbeat_s)
         online = sum(state == "online" and now - at <= 3 * beat for at, state, beat in heard.values())
         self.devices.labels("online").set(online)
