@@ -29,7 +29,7 @@ from fedseq.common.config import ExperimentConfig, load_config
 from fedseq.common.errors import ConfigError, FedseqError, validation_problem
 from fedseq.common.files import atomic_write
 from fedseq.server.seeds import (
-    _changed_keys,
+    changed_keys,
     defining,
     parse_seeds,
     parse_vary,
@@ -180,7 +180,7 @@ class Campaign:
                                   f"{self.out} ({len(gone)} runs gone): restore the file, or pass "
                                   "another --out")
             for folder, r in old.items():
-                changed = _changed_keys(r["config"],
+                changed = changed_keys(r["config"],
                                         defining(new[folder].cfg.model_dump(mode="json")))
                 if changed:
                     raise ConfigError(f"{self.source} changed run {folder} of the campaign in "

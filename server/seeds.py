@@ -104,16 +104,17 @@ def defining(config: dict[str, Any]) -> dict[str, Any]:
 def result_changes(before: ExperimentConfig, after: ExperimentConfig) -> list[str]:
     """Where two configs differ in what defines a run's results (`defining`), as dotted keys
     with both values, e.g. ["train.lr (0.01 -> 0.02)"]; empty where they give the same run."""
-    return _changed_keys(defining(before.model_dump(mode="json")),
+    return changed_keys(defining(before.model_dump(mode="json")),
                          defining(after.model_dump(mode="json")))
 
 
-def _changed_keys(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+def changed_keys(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Where two nested dicts (configs' defining parts) differ, as dotted keys with both values."""
     out = []
     for key in sorted(set(a) | set(b), key=str):
         x, y = a.get(key), b.get(key)
         if isinstance(x, dict) and isinstance(y, dict):
-            out += _changed_keys(x, y, f"{prefix}{key}.")
+            out += changed_keys(x, y, f"{prefix}{key}.")
         elif x != y:
             out.append(f"{prefix}{key} ({x!r} -> {y!r})")
     return out
