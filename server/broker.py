@@ -14,14 +14,27 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fedseq.common.errors import TransportError
+from fedseq.common.files import read_secret
+from fedseq.common.protocol.link import TlsOptions
+
+if TYPE_CHECKING:
+    from fedseq.common.config import DeployConfig
 
 log = logging.getLogger(__name__)
 
 #: the source checkout's broker.conf and ACL (the coordinator is installed from one, editable)
 CHECKOUT = Path(__file__).resolve().parents[1]
 BROKER_CONF, PROJECT_ACL = CHECKOUT / "broker.conf", CHECKOUT / "deploy" / "mosquitto" / "fedseq.acl"
+
+
+def coordinator_login(d: DeployConfig) -> tuple[str | None, str | None, TlsOptions]:
+    """The coordinator's broker login from its deploy.* keys: user name, password (read from
+    deploy.password_file) and TLS options."""
+    return (d.username, read_secret(d.password_file, "deploy.password_file"),
+            TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname))
 
 
 #: amqtt's loggers that report its PUBACK timeouts

@@ -583,10 +583,10 @@ def _campaign_beacon(cfg: ExperimentConfig, url: str, login: dict[str, Any],
     coordinator's login), and with `metrics` counts the devices online from their statuses; a
     broker that refuses it costs the campaign nothing but that line."""
     from fedseq.common.errors import ProtocolError
-    from fedseq.common.files import read_secret
-    from fedseq.common.protocol.link import Link, TlsOptions, session_id
+    from fedseq.common.protocol.link import Link, session_id
     from fedseq.common.protocol.messages import DeviceStatus
     from fedseq.common.protocol.topics import Topics
+    from fedseq.server.broker import coordinator_login
 
     d = cfg.deploy.model_copy(update=login)
     t = Topics(d.topic_root)
@@ -600,10 +600,9 @@ def _campaign_beacon(cfg: ExperimentConfig, url: str, login: dict[str, Any],
         if status is not None and name == t.device_status(status.device):
             metrics.device_status(status)
 
+    username, password, tls = coordinator_login(d)
     link = Link(session_id("fedseq-campaign"), url, [t.device_status()] if metrics else [],
-                on_message, username=d.username,
-                password=read_secret(d.password_file, "deploy.password_file"),
-                tls=TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname))
+                on_message, username=username, password=password, tls=tls)
     try:
         link.start(attempts=3)
     except FedseqError as exc:
@@ -698,8 +697,7 @@ def status(
     """Show the fleet as the broker knows it: coordinator, run, current step and every device
     (online or offline, since when, versions, torch device, memory, last error); a large fleet
     as counts by state and problem, the devices with a problem first."""
-    from fedseq.common.files import read_secret
-    from fedseq.common.protocol.link import TlsOptions
+    from fedseq.server.broker import coordinator_login
     from fedseq.server.status import format_fleet, read_fleet
 
     cfg, _, _, _ = _start(config, None, Path("unused"))
@@ -710,9 +708,7 @@ def status(
     if url is None:
         _fail(ValueError("no broker: pass --broker mqtt://HOST:PORT or a --config with deploy.broker"))
     try:
-        tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
-        view = read_fleet(url, d.topic_root, d.username,
-                          read_secret(d.password_file, "deploy.password_file"), tls, wait)
+        view = read_fleet(url, d.topic_root, *coordinator_login(d), wait)
     except FedseqError as exc:
         _fail(exc)
     for line in format_fleet(view, url, every=all_):

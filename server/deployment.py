@@ -16,9 +16,7 @@ from typing import Any
 
 from fedseq.common.config import DeployConfig, ExperimentConfig, FleetConfig
 from fedseq.common.errors import ConfigError
-from fedseq.common.files import read_secret
-from fedseq.common.protocol.link import TlsOptions
-from fedseq.server.broker import EmbeddedBroker, LocalMosquitto, one_run_login
+from fedseq.server.broker import EmbeddedBroker, LocalMosquitto, coordinator_login, one_run_login
 from fedseq.server.checkpoint import Checkpoint
 from fedseq.server.coordinator import RunResult
 from fedseq.server.experiment import Experiment
@@ -193,12 +191,9 @@ class Fleet:
         pool_state = ckpt.pool.state if ckpt is not None else None
         self.run_id = (pool_state["run_id"] if pool_state
                        else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
-        d = self.cfg_login.deploy
-        tls = TlsOptions(d.ca_file, d.cert_file, d.key_file, d.tls_verify_hostname)
         # connected now; on the way out the devices hear why the run ended (MqttPool.__exit__)
         self.pool = stack.enter_context(MqttPool(
-            cfg, self.url, self.run_id, d.username,
-            read_secret(d.password_file, "deploy.password_file"), tls))
+            cfg, self.url, self.run_id, *coordinator_login(self.cfg_login.deploy)))
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> MqttPool:
