@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from fedseq.common.data.catalog import NUM_CLASSES
+from fedseq.common.data.catalog import CHANNEL_STATS, NUM_CLASSES
 from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError, validation_problem
 from fedseq.common.text import printable
@@ -31,6 +31,12 @@ SERVER_ONLY = ("server_lr", "beta1", "beta2", "tau")
 
 #: [train] keys the coordinator alone reads (how the run advances)
 ASYNC_ONLY = ("mode", "concurrency", "buffer", "staleness_alpha", "max_staleness", "over_select")
+
+#: keys that devices older than them reject; the broadcast config leaves them out at their default
+NEWER_KEYS = (("data", "normalize"), ("algorithm", "final_finetune"), ("algorithm", "ditto_lambda"),
+              ("algorithm", "ditto_epochs"), ("algorithm", "feddyn_alpha"),
+              ("train", "lr_milestones"), ("train", "lr_gamma"), ("train", "augment"),
+              ("train", "crop_padding"))
 
 #: The random streams a run draws from; each follows `seed` unless [seeds] pins it.
 SEED_STREAMS = ("data", "init", "selection", "training")
@@ -81,11 +87,23 @@ class DataConfig(_Section):
         "dirichlet: redraw the partition until every client has this many rows."))
     fraction: float = Field(1.0, gt=0, le=1, description=(
         "Use a seed-chosen subset of the dataset of this size (quick runs)."))
+    normalize: Literal["half", "channel"] = Field("half", description=(
+        "How pixels become model inputs: half ((x - 0.5) / 0.5 per channel, to [-1, 1]: PFLlib's "
+        "transform) or channel ((x - mean_c) / std_c with each channel's fixed statistics, as "
+        "FedBABU's code normalizes; common/data/catalog.py's CHANNEL_STATS: mnist, fmnist, "
+        "cifar10, cifar100, tiny-imagenet)."))
 
     @field_validator("dataset")
     @classmethod
     def _catalogued(cls, v: str) -> str:
         return _one_of("dataset", v, NUM_CLASSES)
+
+    @model_validator(mode="after")
+    def _has_channel_stats(self) -> DataConfig:
+        if self.normalize == "channel" and self.dataset not in CHANNEL_STATS:
+            raise ValueError(f"data.normalize = \"channel\" has no statistics for {self.dataset} "
+                             f"(it has {', '.join(CHANNEL_STATS)}); use data.normalize = \"half\"")
+        return self
 
 
 class ModelConfig(_Section):
@@ -127,8 +145,19 @@ class AlgorithmConfig(_Section):
         "schedule's order; empty: evenly spaced over the rounds. A t_k >= rounds keeps that block "
         "frozen until fine-tuning."))
     finetune_epochs: int = Field(10, ge=0, description=(
-        "FedBABU, FedSeq, local: epochs of the final fine-tuning on each client's training rows "
-        "(0: none)."))
+        "FedBABU, FedSeq, local (and every algorithm under final_finetune = true): epochs of the "
+        "final fine-tuning on each client's training rows (0: none)."))
+    final_finetune: Optional[bool] = Field(None, description=(
+        "Whether every client fine-tunes after the last round: unset, where the algorithm does "
+        "(FedBABU, FedSeq, local); true, also FedAvg, FedProx and the other one-head algorithms "
+        "(FedBABU's Table 4 \"FedAvg\" column is FedAvg fine-tuned); false, no algorithm."))
+    ditto_lambda: float = Field(0.1, ge=0, description=(
+        "Ditto: the weight of the personal model's proximal term lambda/2 ||v - w||^2."))
+    ditto_epochs: int = Field(5, ge=1, description=(
+        "Ditto: epochs of the personal model a round (FedReG's \"personal local step\": 5)."))
+    feddyn_alpha: float = Field(0.01, gt=0, description=(
+        "FedDyn: the dynamic regularizer's weight alpha (FedReG section 4.2: 0.01, from FedDyn's "
+        "code)."))
     mu: float = Field(0.001, ge=0, description="FedProx: the proximal term's weight.")
     head_epochs: int = Field(1, ge=0, description="FedRep: head epochs before the body epochs.")
     personal_layers: int = Field(1, ge=1, description=(
@@ -185,6 +214,18 @@ class TrainConfig(_Section):
     batch_size: int = Field(20, ge=1, description="Local training batch size.")
     lr: float = Field(0.01, gt=0, description="Local SGD learning rate.")
     momentum: float = Field(0.9, ge=0, lt=1, description="Local SGD momentum.")
+    lr_milestones: List[float] = Field(default_factory=list, description=(
+        "Step decay of the learning rate: fractions of `rounds` (each in (0, 1), increasing) from "
+        "which lr is multiplied by lr_gamma once more (FedBABU's code: [0.5, 0.75]); empty: a "
+        "constant rate. The final fine-tuning trains at train.lr."))
+    lr_gamma: float = Field(0.1, gt=0, le=1, description="Step decay: the factor at each milestone.")
+    augment: List[Literal["crop", "flip", "jitter"]] = Field(default_factory=list, description=(
+        "Training augmentation, drawn per image from the run's training stream, the same on a "
+        "device: crop (pad by crop_padding with black, then a random crop of the image's size), "
+        "flip (horizontal, p = 0.5), jitter (brightness, contrast and, on colour images, "
+        "saturation each scaled by a factor in [0.8, 1.2]). Applied to local training and "
+        "fine-tuning, never to evaluation; empty: none."))
+    crop_padding: int = Field(4, ge=1, description="augment = crop: the padding in pixels.")
     eval_every: int = Field(1, ge=1, description="Evaluate every this many rounds (and the last).")
     eval_batch_size: int = Field(128, ge=1, description=(
         "Evaluation batch: 128 keeps a device's peak memory low (at 2000 the ConvNet's first "
@@ -425,7 +466,20 @@ class ExperimentConfig(_Section):
         t = self.algorithm.unfreeze_rounds
         if t and (t != sorted(t) or t[0] < 0):
             raise ValueError(f"algorithm.unfreeze_rounds {t} must be ascending rounds >= 0")
+        m = self.train.lr_milestones
+        if m and (m != sorted(set(m)) or m[0] <= 0 or m[-1] >= 1):
+            raise ValueError(f"train.lr_milestones {m} must be increasing fractions of the rounds, "
+                             "each in (0, 1), e.g. [0.5, 0.75]")
+        if len(set(self.train.augment)) != len(self.train.augment):
+            raise ValueError(f"train.augment {self.train.augment} names an augmentation twice")
         return self
+
+    def lr_at(self, round: int) -> float:
+        """The local learning rate of `round` (from 0): train.lr, times lr_gamma for each of
+        train.lr_milestones whose round (fraction x rounds) has been reached."""
+        t = self.train
+        steps = sum(1 for m in t.lr_milestones if round >= m * self.rounds - 1e-9)
+        return t.lr * t.lr_gamma ** steps if steps else t.lr
 
     def for_devices(self) -> dict[str, Any]:
         """The config as the run broadcasts it: without the coordinator's own paths and broker
@@ -447,6 +501,10 @@ class ExperimentConfig(_Section):
             data.pop("wire")  # as devices before [wire] read it
         if data["model"]["head_init"] == "default":
             data["model"].pop("head_init")  # as devices before model.head_init read it
+        for section, key in NEWER_KEYS:  # at their defaults: as devices before them read it
+            if data[section][key] == type(getattr(self, section)).model_fields[key].get_default(
+                    call_default_factory=True):
+                data[section].pop(key)
         return data
 
     def clients_per_round(self) -> int:

@@ -11,7 +11,8 @@ import zlib
 import numpy as np
 import torch
 
-PURPOSES = ("partition", "init", "select", "batches", "rebalance", "finetune", "split")
+PURPOSES = ("partition", "init", "select", "batches", "rebalance", "finetune", "split",
+            "batches-augment", "finetune-augment")
 
 
 def derive_seed(seed: int, purpose: str, *keys: int) -> int:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 from fedseq.common.algorithms.scaffold import CLIENT, SERVER, corrections, new_controls
+from fedseq.common.augment import augment_batch
 from fedseq.common.codecs import Codec, encode
 from fedseq.common.data.federated import ClientShard, FederatedData
 from fedseq.common.data.rebalance import Rebalanced, rebalance, simple_augment
@@ -147,6 +148,13 @@ def train_plan(
     torch.set_flush_denormal(True)  # the calling thread may not be the one that imported us
     g_batch = torch_rng(seed, purpose, round, shard.client)
     g_aug = torch_rng(seed, "rebalance", round, shard.client)
+    transform = None
+    if plan.augment:  # its own stream: a run without augmentation draws exactly as before
+        g_train = torch_rng(seed, f"{purpose}-augment", round, shard.client)
+        stats = data.pixel_stats()
+
+        def transform(x: torch.Tensor) -> torch.Tensor:
+            return augment_batch(x, plan.augment, plan.crop_padding, stats, g_train)
     anchor: dict[str, torch.Tensor] = {}
     if plan.prox_mu > 0:
         anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -172,6 +180,8 @@ def train_plan(
                 optimizers.append(Sgd(params, lr=plan.lr, momentum=plan.momentum)
                                   if params else None)
             for x, y in rows.batches(phase.epochs, plan.batch_size, g_batch, g_aug, dev):
+                if transform is not None:
+                    x = transform(x)
                 cache: dict[str, torch.Tensor] = {}
                 for obj, opt in zip(phase.objectives, optimizers):
                     if opt is None:

@@ -79,13 +79,15 @@ class Algorithm:
             phases=phases,
             upload=tuple(b for b in trained if b not in personal),
             personal=personal,
-            lr=t.lr,
+            lr=self.cfg.lr_at(round),
             momentum=t.momentum,
             batch_size=t.batch_size,
             prox_mu=self.prox_mu(),
             rebalance_threshold=None,
             class_counts_needed=any(o.loss == "balanced_ce" for p in phases for o in p.objectives),
             score_heads=self.eval_heads(),
+            augment=tuple(t.augment),
+            crop_padding=t.crop_padding,
         )
 
     def prox_mu(self) -> float:
@@ -94,16 +96,21 @@ class Algorithm:
 
     def finetune_plan(self) -> ClientPlan | None:
         """After the last round: every client fine-tunes locally (`local_finetune_plan`) where
-        the algorithm declares it (`fine_tunes`: FedBABU, FedSeq, local) and
-        algorithm.finetune_epochs > 0; None = no fine-tuning."""
+        `finetunes` says so; None = no fine-tuning."""
         return local_finetune_plan(self.cfg, self.spec) if self.finetunes(self.cfg) else None
 
     @classmethod
     def finetunes(cls, cfg: ExperimentConfig) -> bool:
-        """Whether a run of `cfg` ends with fine-tuning: the algorithm declares it
-        (`fine_tunes`) and `algorithm.finetune_epochs` > 0. Known before any model is built
-        (the CLI's progress line)."""
-        return cls.fine_tunes and cfg.algorithm.finetune_epochs > 0
+        """Whether a run of `cfg` ends with fine-tuning: algorithm.final_finetune if set, else
+        whether the algorithm declares it (`fine_tunes`: FedBABU, FedSeq, local); never with
+        algorithm.finetune_epochs = 0. Known before any model is built (the CLI's progress
+        line). A two-head algorithm cannot be made to fine-tune: ConfigError."""
+        chosen = cfg.algorithm.final_finetune
+        if chosen and cls.two_heads:
+            raise ConfigError(f"algorithm.final_finetune = true: {cls.name} predicts with two heads, "
+                              "which the final fine-tuning (one head) does not train; unset it")
+        wanted = cls.fine_tunes if chosen is None else chosen
+        return wanted and cfg.algorithm.finetune_epochs > 0
 
     # -- aggregation and the server's update ------------------------------------------------
     def aggregation_weights(self, update: ClientUpdate) -> dict[str, float]:
@@ -162,7 +169,8 @@ def local_finetune_plan(cfg: ExperimentConfig, spec: ModelSpec) -> ClientPlan:
     phase = Phase(cfg.algorithm.finetune_epochs, (Objective((spec.head,), trained),))
     t = cfg.train
     return ClientPlan((phase,), upload=(), personal=spec.blocks, lr=t.lr, momentum=t.momentum,
-                      batch_size=t.batch_size)
+                      batch_size=t.batch_size, augment=tuple(t.augment),
+                      crop_padding=t.crop_padding)
 
 
 def base_only_phase(spec: ModelSpec, trainable_base: tuple[str, ...], epochs: int) -> Phase:

@@ -75,6 +75,12 @@ class ClientPlan:
     # the update's wire codec (common/codecs.py `Codec.spec`: "none", "fp16", "int8:channel",
     # "topk:0.01", ...), set by the round loop from wire.up
     codec: str = "none"
+    # training augmentation of every batch (train.augment: "crop", "flip", "jitter"), drawn from
+    # the client's own stream (common/augment.py); () = none
+    augment: tuple[str, ...] = ()
+    crop_padding: int = 4
+    # FedDyn: the dynamic regularizer's alpha; the client keeps its gradient state (feddyn.py)
+    dyn_alpha: float = 0.0
 
     @property
     def trainable(self) -> tuple[str, ...]:
@@ -90,11 +96,21 @@ class ClientPlan:
         )
 
 
+#: fields a device older than them rejects: left off the wire at their defaults
+NEWER_FIELDS = {"augment": (), "crop_padding": 4, "dyn_alpha": 0.0}
+
+
 def plan_to_dict(plan: ClientPlan) -> dict:
     """Plain data for the wire (JSON)."""
     from dataclasses import asdict
 
-    return asdict(plan)
+    d = asdict(plan)
+    if not d["augment"]:
+        d["crop_padding"] = NEWER_FIELDS["crop_padding"]
+    for key, default in NEWER_FIELDS.items():
+        if d[key] == default or (default == () and not d[key]):
+            d.pop(key)
+    return d
 
 
 def plan_from_dict(d: dict) -> ClientPlan:
@@ -114,4 +130,5 @@ def plan_from_dict(d: dict) -> ClientPlan:
     fields["upload"] = tuple(fields["upload"])
     fields["personal"] = tuple(fields["personal"])
     fields["score_heads"] = tuple(fields.get("score_heads", ()))
+    fields["augment"] = tuple(fields.get("augment", ()))
     return ClientPlan(phases=phases, **fields)

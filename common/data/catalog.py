@@ -110,6 +110,17 @@ for _split, _classes in EMNIST_SPLITS.items():
 
 
 NUM_CLASSES["tiny-imagenet"] = 200
+
+#: data.normalize = "channel": each channel's (mean, standard deviation) in [0, 1] pixel units, as
+#: the papers' code normalizes: FedBABU's (utils/train_utils.py, after LG-FedAvg) for MNIST and
+#: the two CIFARs, ImageNet's for Tiny-ImageNet, the usual Fashion-MNIST figures
+CHANNEL_STATS = {
+    "mnist": ((0.1307,), (0.3081,)),
+    "fmnist": ((0.2860,), (0.3530,)),
+    "cifar10": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+    "cifar100": ((0.507, 0.487, 0.441), (0.267, 0.256, 0.276)),
+    "tiny-imagenet": ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+}
 INPUT_SHAPES["tiny-imagenet"] = (3, 64, 64)
 
 

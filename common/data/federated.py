@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from fedseq.common.config import DataConfig
+from fedseq.common.data.catalog import CHANNEL_STATS
 from fedseq.common.data.partition import (
     classes_partition,
     dirichlet_partition,
@@ -46,6 +47,17 @@ class FederatedData:
     num_classes: int
     clients: tuple[ClientShard, ...]
     pos: torch.Tensor | None = None  # int64 (N,)
+    # data.normalize = "channel": each channel's (mean, std) in [0, 1] pixel units; None: the
+    # [-1, 1] scaling
+    channel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+
+    def pixel_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) per channel, shaped (C, 1, 1), that turn [0, 1] pixels into model inputs:
+        0.5 and 0.5 for the [-1, 1] scaling."""
+        c = self.x.shape[1]
+        mean, std = self.channel_stats or ((0.5,) * c, (0.5,) * c)
+        return (torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1),
+                torch.tensor(std, dtype=torch.float32).view(-1, 1, 1))
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -62,7 +74,12 @@ class FederatedData:
                                    "was loaded for other clients (a bug; please report it)")
             rows = at.to(self.x.device)
         x = self.x[rows]
-        return x if x.is_floating_point() else x.float().div_(127.5).sub_(1.0)
+        if x.is_floating_point():
+            return x
+        if self.channel_stats is None:
+            return x.float().div_(127.5).sub_(1.0)
+        mean, std = self.pixel_stats()
+        return x.float().div_(255.0).sub_(mean.to(x.device)).div_(std.to(x.device))
 
     def all_test(self) -> torch.Tensor:
         return torch.cat([c.test for c in self.clients])
@@ -117,13 +134,14 @@ def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None,
     shards = tuple(ClientShard(c, torch.from_numpy(tr), torch.from_numpy(te))
                    for c, (tr, te) in enumerate(splits))
     y = torch.from_numpy(labels)
+    stats = CHANNEL_STATS[cfg.dataset] if cfg.normalize == "channel" else None
     if not lean:
         images = raw.images if keep is None else raw.images[keep]
-        return FederatedData(_images_tensor(images), y, num_classes, shards)
+        return FederatedData(_images_tensor(images), y, num_classes, shards, channel_stats=stats)
     wanted = [te for _, te in splits] if only is None else [
         r for c in sorted(set(only)) for r in splits[c]]
     rows = np.unique(np.concatenate(wanted)) if wanted else np.empty(0, np.int64)
     images = read_dataset(Path(root), cfg.dataset, rows=rows if keep is None else keep[rows]).images
     pos = torch.full((len(labels),), -1, dtype=torch.int64)
     pos[torch.from_numpy(rows)] = torch.arange(len(rows))
-    return FederatedData(_images_tensor(images), y, num_classes, shards, pos)
+    return FederatedData(_images_tensor(images), y, num_classes, shards, pos, stats)
