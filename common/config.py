@@ -138,8 +138,9 @@ class AlgorithmConfig(_Section):
 
     name: str = Field("fedseq-anti", description=(
         "An algorithm of common/algorithms' REGISTRY: fedavg, fedavgm, fedadam, fedyogi, scaffold, "
-        "fedprox, fedper, fedrep, lg-fedavg, fedbabu, fedrod, fedreg, fedseq-vanilla, fedseq-anti, "
-        "or the control local (every client alone on the same schedule)."))
+        "fedprox, feddyn, ditto, fedper, fedrep, lg-fedavg, fedbabu, fedrod, fedreg, "
+        "fedseq-vanilla, fedseq-anti, or the control local (every client alone on the same "
+        "schedule)."))
     unfreeze_rounds: List[int] = Field(default_factory=list, description=(
         "FedSeq: the round (from 0) at which each base block starts training, t_1..t_K in the "
         "schedule's order; empty: evenly spaced over the rounds. A t_k >= rounds keeps that block "

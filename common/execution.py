@@ -16,11 +16,12 @@ from __future__ import annotations
 from typing import Dict, Optional, Protocol, Sequence, Tuple
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.ditto import personal_view
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.codecs import decode
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.evaluation import EvalReport, evaluate
-from fedseq.common.models import BlockModel, Weights, split_state
+from fedseq.common.models import BlockModel, Weights
 from fedseq.common.training import finetune_and_score, run_client_round
 
 
@@ -89,8 +90,9 @@ class ClientExecutor:
         `eval_heads` summed) on its own test rows, and (`with_global`) the global model on the
         union of those rows; `clients`: these (None: every client of `data`)."""
         chosen = list(range(len(self.data.clients))) if clients is None else list(clients)
-        # the model's tensors of each client's state (not its control variates: SCAFFOLD's)
-        blocks = {c: split_state(self.personal.load(c, personal))[0] for c in chosen}
+        # the model's tensors of each client's state (not its control variates: SCAFFOLD's),
+        # its own whole model where it keeps one (Ditto's)
+        blocks = {c: personal_view(self.personal.load(c, personal)) for c in chosen}
         return evaluate(self.model, self.data, decode(shared), blocks, eval_heads,
                         clients=None if clients is None else chosen, batch=self.eval_batch,
                         with_global=with_global)

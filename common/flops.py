@@ -68,16 +68,24 @@ def _batch_flops(model: BlockModel, plan: ClientPlan, phase: Phase, size: int,
 
 def plan_flops(model: BlockModel, plan: ClientPlan, data: FederatedData, shard: ClientShard,
                cache: FlopCache) -> int:
-    """FLOPs of one client executing `plan`: every phase's epochs x its batches."""
+    """FLOPs of one client executing `plan`: every phase's epochs x its batches (and Ditto's
+    training of the client's own model)."""
+    from fedseq.common.training import personal_plan
+
     total = 0
-    for phase, n in zip(plan.phases, phase_rows(plan, data, shard), strict=True):
-        bs = plan.batch_size
+    runs = [(plan, phase, n) for phase, n in zip(plan.phases, phase_rows(plan, data, shard),
+                                                  strict=True)]
+    if plan.personal_epochs:
+        own = personal_plan(plan)
+        runs.append((own, own.phases[0], len(shard.train)))
+    for p, phase, n in runs:
+        bs = p.batch_size
         sizes = [bs] * (n // bs) + ([n % bs] if n % bs else [])
         per_epoch = 0
         for size in sizes:
-            key = (phase.objectives, size, plan.prox_mu > 0)
+            key = (phase.objectives, size, p.prox_mu > 0)
             if key not in cache:
-                cache[key] = _batch_flops(model, plan, phase, size, data.input_shape,
+                cache[key] = _batch_flops(model, p, phase, size, data.input_shape,
                                           data.num_classes)
             per_epoch += cache[key]
         total += phase.epochs * per_epoch

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 PURPOSES = ("partition", "init", "select", "batches", "rebalance", "finetune", "split",
-            "batches-augment", "finetune-augment")
+            "batches-augment", "finetune-augment", "personal", "personal-augment")
 
 
 def derive_seed(seed: int, purpose: str, *keys: int) -> int:

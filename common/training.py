@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.ditto import PERSONAL_MODEL
+from fedseq.common.algorithms.feddyn import DYN, dyn_corrections, new_dyn_state
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 from fedseq.common.algorithms.scaffold import CLIENT, SERVER, corrections, new_controls
 from fedseq.common.augment import augment_batch
@@ -135,11 +137,13 @@ def train_plan(
     round: int,
     purpose: str = "batches",
     correction: dict[str, torch.Tensor] | None = None,
+    anchor_weights: Weights | None = None,
 ) -> TrainStats:
     """Run every phase of `plan` on the client's training rows; updates `model` in place.
     `correction`: parameter name -> what is added to its gradient before every step
-    (SCAFFOLD's c - c_i); the raw gradients of those parameters are then summed over the steps
-    (`TrainStats.gradients`).
+    (SCAFFOLD's c - c_i, FedDyn's -g_k); the raw gradients of those parameters are then summed
+    over the steps (`TrainStats.gradients`). `anchor_weights`: what the proximal term pulls
+    towards (default: the model as it starts; Ditto's personal model: the global model).
 
     Batch order (and FedReG's rebalancing and augmentation) come from generators derived from
     (seed, purpose, round, client), so the result does not depend on who runs it.
@@ -156,9 +160,10 @@ def train_plan(
         def transform(x: torch.Tensor) -> torch.Tensor:
             return augment_batch(x, plan.augment, plan.crop_padding, stats, g_train)
     anchor: dict[str, torch.Tensor] = {}
-    if plan.prox_mu > 0:
-        anchor = {k: v.detach().clone() for k, v in model.named_parameters()}
     dev = next(model.parameters()).device
+    if plan.prox_mu > 0:
+        anchor = {k: v.detach().clone() if anchor_weights is None else anchor_weights[k].to(dev)
+                  for k, v in model.named_parameters()}
     log_prior = None
     if plan.class_counts_needed:
         counts = shard.train_class_counts(data.y, data.num_classes).float()
@@ -332,6 +337,9 @@ def run_client_round(
     if plan.control_variates:
         correction = corrections(server_c, client_c, {
             k: p for k, p in model.named_parameters() if k in before})
+    elif plan.dyn_alpha > 0:
+        correction = dyn_corrections(state.get(DYN, {}), {
+            k: p for k, p in model.named_parameters() if k in before})
     stats = train_plan(model, data, shard, plan, seed, round, purpose, correction)
     scoring = time.perf_counter()
     score = score_local(model, data, shard, plan.score_heads) if plan.score_heads else None
@@ -343,6 +351,17 @@ def run_client_round(
         sent, kept = new_controls(client_c, stats.gradients, stats.batches)
         deltas.update(sent)
         personal.update(kept)
+    if plan.dyn_alpha > 0:
+        personal.update(new_dyn_state(state.get(DYN, {}), deltas, plan.dyn_alpha))
+    if plan.personal_epochs and stats.diverged_at is None:
+        own = state.get(PERSONAL_MODEL, {})
+        set_weights(model, {**weights, **own})  # v_k (the global model the first time)
+        p_stats = train_plan(model, data, shard, personal_plan(plan), seed, round, "personal",
+                             anchor_weights=weights)
+        compute += p_stats.seconds
+        if p_stats.diverged_at is None:  # else v_k stays as it was
+            personal.update({state_key(k, PERSONAL_MODEL): v.detach().cpu().clone()
+                             for k, v in model.state_dict().items()})
     codec = Codec.parse(plan.codec)
     if codec.name != "none":
         g = torch_rng(seed, "int8", round, shard.client) if codec.stochastic else None
@@ -359,6 +378,14 @@ def run_client_round(
         diverged_at=stats.diverged_at,
     )
     return update, personal
+
+
+def personal_plan(plan: ClientPlan) -> ClientPlan:
+    """Ditto's training of the client's own model: `plan.personal_epochs` over its rows with the
+    round's objectives, proximal weight `plan.personal_prox`, nothing else of the round's."""
+    return replace(plan, phases=(Phase(plan.personal_epochs, plan.phases[0].objectives),),
+                   prox_mu=plan.personal_prox, personal_epochs=0, control_variates=False,
+                   dyn_alpha=0.0, score_heads=())
 
 
 @torch.no_grad()

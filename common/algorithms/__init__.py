@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from fedseq.common.algorithms.base import Algorithm
+from fedseq.common.algorithms.ditto import Ditto
 from fedseq.common.algorithms.fedadam import FedAdam
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.fedavgm import FedAvgM
 from fedseq.common.algorithms.fedbabu import FedBABU
+from fedseq.common.algorithms.feddyn import FedDyn
 from fedseq.common.algorithms.fedper import FedPer
 from fedseq.common.algorithms.fedprox import FedProx
 from fedseq.common.algorithms.fedreg import FedReG
@@ -22,8 +24,8 @@ from fedseq.common.models import ModelSpec
 
 REGISTRY: dict[str, type[Algorithm]] = {
     cls.name: cls
-    for cls in (FedAvg, FedAvgM, FedAdam, FedYogi, Scaffold, FedProx, FedPer, FedRep, LGFedAvg,
-                FedBABU, FedRoD, FedReG, FedSeq, FedSeqAnti, Local)
+    for cls in (FedAvg, FedAvgM, FedAdam, FedYogi, Scaffold, FedProx, FedDyn, Ditto, FedPer,
+                FedRep, LGFedAvg, FedBABU, FedRoD, FedReG, FedSeq, FedSeqAnti, Local)
 }
 
 

@@ -81,6 +81,10 @@ class ClientPlan:
     crop_padding: int = 4
     # FedDyn: the dynamic regularizer's alpha; the client keeps its gradient state (feddyn.py)
     dyn_alpha: float = 0.0
+    # Ditto: epochs of the client's own model after the global model's, with a proximal term
+    # of this weight towards the global model it received (ditto.py); 0 = none
+    personal_epochs: int = 0
+    personal_prox: float = 0.0
 
     @property
     def trainable(self) -> tuple[str, ...]:
@@ -97,7 +101,8 @@ class ClientPlan:
 
 
 #: fields a device older than them rejects: left off the wire at their defaults
-NEWER_FIELDS = {"augment": (), "crop_padding": 4, "dyn_alpha": 0.0}
+NEWER_FIELDS = {"augment": (), "crop_padding": 4, "dyn_alpha": 0.0, "personal_epochs": 0,
+                "personal_prox": 0.0}
 
 
 def plan_to_dict(plan: ClientPlan) -> dict:
