@@ -223,6 +223,7 @@ class _PhaseRows:
     ys: torch.Tensor
     augment: torch.Tensor | None = None
     effective: int | None = None
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None  # the pixels' (mean, std)
 
     @classmethod
     def of(cls, phase: Phase, plan: ClientPlan, data: FederatedData, shard: ClientShard,
@@ -235,7 +236,7 @@ class _PhaseRows:
             return cls(torch.arange(len(xs)), xs.__getitem__, data.y[rb.indices],
                        effective=rb.effective)
         rb = rebalance(shard.train, data.y, plan.rebalance_threshold, g_aug)
-        return cls(rb.indices, data.images, data.y, rb.augment, rb.effective)
+        return cls(rb.indices, data.images, data.y, rb.augment, rb.effective, data.pixel_stats())
 
     def batches(self, epochs: int, size: int, g_batch: torch.Generator, g_aug: torch.Generator,
                 dev: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -250,7 +251,7 @@ class _PhaseRows:
                 if self.augment is not None:
                     aug = self.augment[pick]
                     if aug.any():
-                        x[aug] = simple_augment(x[aug], g_aug)
+                        x[aug] = simple_augment(x[aug], g_aug, self.stats)
                 y = self.ys[idx]
                 if dev.type != "cpu":
                     x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
@@ -267,7 +268,7 @@ def fixed_rebalanced(
     rb = rebalance(shard.train, data.y, threshold, g)
     xs = data.images(rb.indices)
     if rb.augment.any():
-        xs[rb.augment] = simple_augment(xs[rb.augment], g)
+        xs[rb.augment] = simple_augment(xs[rb.augment], g, data.pixel_stats())
     return rb, xs
 
 

@@ -8,9 +8,12 @@ uploads (FedAvg's part), and (2) trains its own v_k for algorithm.ditto_epochs (
 
     F_k(v) + lambda/2 ||v - w^t||^2                              (lambda: algorithm.ditto_lambda)
 
-from where v_k was (w^t the first time it is selected), w^t being the global model it received.
-The client's personalized model is v_k: its evaluation and P use it; a client never selected
-yet is evaluated with the global model. The global model is FedAvg's.
+from where v_k was (w^t the first time it is selected), w^t being the global model it received
+(PFLlib's clientditto: the same anchor, its personal steps before the global ones; the two are
+independent, so the order changes nothing). The client's personalized model is v_k: its
+evaluation and P use it; a client never selected yet is evaluated with the global model (PFLlib
+evaluates its untrained copy of the initial model). The global model is FedAvg's. Both trainings
+use the run's optimizer (train.momentum); PFLlib's personal optimizer has no momentum.
 
 v_k is kept beside the model as a client's personal state (block `conv1~pm`, one tensor per
 model tensor, running statistics included), which the executor's evaluation reads in place of

@@ -60,10 +60,13 @@ def rebalance(
     return Rebalanced(torch.cat(rows), torch.cat(aug), q, effective_count(counts, q))
 
 
-def simple_augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """FedReG's 'Simple' augmentation for grayscale data: random horizontal flip, rotation
+def simple_augment(x: torch.Tensor, gen: torch.Generator,
+                   stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """FedReG's 'Simple' augmentation (its section 4.3): random horizontal flip, rotation
     (+-15 deg), affine scale (0.9-1.1) and a translation (+-10%, which also plays the random crop),
-    as one affine resampling per image."""
+    as one affine resampling per image; on colour images then a colour jitter (brightness,
+    contrast, saturation: common/augment.py, in the pixel units of `stats`, the dataset's
+    per-channel (mean, std)), which the paper omits for grayscale data."""
     n = x.shape[0]
     u = torch.rand(n, 5, generator=gen)
     angle = (u[:, 0] * 2 - 1) * math.radians(15)
@@ -75,4 +78,9 @@ def simple_augment(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
         [torch.stack([cos * flip, -sin, tx], 1), torch.stack([sin * flip, cos, ty], 1)], 1
     ).to(x.device)
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
-    return F.grid_sample(x, grid, padding_mode="border", align_corners=False)
+    out = F.grid_sample(x, grid, padding_mode="border", align_corners=False)
+    if x.shape[1] == 3 and stats is not None:
+        from fedseq.common.augment import augment_batch
+
+        out = augment_batch(out, ("jitter",), 0, stats, gen)
+    return out

@@ -114,3 +114,17 @@ def test_channel_normalization_uses_the_papers_statistics(data_root):
     assert torch.allclose(chan.images(rows), expected, atol=1e-5)
     with pytest.raises(ConfigError, match="no statistics for emnist-letters"):
         load_config(None, ["data.dataset='emnist-letters'", "data.normalize='channel'"])
+
+
+def test_fedregs_simple_augmentation_jitters_colour_images_only():
+    """FedReG's 'Simple' augmentation has a colour jitter, which it omits for grayscale data."""
+    from fedseq.common.data.rebalance import simple_augment
+
+    colour = _batch(n=8)
+    plain = simple_augment(colour, torch.Generator().manual_seed(1))
+    jittered = simple_augment(colour, torch.Generator().manual_seed(1), HALF)
+    assert jittered.shape == colour.shape and not torch.equal(plain, jittered)
+    gray = colour[:, :1]
+    g_stats = (HALF[0][:1], HALF[1][:1])
+    assert torch.equal(simple_augment(gray, torch.Generator().manual_seed(1)),
+                       simple_augment(gray, torch.Generator().manual_seed(1), g_stats))

@@ -16,48 +16,6 @@ def test_examples_validate(name):
     assert cfg.rounds > 0
 
 
-def test_paper_table_examples_hold_the_papers_settings():
-    """The settings each paper states (the rest is marked inferred in the files)."""
-    t2 = load_config(EXAMPLES / "fedreg-table2.toml")
-    assert (t2.data.num_clients, t2.data.alpha, t2.clients_per_round(), t2.rounds) == (50, 0.1, 10, 100)
-    assert (t2.train.local_epochs, t2.train.batch_size, t2.train.lr, t2.train.momentum) == (5, 20, 0.01, 0.9)
-    t3 = load_config(EXAMPLES / "fedreg-table3.toml")
-    assert (t3.data.dataset, t3.data.num_clients, t3.train.batch_size) == ("cifar10", 100, 10)
-    t4 = load_config(EXAMPLES / "fedreg-table4.toml")
-    assert (t4.data.alpha, t4.data.num_clients, t4.clients_per_round()) == (0.5, 100, 20)
-    s4 = load_config(EXAMPLES / "fedseq-table4.toml")
-    assert (s4.data.dataset, s4.rounds, s4.algorithm.unfreeze_rounds) == ("cifar100", 1000, [0, 100, 200])
-    assert (s4.data.num_clients, s4.clients_per_round(), s4.train.batch_size,
-            s4.train.lr) == (100, 10, 10, 0.005)
-    assert {t2.model.name, t3.model.name, t4.model.name, s4.model.name} == {"convnet", "cnn"}
-    b4 = load_config(EXAMPLES / "fedbabu-table4.toml")
-    assert (b4.model.name, b4.data.dataset, b4.data.partition, b4.data.num_clients) == (
-        "mobilenet", "cifar100", "shards", 100)
-    assert b4.rounds * b4.train.local_epochs == 320 and b4.algorithm.finetune_epochs == 5
-    p2 = load_config(EXAMPLES / "fedper-figure2.toml")
-    assert (p2.model.name, p2.data.partition, p2.data.classes_per_client, p2.data.num_clients) == (
-        "resnet34", "classes", 4, 10)
-    assert (p2.algorithm.personal_layers, p2.train.local_epochs, p2.train.batch_size,
-            p2.train.lr, p2.rounds) == (2, 4, 128, 0.01, 100)
-
-
-def test_testbed_example_matches_fedreg_paper():
-    cfg = load_config(EXAMPLES / "fmnist-testbed.toml")
-    assert (cfg.data.dataset, cfg.data.num_clients, cfg.data.alpha) == ("fmnist", 30, 0.1)
-    assert cfg.clients_per_round() == 6
-    t = cfg.train
-    assert (t.local_epochs, t.batch_size, t.lr, t.momentum) == (5, 20, 0.01, 0.9)
-    assert cfg.data.train_fraction == 0.75 and cfg.rounds == 100
-    assert cfg.model.name == "convnet"  # FedReG sections 4.1 and 5
-
-
-def test_mnist_example_matches_fedseq_paper():
-    cfg = load_config(EXAMPLES / "mnist-fedseq.toml")
-    assert cfg.clients_per_round() == 10
-    assert cfg.algorithm.unfreeze_rounds == [0, 100, 200]
-    assert (cfg.train.batch_size, cfg.train.lr, cfg.train.local_epochs) == (10, 0.005, 1)
-
-
 def test_override_uses_toml_values_and_bare_strings():
     assert parse_override("algorithm.unfreeze_rounds=[0,2,4]") == (
         ["algorithm", "unfreeze_rounds"], [0, 2, 4])
