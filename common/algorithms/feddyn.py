@@ -17,9 +17,10 @@ The server keeps h (0 at the start) and, with P the round's counted updates and 
     theta <- theta + mean_P (w_k - theta) - h / alpha.
 
 The mean over P is unweighted, as the paper's. PFLlib's client (which FedReG's baselines build
-on) writes the proximal term as alpha/2 ||w - theta|| without the square; this is the paper's. On the wire and in state g_k is a block beside the
-model's (`conv1~dyn`), kept with the client's personal tensors; running statistics have none and
-are averaged as FedAvg's. FedReG section 4.2 sets alpha = 0.01 from FedDyn's code.
+on) writes the proximal term as alpha/2 ||w - theta|| without the square; this is the paper's.
+On the wire and in state g_k is a block beside the model's (`conv1~dyn`), kept with the
+client's personal tensors; running statistics have none and are averaged as FedAvg's. FedReG
+section 4.2 sets alpha = 0.01 from FedDyn's code.
 
 The client's half (`dyn_corrections`, `new_dyn_state`) runs on the device floor (Python 3.8,
 torch 1.12).
