@@ -129,6 +129,8 @@ def test_srun_tasks_become_a_groups_ranks(monkeypatch):
 @pytest.mark.parametrize("name,workers,model", [("fedavg", 2, "convnet"), ("fedper", 3, "convnet"),
                                                 ("fedadam", 2, "convnet"),
                                                 ("scaffold", 2, "convnet"),
+                                                ("feddyn", 2, "convnet"),
+                                                ("ditto", 3, "convnet"),
                                                 ("fedreg", 2, "convnet"),
                                                 ("fedseq-anti", 2, "convnet"),
                                                 ("fedseq-anti", 3, "4convnet"),
@@ -149,9 +151,11 @@ def test_workers_give_bitwise_the_in_process_run(data_root, one_thread, name, wo
 
 @pytest.mark.parametrize("personal", [("algorithm.name=fedper",),
                                       ("algorithm.name=fedavg", "model.name=4convnet",
-                                       "model.norm=fedbn")])
+                                       "model.norm=fedbn"),
+                                      ("algorithm.name=feddyn",), ("algorithm.name=ditto",)])
 def test_a_run_resumes_with_another_number_of_workers(data_root, tmp_path, one_thread, personal):
-    """Personal state (FedPer's heads, FedBN's normalization layers) survives the checkpoint."""
+    """Personal state (FedPer's heads, FedBN's normalization layers, FedDyn's g_k beside the
+    server's h, Ditto's own models) survives the checkpoint."""
     cfg = quick_config(data_root, *OVER, *personal)
     whole = run_simulation(cfg, None)
     with pytest.raises(KeyboardInterrupt):  # RunPaused: stopped after round 0's checkpoint
