@@ -33,7 +33,8 @@ SERVER_ONLY = ("server_lr", "beta1", "beta2", "tau")
 ASYNC_ONLY = ("mode", "concurrency", "buffer", "staleness_alpha", "max_staleness", "over_select")
 
 #: keys that devices older than them reject; the broadcast config leaves them out at their default
-NEWER_KEYS = (("data", "normalize"), ("algorithm", "final_finetune"), ("algorithm", "ditto_lambda"),
+NEWER_KEYS = (("model", "head_init"), ("data", "normalize"), ("algorithm", "final_finetune"),
+              ("algorithm", "ditto_lambda"),
               ("algorithm", "ditto_epochs"), ("algorithm", "feddyn_alpha"),
               ("train", "lr_milestones"), ("train", "lr_gamma"), ("train", "augment"),
               ("train", "crop_padding"))
@@ -480,7 +481,7 @@ class ExperimentConfig(_Section):
         train.lr_milestones whose round (fraction x rounds) has been reached."""
         t = self.train
         steps = sum(1 for m in t.lr_milestones if round >= m * self.rounds - 1e-9)
-        return t.lr * t.lr_gamma ** steps if steps else t.lr
+        return t.lr * t.lr_gamma ** steps
 
     def for_devices(self) -> dict[str, Any]:
         """The config as the run broadcasts it: without the coordinator's own paths and broker
@@ -500,8 +501,6 @@ class ExperimentConfig(_Section):
             data["train"].pop(key, None)
         if data["wire"] == WireConfig().model_dump(mode="json"):
             data.pop("wire")  # as devices before [wire] read it
-        if data["model"]["head_init"] == "default":
-            data["model"].pop("head_init")  # as devices before model.head_init read it
         for section, key in NEWER_KEYS:  # at their defaults: as devices before them read it
             if data[section][key] == type(getattr(self, section)).model_fields[key].get_default(
                     call_default_factory=True):

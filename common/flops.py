@@ -34,13 +34,28 @@ def phase_rows(plan: ClientPlan, data: FederatedData, shard: ClientShard) -> lis
     return out
 
 
+def _runs(plan: ClientPlan, data: FederatedData, shard: ClientShard
+          ) -> list[tuple[ClientPlan, Phase, int]]:
+    """(the plan it runs under, phase, rows) of everything a client trains executing `plan`:
+    its phases, then Ditto's training of the client's own model (`training.personal_plan`)."""
+    runs = [(plan, phase, n) for phase, n in zip(plan.phases, phase_rows(plan, data, shard),
+                                                  strict=True)]
+    if plan.personal_epochs:
+        from fedseq.common.training import personal_plan
+
+        own = personal_plan(plan)
+        runs.append((own, own.phases[0], len(shard.train)))
+    return runs
+
+
 def plan_steps(plan: ClientPlan, data: FederatedData, shard: ClientShard) -> int:
     """Local optimizer steps of one client executing `plan`: every phase's epochs x its batches x
-    its objectives that train something (a FedRep phase is one objective, FedReG's two)."""
+    its objectives that train something (a FedRep phase is one objective, FedReG's two), Ditto's
+    own model's included."""
     total = 0
-    for phase, n in zip(plan.phases, phase_rows(plan, data, shard), strict=True):
+    for p, phase, n in _runs(plan, data, shard):
         training = sum(1 for obj in phase.objectives if obj.trainable)
-        total += phase.epochs * -(-n // plan.batch_size) * training
+        total += phase.epochs * -(-n // p.batch_size) * training
     return total
 
 
@@ -70,15 +85,8 @@ def plan_flops(model: BlockModel, plan: ClientPlan, data: FederatedData, shard: 
                cache: FlopCache) -> int:
     """FLOPs of one client executing `plan`: every phase's epochs x its batches (and Ditto's
     training of the client's own model)."""
-    from fedseq.common.training import personal_plan
-
     total = 0
-    runs = [(plan, phase, n) for phase, n in zip(plan.phases, phase_rows(plan, data, shard),
-                                                  strict=True)]
-    if plan.personal_epochs:
-        own = personal_plan(plan)
-        runs.append((own, own.phases[0], len(shard.train)))
-    for p, phase, n in runs:
+    for p, phase, n in _runs(plan, data, shard):
         bs = p.batch_size
         sizes = [bs] * (n // bs) + ([n % bs] if n % bs else [])
         per_epoch = 0

@@ -93,6 +93,31 @@ def synthetic_data(num_clients: int = 3, per_client: int = 40, classes: int = 4,
     return FederatedData(x, y, classes, tuple(shards))
 
 
+def plain_sgd(model, start, data, shard, seed, purpose, epochs, lr, batch, grad_extra):
+    """An update rule written out: plain SGD from `start` over the trainer's batches of
+    (seed, purpose, round 0, client), with `grad_extra(name, param)` added to each parameter's
+    gradient; returns (the parameters after, the steps taken)."""
+    from fedseq.common.seeding import torch_rng
+
+    model.load_state_dict({**model.state_dict(), **start})
+    model.train()
+    model.requires_grad_(True)
+    g = torch_rng(seed, purpose, 0, shard.client)
+    steps = 0
+    for _ in range(epochs):
+        perm = torch.randperm(len(shard.train), generator=g)
+        for i in range(0, len(perm), batch):
+            rows = shard.train[perm[i:i + batch]]
+            model.zero_grad()
+            logits = model.logits(model.features(data.images(rows)), (model.spec.head,))
+            torch.nn.functional.cross_entropy(logits, data.y[rows]).backward()
+            with torch.no_grad():
+                for k, p in model.named_parameters():
+                    p.add_(p.grad + grad_extra(k, p), alpha=-lr)
+            steps += 1
+    return {k: v.detach().clone() for k, v in model.named_parameters()}, steps
+
+
 MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 PROJECT_ACL = ROOT / "deploy" / "mosquitto" / "fedseq.acl"
 

@@ -43,7 +43,6 @@ class Ditto(FedAvg):
     """Ditto: FedAvg's global model and each client's proximally regularized own model."""
 
     name = "ditto"
-    async_problem = None
 
     def plan(self, round: int) -> ClientPlan:
         a = self.cfg.algorithm

@@ -111,10 +111,10 @@ def plan_to_dict(plan: ClientPlan) -> dict:
 
     d = asdict(plan)
     if not d["augment"]:
-        d["crop_padding"] = NEWER_FIELDS["crop_padding"]
+        d.pop("crop_padding")  # read by the crop alone
     for key, default in NEWER_FIELDS.items():
-        if d[key] == default or (default == () and not d[key]):
-            d.pop(key)
+        if d.get(key, default) == default:
+            d.pop(key, None)
     return d
 
 

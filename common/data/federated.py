@@ -51,13 +51,18 @@ class FederatedData:
     # [-1, 1] scaling
     channel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
 
-    def pixel_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) per channel, shaped (C, 1, 1), that turn [0, 1] pixels into model inputs:
-        0.5 and 0.5 for the [-1, 1] scaling."""
+    @functools.cached_property
+    def _pixel_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.x.shape[1]
         mean, std = self.channel_stats or ((0.5,) * c, (0.5,) * c)
-        return (torch.tensor(mean, dtype=torch.float32).view(-1, 1, 1),
-                torch.tensor(std, dtype=torch.float32).view(-1, 1, 1))
+        return (torch.tensor(mean, dtype=torch.float32, device=self.x.device).view(-1, 1, 1),
+                torch.tensor(std, dtype=torch.float32, device=self.x.device).view(-1, 1, 1))
+
+    def pixel_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) per channel, shaped (C, 1, 1), on the images' device, that turn [0, 1]
+        pixels into model inputs: 0.5 and 0.5 for the [-1, 1] scaling. Made once (`images`
+        reads them for every batch)."""
+        return self._pixel_stats
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
@@ -79,7 +84,7 @@ class FederatedData:
         if self.channel_stats is None:
             return x.float().div_(127.5).sub_(1.0)
         mean, std = self.pixel_stats()
-        return x.float().div_(255.0).sub_(mean.to(x.device)).div_(std.to(x.device))
+        return x.float().div_(255.0).sub_(mean).div_(std)
 
     def all_test(self) -> torch.Tensor:
         return torch.cat([c.test for c in self.clients])

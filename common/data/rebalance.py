@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fedseq.common.augment import augment_batch
+
 
 @dataclass(frozen=True)
 class Rebalanced:
@@ -80,7 +82,5 @@ def simple_augment(x: torch.Tensor, gen: torch.Generator,
     grid = F.affine_grid(theta, list(x.shape), align_corners=False)
     out = F.grid_sample(x, grid, padding_mode="border", align_corners=False)
     if x.shape[1] == 3 and stats is not None:
-        from fedseq.common.augment import augment_batch
-
         out = augment_batch(out, ("jitter",), 0, stats, gen)
     return out

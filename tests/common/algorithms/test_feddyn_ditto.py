@@ -4,14 +4,13 @@ deployment parity: tests/server/test_deployment.py)."""
 
 import torch
 
-from conftest import synthetic_data
+from conftest import plain_sgd, synthetic_data
 from fedseq.common.algorithms import make_algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum
 from fedseq.common.algorithms.ditto import PERSONAL_MODEL, personal_view
 from fedseq.common.algorithms.feddyn import DYN
 from fedseq.common.config import load_config
 from fedseq.common.models import build_model, get_blocks, state_key
-from fedseq.common.seeding import torch_rng
 from fedseq.common.training import run_client_round
 
 
@@ -24,26 +23,6 @@ def _setup(name, *over):
 
 def _params(model):
     return {k: v.detach().clone() for k, v in model.named_parameters()}
-
-
-def _sgd(model, start, data, shard, seed, purpose, epochs, lr, batch, grad_extra):
-    """Plain SGD over the trainer's batches with `grad_extra(name, param)` added to each
-    gradient; returns the parameters after."""
-    model.load_state_dict({**model.state_dict(), **start})
-    model.train()
-    model.requires_grad_(True)
-    g = torch_rng(seed, purpose, 0, shard.client)
-    for _ in range(epochs):
-        perm = torch.randperm(len(shard.train), generator=g)
-        for i in range(0, len(perm), batch):
-            rows = shard.train[perm[i:i + batch]]
-            model.zero_grad()
-            logits = model.logits(model.features(data.images(rows)), (model.spec.head,))
-            torch.nn.functional.cross_entropy(logits, data.y[rows]).backward()
-            with torch.no_grad():
-                for k, p in model.named_parameters():
-                    p.add_(p.grad + grad_extra(k, p), alpha=-lr)
-    return _params(model)
 
 
 def test_a_feddyn_client_minimizes_the_dynamic_objective_and_updates_g():
@@ -59,8 +38,8 @@ def test_a_feddyn_client_minimizes_the_dynamic_objective_and_updates_g():
     update, kept = run_client_round(model, {**get_blocks(model, model.spec.blocks), **held}, plan,
                                     data, shard, 0, 0)
     # grad of L_k(w) - <g, w> + alpha/2 ||w - theta||^2 = grad L_k - g + alpha (w - theta)
-    w = _sgd(model, theta, data, shard, 0, "batches", 1, 0.05, 8,
-             lambda k, p: -g[k] + alpha * (p - theta[k]))
+    w, _ = plain_sgd(model, theta, data, shard, 0, "batches", 1, 0.05, 8,
+                     lambda k, p: -g[k] + alpha * (p - theta[k]))
     for k in theta:
         assert torch.allclose(update.deltas[k], w[k] - theta[k], atol=1e-6), k
         assert torch.allclose(kept[state_key(k, DYN)], g[k] - alpha * (w[k] - theta[k]),
@@ -112,8 +91,8 @@ def test_a_ditto_client_uploads_fedavgs_delta_and_keeps_its_regularized_own_mode
                                     alg.plan(0), data, shard, 0, 0)
     for k in w:  # the global part is FedAvg's, bitwise
         assert torch.equal(update.deltas[k], plain.deltas[k]), k
-    own = _sgd(model, v, data, shard, 0, "personal", 2, 0.05, 8,
-               lambda k, p: lam * (p - w[k]))
+    own, _ = plain_sgd(model, v, data, shard, 0, "personal", 2, 0.05, 8,
+                       lambda k, p: lam * (p - w[k]))
     for k in w:
         assert torch.allclose(kept[state_key(k, PERSONAL_MODEL)], own[k], atol=1e-6), k
     # evaluation reads the client's own model in place of the shared blocks

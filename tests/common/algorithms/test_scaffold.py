@@ -6,7 +6,7 @@ contract's view of the control variates (whole runs: tests/server/test_server_op
 import pytest
 import torch
 
-from conftest import synthetic_data
+from conftest import plain_sgd, synthetic_data
 from fedseq.common.algorithms import make_algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum
 from fedseq.common.algorithms.scaffold import control_key
@@ -36,24 +36,8 @@ def _params(model):
 def _reference_round(model, x, c, ci, data, shard, lr, batch, seed):
     """Algorithm 1's client, option II, with plain SGD written out: y <- y - lr (g - c_i + c)
     over the same batches as the trainer; returns (y, c_i+)."""
-    from fedseq.common.seeding import torch_rng
-
-    model.load_state_dict({**model.state_dict(), **x})
-    g_batch = torch_rng(seed, "batches", 0, shard.client)
-    perm = torch.randperm(len(shard.train), generator=g_batch)
-    steps = 0
-    model.train()
-    model.requires_grad_(True)
-    for i in range(0, len(perm), batch):
-        rows = shard.train[perm[i:i + batch]]
-        model.zero_grad()
-        logits = model.logits(model.features(data.images(rows)), (model.spec.head,))
-        torch.nn.functional.cross_entropy(logits, data.y[rows]).backward()
-        with torch.no_grad():
-            for k, p in model.named_parameters():
-                p.add_(p.grad - ci[k] + c[k], alpha=-lr)
-        steps += 1
-    y = {k: v.detach().clone() for k, v in model.state_dict().items() if k in x}
+    y, steps = plain_sgd(model, x, data, shard, seed, "batches", 1, lr, batch,
+                         lambda k, p: c[k] - ci[k])
     return y, {k: ci[k] - c[k] + (x[k] - y[k]) / (steps * lr) for k in c}
 
 
