@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from fedseq.common import __version__
-from fedseq.common.algorithms import algorithm_class
+from fedseq.common.algorithms import model_layout
 from fedseq.common.codecs import Codec, encode
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.catalog import INPUT_SHAPES
@@ -144,9 +144,9 @@ class Fleet:
             if run_id not in self._facts:
                 cfg.data.root = self.data_dir
                 data = load_federated(cfg.data, cfg.seed_for("data"), only=[])  # labels only
-                two = algorithm_class(cfg.algorithm.name).two_heads
                 model = build_model(cfg.model.name, INPUT_SHAPES[cfg.data.dataset],
-                                    data.num_classes, two, norm=cfg.model.norm)
+                                    data.num_classes, norm=cfg.model.norm,
+                                    **model_layout(cfg.algorithm.name))
                 ref = {k: torch.zeros_like(v) for k, v in
                        shared_tensors(model, model.spec.blocks).items()}
                 self._facts = {run_id: RunFacts(

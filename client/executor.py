@@ -18,7 +18,7 @@ import torch
 from fedseq.client.power import EnergyMeter, Mark, health
 from fedseq.client.session import DeviceSession, RunState
 from fedseq.client.state import StateStore
-from fedseq.common.algorithms import algorithm_class
+from fedseq.common.algorithms import model_layout
 from fedseq.common.algorithms.aggregate import DeviceCost
 from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict
 from fedseq.common.data.federated import FederatedData, load_federated
@@ -61,10 +61,10 @@ class StepExecutor:
             run.data = load_federated(cfg.data, cfg.seed_for("data"), only=run.clients)
             run.data_clients = list(run.clients)
         if run.model is None:
-            two = algorithm_class(cfg.algorithm.name).two_heads
-            run.model = build_run_model(cfg.model.name, run.data.input_shape, run.data.num_classes,
-                                        two, cfg.seed_for("init"), cfg.model.head_init,
-                                        cfg.model.norm).to(self.torch_device)
+            run.model = build_run_model(
+                cfg.model.name, run.data.input_shape, run.data.num_classes,
+                seed=cfg.seed_for("init"), head_init=cfg.model.head_init, norm=cfg.model.norm,
+                **model_layout(cfg.algorithm.name)).to(self.torch_device)
         return run.data, run.model
 
     def clients(self, run: RunState) -> ClientExecutor:

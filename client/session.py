@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from fedseq.client.power import EnergyMeter, health
 from fedseq.common import __version__
-from fedseq.common.algorithms import algorithm_class
+from fedseq.common.algorithms import model_layout
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
 from fedseq.common.data.federated import FederatedData
@@ -79,9 +79,9 @@ class RunState:
 def weights_frame_pool(cfg: ExperimentConfig) -> FramePool:
     """A weights frame holds one block of the run's model: anything larger is refused before it is
     allocated; partial frames of at most two whole models are kept."""
-    two = algorithm_class(cfg.algorithm.name).two_heads
     model = build_model(cfg.model.name, INPUT_SHAPES[cfg.data.dataset],
-                        NUM_CLASSES[cfg.data.dataset], two, norm=cfg.model.norm)
+                        NUM_CLASSES[cfg.data.dataset], norm=cfg.model.norm,
+                        **model_layout(cfg.algorithm.name))
     sizes = [len(encode_tensors(get_blocks(model, [b]))) + 4096 for b in model.spec.blocks]
     return FramePool(max_frame=max(sizes), per_sender=2 * sum(sizes))
 

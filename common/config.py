@@ -36,6 +36,7 @@ ASYNC_ONLY = ("mode", "concurrency", "buffer", "staleness_alpha", "max_staleness
 NEWER_KEYS = (("model", "head_init"), ("data", "normalize"), ("algorithm", "final_finetune"),
               ("algorithm", "ditto_lambda"),
               ("algorithm", "ditto_epochs"), ("algorithm", "feddyn_alpha"),
+              ("algorithm", "gpfl_lambda"), ("algorithm", "gpfl_mu"),
               ("train", "lr_milestones"), ("train", "lr_gamma"), ("train", "augment"),
               ("train", "crop_padding"))
 
@@ -139,7 +140,7 @@ class AlgorithmConfig(_Section):
 
     name: str = Field("fedseq-anti", description=(
         "An algorithm of common/algorithms' REGISTRY: fedavg, fedavgm, fedadam, fedyogi, scaffold, "
-        "fedprox, feddyn, ditto, fedper, fedrep, lg-fedavg, fedbabu, fedrod, fedreg, "
+        "fedprox, feddyn, ditto, fedper, fedrep, lg-fedavg, fedbabu, gpfl, fedrod, fedreg, "
         "fedseq-vanilla, fedseq-anti, or the control local (every client alone on the same "
         "schedule)."))
     unfreeze_rounds: List[int] = Field(default_factory=list, description=(
@@ -160,6 +161,12 @@ class AlgorithmConfig(_Section):
     feddyn_alpha: float = Field(0.01, gt=0, description=(
         "FedDyn: the dynamic regularizer's weight alpha (FedReG section 4.2: 0.01, from FedDyn's "
         "code)."))
+    gpfl_lambda: float = Field(0.1, ge=0, description=(
+        "GPFL: the weight of its magnitude-level global guidance (FedReG section 4.2: 0.1, "
+        "from GPFL's code)."))
+    gpfl_mu: float = Field(0.001, ge=0, description=(
+        "GPFL: the L2 regularization (weight decay) of its CoV and GCE (FedReG section 4.2's "
+        "eta: 0.001)."))
     mu: float = Field(0.001, ge=0, description="FedProx: the proximal term's weight.")
     head_epochs: int = Field(1, ge=0, description="FedRep: head epochs before the body epochs.")
     personal_layers: int = Field(1, ge=1, description=(

@@ -63,6 +63,7 @@ def _batch_flops(model: BlockModel, plan: ClientPlan, phase: Phase, size: int,
                  in_shape: tuple[int, int, int], num_classes: int) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
+    from fedseq.common.algorithms.gpfl import conditions
     from fedseq.common.training import Sgd, set_trainable, train_step
 
     m = copy.deepcopy(model).cpu()
@@ -71,13 +72,14 @@ def _batch_flops(model: BlockModel, plan: ClientPlan, phase: Phase, size: int,
     log_prior = torch.zeros(1, num_classes) if plan.class_counts_needed else None
     anchor = ({k: v.detach().clone() for k, v in m.named_parameters()} if plan.prox_mu > 0
               else {})
+    cond = conditions(m.gce.weight, torch.ones(num_classes)) if m.spec.valve else None
     cache: dict[str, torch.Tensor] = {}
     with FlopCounterMode(display=False) as counter:
         for obj in phase.objectives:
             params = set_trainable(m, obj.trainable)
             if params:
                 train_step(m, obj, Sgd(params, plan.lr, plan.momentum), x, y, cache, log_prior, plan,
-                      anchor)
+                           anchor, cond=cond)
     return int(counter.get_total_flops())
 
 

@@ -4,7 +4,7 @@ model.norm "running" or "fedbn" its BatchNorm layers' running_mean and running_v
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Dict
 
 import torch
@@ -20,11 +20,12 @@ Weights = Dict[str, torch.Tensor]
 @dataclass(frozen=True)
 class ModelSpec:
     """A model's block layout: ordered base blocks (input to output), the global head and, for
-    two-head algorithms, the personal head."""
+    two-head algorithms, the personal head; for GPFL, its two modules between base and head."""
 
     base: tuple[str, ...]  # input to output
     head: str  # the global (generic) head
     personal_head: str | None  # second head for FedRoD / FedReG
+    valve: tuple[str, ...] = ()  # GPFL's CoV and GCE (`VALVE`, `add_valve`); () = none
 
     @property
     def heads(self) -> tuple[str, ...]:
@@ -33,8 +34,8 @@ class ModelSpec:
 
     @property
     def blocks(self) -> tuple[str, ...]:
-        """Every block: base then heads."""
-        return self.base + self.heads
+        """Every block: base, GPFL's modules, heads."""
+        return self.base + self.valve + self.heads
 
 
 class BlockModel(nn.Module):
@@ -70,9 +71,10 @@ class BlockModel(nn.Module):
         return self.__dict__["_personal_keys"]
 
     @classmethod
-    def block_spec(cls, two_heads: bool) -> ModelSpec:
+    def block_spec(cls, two_heads: bool, valve: bool = False) -> ModelSpec:
         """The block layout, known without building the model (the module names above)."""
-        return ModelSpec(cls.BASE, cls.HEAD, cls.HEAD + "_p" if two_heads else None)
+        return ModelSpec(cls.BASE, cls.HEAD, cls.HEAD + "_p" if two_heads else None,
+                         VALVE if valve else ())
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -323,6 +325,34 @@ class ResNet34(_ResNet):
     BASE = ("stem", *(f"block{i + 1}" for i in range(16)))
 
 
+#: GPFL's modules (Zhang et al., ICCV 2023): its Conditional Valve and Global Category Embedding
+VALVE = ("cov", "gce")
+
+
+class ConditionalValve(nn.Module):
+    """GPFL's CoV: the base features x, scaled and shifted by what a conditional input c (one
+    vector) makes of them: relu(x * (gamma(c) + 1) + beta(c)), gamma and beta each
+    Linear(d, d), ReLU, LayerNorm(d), as GPFL's code (PFLlib's servergpfl.py) builds them."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gamma = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.LayerNorm(dim))
+        self.beta = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.LayerNorm(dim))
+
+    def forward(self, x: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        return F.relu(x * (self.gamma(cond) + 1) + self.beta(cond))
+
+
+def add_valve(model: BlockModel, num_classes: int) -> None:
+    """Give `model` GPFL's modules, blocks of their own: `cov` (a ConditionalValve on the head's
+    input features) and `gce` (the Global Category Embedding, one row of that width per class,
+    nn.Embedding's N(0, 1) initialization)."""
+    dim = getattr(model, model.HEAD).in_features
+    model.cov = ConditionalValve(dim)
+    model.gce = nn.Embedding(num_classes, dim)
+    model.spec = replace(model.spec, valve=VALVE)
+
+
 MODELS: dict[str, type[BlockModel]] = {"cnn": CNN, "convnet": ConvNet, "4convnet": FourConvNet,
                                        "mobilenet": MobileNet, "resnet18": ResNet18,
                                        "resnet34": ResNet34}
@@ -349,10 +379,12 @@ def _model_class(name: str, norm: str) -> type[BlockModel]:
 def build_model(
     name: str, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool = False,
     generator_seed: int | None = None, head_init: str = "default", norm: str = "batch",
+    valve: bool = False,
 ) -> BlockModel:
     """Build a model; with generator_seed the initial weights are a pure function of that seed.
     head_init "orthogonal" then re-draws each head's weight orthogonally (model.head_init);
-    norm is model.norm (what the normalization layers keep, `_bn`)."""
+    norm is model.norm (what the normalization layers keep, `_bn`); valve adds GPFL's modules
+    (`add_valve`), drawn last, so the rest is the model without them."""
     cls = _model_class(name, norm)
     with torch.random.fork_rng(devices=[]):
         if generator_seed is not None:
@@ -365,12 +397,14 @@ def build_model(
             with torch.no_grad():
                 for head in model.spec.heads:
                     nn.init.orthogonal_(getattr(model, head).weight)
+        if valve:
+            add_valve(model, num_classes)
     return model
 
 
-def model_spec(name: str, two_heads: bool, norm: str = "batch") -> ModelSpec:
+def model_spec(name: str, two_heads: bool, norm: str = "batch", valve: bool = False) -> ModelSpec:
     """The block layout of model `name`, without building it (config checks before any data)."""
-    return _model_class(name, norm).block_spec(two_heads)
+    return _model_class(name, norm).block_spec(two_heads, valve)
 
 
 def is_statistic(key: str) -> bool:
@@ -423,11 +457,13 @@ def in_blocks(weights: Weights, blocks: str | tuple[str, ...] | list[str] | set[
 
 
 def build_run_model(name: str, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool,
-                    seed: int, head_init: str = "default", norm: str = "batch") -> BlockModel:
+                    seed: int, head_init: str = "default", norm: str = "batch",
+                    valve: bool = False) -> BlockModel:
     """The run's initial model, a pure function of the run seed: the coordinator, the in-process
     clients and every device build the same weights, so version 0 of every block never travels."""
     return build_model(name, in_shape, num_classes, two_heads,
-                       generator_seed=derive_seed(seed, "init"), head_init=head_init, norm=norm)
+                       generator_seed=derive_seed(seed, "init"), head_init=head_init, norm=norm,
+                       valve=valve)
 
 
 def block_keys(model: BlockModel, block: str) -> list[str]:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.ditto import PERSONAL_MODEL
 from fedseq.common.algorithms.feddyn import DYN, dyn_corrections, new_dyn_state
+from fedseq.common.algorithms.gpfl import Conditions, conditions, gpfl_loss, personal_features
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 from fedseq.common.algorithms.scaffold import CLIENT, SERVER, corrections, new_controls
 from fedseq.common.augment import augment_batch
@@ -165,9 +166,12 @@ def train_plan(
         anchor = {k: v.detach().clone() if anchor_weights is None else anchor_weights[k].to(dev)
                   for k, v in model.named_parameters()}
     log_prior = None
+    cond = None
     if plan.class_counts_needed:
         counts = shard.train_class_counts(data.y, data.num_classes).float()
         log_prior = counts.clamp_min(1e-12).log()[None, :].to(dev)
+        if model.spec.valve:  # GPFL's inputs, from the GCE as it was sent
+            cond = conditions(model.gce.weight, counts.to(dev))
     batches = 0
     loss_sum = 0.0
     effective = None
@@ -194,7 +198,7 @@ def train_plan(
                     if len(phase.objectives) > 1:
                         set_trainable(model, obj.trainable)
                     loss = train_step(model, obj, opt, x, y, cache, log_prior, plan, anchor,
-                                      fixes)
+                                      fixes, cond)
                     if not math.isfinite(loss):
                         raise _Diverged
                     loss_sum += loss
@@ -273,25 +277,30 @@ def fixed_rebalanced(
 
 
 def train_step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientPlan, anchor,
-               fixes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()) -> float:
+               fixes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
+               cond: Conditions | None = None) -> float:
     """One optimizer step of one objective on one batch; returns its loss. `fixes`:
     (parameter, what is added to its gradient before the step, where its raw gradients are
-    summed)."""
+    summed); `cond`: GPFL's conditional inputs (its loss alone reads them)."""
     if obj.reuse_features and "features" in cache:
         feats = cache["features"].detach()
     else:
         feats = model.features(x)
         cache["features"] = feats
-    logits = None
-    for h in obj.heads:
-        if obj.reuse_features and h not in obj.trainable and h in cache:
-            part = cache[h].detach()
-        else:
-            part = getattr(model, h)(feats)
-            cache[h] = part
-        logits = part if logits is None else logits + part
-    assert logits is not None
-    loss = _loss(logits, y, obj.loss, log_prior)
+    if obj.loss == "gpfl":
+        assert cond is not None, "GPFL's loss needs its conditional inputs"
+        loss = gpfl_loss(model, obj.heads[0], feats, y, cond, plan.gpfl_lambda, plan.gpfl_mu)
+    else:
+        logits = None
+        for h in obj.heads:
+            if obj.reuse_features and h not in obj.trainable and h in cache:
+                part = cache[h].detach()
+            else:
+                part = getattr(model, h)(feats)
+                cache[h] = part
+            logits = part if logits is None else logits + part
+        assert logits is not None
+        loss = _loss(logits, y, obj.loss, log_prior)
     if plan.prox_mu > 0:
         prox = sum(
             (p - anchor[name]).pow(2).sum()
@@ -392,13 +401,18 @@ def personal_plan(plan: ClientPlan) -> ClientPlan:
 @torch.no_grad()
 def score_local(model: BlockModel, data: FederatedData, shard: ClientShard, heads: tuple[str, ...],
                 batch: int = 128) -> tuple[int, int]:
-    """(correct, total) of the model as it is on the client's own test rows, `heads` summed."""
+    """(correct, total) of the model as it is on the client's own test rows, `heads` summed (on
+    GPFL's personalized valve where the model has one)."""
     model.eval()
     dev = next(model.parameters()).device
     correct = 0
+    counts = shard.train_class_counts(data.y, data.num_classes) if model.spec.valve else None
     for i in range(0, len(shard.test), batch):
         rows = shard.test[i : i + batch]
-        logits = model.logits(model.features(data.images(rows).to(dev)), heads)
+        feats = model.features(data.images(rows).to(dev))
+        if counts is not None:
+            feats = personal_features(model, feats, counts)
+        logits = model.logits(feats, heads)
         correct += int((logits.argmax(1).cpu() == data.y[rows]).sum())
     return correct, len(shard.test)
 

@@ -16,6 +16,7 @@ from fedseq.common.algorithms.fedrep import FedRep
 from fedseq.common.algorithms.fedrod import FedRoD
 from fedseq.common.algorithms.fedseq import FedSeq, FedSeqAnti
 from fedseq.common.algorithms.fedyogi import FedYogi
+from fedseq.common.algorithms.gpfl import GPFL
 from fedseq.common.algorithms.lgfedavg import LGFedAvg
 from fedseq.common.algorithms.local import Local
 from fedseq.common.algorithms.scaffold import Scaffold
@@ -25,7 +26,7 @@ from fedseq.common.models import ModelSpec
 REGISTRY: dict[str, type[Algorithm]] = {
     cls.name: cls
     for cls in (FedAvg, FedAvgM, FedAdam, FedYogi, Scaffold, FedProx, FedDyn, Ditto, FedPer,
-                FedRep, LGFedAvg, FedBABU, FedRoD, FedReG, FedSeq, FedSeqAnti, Local)
+                FedRep, LGFedAvg, FedBABU, GPFL, FedRoD, FedReG, FedSeq, FedSeqAnti, Local)
 }
 
 
@@ -34,9 +35,16 @@ def algorithm_class(name: str) -> type[Algorithm]:
     return REGISTRY[name]
 
 
+def model_layout(name: str) -> dict[str, bool]:
+    """What algorithm `name` adds to any model, as build_model's and model_spec's keywords:
+    a personal second head (two_heads: FedRoD, FedReG), GPFL's CoV and GCE (valve)."""
+    cls = REGISTRY[name]
+    return {"two_heads": cls.two_heads, "valve": cls.valve}
+
+
 def make_algorithm(cfg: ExperimentConfig, spec: ModelSpec) -> Algorithm:
     """The configured algorithm for a model's block layout."""
     return REGISTRY[cfg.algorithm.name](cfg, spec)
 
 
-__all__ = ["Algorithm", "REGISTRY", "algorithm_class", "make_algorithm"]
+__all__ = ["Algorithm", "REGISTRY", "algorithm_class", "make_algorithm", "model_layout"]

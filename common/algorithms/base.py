@@ -33,6 +33,7 @@ class Algorithm:
 
     name = "fedavg"
     two_heads = False  # needs a personal second head (FedRoD, FedReG)
+    valve = False  # needs GPFL's CoV and GCE between base and head (models.add_valve)
     #: the algorithm ends with every client fine-tuning locally (FedBABU, FedSeq)
     fine_tunes = False
     #: what the global model is when evaluated, where it is not a trained whole model
@@ -84,7 +85,7 @@ class Algorithm:
             batch_size=t.batch_size,
             prox_mu=self.prox_mu(),
             rebalance_threshold=None,
-            class_counts_needed=any(o.loss == "balanced_ce" for p in phases for o in p.objectives),
+            class_counts_needed=any(o.loss != "ce" for p in phases for o in p.objectives),
             score_heads=self.eval_heads(),
             augment=tuple(t.augment),
             crop_padding=t.crop_padding,
@@ -104,11 +105,13 @@ class Algorithm:
         """Whether a run of `cfg` ends with fine-tuning: algorithm.final_finetune if set, else
         whether the algorithm declares it (`fine_tunes`: FedBABU, FedSeq, local); never with
         algorithm.finetune_epochs = 0. Known before any model is built (the CLI's progress
-        line). A two-head algorithm cannot be made to fine-tune: ConfigError."""
+        line). A two-head or GPFL algorithm cannot be made to fine-tune: ConfigError."""
         chosen = cfg.algorithm.final_finetune
-        if chosen and cls.two_heads:
-            raise ConfigError(f"algorithm.final_finetune = true: {cls.name} predicts with two heads, "
-                              "which the final fine-tuning (one head) does not train; unset it")
+        if chosen and (cls.two_heads or cls.valve):
+            how = "two heads" if cls.two_heads else "its head on GPFL's conditional valve"
+            raise ConfigError(f"algorithm.final_finetune = true: {cls.name} predicts with {how}, "
+                              "which the final fine-tuning (one head on the base) does not train; "
+                              "unset it")
         wanted = cls.fine_tunes if chosen is None else chosen
         return wanted and cfg.algorithm.finetune_epochs > 0
 

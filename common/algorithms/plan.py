@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal
 
-Loss = Literal["ce", "balanced_ce"]
+Loss = Literal["ce", "balanced_ce", "gpfl"]
 DataSource = Literal["local", "rebalanced"]
 
 
@@ -28,6 +28,9 @@ class Objective:
 
     reuse_features: take the features and frozen heads' logits of the previous objective on the
     same batch, detached (FedRoD trains its personal head on the generic pass's features).
+
+    loss: cross-entropy ("ce"), balanced softmax ("balanced_ce": FedRoD's generic head) or GPFL's
+    three parts through its conditional valve ("gpfl": common/algorithms/gpfl.py).
     """
 
     heads: tuple[str, ...]
@@ -65,7 +68,7 @@ class ClientPlan:
     # FedReG: the rebalanced set (augmented rows included) is built once per client, a function
     # of (seed, client) only (its Algorithm 3); False rebuilds and re-augments it every round
     rebalance_once: bool = True
-    class_counts_needed: bool = False  # balanced softmax needs the client's label counts
+    class_counts_needed: bool = False  # balanced softmax and GPFL need the client's label counts
     # after training, score the local model on the client's test rows with these heads summed
     # (the testbed's "locally trained model" accuracy); () = no score
     score_heads: tuple[str, ...] = ()
@@ -85,6 +88,10 @@ class ClientPlan:
     # of this weight towards the global model it received (ditto.py); 0 = none
     personal_epochs: int = 0
     personal_prox: float = 0.0
+    # GPFL: the weight of the magnitude-level guidance (lambda) and the L2 regularization of the
+    # CoV's and GCE's parameters (mu) in its loss (gpfl.py)
+    gpfl_lambda: float = 0.0
+    gpfl_mu: float = 0.0
 
     @property
     def trainable(self) -> tuple[str, ...]:
@@ -102,7 +109,7 @@ class ClientPlan:
 
 #: fields a device older than them rejects: left off the wire at their defaults
 NEWER_FIELDS = {"augment": (), "crop_padding": 4, "dyn_alpha": 0.0, "personal_epochs": 0,
-                "personal_prox": 0.0}
+                "personal_prox": 0.0, "gpfl_lambda": 0.0, "gpfl_mu": 0.0}
 
 
 def plan_to_dict(plan: ClientPlan) -> dict:

@@ -17,7 +17,7 @@ from fedseq.server.report.summarize import PAIRED, group_runs, paired_rows, summ
 # "P" scores each client's locally trained model (section 5), which is our L (every client's
 # latest local model, stale for clients not selected lately) or Lr (only the round's trainers'
 # fresh local models): section 5 admits both readings, so both sit beside it. FedReG Table 2's
-# FMNIST column (best G and best P over 100 rounds; GPFL's row left out: not in fedseq). FedSeq Table 2 of
+# FMNIST column (best G and best P over 100 rounds). FedSeq Table 2 of
 # the arXiv version, Table 4 of the Appl. Sci. 2024 version (same numbers), MNIST column:
 # accuracy at T = 100/200/300, FedBABU and FedSeq after fine-tuning: our P final.
 PAPERS: dict[str, dict[str, Any]] = {
@@ -27,7 +27,8 @@ PAPERS: dict[str, dict[str, Any]] = {
         "compare": {"G": ("G best",), "P": ("L best", "Lr best")},
         "rows": {"fedavg": (82.13, 98.05), "fedprox": (81.18, 98.05), "feddyn": (83.68, 97.75),
                  "ditto": (81.41, 97.65), "fedper": (72.27, 98.29),
-                 "fedrep": (59.75, 97.88), "fedbabu": (78.73, 97.76), "fedrod": (83.96, 98.01),
+                 "fedrep": (59.75, 97.88), "fedbabu": (78.73, 97.76), "gpfl": (48.30, 97.46),
+                 "fedrod": (83.96, 98.01),
                  "fedreg": (86.12, 98.25)},
     },
     "fedreg-table2-fmnist": {
@@ -36,7 +37,8 @@ PAPERS: dict[str, dict[str, Any]] = {
         "compare": {"G": ("G best",), "P": ("P best",)},
         "rows": {"fedavg": (84.27, 84.27), "fedprox": (84.54, 84.54), "feddyn": (83.43, 83.43),
                  "ditto": (84.35, 96.53), "fedper": (74.55, 97.32), "fedrep": (61.41, 97.20),
-                 "fedbabu": (80.49, 80.49), "fedrod": (85.49, 97.27), "fedreg": (88.35, 97.52)},
+                 "fedbabu": (80.49, 80.49), "gpfl": (53.97, 94.38), "fedrod": (85.49, 97.27),
+                 "fedreg": (88.35, 97.52)},
     },
     "fedseq-table2-mnist": {
         "title": "FedSeq Table 2 (arXiv) = Table 4 (Appl. Sci. 2024), MNIST",

@@ -34,6 +34,7 @@ BY_ALGORITHM = {
     "fedprox": ("algorithm.mu",),
     "feddyn": ("algorithm.feddyn_alpha",),
     "ditto": ("algorithm.ditto_lambda", "algorithm.ditto_epochs"),
+    "gpfl": ("algorithm.gpfl_lambda", "algorithm.gpfl_mu"),
     "fedrep": ("algorithm.head_epochs",),
     "fedper": ("algorithm.personal_layers",),
     "fedreg": ("algorithm.rebalance_threshold", "algorithm.fedreg_passes",

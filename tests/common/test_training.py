@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import server_only, synthetic_data
-from fedseq.common.algorithms import REGISTRY, algorithm_class, make_algorithm
+from fedseq.common.algorithms import REGISTRY, make_algorithm, model_layout
 from fedseq.common.config import load_config
 from fedseq.common.models import build_model, get_blocks, split_state
 from fedseq.common.training import run_client_round, train_plan
@@ -15,7 +15,7 @@ from fedseq.common.training import run_client_round, train_plan
 def _setup(name, *over):
     cfg = load_config(None, [f"algorithm.name={name}", "rounds=6", "train.local_epochs=1",
                              "train.batch_size=8", "algorithm.unfreeze_rounds=[0,2,4]", *over])
-    model = build_model("cnn", (1, 28, 28), 4, algorithm_class(name).two_heads, generator_seed=1)
+    model = build_model("cnn", (1, 28, 28), 4, generator_seed=1, **model_layout(name))
     alg = make_algorithm(cfg, model.spec)
     data = synthetic_data()
     if name == "fedreg":

@@ -23,7 +23,7 @@ import paho.mqtt.client as mqtt
 import torch
 
 from conftest import device_process, quick_config
-from fedseq.common.algorithms import algorithm_class
+from fedseq.common.algorithms import model_layout
 from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
 from fedseq.common.models import build_model, get_blocks
 from fedseq.common.protocol.frames import pack_chunk, split_frame
@@ -96,9 +96,8 @@ class Attacker:
 
 def _upload_shapes(cfg, step: Step):
     """The tensors an honest client of this step uploads (the attacker knows the public model)."""
-    two = algorithm_class(cfg.algorithm.name).two_heads
     model = build_model(cfg.model.name, INPUT_SHAPES[cfg.data.dataset], NUM_CLASSES[cfg.data.dataset],
-                        two)
+                        **model_layout(cfg.algorithm.name))
     return get_blocks(model, list(step.plan["upload"]))
 
 

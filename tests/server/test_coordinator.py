@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import synthetic_data
-from fedseq.common.algorithms import algorithm_class, make_algorithm
+from fedseq.common.algorithms import make_algorithm, model_layout
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import load_config
 from fedseq.common.models import build_model, get_blocks
@@ -22,7 +22,7 @@ def _coord(name, *over, pool_cls=InProcessPool, run_dir=None):
                              "train.batch_size=8", "data.num_clients=3", "train.join_ratio=0.67",
                              "algorithm.unfreeze_rounds=[0,1,2]", "algorithm.finetune_epochs=1", *over])
     data = synthetic_data()
-    model = build_model("cnn", (1, 28, 28), 4, algorithm_class(name).two_heads, generator_seed=1)
+    model = build_model("cnn", (1, 28, 28), 4, generator_seed=1, **model_layout(name))
     alg = make_algorithm(cfg, model.spec)
     pool = pool_cls(data, model, alg.personal_blocks(), cfg.seed)
     return Coordinator(cfg, alg, model, data, pool, run_dir), model

@@ -63,12 +63,13 @@ FAITHFUL = ("algorithm.final_finetune=true", "train.lr_milestones=[0.5]",
 
 @pytest.mark.parametrize("algorithm, extra", [
     ("fedrod", ()), ("fedyogi", ()), ("scaffold", ()), ("feddyn", ()), ("ditto", ()),
-    ("fedavg", FAITHFUL)])
+    ("gpfl", ()), ("fedavg", FAITHFUL)])
 def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread, algorithm, extra):
     """A two-head algorithm, one with a server optimizer (its state on the coordinator),
     SCAFFOLD (c published as blocks, dc in the updates, each c_i on its device's disk: three
     rounds, so that clients train twice), FedDyn (g_k on the device's disk, h on the
-    coordinator), Ditto (each client's own model on its device's disk, evaluated there), and
+    coordinator), Ditto (each client's own model on its device's disk, evaluated there), GPFL
+    (CoV and GCE shared, heads on the devices' disks, evaluated through the valve there), and
     FedAvg with a paper's training options (a step decay of the learning rate, augmentation
     drawn on the device, per-channel normalization, then every client fine-tuned)."""
     rounds = 3 if algorithm in ("scaffold", "feddyn", "ditto") else 2
@@ -95,13 +96,13 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread, al
     # the wire bytes of a round are its training step's and its evaluation's (every round is
     # evaluated here): round 0's aggregate went out for round 0's evaluation (and round 1 trains
     # from it), so round 1's shared blocks go out in its evaluation step; the updates come in
-    from fedseq.common.algorithms import algorithm_class, make_algorithm
+    from fedseq.common.algorithms import make_algorithm, model_layout
     from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
     from fedseq.common.models import build_model, get_blocks
     from fedseq.common.protocol.tensors import frame_size
 
     model = build_model(cfg.model.name, INPUT_SHAPES["fmnist"], NUM_CLASSES["fmnist"],
-                        algorithm_class(algorithm).two_heads)
+                        **model_layout(algorithm))
     personal = make_algorithm(cfg, model.spec).personal_blocks()
     shared = sum(frame_size(get_blocks(model, [b])) for b in model.spec.blocks if b not in personal)
     assert rows[1]["wire_bytes_out"] >= shared, (rows[1]["wire_bytes_out"], shared)

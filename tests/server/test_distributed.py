@@ -131,6 +131,7 @@ def test_srun_tasks_become_a_groups_ranks(monkeypatch):
                                                 ("scaffold", 2, "convnet"),
                                                 ("feddyn", 2, "convnet"),
                                                 ("ditto", 3, "convnet"),
+                                                ("gpfl", 2, "convnet"),
                                                 ("fedreg", 2, "convnet"),
                                                 ("fedseq-anti", 2, "convnet"),
                                                 ("fedseq-anti", 3, "4convnet"),

@@ -47,14 +47,14 @@ def _rows(out):
 def test_a_slow_link_shows_in_round_time(data_root, tmp_path, one_thread):
     """local02 behind 4 Mbit/s: round 0 cannot end before the initial model (the CNN's 2.3 MB
     frame) crossed its link, ~4.6 s, where an unshaped round of this config takes about one."""
-    from fedseq.common.algorithms import algorithm_class
+    from fedseq.common.algorithms import model_layout
     from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
     from fedseq.common.models import build_model
     from fedseq.common.protocol.tensors import frame_size
 
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "deploy.port=0")
     model = build_model(cfg.model.name, INPUT_SHAPES["fmnist"], NUM_CLASSES["fmnist"],
-                        algorithm_class("fedavg").two_heads)
+                        **model_layout("fedavg"))
     seconds_at_4mbit = frame_size(model.state_dict()) * 8 / 4e6
     said: list[str] = []
     anonymous: list[int] = []

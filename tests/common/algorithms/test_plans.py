@@ -2,7 +2,7 @@
 
 import pytest
 
-from fedseq.common.algorithms import REGISTRY, algorithm_class, make_algorithm
+from fedseq.common.algorithms import REGISTRY, algorithm_class, make_algorithm, model_layout
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import load_config
 from fedseq.common.models import build_model
@@ -10,7 +10,7 @@ from fedseq.common.models import build_model
 
 def _alg(name):
     cfg = load_config(None, [f"algorithm.name={name}", "rounds=9"])
-    alg = make_algorithm(cfg, build_model("cnn", (1, 28, 28), 10, algorithm_class(name).two_heads).spec)
+    alg = make_algorithm(cfg, build_model("cnn", (1, 28, 28), 10, **model_layout(name)).spec)
     if name == "fedreg":
         alg.prepare([100, 300])
     return alg
@@ -35,6 +35,7 @@ def test_personal_blocks_never_uploaded(name):
         ("fedrep", ("conv1", "conv2", "fc1"), ("fc2",)),
         ("lg-fedavg", ("fc2",), ("conv1", "conv2", "fc1")),
         ("fedbabu", ("conv1", "conv2", "fc1"), ()),
+        ("gpfl", ("conv1", "conv2", "fc1", "cov", "gce"), ("fc2",)),
         ("fedrod", ("conv1", "conv2", "fc1", "fc2"), ("fc2_p",)),
         ("fedreg", ("conv1", "conv2", "fc1", "fc2"), ("fc2_p",)),
     ],
@@ -81,7 +82,7 @@ def test_fine_tuning_is_declared_and_off_with_zero_epochs(name):
     for epochs in (0, 3):
         cfg = load_config(None, [f"algorithm.name={name}", f"algorithm.finetune_epochs={epochs}"])
         cls = algorithm_class(name)
-        alg = make_algorithm(cfg, build_model("cnn", (1, 28, 28), 10, cls.two_heads).spec)
+        alg = make_algorithm(cfg, build_model("cnn", (1, 28, 28), 10, **model_layout(name)).spec)
         assert cls.finetunes(cfg) == (alg.finetune_plan() is not None)
         assert cls.finetunes(cfg) == (epochs > 0 and name in ("fedbabu", "fedseq-vanilla",
                                                               "fedseq-anti", "local"))

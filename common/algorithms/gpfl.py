@@ -1,0 +1,116 @@
+"""GPFL (Zhang et al., "GPFL: Simultaneously Learning Global and Personalized Feature Information
+for Personalized Federated Learning", ICCV 2023), as FedReG runs it from GPFL's code (PFLlib's
+clientgpfl.py and servergpfl.py).
+
+Between the base and the head sit two shared modules (common/models.py `add_valve`): the
+Conditional Valve `cov` and the Global Category Embedding `gce` (one row E_c per class). Each
+client makes two conditional inputs from the GCE it received: the generic g = mean_c E_c and its
+personalized p = sum_c a_c E_c, a_c its training rows' share of class c. On base features f,
+a selected client trains every block on
+
+    CE(head(CoV(f, p)), y)                                        the personalized prediction
+    + CE(cos(CoV(f, g), E), y)                                    angle-level guidance
+    + lambda ||CoV(f, g) - E'_y||                                 magnitude-level guidance
+    + mu/2 (||CoV||^2 + ||GCE||^2)                                the modules' L2 regularization
+
+(cos: the cosine of each row with every class's embedding, unscaled; E': the GCE as received,
+frozen; the norm is over the whole batch, unsquared, as GPFL's code writes it; lambda:
+algorithm.gpfl_lambda, mu: algorithm.gpfl_mu, GPFL's code's weight decay of the two modules).
+The head is personal; the base, CoV and GCE are aggregated (sample-weighted, as FedAvg's). A
+client's personalized model is head(CoV(base(x), p)). GPFL has no global classifier besides the
+GCE: the global model here predicts the class whose embedding is nearest in angle to
+CoV(base(x), g), the angle-level guidance's own prediction.
+
+Where PFLlib's code differs: it makes g and p from the client's GCE before overwriting it with
+the round's aggregate (a round older, or the client's own trained copy); here both come from
+the GCE the client is sent (a client holds no GCE between rounds). Its two modules train with
+their own optimizers without momentum; here every block trains with the run's optimizer
+(train.momentum), and the regularization is the loss term that equals that weight decay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from fedseq.common.algorithms.base import Algorithm
+from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
+from fedseq.common.models import VALVE, BlockModel
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """A client's conditional inputs, from the GCE `table` it was sent (kept, frozen, for the
+    magnitude-level guidance)."""
+
+    generic: torch.Tensor  # g: the mean class embedding
+    personal: torch.Tensor  # p: the class embeddings weighted by the client's class shares
+    table: torch.Tensor  # E', class x feature
+
+
+def conditions(table: torch.Tensor, class_counts: torch.Tensor) -> Conditions:
+    """g and p from a GCE's embedding table and a client's training rows per class."""
+    table = table.detach().clone()
+    counts = class_counts.to(table)
+    share = counts / counts.sum().clamp_min(1)
+    return Conditions(table.mean(0), share @ table, table)
+
+
+def gpfl_loss(model: BlockModel, head: str, feats: torch.Tensor, y: torch.Tensor,
+              cond: Conditions, lam: float, mu: float) -> torch.Tensor:
+    """GPFL's local loss on one batch's base features (module docstring)."""
+    loss = F.cross_entropy(getattr(model, head)(model.cov(feats, cond.personal)), y)
+    generic = model.cov(feats, cond.generic)
+    loss = loss + F.cross_entropy(cosines(generic, model.gce.weight), y)
+    if lam:
+        loss = loss + lam * (generic - cond.table[y]).pow(2).sum().sqrt()
+    if mu:
+        params = [p for name in VALVE for p in getattr(model, name).parameters()]
+        loss = loss + 0.5 * mu * sum(p.pow(2).sum() for p in params)
+    return loss
+
+
+def cosines(feats: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The cosine of each feature row with each class embedding (rows x classes)."""
+    return F.linear(F.normalize(feats), F.normalize(table))
+
+
+def through_valve(model: BlockModel, feats: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+    """CoV(feats, cond) on the model's device, returned where `feats` were."""
+    dev = next(model.parameters()).device
+    return model.cov(feats.to(dev), cond.to(dev)).to(feats.device)
+
+
+def personal_features(model: BlockModel, feats: torch.Tensor,
+                      class_counts: torch.Tensor) -> torch.Tensor:
+    """What a client's head reads: CoV(f, p), p from the model's GCE and the client's counts."""
+    return through_valve(model, feats, conditions(model.gce.weight, class_counts).personal)
+
+
+def global_prediction(model: BlockModel, feats: torch.Tensor) -> torch.Tensor:
+    """The global model's classes: the GCE row nearest in angle to CoV(f, g)."""
+    table = model.gce.weight.detach()
+    generic = through_valve(model, feats, table.mean(0))
+    return cosines(generic, table.to(generic.device)).argmax(1)
+
+
+class GPFL(Algorithm):
+    """GPFL: a shared base, CoV and GCE, a personal head on the personalized valve's output."""
+
+    name = "gpfl"
+    valve = True
+    global_model_note = ("aggregated base and CoV, the class whose aggregated GCE embedding is "
+                         "nearest in angle (heads are personal)")
+
+    def personal_blocks(self) -> tuple[str, ...]:
+        return (self.spec.head,)
+
+    def phases(self, round: int) -> tuple[Phase, ...]:
+        s = self.spec
+        return (Phase(self.cfg.train.local_epochs, (Objective((s.head,), s.blocks, "gpfl"),)),)
+
+    def plan(self, round: int) -> ClientPlan:
+        a = self.cfg.algorithm
+        return replace(super().plan(round), gpfl_lambda=a.gpfl_lambda, gpfl_mu=a.gpfl_mu)
