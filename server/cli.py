@@ -395,7 +395,7 @@ def _summary(out: Path) -> None:
     failed = sum(len(r.failed) for r in rows)
     rejected = sum(len(r.rejected) for r in rows)
     ft = " + fine-tuning" if s.finetuned else ""
-    star = " (head/base at init: see the global_model note)" if s.init_global else ""
+    star = " (not a trained whole model: see the global_model note)" if s.init_global else ""
     print(f"run finished: {s.algorithm} on {s.dataset} ({s.model}), {s.rounds} rounds"
           f"{ft}, {s.wall_s:.0f} s\n"
           f"  global{star}: {acc('G')}\n"

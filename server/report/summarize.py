@@ -39,6 +39,11 @@ def _wire_label(wire: dict[str, Any]) -> str | None:
     return f"{up_label}/{down}"
 
 
+#: what the global model is, where it is not a trained whole model and not an initial head or
+#: base kept (the rows' global_model note says it in full)
+GLOBAL_LABELS = {"gpfl": "GCE classifier"}
+
+
 @dataclass(frozen=True)
 class Accuracy:
     """One accuracy of a run (%): its final value, its best, and its mean over the last LAST
@@ -68,7 +73,7 @@ class RunSummary:
     client_mean: float | None  # FedBABU's form: each client counts once, whatever its test size
     client_sd: float | None
     worst10: float | None  # mean of the worst tenth of the clients
-    init_global: bool  # the global model keeps an untrained head or base
+    init_global: bool  # the global model is not the algorithm's trained whole model
     mb_moved: float
     train_tflop: float
     wall_s: float
@@ -91,7 +96,8 @@ class RunSummary:
                         f"{name} last{LAST}": a.last})
         out.update({"client mean": self.client_mean, "client sd": self.client_sd,
                     "worst 10%": self.worst10,
-                    "global model": "init head/base" if self.init_global else "trained",
+                    "global model": (GLOBAL_LABELS.get(self.algorithm, "init head/base")
+                                     if self.init_global else "trained"),
                     "MB moved": self.mb_moved, "train TFLOP": self.train_tflop,
                     "wall s": self.wall_s, "energy kJ": self.energy_kj,
                     "J/round": self.j_per_round, "finetune kJ": self.finetune_kj})
