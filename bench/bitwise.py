@@ -24,7 +24,7 @@ from fedseq.server.simulation import run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ["fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedper", "fedrep", "lg-fedavg",
-           "fedbabu", "fedrod", "fedreg", "fedseq-anti"]
+           "fedbabu", "fedrod", "fedreg", "fedseq-anti", "feddyn", "ditto", "gpfl"]
 
 
 def fingerprint(data_root: Path, algorithm: str) -> str:
