@@ -21,6 +21,10 @@ client's personalized model is head(CoV(base(x), p)). GPFL has no global classif
 GCE: the global model here predicts the class whose embedding is nearest in angle to
 CoV(base(x), g), the angle-level guidance's own prediction.
 
+FedReG (section 4.2) sets lambda = 0.1 and eta = 0.001, "as per the provided source code"; eta
+is read here as the code's mu (FedReG calls FedProx's mu eta too). GPFL's own run_me.sh gives
+its 4-layer CNN lam 0.01 and mu 0.1.
+
 Where PFLlib's code differs: it makes g and p from the client's GCE before overwriting it with
 the round's aggregate (a round older, or the client's own trained copy); here both come from
 the GCE the client is sent (a client holds no GCE between rounds). Its two modules train with
