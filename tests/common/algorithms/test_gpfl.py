@@ -122,6 +122,16 @@ def test_gpfls_evaluation_goes_through_the_valve():
         assert rep.per_client[1] == (int((out.argmax(1) == data.y[c.test]).sum()), len(c.test))
 
 
+def test_gpfls_modules_are_blocks_of_their_own_on_any_model():
+    """CoV (two Linear + LayerNorm of the head's input width) and GCE (a row per class), after
+    the base and before the head; the rest of the model is drawn as without them."""
+    plain = build_model("convnet", (1, 28, 28), 10, generator_seed=4)
+    gpfl = build_model("convnet", (1, 28, 28), 10, generator_seed=4, **model_layout("gpfl"))
+    assert gpfl.spec.blocks == ("conv1", "conv2", "fc1", "fc2", "cov", "gce", "fc3")
+    assert sum(p.numel() for p in gpfl.parameters()) == 573_578 + 76_800  # docs/models.md
+    assert all(torch.equal(v, gpfl.state_dict()[k]) for k, v in plain.state_dict().items())
+
+
 def test_gpfls_plan_crosses_the_wire_and_its_settings_are_checked():
     cfg, model, alg, _ = _setup()
     plan = alg.plan(0)
