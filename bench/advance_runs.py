@@ -10,12 +10,18 @@ Extra `--set KEY=VALUE` apply to every run (`--set seed=1` for another seed; one
 under several seeds in one command is `fedseq-sim --seeds 0-2`: docs/explanation/reproducibility.md).
 Stop with Ctrl-C; call again to continue. `--once` advances each run by --step rounds and stops: the first
 rounds of the full schedule (docs/results.md, "Wire codecs": --step 11 --once).
+
+Several processes may share one set of runs (one per core, `taskset -c N`): each takes, --step
+rounds at a time, the unfinished run that no other process holds (a lock file in its directory)
+with the fewest rounds done, so the cores stay busy until the last run ends however unequal the
+algorithms' costs. A process exits when every unfinished run is held by another.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import json
 import sys
 from pathlib import Path
@@ -51,6 +57,32 @@ def advance(config: Path, out: Path, alg: str, until: int, step: int, sets: list
     print(f"{alg}: {rounds_done(out)}/{until} rounds", flush=True)
 
 
+@contextlib.contextmanager
+def claim(out: Path):
+    """Hold OUT/.advance.lock while advancing it; yield False if another process holds it."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".advance.lock", "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def advance_one(a: argparse.Namespace, todo: list[str]) -> bool:
+    """Advance the least advanced run no other process holds; False if every one is held."""
+    for alg in sorted(todo, key=lambda alg: rounds_done(a.out / alg)):
+        with claim(a.out / alg) as mine:
+            if mine and not finished(a.out / alg):
+                advance(a.config, a.out / alg, alg, a.until, a.step, a.sets, a.threads)
+                return True
+    return False
+
+
 def main() -> None:
     stop_on_sigterm()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -65,13 +97,14 @@ def main() -> None:
                          "a long schedule: --step 11 --once)")
     ap.add_argument("algorithms", nargs="+")
     a = ap.parse_args()
+    if a.once:
+        for alg in a.algorithms:
+            if not finished(a.out / alg):
+                advance(a.config, a.out / alg, alg, a.until, a.step, a.sets, a.threads)
+        return
     while True:
         todo = [alg for alg in a.algorithms if not finished(a.out / alg)]
-        if not todo:
-            break
-        for alg in todo:
-            advance(a.config, a.out / alg, alg, a.until, a.step, a.sets, a.threads)
-        if a.once:
+        if not todo or not advance_one(a, todo):
             break
 
 
