@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import quick_config, same_run, synthetic_data
-from fedseq.common.algorithms import algorithm_class, make_algorithm
+from fedseq.common.algorithms import make_algorithm, model_layout
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import FleetConfig, load_config
 from fedseq.common.errors import ConfigError
@@ -123,8 +123,7 @@ def _driver(*over):
                              "fleet.devices=[{profile='nano'},{profile='orin-nano',count=2}]",
                              *over])
     data = synthetic_data()
-    model = build_model("cnn", (1, 28, 28), 4, algorithm_class("fedavg").two_heads,
-                        generator_seed=1)
+    model = build_model("cnn", (1, 28, 28), 4, generator_seed=1, **model_layout("fedavg"))
     alg = make_algorithm(cfg, model.spec)
     return BufferedAsync(cfg, alg, model, data, ConstantPool(data, model, (), cfg.seed))
 
