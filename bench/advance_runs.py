@@ -61,16 +61,14 @@ def advance(config: Path, out: Path, alg: str, until: int, step: int, sets: list
 def claim(out: Path):
     """Hold OUT/.advance.lock while advancing it; yield False if another process holds it."""
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / ".advance.lock", "w") as f:
+    with open(out / ".advance.lock", "w") as f:  # closing it releases the lock
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            held = False
+        else:
+            held = True
+        yield held
 
 
 def advance_one(a: argparse.Namespace, todo: list[str]) -> bool:
