@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any, Iterable, List, Literal, Optional, Union
@@ -550,18 +551,43 @@ def _format_validation(exc: ValidationError, source: str) -> str:
     return f"{p.where or 'config'}: {msg}; fix it in {source}{p.more}"
 
 
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} not found; pass an existing --config FILE") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: invalid TOML ({exc}); fix the file") from exc
+
+
 def load_config(path: Path | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
     """Read a TOML file (optional), apply --set overrides, validate. Raises ConfigError."""
-    raw: dict[str, Any] = {}
-    source = "the command line"
-    if path is not None:
-        source = str(path)
-        try:
-            raw = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError as exc:
-            raise ConfigError(f"config file {path} not found; pass an existing --config FILE") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML ({exc}); fix the file") from exc
+    raw = _read_toml(path) if path is not None else {}
+    return _validated(raw, str(path) if path is not None else "the command line", overrides)
+
+
+def load_run_config(run_dir: Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """A run directory's config.toml as a command that continues or replays the run reads it
+    (--resume, --replay, --finetune-from): everything but data.root, which is the user's (their
+    --set data.root, else the default data root), never the file's. A run directory may come
+    from someone else; it cannot point the run at data it carries (a dataset reader is the
+    one place a file's bytes become objects)."""
+    raw = _read_toml(run_dir / "config.toml")
+    data = raw.get("data")
+    if isinstance(data, dict):
+        data.pop("root", None)
+    return _validated(raw, str(run_dir / "config.toml"), overrides)
+
+
+def run_data_root(run_dir: Path) -> str | None:
+    """The data.root a run directory's config.toml records (for a note when it is not used)."""
+    with contextlib.suppress(ConfigError):
+        root = _read_toml(run_dir / "config.toml").get("data", {}).get("root")
+        return root if isinstance(root, str) else None
+    return None
+
+
+def _validated(raw: dict[str, Any], source: str, overrides: list[str] | None) -> ExperimentConfig:
     for item in overrides or []:
         keys, value = parse_override(item)
         node = raw

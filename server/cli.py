@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fedseq.common.config import ExperimentConfig, load_config
+from fedseq.common.config import ExperimentConfig, load_config, load_run_config, run_data_root
 from fedseq.common.errors import ConfigError, FedseqError
 
 if TYPE_CHECKING:
@@ -62,8 +62,9 @@ def _default_out(cfg: ExperimentConfig) -> Path:
 
 
 ResumeOpt = Annotated[Path | None, typer.Option(
-    help="Continue this run directory after its last complete round (its config.toml; --set "
-         "may override only deploy.* keys and data.root).")]
+    help="Continue this run directory after its last complete round (its config.toml, but "
+         "data.root is yours: --set data.root, else the default; --set may override only deploy.* "
+         "keys and data.root).")]
 OverwriteOpt = Annotated[bool, typer.Option(
     "--overwrite", help="Replace the files of an existing, non-empty --out.")]
 
@@ -84,9 +85,13 @@ def _start(config: Path | None, overrides: list[str] | None, out: Path | None,
     try:
         if resume is not None and not (resume / "config.toml").is_file():
             raise ConfigError(f"--resume {resume}: no config.toml there; is it a run directory?")
-        cfg = load_config(resume / "config.toml" if resume else config, overrides)
-        if resume is not None and overrides:
-            _refuse_result_changes(resume, cfg)
+        if resume is not None:
+            cfg = load_run_config(resume, overrides)
+            note_data_root(resume, cfg, "--resume")
+            if overrides:
+                _refuse_result_changes(resume, cfg)
+        else:
+            cfg = load_config(config, overrides)
     except FedseqError as exc:
         _fail(exc)
     mode = "resume" if resume else "overwrite" if overwrite else "new"
@@ -107,13 +112,22 @@ def _login_flags(cfg: ExperimentConfig, no_verify_hostname: bool, **flags: Any) 
         _fail(exc)
 
 
+def note_data_root(run_dir: Path, cfg: ExperimentConfig, flag: str) -> None:
+    """A line on stderr where the run directory's recorded data.root is not the one used."""
+    recorded = run_data_root(run_dir)
+    if recorded is not None and Path(recorded) != cfg.data.root:
+        print(f"note: {flag} reads the data from {cfg.data.root}, not from the run directory's "
+              f"data.root {recorded!r} (a run directory never picks its data; pass --set "
+              f"data.root='{recorded}' to use that folder)", file=sys.stderr)
+
+
 def _refuse_result_changes(run_dir: Path, cfg: ExperimentConfig) -> None:
     """--resume continues the run its config.toml describes: a --set that would change its
     results from here on (anything but deploy.* and data.root, seeds.defining) would make the
     run directory describe a run that never happened, so it is refused."""
     from fedseq.server.seeds import result_changes
 
-    changed = result_changes(load_config(run_dir / "config.toml"), cfg)
+    changed = result_changes(load_run_config(run_dir), cfg)
     if changed:
         raise ConfigError(
             f"--resume {run_dir}: --set would change {', '.join(changed)}, which the run's "
@@ -304,6 +318,7 @@ def _finetune_again(src: Path, overrides: list[str], out: Path | None, quiet: bo
                           "--config, --resume, --seeds and --overwrite")
     try:
         cfg = copy_for_finetune(src, out, overrides, info)
+        note_data_root(src, cfg, "--finetune-from")
     except FedseqError as exc:
         _fail(exc)
     _simulate(cfg, out, "resume", info, quiet)
@@ -319,6 +334,8 @@ def _replay(src: Path, overrides: list[str], out: Path | None, overwrite: bool, 
     out, info = _from_run("--replay", "replayed_from", src, out, conflicts,
                           "--config, --resume and --seeds")
     try:
+        if (src / "config.toml").is_file():
+            note_data_root(src, load_run_config(src, overrides), "--replay")
         _, same, verdict = replay(src, out, overrides, workers,
                             on_round=None if quiet else lambda r: print(
                                 f"{'step ' + str(r.round) if r.phase == 'train' else r.phase}: "

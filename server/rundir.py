@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
-from fedseq.common.config import ExperimentConfig, dump_config, load_config
+from fedseq.common.config import ExperimentConfig, dump_config, load_run_config
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.errors import ConfigError
 from fedseq.common.files import atomic_write
@@ -83,8 +83,8 @@ def copy_for_finetune(src: Path, out: Path, overrides: list[str], info: dict[str
 
     if not (src / "config.toml").is_file():
         raise ConfigError(f"--finetune-from {src}: no config.toml there; is it a run directory?")
-    before = load_config(src / "config.toml")
-    cfg = load_config(src / "config.toml", overrides)
+    before = load_run_config(src)
+    cfg = load_run_config(src, overrides)
     other = [c for c in result_changes(before, cfg) if not c.startswith(FINETUNE_KEYS)]
     if other:
         raise ConfigError(f"--finetune-from replays the fine-tuning alone: --set may change "

@@ -95,13 +95,13 @@ def replay(src: Path, out: Path | None, overrides: list[str] | None = None, work
 
     from safetensors.torch import load_file
 
-    from fedseq.common.config import FleetConfig, load_config
+    from fedseq.common.config import FleetConfig, load_run_config
     from fedseq.server.asynchronous import Replay, fold_log
     from fedseq.server.report import load_run
 
     if not (src / "config.toml").is_file():
         raise ConfigError(f"--replay {src}: no config.toml there; is it a run directory?")
-    cfg = load_config(src / "config.toml", overrides)
+    cfg = load_run_config(src, overrides)
     if cfg.train.mode != "async":
         raise ConfigError(f"--replay {src}: a train.mode = \"{cfg.train.mode}\" run; only an "
                           "asynchronous run is replayed (a synchronous one: run its config again)")

@@ -19,6 +19,9 @@ from fedseq.server.broker import free_port, write_local_mosquitto
 from fedseq.server.launch import SERVER_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
+# One data root for the tests and the commands they start: a resumed or replayed run reads its
+# data from the default root, never from its run directory's config (common/config.py).
+os.environ.setdefault("FEDSEQ_DATA", str(ROOT.parent / "shared" / "data"))
 
 
 def _server_stack() -> bool:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import gzip
 import json
 import pickle
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -130,16 +132,49 @@ def read_idx_dataset(root: Path, dataset: str, rows: np.ndarray | None = None) -
     return RawDataset(images, labels, NUM_CLASSES[dataset], len(parts[0][1]))
 
 
+class _ArraysOnly(pickle.Unpickler):
+    """An unpickler that can build what CIFAR's batch files hold (dicts, lists, strings, numbers
+    and numpy arrays) and nothing else: no function of any module is reachable from a file, so
+    a planted batch file (a shared run directory, a copied data folder) cannot run code."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+               ("numpy", "ndarray"), ("numpy", "dtype"),
+               ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
+               ("_codecs", "encode")}  # bytes in a protocol-2 pickle written by Python 3
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"refers to {module}.{name}, which a CIFAR batch never "
+                                         "holds")
+        with warnings.catch_warnings():  # numpy 2 reaches numpy.core through a shim that warns
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return super().find_class(module, name)
+
+
 def _unpickle(path: Path) -> dict:
+    """One CIFAR batch file (a pickle of {data: uint8 array, labels: list}) through _ArraysOnly,
+    checked for that shape."""
     if not path.exists():
         raise DatasetError(
             f"missing dataset file {path}: run `fedseq data download "
             f"{'cifar10' if 'cifar-10-' in path.parent.name else 'cifar100'} --root "
             f"{path.parent.parent}` (or --from DIR with the python archive)"
         )
-    with path.open("rb") as f:
-        # CIFAR ships as pickles; they come from the user's own disk, never from the network.
-        return pickle.load(f, encoding="latin1")  # noqa: S301
+    try:
+        with path.open("rb") as f:
+            batch = _ArraysOnly(f, encoding="latin1").load()
+    except Exception as exc:  # any malformed pickle: one line, nothing built
+        raise DatasetError(f"{path}: not a CIFAR batch file ({exc}); re-extract the original "
+                           "archive (fedseq data download)") from exc
+    if not isinstance(batch, dict):
+        raise DatasetError(f"{path}: not a CIFAR batch file (a {type(batch).__name__}, not a dict); "
+                           "re-extract the original archive")
+    batch = {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in batch.items()}
+    data = batch.get("data")
+    if not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+        raise DatasetError(f"{path}: its 'data' is not a uint8 array; re-extract the original "
+                           "archive")
+    return batch
 
 
 def read_cifar(root: Path, dataset: str) -> RawDataset:

@@ -128,3 +128,18 @@ def test_model_and_dataset_names_are_the_registries():
         load_config(None, ["model.name=vgg"])
     with pytest.raises(ConfigError, match="data.dataset: .*unknown dataset 'svhn'; use one of mnist"):
         load_config(None, ["data.dataset=svhn"])
+
+
+def test_a_run_directory_never_picks_its_data_root(tmp_path, monkeypatch):
+    """--resume, --replay and --finetune-from read a run directory's config.toml without its
+    data.root: a shared run directory cannot point the run at data (pickles) it carries; the
+    user's --set data.root, else the default root, is used."""
+    from fedseq.common.config import load_run_config, run_data_root
+
+    monkeypatch.setenv("FEDSEQ_DATA", str(tmp_path / "mine"))
+    (tmp_path / "config.toml").write_text(
+        f'[data]\ndataset = "cifar10"\nroot = "{tmp_path / "planted"}"\n')
+    assert load_run_config(tmp_path).data.root == tmp_path / "mine"
+    assert load_run_config(tmp_path, ["data.root='/x'"]).data.root == Path("/x")
+    assert load_run_config(tmp_path).data.dataset == "cifar10"  # the rest is the run's
+    assert run_data_root(tmp_path) == str(tmp_path / "planted")

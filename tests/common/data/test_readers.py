@@ -61,3 +61,52 @@ def test_corrupt_gzip_is_reported(tmp_path):
 def test_cifar_missing_is_clear(tmp_path):
     with pytest.raises(DatasetError, match="cifar-10-batches-py"):
         read_dataset(tmp_path, "cifar10")
+
+
+def _cifar_batch(path, protocol=2, payload=None):
+    import pickle
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    batch = payload if payload is not None else {
+        b"data": (np.arange(4 * 3072) % 251).astype(np.uint8).reshape(4, 3072), b"labels": [0, 1, 2, 3]}
+    path.write_bytes(pickle.dumps(batch, protocol=protocol))
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_cifar_batches_read_through_the_arrays_only_reader(tmp_path, protocol):
+    folder = tmp_path / "cifar-10-batches-py"
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        _cifar_batch(folder / name, protocol)
+    raw = read_dataset(tmp_path, "cifar10")
+    assert raw.images.shape == (24, 3, 32, 32) and raw.num_train == 20
+    assert raw.images.reshape(24, -1)[0].tolist() == (np.arange(3072) % 251).tolist()
+    assert raw.labels.tolist() == [0, 1, 2, 3] * 6
+
+
+class _Planted:
+    """What an attacker pickles: unpickling it calls a function of the attacker's choice."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (shutil.copyfile, (__file__, str(self.marker)))
+
+
+def test_a_planted_cifar_batch_runs_no_code(tmp_path):
+    """A batch file that would call a function when unpickled (here: copy a file) is refused in
+    one line, and the function never runs."""
+    folder = tmp_path / "cifar-10-batches-py"
+    marker = tmp_path / "ran"
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        _cifar_batch(folder / name)
+    _cifar_batch(folder / "data_batch_1", payload={b"data": _Planted(marker), b"labels": [0]})
+    with pytest.raises(DatasetError, match="not a CIFAR batch file") as err:
+        read_dataset(tmp_path, "cifar10")
+    assert not marker.exists() and "\n" not in str(err.value)
+    _cifar_batch(folder / "data_batch_1", payload=[1, 2])  # no code, but not a batch
+    with pytest.raises(DatasetError, match="not a dict"):
+        read_dataset(tmp_path, "cifar10")
+    _cifar_batch(folder / "data_batch_1", payload={b"data": np.zeros(3, np.float64), b"labels": []})
+    with pytest.raises(DatasetError, match="uint8"):
+        read_dataset(tmp_path, "cifar10")
