@@ -17,18 +17,27 @@ with two thirds of a 6-client round about half the time. Rank 0 keeps every clie
 blocks (as the in-process pool does: its checkpoints are the same, so a run resumes with another
 number of workers, or in-process).
 
-Workers are trusted peers of rank 0 (a cluster's own processes): messages are pickles (tensors
-in them as raw bytes: `pack`), unlike the MQTT wire to devices.
+Every rank proves the run's secret twice before it is sent anything: through the rendezvous
+store (membership.py), and again over its own connection to rank 0 once the Gloo group stands
+(`prove_pairs`), so a process that slipped into the group in a rank's place (the store has no
+access control) is refused. Rank 0 exchanges with each worker point to point alone. Steps and
+answers are pickles of plain data (tensors as raw bytes: `pack`) read by an unpickler that can
+build fedseq's own dataclasses and tensors and nothing else (`unpack`): a rank can at worst send
+a bad update, which the round's contract refuses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import hashlib
+import hmac
 import io
 import logging
 import os
 import pickle
 import platform
+import secrets
 import socket
 import subprocess
 import sys
@@ -104,19 +113,42 @@ class _StepPickler(pickle.Pickler):
     load, most of a step's overhead; as raw bytes, about 2 and 1 ms. Bitwise the same tensors."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if (type(obj) is torch.Tensor and obj.device.type == "cpu" and obj.layout == torch.strided
-                and not obj.requires_grad):
-            raw = obj.contiguous().reshape(-1).view(torch.uint8)
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and obj.layout == torch.strided:
+            raw = obj.detach().contiguous().reshape(-1).view(torch.uint8)  # a Parameter: its data
             # a writable PickleBuffer is written as it is and loads as a bytearray (one copy)
             return _tensor, (str(obj.dtype).removeprefix("torch."), tuple(obj.shape),
                              pickle.PickleBuffer(raw.numpy().data))
-        return NotImplemented  # anything else as pickle does it
+        return NotImplemented  # anything else as pickle does it (`unpack` reads plain data only)
+
+
+#: the dtypes a step or an answer may carry
+DTYPES = {str(d).removeprefix("torch."): d for d in (
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool)}
 
 
 def _tensor(dtype: str, shape: tuple[int, ...], raw: bytearray) -> torch.Tensor:
     """A tensor unpickled: the bytes it was sent as (a bytearray nobody else holds), not a copy."""
-    kind = getattr(torch, dtype)
+    kind = DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if kind is None or not isinstance(raw, (bytes, bytearray)):
+        raise pickle.UnpicklingError(f"a tensor of dtype {printable(str(dtype), 40)}")
     return torch.frombuffer(raw, dtype=kind).reshape(shape) if raw else torch.empty(shape, dtype=kind)
+
+
+class _PlainData(pickle.Unpickler):
+    """Builds what a step or an answer holds (containers, numbers, strings, fedseq's own
+    dataclasses, tensors through `_tensor`) and nothing else: no other callable is reachable,
+    so a step or an answer cannot run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == (__name__, "_tensor"):
+            return _tensor
+        if module.startswith("fedseq.common.") and "." not in name:
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+                return obj
+        raise pickle.UnpicklingError(f"refers to {printable(module, 80)}.{printable(name, 80)}, "
+                                     "which no step or answer holds")
 
 
 def _pickled(obj: Any) -> io.BytesIO:
@@ -136,54 +168,99 @@ def _packed_tensor(obj: Any) -> torch.Tensor:
 
 
 def unpack(raw: Any) -> Any:
-    """`raw`: bytes or any buffer of them (a uint8 array)."""
-    return pickle.loads(raw)  # from rank 0 or a worker: trusted peers of one run
+    """`raw`: bytes or any buffer of them (a uint8 array), read by `_PlainData`; TransportError
+    in one line for anything else."""
+    try:
+        return _PlainData(io.BytesIO(raw)).load()
+    except Exception as exc:  # any malformed or hostile pickle: one line, nothing built
+        raise TransportError(f"a rank sent what no fedseq rank sends ({printable(str(exc), 200)})"
+                             ) from exc
 
 
-def gather_answers() -> list[Any]:
-    """Rank 0: every worker's answer to a step (rank 1 first). Their sizes come in a collective
-    (a worker that died fails it at once), then the answers point to point into buffers of those
-    sizes: Gloo's gather took 32-40 ms for two 10.5 MB answers on loopback where point to point
-    took 6 ms (2-core machine). Each receive may take MIN_RECEIVE_S plus a second per 10 MB."""
-    bufs = [torch.empty(n, dtype=torch.uint8) for n in _answer_sizes(0)[1:]]
-    works = [dist.irecv(b, src=r, group=steps_group(), tag=ANSWER_TAG)
-             for r, b in enumerate(bufs, 1)]
-    for work, b in zip(works, bufs, strict=True):
+def gather_answers(group: Any = None) -> list[Any]:
+    """Rank 0: every worker's answer to a step (rank 1 first), point to point: its size, then
+    the answer into a buffer of that size (Gloo's gather took 32-40 ms for two 10.5 MB answers
+    on loopback where point to point took 6 ms, 2-core machine). A worker that died fails the
+    size's receive at once; each answer may take MIN_RECEIVE_S plus a second per 10 MB."""
+    group = group if group is not None else steps_group()
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size() - 1)]
+    for work in [dist.irecv(n, src=r, group=group, tag=ANSWER_TAG) for r, n in enumerate(sizes, 1)]:
         assert work is not None  # None only for a rank outside the group
+        work.wait()
+    bufs = [torch.empty(max(0, int(n)), dtype=torch.uint8) for n in sizes]
+    works = [dist.irecv(b, src=r, group=group, tag=ANSWER_TAG) for r, b in enumerate(bufs, 1)]
+    for work, b in zip(works, bufs, strict=True):
+        assert work is not None
         work.wait(timeout=datetime.timedelta(seconds=MIN_RECEIVE_S + b.numel() / 10e6))
     return [unpack(b.numpy()) for b in bufs]
 
 
-def broadcast_step(step: Any) -> None:
-    """Rank 0: a step to every worker, as its packed bytes (their size first). broadcast_object_list
-    would pickle those bytes once more and copy them on both sides: 8.3-11.6 ms a 2.3 MB step to
-    2 workers against 4.7-5.5 ms this way (bench/step_broadcast.py)."""
+def broadcast_step(step: Any, group: Any = None) -> None:
+    """Rank 0: a step to every worker, as its packed bytes (their size first), point to point
+    to each (rank 0 talks to no worker through another): 4.7-5.5 ms a 2.3 MB step to 2 workers
+    where broadcast_object_list took 8.3-11.6 ms (bench/step_broadcast.py)."""
+    group = group if group is not None else steps_group()
     raw = _packed_tensor(step)
-    dist.broadcast(torch.tensor([raw.numel()], dtype=torch.int64), src=0, group=steps_group())
-    dist.broadcast(raw, src=0, group=steps_group())
+    size = torch.tensor([raw.numel()], dtype=torch.int64)
+    works = [w for r in range(1, dist.get_world_size())
+             for w in (dist.isend(size, dst=r, group=group), dist.isend(raw, dst=r, group=group))]
+    for work in works:
+        assert work is not None
+        work.wait()
 
 
-def receive_step() -> Any:
+def receive_step(group: Any = None) -> Any:
     """A worker's side of broadcast_step: the next step, unpacked."""
+    group = group if group is not None else steps_group()
     size = torch.zeros(1, dtype=torch.int64)
-    dist.broadcast(size, src=0, group=steps_group())
+    dist.recv(size, src=0, group=group)
     raw = torch.empty(int(size), dtype=torch.uint8)
-    dist.broadcast(raw, src=0, group=steps_group())
+    dist.recv(raw, src=0, group=group)
     return unpack(raw.numpy())
 
 
-def send_answer(answer: Any) -> None:
+def send_answer(answer: Any, group: Any = None) -> None:
     """A worker's side of gather_answers."""
+    group = group if group is not None else steps_group()
     raw = _packed_tensor(answer)
-    _answer_sizes(raw.numel())
-    dist.send(raw, dst=0, group=steps_group(), tag=ANSWER_TAG)
+    dist.send(torch.tensor([raw.numel()], dtype=torch.int64), dst=0, group=group, tag=ANSWER_TAG)
+    dist.send(raw, dst=0, group=group, tag=ANSWER_TAG)
 
 
-def _answer_sizes(mine: int) -> list[int]:
-    """Every rank's answer size in bytes (rank 0 has none: 0), by all_gather in the steps group."""
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
-    dist.all_gather(sizes, torch.tensor([mine], dtype=torch.int64), group=steps_group())
-    return [int(n) for n in sizes]
+def _pair_mac(secret: str, nonce: bytes, rank: int) -> torch.Tensor:
+    mac = hmac.new(secret.encode(), nonce + f"|pair|{rank}".encode(), hashlib.sha256).digest()
+    return torch.frombuffer(bytearray(mac), dtype=torch.uint8)
+
+
+def prove_pairs(secret: str) -> None:
+    """Right after the Gloo group forms, before anything else crosses it: rank 0 sends each
+    worker a fresh nonce over their own connection and checks the HMAC it answers with. The
+    store that told the ranks each other's addresses has no access control: a process that
+    took a rank's place in the group (it read the store's port, wrote its own address) cannot
+    answer, and the run stops in one line, having sent it nothing but the nonce."""
+    if dist.get_rank() == 0:
+        bad = []
+        for r in range(1, dist.get_world_size()):
+            nonce = bytearray(secrets.token_bytes(32))
+            dist.send(torch.frombuffer(nonce, dtype=torch.uint8), dst=r)
+            got = torch.zeros(32, dtype=torch.uint8)
+            dist.recv(got, src=r)
+            if not hmac.compare_digest(bytes(got.numpy()), bytes(_pair_mac(secret, bytes(nonce), r).numpy())):
+                bad.append(r)
+        dist.broadcast(torch.tensor([len(bad)], dtype=torch.int64), src=0)
+        if bad:
+            raise TransportError(f"rank {bad[0]}'s connection in the group did not prove the run's "
+                                 "secret (another process took its place after the rendezvous); "
+                                 "the run stops before anything is sent to it")
+    else:
+        nonce_t = torch.zeros(32, dtype=torch.uint8)
+        dist.recv(nonce_t, src=0)
+        dist.send(_pair_mac(secret, bytes(nonce_t.numpy()), dist.get_rank()), dst=0)
+        verdict = torch.zeros(1, dtype=torch.int64)
+        dist.broadcast(verdict, src=0)
+        if int(verdict):
+            raise TransportError("rank 0 found a rank of the group that did not prove the secret; "
+                                 "the run stopped")
 
 
 def balance(clients: list[int], rows: dict[int, int], workers: int) -> list[list[int]]:
@@ -374,8 +451,9 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
     procs: list[subprocess.Popen] = []
     if under_torchrun():
         store, rank, world = env_store()
-        hellos = admit_ranks(store, world, cluster_secret(), JOIN_TIMEOUT)
-        init_group(store, rank, world)
+        secret = cluster_secret()
+        hellos = admit_ranks(store, world, secret, JOIN_TIMEOUT)
+        init_group(store, rank, world, secret)
     else:
         store = loopback_store(workers + 1)
         secret = new_secret()
@@ -388,7 +466,7 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
                  str(rank), str(workers + 1)], env=env, preexec_fn=die_with_parent))
         try:
             hellos = admit_ranks(store, workers + 1, secret, JOIN_TIMEOUT)
-            init_group(store, 0, workers + 1, loopback=True)
+            init_group(store, 0, workers + 1, secret, loopback=True)
         except (RuntimeError, dist.DistError) as exc:
             stop_workers(procs)
             raise TransportError(f"the {workers} simulation workers did not join within "
@@ -410,16 +488,16 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
             except ConfigError as exc:
                 refused = exc
         go = not problems and refused is None
-        dist.broadcast_object_list([(dump_config(cfg), threads, devices) if go else None], src=0)
+        world_group = dist.group.WORLD
+        broadcast_step((dump_config(cfg), threads, devices) if go else None, world_group)
         if refused is not None:
             raise refused
         if not problems:  # then the experiment: the data must be there
-            ready: list[Any] = [None] * dist.get_world_size()
-            dist.gather_object(None, ready, dst=0)
-            problems = [f"rank {h['rank']} on {h['host']}: {h['error']}" for h in ready[1:]
-                        if h["error"]]
+            ready = gather_answers(world_group)
+            problems = [f"rank {h['rank']} on {printable(str(h['host']), 80)}: "
+                        f"{printable(str(h['error']), 300)}" for h in ready if h["error"]]
             if problems:
-                dist.broadcast_object_list([("stop", {})], src=0)
+                broadcast_step(("stop", {}), world_group)
         if problems:
             raise ConfigError("a simulation worker cannot run this experiment: " + problems[0]
                               + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
@@ -486,15 +564,18 @@ def env_store() -> tuple[Any, int, int]:
     return store, rank, world
 
 
-def init_group(store: Any, rank: int, world: int, loopback: bool = False) -> None:
-    """Join the Gloo group over `store` (once every rank is admitted); `loopback`: Gloo binds
-    the loopback interface, whatever this machine's hostname resolves to."""
+def init_group(store: Any, rank: int, world: int, secret: str, loopback: bool = False) -> None:
+    """Join the Gloo group over `store` (once every rank is admitted), make the steps' group, and
+    prove every rank's connection to rank 0 (`prove_pairs`); `loopback`: both groups bind the
+    loopback interface, whatever this machine's hostname resolves to."""
     saved = os.environ.get("GLOO_SOCKET_IFNAME")
     try:
         if loopback:
             os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=JOIN_TIMEOUT)
+        prove_pairs(secret)
+        steps_group()  # made here, while Gloo is told to bind loopback
     except (RuntimeError, dist.DistError) as exc:
         raise _not_joined(rank, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           os.environ.get("MASTER_PORT", "?"), exc) from exc
@@ -555,7 +636,7 @@ def serve() -> None:
         exp = load_experiment(cfg)
     except (FedseqError, ValueError) as exc:
         ready["error"] = str(exc).splitlines()[0]
-    dist.gather_object(ready, None, dst=0)
+    send_answer(ready, dist.group.WORLD)
     if exp is None:
         _receive()  # rank 0 says stop
         return
@@ -597,10 +678,8 @@ def serve() -> None:
 
 
 def _receive() -> Any:
-    """What rank 0 broadcasts while the workers join (the job, or None: stop)."""
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    """What rank 0 sends while the workers join (the job, or None: stop)."""
+    return receive_step(dist.group.WORLD)
 
 
 def worker_main() -> None:
@@ -616,7 +695,7 @@ def worker_main() -> None:
             store, rank, world = env_store()
         secret = os.environ.get(SECRET_ENV, "") if local else cluster_secret()
         prove_membership(store, rank, secret, hello(rank), JOIN_TIMEOUT)
-        init_group(store, rank, world, loopback=local)
+        init_group(store, rank, world, secret, loopback=local)
         serve()
     except FedseqError as exc:
         print(f"fedseq worker: {exc}", file=sys.stderr)

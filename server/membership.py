@@ -35,19 +35,30 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
+#: a cluster secret's least length: `openssl rand -hex 32` gives 64 characters
+MIN_SECRET_CHARS = 32
+_HOW = "make one with `openssl rand -hex 32`"
+
+
 def cluster_secret() -> str:
     """The run's secret under a launcher: FEDSEQ_SECRET, or the first line of the file
-    FEDSEQ_SECRET_FILE names; ConfigError in one line when neither gives one."""
+    FEDSEQ_SECRET_FILE names (readable by its owner alone); ConfigError in one line when
+    neither gives one, when it is shorter than MIN_SECRET_CHARS, or when the file is readable by
+    others."""
     path = os.environ.get(SECRET_FILE_ENV)
     if path:
         try:
+            mode = os.stat(path).st_mode
             text = Path(path).read_text().strip()
         except OSError as exc:
             raise ConfigError(f"{SECRET_FILE_ENV}={path}: cannot read it ({exc.strerror})") from exc
-        if text:
-            return text.splitlines()[0]
-        raise ConfigError(f"{SECRET_FILE_ENV}={path} is empty; write a secret into it, e.g. "
-                          "`openssl rand -hex 32`")
+        if mode & 0o077:
+            raise ConfigError(f"{SECRET_FILE_ENV}={path} is readable by others (mode "
+                              f"{mode & 0o777:o}); `chmod 600 {path}`, and make a new secret if "
+                              "anyone may have read it")
+        if not text:
+            raise ConfigError(f"{SECRET_FILE_ENV}={path} is empty; {_HOW} > {path}")
+        return _strong(text.splitlines()[0], f"the secret in {path}")
     secret = os.environ.get(SECRET_ENV, "")
     if not secret:
         raise ConfigError(
@@ -55,6 +66,16 @@ def cluster_secret() -> str:
             f"proves it knows: export {SECRET_ENV}=$(openssl rand -hex 32) (the same value on "
             f"every node, before torchrun or srun), or {SECRET_FILE_ENV}=PATH to a file only you "
             "can read")
+    return _strong(secret, SECRET_ENV)
+
+
+def _strong(secret: str, where: str) -> str:
+    """`secret` when it is long and varied enough to resist an offline guess from one nonce and
+    hello; else ConfigError in one line saying how to make one."""
+    if len(secret) < MIN_SECRET_CHARS or len(set(secret)) < 8:
+        raise ConfigError(f"{where} is too weak ({len(secret)} characters, {len(set(secret))} "
+                          f"distinct; at least {MIN_SECRET_CHARS} and 8): anyone who sees one "
+                          f"hello can guess it offline; {_HOW}")
     return secret
 
 

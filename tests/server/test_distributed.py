@@ -5,6 +5,7 @@ workers, the failures a cluster has."""
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,6 +22,7 @@ from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.distributed import adopt_slurm_env, balance, pack, placement, unpack
 from fedseq.server.simulation import run_simulation
 
+SECRET = "3f9c2a7be41d8f6053a1c9e7b2d4f08a6e5c3b1a9d7f2e4c6b8a0d1f3e5c7a9b"  # a cluster run's
 # 3 of 5 clients a round: the rounds' selections differ and are split unevenly over workers
 OVER = ("rounds=3", "train.join_ratio=0.6", "train.threads=1", "model.name=convnet",
         "algorithm.unfreeze_rounds=[0,1,1,2]", "algorithm.finetune_epochs=1")
@@ -38,8 +40,7 @@ def test_balance_spreads_a_steps_rows_and_is_deterministic():
 
 def test_steps_carry_tensors_as_they_are():
     """pack/unpack (what steps and answers travel as): every dtype and shape comes back bitwise,
-    writable and not sharing the sender's memory; what is not a plain CPU tensor is pickled as
-    pickle does it."""
+    writable and not sharing the sender's memory; a Parameter travels as its data."""
     from fedseq.common.algorithms.aggregate import ClientUpdate
 
     g = torch.Generator().manual_seed(0)
@@ -49,7 +50,7 @@ def test_steps_carry_tensors_as_they_are():
         "i64": torch.arange(-3, 4), "bool": torch.tensor([True, False, True]),
         "u8": torch.arange(250, 256, dtype=torch.uint8), "scalar": torch.tensor(2.5),
         "empty": torch.empty(0, 3), "transposed": torch.randn(4, 6, generator=g).t(),
-        "view": torch.arange(20.0)[5:9], "param": torch.nn.Parameter(torch.ones(2)),
+        "view": torch.arange(20.0)[5:9],
         "nested": [ClientUpdate(3, 1, {"w": torch.full((2, 2), -0.0)}, 10)],
     }
     back = unpack(pack(sent))
@@ -59,12 +60,48 @@ def test_steps_carry_tensors_as_they_are():
         b = back[k]
         assert type(b) is type(v) and b.dtype == v.dtype and b.shape == v.shape, k
         assert torch.equal(b, v), k
-    assert back["param"].requires_grad
+    param = unpack(pack(torch.nn.Parameter(torch.ones(2))))
+    assert type(param) is torch.Tensor and not param.requires_grad and torch.equal(param, torch.ones(2))
     d = back["nested"][0].deltas["w"]
     assert back["nested"][0].client == 3 and torch.equal(d, sent["nested"][0].deltas["w"])
     assert str(d[0, 0].item()) == "-0.0"  # bits, not values
     d.add_(1.0)  # writable, and not the sender's memory
     assert float(sent["nested"][0].deltas["w"].sum()) == 0.0
+
+
+class _Planted:
+    """What a rogue rank pickles: loading it calls a function of its choice."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (shutil.copyfile, (__file__, str(self.marker)))
+
+
+def test_a_step_or_answer_cannot_run_code(tmp_path):
+    """Hardening V, finding 2: what ranks exchange is read by an unpickler that builds plain
+    data, fedseq's dataclasses and tensors alone: an answer that would call a function is refused
+    in one line and the function never runs; so is a tensor of a dtype no step carries."""
+    import pickle
+
+    marker = tmp_path / "ran"
+    for hostile in (pickle.dumps((1.0, {3: _Planted(marker)})),
+                    pickle.dumps(torch.nn.Parameter(torch.ones(2)))):  # torch's own reduction
+        with pytest.raises(TransportError, match="no step or answer holds") as err:
+            unpack(hostile)
+        assert "\n" not in str(err.value)
+    assert not marker.exists()
+    from fedseq.server import distributed
+
+    class Forged:  # _tensor("load", ...): a name of torch that is no dtype
+        def __reduce__(self):
+            return (distributed._tensor, ("load", (1,), bytearray(4)))
+
+    forged = pickle.dumps(Forged(), protocol=5)
+    with pytest.raises(TransportError, match="dtype load"):
+        unpack(forged)
+    assert distributed.DTYPES["float32"] is torch.float32
 
 
 def _hello(rank, host, gpus):
@@ -215,7 +252,7 @@ def _torchrun_env(monkeypatch, port: int) -> dict[str, str]:
     """Rank 0 here, as torchrun would set it up; the worker's environment."""
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(port), "FEDSEQ_JOIN_TIMEOUT_S": "60",
-                 "FEDSEQ_SECRET": "the-run-s-secret"}.items():
+                 "FEDSEQ_SECRET": SECRET}.items():
         monkeypatch.setenv(k, v)
     return {**os.environ, "RANK": "1", "OMP_NUM_THREADS": "1"}
 
@@ -309,7 +346,7 @@ def _torchrun(*args: str) -> list[str]:
 def test_fedseq_sim_under_torchrun_gives_the_in_process_run(data_root, tmp_path):
     """The same program under torchrun (one node, 3 ranks): rank 0 writes the run directory."""
     over = _cli_over(data_root, "algorithm.name=fedper")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDSEQ_SECRET": "the-run-s-secret"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDSEQ_SECRET": SECRET}
     done = subprocess.run(_torchrun("--nnodes", "1", "--nproc-per-node", "3", "--master-port",
                                     str(_free_port()))
                           + _sim_command(tmp_path / "dist", *over), env=env, capture_output=True,
@@ -325,7 +362,7 @@ def test_fedseq_sim_as_srun_tasks_gives_the_in_process_run(data_root, tmp_path):
     MASTER_ADDR/MASTER_PORT a job script exports) are one group: rank 0 writes the run."""
     over = _cli_over(data_root, "algorithm.name=fedavg")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(OMP_NUM_THREADS="1", FEDSEQ_SECRET="the-run-s-secret")
+    env.update(OMP_NUM_THREADS="1", FEDSEQ_SECRET=SECRET)
     srun = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), SLURM_STEP_NUM_TASKS="3",
                 SLURM_NTASKS="3", SLURM_JOB_ID="77")
     tasks = [subprocess.Popen(_sim_command(tmp_path / "dist", *over),
@@ -353,7 +390,7 @@ def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp
     from fedseq.server.rehearsal import Rehearsal
 
     over = _cli_over(data_root, "algorithm.name=fedreg")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDSEQ_SECRET": "the-run-s-secret"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDSEQ_SECRET": SECRET}
 
     def meeting(r: int) -> tuple[str, ...]:
         if rendezvous == "static":
@@ -407,7 +444,7 @@ def test_a_worker_killed_under_torchrun_max_restarts_resumes_the_run(data_root, 
     """torchrun starts the group again after a worker dies; rank 0 continues the run directory
     after its last complete round, and the result is the uninterrupted run's."""
     over = _cli_over(data_root, "algorithm.name=fedavg", "rounds=4")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDSEQ_SECRET": "the-run-s-secret"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDSEQ_SECRET": SECRET}
     run = subprocess.Popen(_torchrun("--nnodes", "1", "--nproc-per-node", "3", "--max-restarts",
                                      "1", "--master-port", str(_free_port()))
                            + _sim_command(tmp_path / "dist", *over), env=env,
@@ -495,7 +532,7 @@ def test_a_rank_without_the_secret_is_refused_before_anything_is_unpickled(
     real = c10d._tensor_to_object
     monkeypatch.setattr(c10d, "_tensor_to_object", lambda *a, **k: unpickled.append(1) or real(*a, **k))
     intruder = subprocess.Popen([sys.executable, "-m", "fedseq.server.distributed"],
-                                env={**env, "FEDSEQ_SECRET": "a guess"}, stderr=subprocess.PIPE,
+                                env={**env, "FEDSEQ_SECRET": SECRET[::-1]}, stderr=subprocess.PIPE,
                                 text=True)
     try:
         cfg = quick_config(data_root, "algorithm.name=fedavg", *OVER)
@@ -506,6 +543,63 @@ def test_a_rank_without_the_secret_is_refused_before_anything_is_unpickled(
         intruder.kill()
     assert unpickled == [] and "\n" not in str(err.value)
     assert intruder.returncode == 2 and "it refused this rank" in said, said
+
+
+ROGUE = """
+import sys, torch, torch.distributed as dist, datetime
+store = dist.PrefixStore("/fedseq/attempt_0", dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2,
+                         is_master=False, timeout=datetime.timedelta(seconds=60)))
+store.wait(["fedseq/verdict"])  # rank 1 proved the secret through the store: take its place
+dist.init_process_group("gloo", store=store, rank=1, world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+nonce = torch.zeros(32, dtype=torch.uint8)
+dist.recv(nonce, src=0)
+dist.send(torch.zeros(32, dtype=torch.uint8), dst=0)  # its best guess at the proof
+verdict = torch.zeros(1, dtype=torch.int64)
+dist.broadcast(verdict, src=0)
+print("refused" if int(verdict) else "admitted")
+"""
+
+
+def test_a_process_that_takes_a_rank_after_the_rendezvous_is_refused(data_root, monkeypatch,
+                                                                      one_thread):
+    """Hardening V, finding 2: the rendezvous store has no access control, so a process without
+    the secret can let rank 1 prove itself there and then take rank 1's place in the Gloo group.
+    Its connection to rank 0 cannot prove the secret: rank 0 stops in one line before it sends
+    the config or reads anything from it (before, rank 0 sent it the config and unpickled its
+    answer)."""
+    from fedseq.server import distributed
+
+    port = _free_port()
+    env = _torchrun_env(monkeypatch, port)
+    loaded: list[int] = []
+    real = distributed._PlainData.load
+    monkeypatch.setattr(distributed._PlainData, "load", lambda self: loaded.append(1) or real(self))
+    sent: list[object] = []
+    real_pack = distributed._packed_tensor
+    monkeypatch.setattr(distributed, "_packed_tensor", lambda obj: sent.append(obj) or real_pack(obj))
+    honest = subprocess.Popen([sys.executable, "-c", (
+        "import sys, datetime, torch.distributed as dist; "
+        "from fedseq.server.membership import prove_membership; "
+        "s = dist.PrefixStore('/fedseq/attempt_0', dist.TCPStore('127.0.0.1', int(sys.argv[1]), 2, "
+        "is_master=False, timeout=datetime.timedelta(seconds=60))); "
+        f"prove_membership(s, 1, '{SECRET}', {{'rank': 1, 'host': 'h', 'fedseq': '', "
+        "'torch': '', 'gpus': 0, 'gpu_names': []}, datetime.timedelta(seconds=60)); "
+        "import time; time.sleep(90)"), str(port)], env=env)
+    rogue = subprocess.Popen([sys.executable, "-c", ROGUE, str(port)],
+                             env={k: v for k, v in env.items() if k != "FEDSEQ_SECRET"},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        cfg = quick_config(data_root, "algorithm.name=fedavg", *OVER)
+        with pytest.raises(TransportError, match="did not prove the run's secret") as err:
+            run_simulation(cfg, None)
+        out, said = rogue.communicate(timeout=60)
+    finally:
+        rogue.kill()
+        honest.kill()
+    assert "\n" not in str(err.value)
+    assert out.strip() == "refused", said
+    assert loaded == [] and sent == []  # nothing read from it, no config sent to it
 
 
 def test_a_cluster_run_without_a_secret_says_how_to_give_one(monkeypatch):
@@ -591,3 +685,27 @@ def test_the_loopback_store_closes_only_its_own_descriptor():
         assert probe.getsockname()[0] == "127.0.0.1"
     finally:
         probe.close()
+
+
+def test_a_weak_or_exposed_cluster_secret_is_refused(monkeypatch, tmp_path):
+    """Hardening V, finding 7: a secret shorter than 32 characters (or of few distinct ones), or a
+    secret file others can read, is refused in one line that says how to make one."""
+    from fedseq.server.membership import cluster_secret
+
+    monkeypatch.delenv("FEDSEQ_SECRET_FILE", raising=False)
+    for weak in ("7", "ab", "x" * 64):
+        monkeypatch.setenv("FEDSEQ_SECRET", weak)
+        with pytest.raises(ConfigError, match="too weak.*openssl rand -hex 32") as err:
+            cluster_secret()
+        assert "\n" not in str(err.value)
+    good = SECRET
+    monkeypatch.setenv("FEDSEQ_SECRET", good)
+    assert cluster_secret() == good
+    path = tmp_path / "secret"
+    path.write_text(good + "\n")
+    path.chmod(0o644)
+    monkeypatch.setenv("FEDSEQ_SECRET_FILE", str(path))
+    with pytest.raises(ConfigError, match="readable by others.*chmod 600"):
+        cluster_secret()
+    path.chmod(0o600)
+    assert cluster_secret() == good
