@@ -46,7 +46,7 @@ else:  # pragma: no cover
 Axis = Literal["setting", "algorithm", "seed"]
 AXES: tuple[Axis, ...] = ("setting", "algorithm", "seed")
 STATE_FILE = "campaign.json"
-_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}$")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,63}")  # fullmatch: `$` would pass a "\n"
 
 
 class Setting(BaseModel):
@@ -81,7 +81,7 @@ class CampaignFile(BaseModel):
     @field_validator("settings")
     @classmethod
     def _folder_names(cls, v: dict[str, Setting]) -> dict[str, Setting]:
-        bad = [name for name in v if not _NAME.match(name)]
+        bad = [name for name in v if not _NAME.fullmatch(name)]
         if bad:
             raise ValueError(f"setting name {bad[0]!r} is not a folder name (letters, digits, "
                              "_ - . and no leading dot)")
@@ -170,7 +170,10 @@ class Campaign:
             try:
                 before = json.loads(self.file.read_text())
                 old = {r["folder"]: r for r in before["runs"]}
-            except (OSError, ValueError, KeyError, TypeError) as exc:
+                if not all(isinstance(f, str) and isinstance(r.get("config"), dict)
+                           and isinstance(r.get("outcome", {}), dict) for f, r in old.items()):
+                    raise ValueError("a run entry of another shape")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 raise ConfigError(f"{self.file} is damaged ({exc}); move the folder away or pass "
                                   "another --out") from None
             new = {r.folder: r for r in self.runs}

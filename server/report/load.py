@@ -203,8 +203,7 @@ def expand_sweeps(paths: list[Path], labels: list[str] | None) -> list[Path]:
         if (p / "campaign.json").is_file() and not (p / "metrics.jsonl").exists():
             if labels:
                 raise ConfigError(f"{p} is a campaign: --label names single runs; drop --label")
-            runs = [p / r["folder"] for r in _read_object(p / "campaign.json").get("runs", [])]
-            out += [r for r in runs if (r / "metrics.jsonl").exists()]
+            out += [r for r in campaign_runs(p) if (r / "metrics.jsonl").exists()]
             continue
         seeds = sorted(p.glob("seed-*/metrics.jsonl"), key=lambda m: _seed_number(m.parent))
         if not (p / "metrics.jsonl").exists() and seeds:
@@ -214,6 +213,28 @@ def expand_sweeps(paths: list[Path], labels: list[str] | None) -> list[Path]:
             out += [m.parent for m in seeds]
         else:
             out.append(p)
+    return out
+
+
+def campaign_runs(folder: Path) -> list[Path]:
+    """The run folders campaign.json lists, each inside the campaign's folder: a folder that is
+    absolute or climbs out of it (`..`), or a campaign.json of another shape, is refused in one
+    line (a campaign folder may come from someone else)."""
+    state = folder / "campaign.json"
+    runs = _read_object(state).get("runs", [])
+    if not isinstance(runs, list):
+        raise _damaged(state, f"its runs are a JSON {type(runs).__name__}, not a list")
+    inside = folder.resolve()
+    out = []
+    for r in runs:
+        name = r.get("folder") if isinstance(r, dict) else None
+        if not isinstance(name, str) or not name:
+            raise _damaged(state, "a run without a folder name")
+        path = (folder / name)
+        if Path(name).is_absolute() or not path.resolve().is_relative_to(inside):
+            raise _damaged(state, f"run folder {printable(name, 80)!r} is outside the campaign's "
+                                  "folder")
+        out.append(path)
     return out
 
 

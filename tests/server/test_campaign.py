@@ -176,3 +176,34 @@ def test_example_campaigns_load(name):
     file = Path(__file__).resolve().parents[2] / "examples" / "campaigns" / name
     spec, runs = load_campaign(file)
     assert runs and len({r.folder for r in runs}) == len(runs)
+
+
+def test_campaign_names_and_folders_stay_inside(tmp_path, data_root):
+    """Hardening V, finding 8: a setting name with a trailing newline is refused (a full match,
+    not `$`); `fedseq report` on a campaign folder reads only run folders inside it; a
+    campaign.json of another shape is one line when the campaign is continued."""
+    from fedseq.common.errors import ConfigError
+    from fedseq.server.campaign import Campaign
+    from fedseq.server.report.load import expand_sweeps
+
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\n[settings."a\\n"]\nset = []\n')
+    with pytest.raises(ConfigError, match="setting") as err:
+        load_campaign(file)
+    assert "\n" not in str(err.value)
+    out = tmp_path / "out"
+    (out / "a").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "metrics.jsonl").write_text("")
+    for folder in ("../elsewhere", str(tmp_path / "elsewhere"), "a/../../elsewhere"):
+        (out / "campaign.json").write_text(json.dumps({"runs": [{"folder": folder}]}))
+        with pytest.raises(ConfigError, match="outside the campaign's folder") as err:
+            expand_sweeps([out], None)
+        assert "\n" not in str(err.value)
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\n')
+    _, runs = load_campaign(file)
+    for odd in ([1], {"runs": 3}, {"runs": [7]}, {"runs": [{"folder": "fedavg/seed-0", "config": 3}]},
+                {"runs": [{"folder": 5, "config": {}}]}):
+        (out / "campaign.json").write_text(json.dumps(odd))
+        with pytest.raises(ConfigError, match="damaged") as err:
+            Campaign(out, runs, file).open(lambda m: None)
+        assert "\n" not in str(err.value)
