@@ -602,20 +602,39 @@ def _campaign_beacon(cfg: ExperimentConfig, url: str, login: dict[str, Any],
     from fedseq.common.errors import ProtocolError
     from fedseq.common.protocol.link import Link, session_id
     from fedseq.common.protocol.messages import DeviceStatus
-    from fedseq.common.protocol.topics import Topics
+    from fedseq.common.protocol.topics import DEVICE_NAME, Topics
     from fedseq.server.broker import coordinator_login
+    from fedseq.server.mqtt.budget import LoginBudgets, allowance, thread_seconds
+    from fedseq.server.mqtt.inbox import MAX_STRANGERS, STATUS_BYTES
 
     d = cfg.deploy.model_copy(update=login)
     t = Topics(d.topic_root)
     topic = t.campaign
 
+    budgets = LoginBudgets()
+    statuses_only = allowance(0, 0)
+
     def on_message(name: str, payload: bytes) -> None:
+        """Read under the run's own caps (inbox.py): a status over STATUS_BYTES is dropped
+        unread, each device name spends its login's bytes and CPU budget (a flood of statuses
+        costs the campaign what it costs the run, no more), and the names counted are bounded."""
+        ref = t.parse(name)
+        device = ref.device if ref is not None and ref.kind == "device_status" else ""
+        if (len(payload) > STATUS_BYTES or not DEVICE_NAME.fullmatch(device)
+                or not budgets.admit(device, len(payload), statuses_only)):
+            return
+        began = thread_seconds()
         try:
             status = DeviceStatus.decode(payload) if payload else None
         except ProtocolError:
-            return  # the coordinator's inbox says why; these counts are only a gauge
-        if status is not None and name == t.device_status(status.device):
+            status = None  # the coordinator's inbox says why; these counts are only a gauge
+        finally:
+            budgets.spent(device, thread_seconds() - began)
+        if status is not None and status.device == device:
             metrics.device_status(status)
+        if len(budgets.logins()) > 2 * MAX_STRANGERS:
+            for old in budgets.logins()[:MAX_STRANGERS]:
+                budgets.forget(old)
 
     username, password, tls = coordinator_login(d)
     link = Link(session_id("fedseq-campaign"), url, [t.device_status()] if metrics else [],

@@ -15,6 +15,8 @@ from fedseq.common.config import ExperimentConfig
 from fedseq.server.records import RoundRecord
 
 #: every series this module exports (the dashboard's panels use these names; a test checks it)
+#: devices whose last status the online/offline counts remember (the newest heard)
+MAX_DEVICES = 4096
 NAMES = ("fedseq_run", "fedseq_round", "fedseq_rounds", "fedseq_accuracy", "fedseq_devices",
          "fedseq_updates", "fedseq_updates_refused", "fedseq_bytes", "fedseq_round_seconds",
          "fedseq_energy_joules", "fedseq_campaign_run", "fedseq_campaign_runs",
@@ -95,6 +97,9 @@ class Metrics:
         now = time.monotonic()
         heard = self._heard
         heard[status.device] = (now, status.state, status.heartbeat_s)
+        if len(heard) > MAX_DEVICES:  # names an open broker lets anyone invent: the oldest go
+            for name in sorted(heard, key=lambda n: heard[n][0])[:len(heard) - MAX_DEVICES]:
+                del heard[name]
         online = sum(state == "online" and now - at <= 3 * beat for at, state, beat in heard.values())
         self.devices.labels("online").set(online)
         self.devices.labels("offline").set(len(heard) - online)

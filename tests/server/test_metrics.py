@@ -128,3 +128,43 @@ def test_status_shows_a_campaign_s_progress_from_the_broker_and_metrics_count_de
     line = next(x for x in lines if x.startswith("campaign "))
     assert "run 3 of 45 (dir01/fedavg/seed-2), round 42 of 100 done; 2 finished, 0 failed" in line
     assert "about 23 h 39 min left at 20.0 s a round" in line
+
+
+def test_the_campaign_beacon_reads_statuses_under_the_run_s_caps(monkeypatch):
+    """Hardening V, finding 4: the campaign beacon reads device statuses as the run's inbox does:
+    one over STATUS_BYTES is dropped unread (before, 2 MiB junk statuses were parsed and stalled
+    the coordinator), and a name's flood spends that name's budget alone."""
+    from fedseq.common.config import ExperimentConfig
+    from fedseq.common.protocol.link import Link, session_id
+    from fedseq.common.protocol.messages import DeviceStatus
+    from fedseq.common.protocol.topics import Topics
+    from fedseq.server.cli import _campaign_beacon
+    from fedseq.server.metrics import Metrics
+    from fedseq.server.mqtt.inbox import STATUS_BYTES
+
+    parsed: list[int] = []
+    real = DeviceStatus.decode.__func__
+    monkeypatch.setattr(DeviceStatus, "decode",
+                        classmethod(lambda cls, raw: parsed.append(len(raw)) or real(cls, raw)))
+    with EmbeddedBroker("127.0.0.1", 0) as broker:
+        device = Link(session_id("test-device"), broker.url, [], lambda t, p: None)
+        device.start()
+        metrics = Metrics(0)
+        try:
+            with _campaign_beacon(ExperimentConfig(), broker.url, {}, metrics):
+                time.sleep(0.5)
+                for _ in range(5):
+                    device.publish(Topics().device_status("junk01"), b"{" * (STATUS_BYTES + 1))
+                for _ in range(2000):
+                    device.publish(Topics().device_status("flood01"), b"1234567")
+                device.publish(Topics().device_status("jetson01"),
+                               DeviceStatus(device="jetson01", state="online").encode())
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline and metrics._heard.get("jetson01") is None:
+                    time.sleep(0.2)
+        finally:
+            metrics.close()
+            device.stop()
+    assert "jetson01" in metrics._heard
+    assert all(n <= STATUS_BYTES for n in parsed)
+    assert parsed.count(7) < 400  # the flooding name's budget, not its 2,000 messages
