@@ -1,6 +1,7 @@
 """How long one device login's flood delays another device's messages at the coordinator.
 
     python bench/flood.py [--seconds 30] [--model convnet] [--clients 3] [--modes mixed updates]
+    python bench/flood.py --modes tiny:5000 tiny:20000 tiny [--guard]   # tiny statuses at a rate
 
 Mosquitto runs from the project's broker.conf with its password file and ACL on loopback. The
 coordinator's side is the real one: a ServerSession and its Inbox (the network thread that reads
@@ -12,6 +13,10 @@ each one. First a quiet phase, then bench/flooder.py floods dev03's own topics f
 of them arrived, MB the coordinator received, the coordinator process's CPU per second, and what
 the inbox dropped unread (flooded) or refused. dev03's budget is printed beside them: what one
 login may take of the network thread at once and per second (server/mqtt/budget.py).
+
+With --guard the broker loads its dynamic-security plugin and the coordinator's flood guard
+(server/mqtt/guard.py) disables dev03's login once its messages keep being dropped: the
+phase's line then says when it was disabled. Without it the budget alone bounds the flood.
 
 Everything (broker, coordinator, devices, flooder) shares this machine's cores.
 """
@@ -84,7 +89,9 @@ def main() -> None:
     ap.add_argument("--quiet", type=float, default=10.0)
     ap.add_argument("--model", default="convnet")
     ap.add_argument("--clients", type=int, default=3)
-    ap.add_argument("--modes", nargs="+", default=["mixed", "updates"])
+    ap.add_argument("--modes", nargs="+", default=["mixed", "updates"],
+                    help="mixed, updates, tiny or tiny:RATE (messages a second)")
+    ap.add_argument("--guard", action="store_true", help="the broker-side flood guard on")
     args = ap.parse_args()
 
     net = build_model(args.model, INPUT_SHAPES["fmnist"], NUM_CLASSES["fmnist"])
@@ -95,7 +102,8 @@ def main() -> None:
     for u, pw in users.items():
         (home / f"{u}.pw").write_text(pw + "\n")
     conf = write_local_mosquitto(home, port, users, ROOT / "broker.conf",
-                                 ROOT / "deploy/mosquitto/fedseq.acl", getpass.getuser())
+                                 ROOT / "deploy/mosquitto/fedseq.acl", getpass.getuser(),
+                                 guard="g-secret" if args.guard else None)
     broker = subprocess.Popen(["mosquitto", "-c", str(conf)], stderr=subprocess.DEVNULL)
     time.sleep(0.5)
 
@@ -108,7 +116,11 @@ def main() -> None:
     delays: list[tuple[float, float]] = []  # (read at, delay s)
     read = inbox.on_message
 
+    last_dev03: list[float] = [0.0]
+
     def timed(topic: str, payload: bytes) -> None:
+        if "/dev03/" in topic:
+            last_dev03[0] = time.monotonic()
         if topic == T.device_status("dev01"):
             now = time.monotonic()
             sent = json.loads(payload)["memory_mb"] / 1000
@@ -117,6 +129,13 @@ def main() -> None:
 
     inbox.on_message = timed  # type: ignore[method-assign]  # a bench's probe
     session.start()
+    guard = None
+    if args.guard:
+        from fedseq.server.mqtt.guard import FloodGuard
+
+        guard = FloodGuard(f"mqtt://127.0.0.1:{port}", "fedseq-guard", "g-secret", None)
+        guard.start()
+        inbox.on_flood = guard.dropped
     session.retain(T.run_config, RunConfig(run_id=RUN, config={}).encode())
     inbox.collect(1)
     session.retain(T.step, Step(run_id=RUN, seq=1, kind="train", round=0,
@@ -136,16 +155,24 @@ def main() -> None:
         t0, cpu0, in0 = time.monotonic() - began, time.process_time(), session.link.bytes_in
         fl0, dr0, n0 = inbox.flooded, inbox.dropped, len(delays)
         said = ""
+        g0 = guard.disabled_total if guard is not None else 0
         if mode is None:
             time.sleep(seconds)
         else:
+            kind, _, rate = mode.partition(":")
             flood = subprocess.run(
                 [sys.executable, str(ROOT / "bench" / "flooder.py"), "--port", str(port), "--login",
                  "dev03", "--password-file", str(home / "dev03.pw"), "--seconds", str(seconds),
-                 "--mode", mode, "--frame-mb", str(max(1, update >> 20))],
+                 "--mode", kind, "--rate", rate or "0", "--frame-mb", str(max(1, update >> 20))],
                 capture_output=True, text=True, timeout=seconds + 120)
             said = flood.stdout.strip().removeprefix("flooder dev03: ")
             time.sleep(2.0)  # what the flood left in flight
+            if guard is not None:
+                said += f"; dev03 disabled {guard.disabled_total - g0}x by the guard"
+                if guard.disabled_at is not None and guard.disabled_total > g0:
+                    said += (f" {guard.disabled_at - began - t0:.2f} s into the flood, its last "
+                             f"message read {last_dev03[0] - guard.disabled_at:.2f} s after")
+                guard.enable_all()  # the next phase starts with dev03 let in
         wall = time.monotonic() - began - t0
         mine = [d for _, d in delays[n0:]]
         if not mine:
@@ -165,6 +192,8 @@ def main() -> None:
             phase("quiet after", args.quiet / 2, None)
     finally:
         honest.close()
+        if guard is not None:
+            guard.stop()
         session.close(lambda: None)
         broker.terminate()
         broker.wait(10)

@@ -13,6 +13,8 @@ coordinator's run ends (its step turns idle):
   data, a frame size the run allows, a sha256 that never matches: the chunks are kept until the
   frame is given up), and complete one-chunk frames whose sha256 matches but whose bytes are no
   tensor frame;
+- tiny: 7-byte statuses, at `--rate` a second or as fast as the connection goes (a disabled
+  login's connection is closed by the broker; paho tries to log in again, which is refused);
 - updates: complete frames of `--frame-mb` MiB that are valid tensor frames (their sha256
   matches, they decode) but no update of the round, again and again for each of its clients:
   what the coordinator keeps until it folds or refuses them (its frame pool, its spool file).
@@ -52,7 +54,9 @@ def main() -> None:
     ap.add_argument("--login", required=True)
     ap.add_argument("--password-file", type=Path, required=True)
     ap.add_argument("--seconds", type=float, default=60.0)
-    ap.add_argument("--mode", choices=("mixed", "updates"), default="mixed")
+    ap.add_argument("--mode", choices=("mixed", "updates", "tiny"), default="mixed")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="tiny: messages a second (0: as fast as the connection goes)")
     ap.add_argument("--frame-mb", type=int, default=13, help="the frame size its chunks claim")
     ap.add_argument("--root", default="fedseq")
     args = ap.parse_args()
@@ -74,8 +78,16 @@ def main() -> None:
     c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"flood-{os.getpid()}")
     c.username_pw_set(me, args.password_file.read_text().strip())
     c.on_message = on_message
-    c.on_connect = lambda cl, u, f, rc, p: cl.subscribe(
-        [(f"{root}/run/config", 1), (f"{root}/step", 1), (f"{root}/device/{me}/assign", 1)])
+    refused = [0]
+
+    def on_connect(cl, u, f, rc, p):
+        if rc.is_failure:  # its login disabled at the broker (the flood guard)
+            refused[0] += 1
+            return
+        cl.subscribe([(f"{root}/run/config", 1), (f"{root}/step", 1),
+                      (f"{root}/device/{me}/assign", 1)])
+
+    c.on_connect = on_connect
     c.max_queued_messages_set(32)
     c.connect("127.0.0.1", args.port)
     c.loop_start()
@@ -117,7 +129,15 @@ def main() -> None:
             continue
         if step.get("kind") == "idle" and started:
             break  # the run ended
+        if args.mode == "tiny" and refused[0]:
+            time.sleep(0.1)  # disabled: paho keeps trying to log in
+            continue
         started = True
+        if args.mode == "tiny":  # 7-byte statuses, paced or not (hardening V, finding 3)
+            publish(f"{root}/device/{me}/status", b"1234567")
+            if args.rate:
+                time.sleep(max(0.0, began + sent[0] / args.rate - time.monotonic()))
+            continue
         seq, mine = step.get("seq", 0), state["clients"] or [0]
         n += 1
         if args.mode == "mixed":
@@ -144,7 +164,8 @@ def main() -> None:
     c.loop_stop()
     c.disconnect()
     print(f"flooder {me}: {sent[0]} messages, {sent[1] / 1e6:.0f} MB in "
-          f"{time.monotonic() - began:.0f} s", file=sys.stdout, flush=True)
+          f"{time.monotonic() - began:.0f} s" + (f", {refused[0]} logins refused" if refused[0] else ""),
+          file=sys.stdout, flush=True)
 
 
 if __name__ == "__main__":

@@ -359,6 +359,13 @@ class DeployConfig(_Section):
     key_file: Optional[Path] = Field(None, description="Mutual TLS: this side's key.")
     tls_verify_hostname: bool = Field(True, description=(
         "Check that the broker's certificate names the host connected to."))
+    guard_username: Optional[str] = Field(None, description=(
+        "Mosquitto with its dynamic-security plugin (broker.conf): the login that holds the "
+        "plugin's admin role. With it the coordinator disables at the broker a device login that "
+        "keeps flooding after its budget is spent, for a cool-down that doubles with each flood "
+        "(docs/security.md); without it the budget alone bounds a flood."))
+    guard_password_file: Optional[Path] = Field(None, description=(
+        "A file holding deploy.guard_username's password."))
     broker_password_file: Optional[Path] = Field(None, description=(
         "Embedded amqtt only: its password file (`fedseq-server passwd`). Bound to anything but "
         "loopback, the embedded broker refuses anonymous logins unless allow_anonymous is set."))
@@ -497,7 +504,8 @@ class ExperimentConfig(_Section):
         neither need nor should learn."""
         data = self.model_dump(mode="json")
         for key in ("username", "password_file", "ca_file", "cert_file", "key_file",
-                    "broker_password_file", "broker", "host", "embedded_broker"):
+                    "broker_password_file", "broker", "host", "embedded_broker", "guard_username",
+                    "guard_password_file"):
             data["deploy"].pop(key, None)
         data["data"].pop("root", None)
         if not any(v is not None for v in data["seeds"].values()):

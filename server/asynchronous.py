@@ -83,6 +83,14 @@ class Flight:
     #: published) and when (monotonic seconds)
     answers: int | None = None
     sent_at: float = 0.0
+    #: the version its staleness counts from, where that is not `version`: on a real fleet the
+    #: version the coordinator dispatched it on (a device trains on the newest model it holds and
+    #: says which; what it says picks the contract, never a smaller staleness)
+    dispatched: int | None = None
+
+    def staleness(self, t: int) -> int:
+        """Server steps since the model its staleness counts from (at step t)."""
+        return t - (self.version if self.dispatched is None else self.dispatched)
 
 
 @dataclass
@@ -231,12 +239,12 @@ class BufferedAsync(Coordinator):
         got = RoundUpdates(make_aggregator(self.cfg.aggregation))
         folds: list[Fold] = []
         for f in self._arrivals(t, got):
-            staleness = t - f.version
+            staleness = f.staleness(t)
             if f.rejection is None and self.cfg.train.max_staleness is not None \
                     and staleness > self.cfg.train.max_staleness:
-                f.rejection = Rejection("too-stale", f"trained on the model of step {f.version}, "
-                                        f"{staleness} steps ago > train.max_staleness="
-                                        f"{self.cfg.train.max_staleness}")
+                f.rejection = Rejection("too-stale", f"dispatched on the model of step "
+                                        f"{t - staleness}, {staleness} steps ago > "
+                                        f"train.max_staleness={self.cfg.train.max_staleness}")
             fold = Fold(client=f.client, version=f.version, staleness=staleness)
             if f.rejection is not None:
                 log.warning("step %d: rejected update of client %d: %s", t, f.client, f.rejection)
@@ -351,7 +359,8 @@ class Replay(BufferedAsync):
                 raise ConfigError(f"--replay: step {t} folds an update trained on step "
                                   f"{fold.version}, which the log never reached; the run "
                                   "directory's rows are not an asynchronous run's")
-            f = Flight(-1, fold.client, fold.version, 0.0, 0.0, 0.0)
+            f = Flight(-1, fold.client, fold.version, 0.0, 0.0, 0.0,
+                       dispatched=t - fold.staleness)  # the staleness the run counted
             self._train_flights([f])
             if fold.refused is not None:
                 f.update, f.rejection = None, Rejection(fold.refused, "refused in the run")

@@ -229,16 +229,46 @@ def local_mosquitto_conf(broker_conf: str, port: int, passwd: Path, acl: Path, h
     return conf
 
 
+def with_guard(conf: str, home: Path, guard: str | None) -> str:
+    """broker.conf's dynamic-security lines (the flood guard) for a local copy: with `guard` (the
+    password of the guard login, GUARD_LOGIN) the plugin's file is made under `home` and the
+    plugin is this machine's; without, the lines go (the password file and ACL alone)."""
+    import glob
+    import re
+
+    lines = re.compile(r"^(plugin|plugin_opt_config_file) .*$", re.M)
+    found = sorted(glob.glob("/usr/lib/*/mosquitto_dynamic_security.so")) + sorted(
+        glob.glob("/usr/lib/mosquitto_dynamic_security.so"))
+    if guard is None or not found:
+        if guard is not None:
+            raise TransportError("the flood guard needs Mosquitto's dynamic-security plugin "
+                                 "(mosquitto_dynamic_security.so, in Debian's mosquitto package)")
+        return lines.sub("", conf)
+    store = home / "dynamic-security.json"
+    if not store.exists():
+        subprocess.run(["mosquitto_ctrl", "dynsec", "init", str(store), GUARD_LOGIN],
+                       input=f"{guard}\n{guard}\n", text=True, check=True, capture_output=True)
+    conf = re.sub(r"^plugin /.*$", f"plugin {found[0]}", conf, flags=re.M)
+    return re.sub(r"^plugin_opt_config_file .*$", f"plugin_opt_config_file {store}", conf, flags=re.M)
+
+
+#: the login broker.conf's flood guard knows (the dynamic-security plugin's admin)
+GUARD_LOGIN = "fedseq-guard"
+
+
 def write_local_mosquitto(home: Path, port: int, logins: dict[str, str], broker_conf: Path,
                           acl: Path, user: str, settings: dict[str, str] | None = None,
-                          log_file: Path | None = None, host: str = "127.0.0.1") -> Path:
+                          log_file: Path | None = None, host: str = "127.0.0.1",
+                          guard: str | None = None) -> Path:
     """The files of a loopback Mosquitto under `home` (tests, benchmarks, rehearsals): a password
     file of these logins (login -> password, hashed by one mosquitto_passwd -U however many),
-    a copy of the ACL, and mosquitto.conf from `local_mosquitto_conf`, where `settings` replace
+    a copy of the ACL, the flood guard's plugin file with the guard login's password `guard`
+    (`with_guard`; none: no guard), and mosquitto.conf from `local_mosquitto_conf`, where `settings` replace
     broker.conf's lines of the same keys and `log_file` takes the log instead of stderr. Returns
     the config's path: `mosquitto -c PATH`."""
     passwd, acl_copy, conf_path = home / "passwd", home / "acl", home / "mosquitto.conf"
     conf = local_mosquitto_conf(broker_conf.read_text(), port, passwd, acl_copy, home, user, host)
+    conf = with_guard(conf, home, guard)
     for key, value in (settings or {}).items():
         line = next((x for x in conf.splitlines() if x.startswith(key + " ")), None)
         if line is None:

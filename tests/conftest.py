@@ -39,6 +39,17 @@ server_only = pytest.mark.skipif(not _server_stack(), reason="coordinator-side c
                                  ">= 3.10, torch >= 2.1 and the server extra")
 
 
+class Planted:
+    """What an attacker pickles (a planted file, a rogue peer): loading it calls a function of
+    its choice, here one that copies a file to `marker`, so a test sees whether it ran."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (shutil.copyfile, (__file__, str(self.marker)))
+
+
 def shared_data_root() -> Path:
     root = Path(os.environ.get("FEDSEQ_DATA", ROOT.parent / "shared" / "data"))
     if not (root / "FashionMNIST" / "raw").is_dir():
@@ -134,12 +145,12 @@ def mosquitto(tmp_path):
     users = {"coordinator": "c-secret", "local01": "d1-secret", "local02": "d2-secret",
              "local03": "d3-secret"}
     conf = write_local_mosquitto(tmp_path, port, users, ROOT / "broker.conf", PROJECT_ACL,
-                                 getpass.getuser())
+                                 getpass.getuser(), guard="g-secret")
     proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)
     if proc.poll() is not None:
         pytest.fail(f"mosquitto did not start: {proc.stderr.read()}")
-    for user, pw in users.items():
+    for user, pw in {**users, "fedseq-guard": "g-secret"}.items():  # the flood guard's too
         (tmp_path / f"{user}.pw").write_text(pw + "\n")
     procs = [proc]
 

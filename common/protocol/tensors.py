@@ -34,15 +34,22 @@ DTYPES = {
 ITEMSIZE = {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 
 
+#: header bytes a frame may spend per tensor it may hold (a name and its dtype, shape, offsets)
+HEADER_BYTES_PER_TENSOR = 512
+
+
 def decode_tensors(
     buf: bytes | bytearray | memoryview, expected_sha256: str | None = None, copy: bool = True,
-    check_finite: bool = True,
+    check_finite: bool = True, max_tensors: int | None = None,
 ) -> Weights:
     """Parse a safetensors frame, reading straight from `buf`; checks the digest when given and
     rejects non-finite values. copy=False returns tensors that share `buf`'s memory (for a
     writable buffer nobody else reuses, e.g. a Reassembler's): no copy and no page faults.
     check_finite=False leaves the NaN/Inf check to a caller that validates values anyway (the
-    coordinator's round contract), so it is not done twice on the hot path."""
+    coordinator's round contract), so it is not done twice on the hot path. `max_tensors`: a
+    frame may hold at most that many tensors; its header's length is checked against it before
+    the header is parsed and its count before any tensor is built (a frame of the run's size
+    listing tens of thousands of empty tensors costs nothing then)."""
     view = memoryview(buf).cast("B")
     if expected_sha256 is not None and hashlib.sha256(view).hexdigest() != expected_sha256:
         raise ProtocolError("tensor frame sha256 mismatch: the payload was corrupted in transit")
@@ -50,9 +57,13 @@ def decode_tensors(
         n = int.from_bytes(view[:8], "little")
         if len(view) < 8 or 8 + n > len(view):
             raise ValueError("header length exceeds the frame")
+        if max_tensors is not None and n > (max_tensors + 1) * HEADER_BYTES_PER_TENSOR:
+            raise ValueError(f"a header of {n} bytes, more than {max_tensors} tensors need")
         header = json.loads(bytes(view[8 : 8 + n]))
         if not isinstance(header, dict):
             raise ValueError(f"header is a JSON {type(header).__name__}, not an object")
+        if max_tensors is not None and len(header) - ("__metadata__" in header) > max_tensors:
+            raise ValueError(f"{len(header)} tensors, more than the {max_tensors} an update holds")
         out = {}
         data = view[8 + n :]
         for name, info in header.items():

@@ -146,7 +146,9 @@ class OnFleet(BufferedAsync):
             got.rejected[c] = rejection
             return None
         self._land(f)
-        f.version, f.rejection = version, rejection
+        # trained on `version` (its contract, its plan), stale since its dispatch (f.version
+        # until now): the coordinator's record, not the update's word
+        f.dispatched, f.version, f.rejection = f.version, version, rejection
         if rejection is None:
             f.update = update
         self.trained_on[c] = max(self.trained_on.get(c, f.version), f.version)

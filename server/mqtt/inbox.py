@@ -66,6 +66,9 @@ STATUS_BYTES = 16 << 10
 #: names not in the run's fleet (an open broker lets anyone invent them) whose bookkeeping is kept
 #: (budgets, warnings, last heard, stacks); the oldest are forgotten beyond this many
 MAX_STRANGERS = 256
+#: devices whose statuses are kept before a run opens (its fleet is not known yet): a fleet of
+#: 1,000 devices is measured (docs/deploy.md), so room for four times that
+MAX_PRESENT = 4096
 #: warnings about one device's invalid or dropped messages logged per minute; the rest are counted
 #: and summed up in one line (journald's own rate limit would otherwise drop the operator's lines)
 WARNINGS_PER_MINUTE = 10
@@ -289,16 +292,24 @@ class Inbox:
         # device -> the distinct stacks it described (DeviceInfo), with when each was first seen
         self._stacks: dict[str, list[tuple[float, DeviceInfo]]] = {}
         self.on_junk = on_junk
+        #: told of every message dropped unread for its login's spent budget (guard.py)
+        self.on_flood: Callable[[str], None] = lambda device: None
         self.open({}, 0)
 
-    def open(self, owner: dict[int, str], update_bytes: int) -> None:
+    def open(self, owner: dict[int, str], update_bytes: int, update_tensors: int | None = None
+             ) -> None:
         """A run opens: `owner` maps client -> the device that holds it, and an update frame is
         at most `update_bytes` bytes (every shared block's deltas). A device may then have
         (its clients + 1) frames partly arrived, and as many complete ones waiting; its budget
         grows with its clients and their updates."""
         self.owner = dict(owner)
+        #: tensors an update frame holds at most (None: unchecked), checked before it is decoded
+        self.update_tensors = update_tensors
         self._clients = Counter(owner.values())  # device -> clients: read for every message
         self.fleet = frozenset(self._clients)
+        if self.fleet:
+            with self._lock:  # only the fleet's presence matters from now on
+                self._present &= self.fleet
         self.update_bytes = update_bytes
         most = max(self._clients.values(), default=0)
         #: messages one update frame takes at most
@@ -463,6 +474,14 @@ class Inbox:
         online)."""
         return name in self.fleet if self.fleet else name in self._present
 
+    def _room_for(self, name: str) -> bool:
+        """Whether a status of `name` is kept (lock held): a run's fleet member's always, any
+        other's while a run is open only for a name already waiting; before a run opens, the
+        names that say online up to MAX_PRESENT (an open broker lets anyone invent names)."""
+        if self.fleet:
+            return name in self.fleet
+        return name in self._present or len(self._present) + len(self._status) < MAX_PRESENT
+
     def _prune(self) -> None:
         """Forget the oldest names outside the fleet beyond MAX_STRANGERS (an open broker lets
         anyone invent device names; their bookkeeping must not grow with them)."""
@@ -492,6 +511,7 @@ class Inbox:
                 self._prune()  # a new name: strangers' bookkeeping stays bounded
             if not self.budgets.admit(device, len(payload), self.allowance(device)):
                 self.flooded += 1
+                self.on_flood(device)
                 a = self.allowance(device)
                 self._warn(device, "dropped messages from %s unread: it sends more than a device "
                            "needs (%.0f KiB and %.0f ms of the coordinator at once, %.0f KiB/s "
@@ -524,6 +544,8 @@ class Inbox:
             _same_device(status.device, ref.device)
             with self._lock:  # coalesced: the latest status waits, its event only wakes up
                 fresh = status.device not in self._status
+                if fresh and not self._room_for(status.device):
+                    return  # a name outside the run's fleet (or past MAX_PRESENT): not kept
                 self._status[status.device] = status
                 if status.state == "online":
                     self._present.add(status.device)
@@ -593,7 +615,8 @@ class Inbox:
         frame = self.frames.add(device, (head.client, head.seq), head, data)
         if frame is None:
             return
-        deltas = decode_tensors(frame, copy=False, check_finite=False)  # the contract checks values
+        deltas = decode_tensors(frame, copy=False, check_finite=False,  # the contract checks values
+                                max_tensors=self.update_tensors)
         with self._lock:
             waiting = self._frame_bytes.get(device, 0)
             if waiting + len(frame) > self.frame_cap(device):

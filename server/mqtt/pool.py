@@ -17,6 +17,7 @@ from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.codecs import decode, expected
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.evaluation import EvalReport
+from fedseq.common.files import read_secret
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
@@ -25,6 +26,7 @@ from fedseq.common.protocol.topics import Topics
 from fedseq.common.text import printable
 from fedseq.server.mqtt.blocks import BlockPublisher
 from fedseq.server.mqtt.collect import DeadlinePolicy, collect_scores, collect_updates
+from fedseq.server.mqtt.guard import FloodGuard
 from fedseq.server.mqtt.inbox import UpdateArrived
 from fedseq.server.mqtt.session import ServerSession, SessionEvent
 from fedseq.server.pool import (
@@ -75,6 +77,11 @@ class MqttPool:
         self.topics = Topics(cfg.deploy.topic_root)
         self.session = ServerSession(self.topics, run_id, url, username, password, tls)
         self.inbox = self.session.inbox
+        self.guard: FloodGuard | None = None
+        if cfg.deploy.guard_username:
+            self.guard = FloodGuard(url, cfg.deploy.guard_username,
+                                    read_secret(cfg.deploy.guard_password_file,
+                                                "deploy.guard_password_file"), tls)
         self.blocks = BlockPublisher(self.session.link, self.topics, run_id)
         self.session.republish_blocks_with(self.blocks.republish)
         self.deadlines = DeadlinePolicy(cfg.deploy)
@@ -86,8 +93,12 @@ class MqttPool:
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Connect to the broker (three attempts), before anything slow happens."""
+        """Connect to the broker (three attempts), before anything slow happens; then the flood
+        guard, where one is configured."""
         self.session.start()
+        if self.guard is not None:
+            self.guard.start()
+            self.inbox.on_flood = self.guard.dropped
 
     def __enter__(self) -> MqttPool:
         """Connected (`start`); closed at the end of the block (`close`): a run that ends early
@@ -126,7 +137,8 @@ class MqttPool:
                  for k, (dtype, shape) in expected(shared, self.cfg.wire.codec("up")).items()}
         biggest = max(frame_size(shared), frame_size(coded)) + 4096
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
-        self.inbox.open(self.owner, biggest)
+        # at most every shared tensor, coded, twice (SCAFFOLD's control variates beside them)
+        self.inbox.open(self.owner, biggest, 2 * max(len(shared), len(coded)))
         self.update_chunks = self.inbox.update_chunks  # messages per update, at most
         rc = RunConfig(run_id=self.run_id, config=self.cfg.for_devices())
         self.session.retain(self.topics.run_config, rc.encode())
@@ -161,7 +173,11 @@ class MqttPool:
                     run_id=self.run_id, command="abort", reason=abort))
             self._publish_step(kind="idle")
 
-        self.session.close(goodbye)
+        try:
+            self.session.close(goodbye)
+        finally:
+            if self.guard is not None:
+                self.guard.stop()
 
     # -- steps -----------------------------------------------------------------------------
     def _prepare_step(self, weights: Weights) -> dict[str, int]:

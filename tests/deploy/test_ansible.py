@@ -105,8 +105,10 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
     extra = {"fedseq_broker_etc": str(etc), "fedseq_broker_user": getpass.getuser(),
              "fedseq_broker_manage_service": False, "fedseq_broker_tls_dir": str(tls),
              "fedseq_broker_tls_identity_logins": True, "fedseq_broker_passwords": users,
-             "fedseq_broker_tls_crl": str(crl),
+             "fedseq_broker_tls_crl": str(crl), "fedseq_broker_guard_password": "g-pw",
+             "fedseq_broker_lib": str(tmp_path / "lib"),
              "ansible_python_interpreter": sys.executable}
+    (tmp_path / "lib").mkdir()
     env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles")}
     for _ in range(2):  # twice: the second run must change nothing
         r = subprocess.run(["ansible-playbook", "-i", "localhost,", str(play), "-e",
@@ -121,6 +123,10 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
     assert sorted(accounts) == sorted(users)  # "retired" was revoked
     assert re.search(r"^crlfile .*/certs/crl\.pem$", conf, re.M)
     assert (etc / "fedseq.passwd").stat().st_mode & 0o077 == 0o040  # the broker's group only
+    assert re.search(r"^plugin /usr/lib/.*-linux-gnu/mosquitto_dynamic_security\.so$", conf, re.M)
+    assert f"plugin_opt_config_file {tmp_path / 'lib'}/dynamic-security.json" in conf
+    assert (tmp_path / "lib" / "dynamic-security.json").stat().st_mode & 0o077 == 0
+    assert "g-pw" not in r.stdout + r.stderr
     changed = {**extra, "fedseq_broker_passwords": {**users, "local02": "d2-new"}}
     r = subprocess.run(["ansible-playbook", "-i", "localhost,", str(play), "-e",
                         json.dumps(changed)], capture_output=True, text=True, timeout=300, env=env)
@@ -162,6 +168,8 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
         dev.loop_stop()
         watcher.loop_stop()
         assert seen == ["fedseq/device/local01/status"], seen
+        assert connack("127.0.0.1", plain, "fedseq-guard", "g-pw") == 0  # the flood guard's login
+        assert connack("127.0.0.1", plain, "fedseq-guard", "wrong") != 0
         assert connack("127.0.0.1", plain, "local02", "d2-new") == 0  # the new password applies
         assert connack("127.0.0.1", plain, "local02", "d2-pw") != 0
         revoked = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="revoked-cert")

@@ -643,7 +643,7 @@ FLOODER = Path(__file__).resolve().parents[2] / "bench" / "flooder.py"
 
 
 def _flooded_run(cfg, port: int, home: Path, tmp_path: Path, attack, children: list,
-                 flood: list) -> tuple:
+                 flood: list, ended: list | None = None) -> tuple:
     """run_deployment with `attack(watcher, step)` called on each new step (the watcher holds
     the coordinator's login: it reads every topic), then the flooder's end: (the result, MB the
     flooder sent, what it said). `children` and the flooder are stopped in any case."""
@@ -651,6 +651,8 @@ def _flooded_run(cfg, port: int, home: Path, tmp_path: Path, attack, children: l
     try:
         res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
                              announce=lambda s: None)
+        if ended is not None:
+            ended.append(time.monotonic())
         said = flood[0].communicate(timeout=120)[0] if flood else ""
     finally:
         watcher.stop()
@@ -842,3 +844,96 @@ def test_a_flooding_login_does_not_starve_an_asynchronous_run(data_root, tmp_pat
     assert [r["round"] for r in rows] == list(range(12))
     folded = [f["client"] for r in rows[6:] for f in r["folds"] if not f["refused"]]
     assert {c % 3 for c in folded} >= {0, 1}, [r["folds"] for r in rows]
+
+
+def test_a_login_flooding_tiny_messages_is_disabled_at_the_broker(data_root, tmp_path, mosquitto,
+                                                                   one_thread, caplog):
+    """Hardening V, finding 3. local03's login publishes 7-byte statuses as fast as its connection
+    goes from the first training step on. Its messages are dropped unread (its budget), and the
+    coordinator's flood guard disables the login at the broker (Mosquitto's dynamic-security
+    plugin): the broker closes the connection and refuses its logins, so the coordinator stops
+    reading it at all; the honest devices report in every round; at the run's end the login is
+    let in again. (Before, every message still cost the coordinator's network thread its read
+    for as long as the flood lasted.)"""
+    from conftest import connack
+
+    port, home, _ = mosquitto
+    names = ["local01", "local02", "local03"]
+    daemons = {n: device_process(n, port, home, data_root) for n in names}
+    flood: list[subprocess.Popen] = []
+    reads: list[float] = []
+    began: list[float] = []
+    ended: list[float] = []
+
+    def attack(att, step):
+        if step.kind == "train" and not flood:
+            daemons["local03"].terminate()
+            flood.append(_flooder(port, home, "local03", 40.0, "tiny"))
+            began.append(time.monotonic())
+
+    cfg = _three_devices(data_root, home, "rounds=16", "deploy.min_updates=1",
+                         "deploy.round_timeout_s=120", "deploy.wait_devices_s=5",
+                         "train.eval_every=4", "deploy.guard_username=fedseq-guard",
+                         f"deploy.guard_password_file={str(home / 'fedseq-guard.pw')!r}")
+    from fedseq.server.mqtt import inbox as box
+
+    real = box.Inbox.on_message
+
+    def counted(self, topic, payload):
+        if "/local03/" in topic:
+            reads.append(time.monotonic())
+        real(self, topic, payload)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(box.Inbox, "on_message", counted), \
+            caplog.at_level("WARNING", logger="fedseq.server.mqtt.guard"):
+        res, _, said = _flooded_run(cfg, port, home, tmp_path, attack, list(daemons.values()),
+                                    flood, ended)
+    disabled = [r.getMessage() for r in caplog.records if "disabled the broker login" in r.getMessage()]
+    assert disabled and all("local03" in m for m in disabled), (disabled, said)
+    assert re.search(r"[1-9]\d* logins refused", said), said  # disabled: its logins refused
+    flooded = [t for t in reads if t > began[0]]
+    # then nothing more reached the coordinator: without the guard the flood goes on until the
+    # run's last step (the flooder stops at the idle step)
+    assert flooded and ended[0] - flooded[-1] > 5, (len(flooded), flooded[-1] - began[0],
+                                                   ended[0] - began[0], said)
+    for index in (0, 1):
+        rounds = _device_rounds(res, index, 3)
+        assert len(rounds) == 16 and all(s and r == s for s, r in rounds)
+    assert connack("127.0.0.1", port, "local03", (home / "local03.pw").read_text().strip()) == 0
+
+
+def test_an_async_update_cannot_choose_its_staleness(data_root, tmp_path, mosquitto, one_thread):
+    """Hardening V, finding 6: local02's login answers each dispatch of its clients that the
+    model has moved past with a valid update (zero deltas, the client's true sample count) that
+    claims the current model version. The version it names picks the round contract it must pass,
+    but its staleness counts from the version the coordinator dispatched it on (its own record):
+    no fold is ever less stale than that, and a forged claim that lands is more stale than the
+    version it names (before, it folded with staleness 0 and full weight)."""
+    from fedseq.common.data.federated import load_federated
+
+    forged: list[tuple[int, int]] = []
+    over = ["algorithm.name=fedavg", "rounds=8", "train.mode='async'", "train.concurrency=4",
+            "train.buffer=2"]
+    cfg0 = quick_config(data_root, *over)
+    rows = {s.client: len(s.train) for s in load_federated(
+        cfg0.data, cfg0.seed_for("data"), test_images_only=True).clients}
+
+    def attack(att, step):
+        if step.kind != "async":
+            return
+        for c, d in zip(step.clients, step.dispatched, strict=True):
+            if c % 2 == 1 and (c, d) not in forged and d < step.seq:
+                forged.append((c, d))
+                w = _upload_shapes(cfg0, step)
+                att.forged_update(step, c, "local02", {k: torch.zeros_like(v) for k, v in w.items()},
+                                  rows[c], seq=d, round=step.round)
+
+    _, res, _ = _mosquitto_run(data_root, tmp_path, mosquitto, attack, *over)
+    assert forged and [r["round"] for r in res.rows if r["phase"] == "train"] == list(range(8))
+    steps = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    folds = [(row["round"], f) for row in steps if row.get("phase") == "train"
+             for f in row.get("folds") or []]
+    assert all(f["staleness"] >= t - f["version"] for t, f in folds), folds
+    assert any(f["staleness"] > t - f["version"] for t, f in folds), (forged, folds)

@@ -5,7 +5,6 @@ workers, the failures a cluster has."""
 import contextlib
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import quick_config, same_run
+from conftest import Planted, quick_config, same_run
 from fedseq.common.errors import ConfigError, TransportError
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.distributed import adopt_slurm_env, balance, pack, placement, unpack
@@ -69,16 +68,6 @@ def test_steps_carry_tensors_as_they_are():
     assert float(sent["nested"][0].deltas["w"].sum()) == 0.0
 
 
-class _Planted:
-    """What a rogue rank pickles: loading it calls a function of its choice."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (shutil.copyfile, (__file__, str(self.marker)))
-
-
 def test_a_step_or_answer_cannot_run_code(tmp_path):
     """Hardening V, finding 2: what ranks exchange is read by an unpickler that builds plain
     data, fedseq's dataclasses and tensors alone: an answer that would call a function is refused
@@ -86,7 +75,7 @@ def test_a_step_or_answer_cannot_run_code(tmp_path):
     import pickle
 
     marker = tmp_path / "ran"
-    for hostile in (pickle.dumps((1.0, {3: _Planted(marker)})),
+    for hostile in (pickle.dumps((1.0, {3: Planted(marker)})),
                     pickle.dumps(torch.nn.Parameter(torch.ones(2)))):  # torch's own reduction
         with pytest.raises(TransportError, match="no step or answer holds") as err:
             unpack(hostile)

@@ -371,3 +371,25 @@ def test_a_devices_version_is_logged_as_one_plain_line(caplog):
                                                    package_version=forged)})
     [line] = [r.getMessage() for r in caplog.records]
     assert "\n" not in line and "\x1b" not in line and "round 7 failed" in line
+
+
+def test_names_that_say_online_are_bounded_before_and_during_a_run(monkeypatch):
+    """Hardening V, finding 9: before a run opens every name that said "online" was kept (449 MB
+    for 20,000 invented names on an open broker); now at most MAX_PRESENT are (here made 50), and
+    once a run opens only its fleet's statuses and presence are kept."""
+    monkeypatch.setattr(inbox, "MAX_PRESENT", 50)
+    box = Inbox(T, "r1")
+    monkeypatch.setattr(box, "allowance", lambda device: Allowance(1e12, 1e12, 1e3, 1e3))
+    for i in range(500):
+        name = f"x{i}"
+        box.on_message(T.device_status(name), DeviceStatus(device=name, state="online").encode())
+    assert len(box._present) <= 50 and len(box._status) <= 50
+    kept = box.take_statuses()
+    assert len(kept) <= 50
+    box.open({0: "x0", 1: "x1"}, 1 << 20)
+    assert box._present <= {"x0", "x1"}
+    for i in range(500, 600):
+        name = f"x{i}"
+        box.on_message(T.device_status(name), DeviceStatus(device=name, state="online").encode())
+    box.on_message(T.device_status("x1"), DeviceStatus(device="x1", state="online").encode())
+    assert [s.device for s in box.take_statuses()] == ["x1"]

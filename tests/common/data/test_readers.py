@@ -4,6 +4,7 @@ import shutil
 import numpy as np
 import pytest
 
+from conftest import Planted
 from fedseq.common.data.readers import parse_idx, read_dataset
 from fedseq.common.errors import DatasetError
 
@@ -83,16 +84,6 @@ def test_cifar_batches_read_through_the_arrays_only_reader(tmp_path, protocol):
     assert raw.labels.tolist() == [0, 1, 2, 3] * 6
 
 
-class _Planted:
-    """What an attacker pickles: unpickling it calls a function of the attacker's choice."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return (shutil.copyfile, (__file__, str(self.marker)))
-
-
 def test_a_planted_cifar_batch_runs_no_code(tmp_path):
     """A batch file that would call a function when unpickled (here: copy a file) is refused in
     one line, and the function never runs."""
@@ -100,7 +91,7 @@ def test_a_planted_cifar_batch_runs_no_code(tmp_path):
     marker = tmp_path / "ran"
     for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         _cifar_batch(folder / name)
-    _cifar_batch(folder / "data_batch_1", payload={b"data": _Planted(marker), b"labels": [0]})
+    _cifar_batch(folder / "data_batch_1", payload={b"data": Planted(marker), b"labels": [0]})
     with pytest.raises(DatasetError, match="not a CIFAR batch file") as err:
         read_dataset(tmp_path, "cifar10")
     assert not marker.exists() and "\n" not in str(err.value)

@@ -159,3 +159,28 @@ def test_frame_size_is_the_encoded_length_without_encoding():
         for b in model.spec.blocks:
             part = get_blocks(model, [b])
             assert frame_size(part) == len(encode_tensors(part))
+
+
+def test_a_frame_listing_more_tensors_than_an_update_holds_is_refused_before_parsing(monkeypatch):
+    """Hardening V, finding 5: a frame of a run's size whose header lists ~38,500 empty tensors
+    cost the network thread ~0.45 s to decode and held ~24x its size as tensor objects. With
+    max_tensors (every shared tensor an update may carry) its header's length is refused before
+    it is parsed, and a header within that length but with too many entries before any tensor is
+    built; an honest frame passes."""
+    import json
+
+    from fedseq.common.protocol import tensors
+
+    many = {f"t{i}": torch.empty(0) for i in range(38500)}
+    frame = encode_tensors(many)
+    parsed = []
+    real = json.loads
+    monkeypatch.setattr(tensors.json, "loads", lambda raw: parsed.append(len(raw)) or real(raw))
+    with pytest.raises(ProtocolError, match="more than 20 tensors need"):
+        decode_tensors(frame, max_tensors=20)
+    assert parsed == []  # refused unparsed
+    few = encode_tensors({f"t{i}": torch.empty(0) for i in range(30)})
+    with pytest.raises(ProtocolError, match="30 tensors, more than the 20"):
+        decode_tensors(few, max_tensors=20)
+    honest = encode_tensors({"w": torch.ones(3, 4), "b": torch.zeros(4)})
+    assert set(decode_tensors(honest, max_tensors=2)) == {"w", "b"}
