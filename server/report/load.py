@@ -34,6 +34,8 @@ class Run:
     rows: list[RoundRecord]
     clients: list[dict[str, str]] = field(default_factory=list)
     status: dict[str, Any] = field(default_factory=dict)
+    #: the label is the user's (--label): the run is reported under it, apart from other labels
+    labelled: bool = False
 
     @property
     def algorithm(self) -> str:
@@ -103,7 +105,7 @@ def load_run(path: Path, label: str | None = None) -> Run:
     status = _read_status(path / "status.json") if (path / "status.json").exists() else {}
     if (path / "devices.json").exists():  # a deployment: where it trained is its devices
         status["device"] = trained_on(_read_object(path / "devices.json"))
-    return Run(path, label or path.name, config, rows, clients, status)
+    return Run(path, label or path.name, config, rows, clients, status, labelled=bool(label))
 
 
 #: the config's sections a report reads, each a table

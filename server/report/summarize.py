@@ -195,14 +195,27 @@ class Group:
         return any(r.init_global for r in self.runs)
 
 
+def _seeds_key(run: Run) -> tuple[Any, ...]:
+    return tuple(_seed_of(run, s) for s in SEED_STREAMS)
+
+
 def group_runs(runs: list[Run]) -> list[Group]:
     """Group runs whose configs differ only by seed, in order of first appearance. A group of
-    several is labelled by its runs' common parent folder (a sweep's OUT) or the first run."""
-    groups: dict[str, list[Run]] = {}
+    several is labelled by its runs' common parent folder (a sweep's OUT) or the first run. Never
+    merged: runs of the same seeds (a simulation and a deployment of one config, say: each is
+    its own group, named by its folder), and runs given different --labels."""
+    groups: list[tuple[str, list[Run]]] = []
     for run in runs:
-        groups.setdefault(_group_key(run), []).append(run)
+        key = _group_key(run) + (f"\0{run.label}" if run.labelled else "")
+        seeds = _seeds_key(run)
+        home = next((members for k, members in groups if k == key
+                     and all(_seeds_key(r) != seeds for r in members)), None)
+        if home is None:
+            groups.append((key, [run]))
+        else:
+            home.append(run)
     out = []
-    for members in groups.values():
+    for _, members in groups:
         label = members[0].label
         if len(members) > 1:
             parents = {r.path.resolve().parent for r in members}

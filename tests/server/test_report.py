@@ -91,6 +91,9 @@ def test_a_group_trained_on_cpu_and_gpu_says_so(two_runs, tmp_path):
     status = json.loads((gpu / "status.json").read_text())
     assert status["device"] == "cpu"
     (gpu / "status.json").write_text(json.dumps({**status, "device": "NVIDIA H100 80GB HBM3"}))
+    config = (gpu / "config.toml").read_text()  # another seed of the config (same-seed runs stay apart)
+    assert "\nseed = 0\n" in config
+    (gpu / "config.toml").write_text(config.replace("\nseed = 0\n", "\nseed = 1\n"))
     r = _report(str(two_runs / "fedavg"), "--out", str(tmp_path / "cpu"), "--no-figures")
     assert r.returncode == 0, r.stderr
     assert "device" not in (tmp_path / "cpu" / "summary.md").read_text().splitlines()[0]
@@ -99,6 +102,25 @@ def test_a_group_trained_on_cpu_and_gpu_says_so(two_runs, tmp_path):
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| rounds | finetuned | device | G best |" in md
     assert "| NVIDIA H100 80GB HBM3 + cpu |" in md
+
+
+def test_runs_of_the_same_seed_are_never_merged(two_runs, tmp_path):
+    """Newcomer II, finding 2: a simulation and a deployment of one config and seed (here a copy
+    of a run) were grouped as "2 seeds" with a mean and sd over them; now each is its own row,
+    named by its folder, and --label names each row."""
+    import shutil
+
+    other = tmp_path / "fedavg-fleet"
+    shutil.copytree(two_runs / "fedavg", other)
+    r = _report(str(two_runs / "fedavg"), str(other), "--out", str(tmp_path / "rep"), "--no-figures")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader((tmp_path / "rep" / "summary.csv").open()))
+    assert [(x["run"], x["seeds"]) for x in rows] == [("fedavg", "1"), ("fedavg-fleet", "1")]
+    r = _report(str(two_runs / "fedavg"), str(other), "--label", "sim", "--label", "fleet",
+                "--out", str(tmp_path / "lab"), "--no-figures")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader((tmp_path / "lab" / "summary.csv").open()))
+    assert [x["run"] for x in rows] == ["sim", "fleet"]
 
 
 def test_a_deployment_names_its_devices(two_runs, tmp_path):
