@@ -21,8 +21,24 @@ from fedseq.common.errors import FedseqError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 data_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                       help="Datasets: download, import, verify, where they live.")
+                       help="Datasets: download (or copy from a folder with --from), verify, where "
+                            "they live.")
 app.add_typer(data_app, name="data")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from fedseq.common import __version__
+
+        print(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _tools_options(version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True,
+        help="Print the package version and exit.")] = False) -> None:
+    """The tools' options (`--version`, as fedseq-sim and fedseq-server have it)."""
 
 RootOpt = Annotated[Path | None, typer.Option(
     "--root", help="data root (default: $FEDSEQ_DATA, else ~/.local/share/fedseq/data)")]

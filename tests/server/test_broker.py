@@ -121,7 +121,8 @@ def test_version_flags():
 
     for cmd in (["-c", SERVER, "--version"],
                 ["-c", "from fedseq.server.cli import sim_main; sim_main()", "--version"],
-                ["-m", "fedseq.client.cli", "--version"]):
+                ["-m", "fedseq.client.cli", "--version"],
+                ["-m", "fedseq.server.tools", "--version"]):  # `fedseq --version` too
         r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and r.stdout.strip() == __version__, (cmd, r.stdout, r.stderr)
 
