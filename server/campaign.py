@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fedseq.common.config import ExperimentConfig, load_config
-from fedseq.common.errors import ConfigError, FedseqError, validation_problem
+from fedseq.common.errors import ConfigError, DatasetError, FedseqError, validation_problem
 from fedseq.common.files import atomic_write
 from fedseq.server.seeds import (
     changed_keys,
@@ -221,11 +221,22 @@ class Campaign:
         counts = {"finished before": 0, "finished": 0, "failed": 0, "not run": 0}
         n = len(self.runs)
 
+        broken: dict[str | None, str] = {}  # setting -> the config or data error it met
+
         def failed(i: int, run: CampaignRun, exc: FedseqError) -> bool:
-            """Record the failure; whether the campaign stops there."""
+            """Record the failure; whether the campaign stops there (on_failure = "stop"). An
+            error of the config or the data (a missing dataset file, a split that cannot be
+            made) is one the setting's other runs would meet again: they are skipped, whatever
+            on_failure says."""
             self.mark(run, "failed", str(exc))
             counts["failed"] += 1
             announce(f"campaign run {i} of {n}: {run.name} failed: {exc}")
+            if isinstance(exc, (ConfigError, DatasetError)):
+                broken[run.setting] = str(exc)
+                announce("campaign: the remaining runs" + (f" of setting {run.setting}"
+                         if run.setting else "") + " are skipped (the same config or data "
+                         "error); fix it in the campaign file, its config or --set, then run "
+                         "the same command again")
             if stop_on_failure:
                 counts["not run"] = n - i
                 announce("campaign stopped (on_failure = \"stop\"); run the same command "
@@ -236,6 +247,10 @@ class Campaign:
 
         for i, run in enumerate(self.runs, 1):
             path = self.out / run.folder
+            if run.setting in broken:
+                self.mark(run, "skipped", f"not run: its setting failed ({broken[run.setting]})")
+                counts["not run"] += 1
+                continue
             try:
                 state = seed_state(path, run.cfg)  # its folder may hold another run: it fails
             except FedseqError as exc:

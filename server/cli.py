@@ -99,6 +99,14 @@ def _start(config: Path | None, overrides: list[str] | None, out: Path | None,
     return cfg, resume or out or _default_out(cfg), mode, info
 
 
+def _refuse_used_out(out: Path, mode: str) -> None:
+    """A new run's --out must be empty: said before the data loads or a broker or daemon starts
+    (RunDir refuses it too, later)."""
+    if mode == "new" and out.is_dir() and any(out.iterdir()):
+        _fail(ConfigError(f"--out {out} exists and is not empty: pass --resume {out} to continue "
+                          "that run, or --overwrite to replace it"))
+
+
 def _login_flags(cfg: ExperimentConfig, no_verify_hostname: bool, **flags: Any) -> None:
     """The broker login and TLS flags of start and status over the config's deploy.* keys (a
     flag given wins); a bad value is a one-line error."""
@@ -225,6 +233,7 @@ def sim(
         mode = "resume"  # torchrun --max-restarts started the group again: continue the run
         _refuse_result_changes(out, cfg)
     if seeds is None:
+        _refuse_used_out(out, mode)
         _simulate(cfg, out, mode, info, quiet, (workers, workers_per_gpu))
         _summary(out)
         return
@@ -475,6 +484,7 @@ def start(
     from fedseq.server.deployment import run_deployment
 
     cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
+    _refuse_used_out(out, mode)
     _login_flags(cfg, no_verify_hostname, username=username, password_file=password_file,
                  ca_file=ca_file, cert_file=cert_file, key_file=key_file)
     try:

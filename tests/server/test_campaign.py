@@ -207,3 +207,21 @@ def test_campaign_names_and_folders_stay_inside(tmp_path, data_root):
         with pytest.raises(ConfigError, match="damaged") as err:
             Campaign(out, runs, file).open(lambda m: None)
         assert "\n" not in str(err.value)
+
+
+def test_a_config_or_data_error_skips_the_rest_of_its_setting(tmp_path, data_root):
+    """Newcomer II, finding 6: a missing dataset (or any config error) fails the first run of its
+    setting and skips the others, which would only repeat it; another setting goes on."""
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg", "fedprox"]\nseeds = [0, 1]\n'
+                     'order = ["setting", "algorithm", "seed"]\n'
+                     '[settings.broken]\nset = ["data.root=\\"/nonexistent/fedseq-data\\""]\n'
+                     '[settings.other]\nset = ["data.num_clients=1000"]\n')
+    out = tmp_path / "out"
+    done = _sim("--campaign", str(file), "--out", str(out))
+    assert done.returncode == 1
+    outcomes = _outcomes(out)
+    assert outcomes["broken/fedavg/seed-0"] == "failed" and outcomes["other/fedavg/seed-0"] == "failed"
+    assert [k for k, v in outcomes.items() if v == "skipped"] == [
+        "broken/fedavg/seed-1", "broken/fedprox/seed-0", "broken/fedprox/seed-1",
+        "other/fedavg/seed-1", "other/fedprox/seed-0", "other/fedprox/seed-1"]
+    assert done.stderr.count("are skipped") == 2, done.stderr

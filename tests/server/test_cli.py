@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def _run(*args, cwd=None):
     return subprocess.run(list(args), capture_output=True, text=True, timeout=300, cwd=cwd)
@@ -167,3 +169,16 @@ def test_replay_says_whether_the_model_is_the_runs(tmp_path, data_root):
     assert r.returncode == 1 and "differs from the run's" in r.stderr
     r = _run("fedseq-sim", "--replay", str(run))
     assert r.returncode == 2 and "needs a new --out" in r.stderr
+
+
+def test_a_used_out_is_refused_before_anything_starts(tmp_path):
+    """Newcomer II, finding 6: `fedseq-server start` into a non-empty --out is refused in one
+    line before the embedded broker or a local daemon starts (it used to start them, log three
+    warnings, then refuse); fedseq-sim likewise before loading the data."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("")
+    for cmd in (["fedseq-server", "start", "--local-clients", "3"], ["fedseq-sim"]):
+        r = _run(*cmd, "--config", str(ROOT / "examples" / "quickstart.toml"), "--out", str(out))
+        assert r.returncode == 2 and "exists and is not empty" in r.stderr, (cmd, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
