@@ -1,4 +1,6 @@
-"""Shared fixtures: the real datasets live in ../shared/data (or $FEDSEQ_DATA); never downloaded."""
+"""Shared fixtures. The real datasets are read from the data root every command uses ($FEDSEQ_DATA,
+else ~/.local/share/fedseq/data: `fedseq data download mnist fmnist`), or from this project's
+../shared/data where that holds them; never downloaded here."""
 
 from __future__ import annotations
 
@@ -19,9 +21,26 @@ from fedseq.server.broker import free_port, write_local_mosquitto
 from fedseq.server.launch import SERVER_PACKAGES
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _data_root() -> Path:
+    """$FEDSEQ_DATA; else the commands' default root when it holds Fashion-MNIST; else the
+    project's ../shared/data when that does; else the commands' default (the tests that need the
+    data then skip, saying how to get it)."""
+    from fedseq.common.data.store import default_data_root
+
+    if os.environ.get("FEDSEQ_DATA"):
+        return Path(os.environ["FEDSEQ_DATA"])
+    for root in (default_data_root(), ROOT.parent / "shared" / "data"):
+        if (root / "FashionMNIST" / "raw").is_dir():
+            return root
+    return default_data_root()
+
+
 # One data root for the tests and the commands they start: a resumed or replayed run reads its
 # data from the default root, never from its run directory's config (common/config.py).
-os.environ.setdefault("FEDSEQ_DATA", str(ROOT.parent / "shared" / "data"))
+DATA_ROOT = _data_root()
+os.environ["FEDSEQ_DATA"] = str(DATA_ROOT)
 
 
 def _server_stack() -> bool:
@@ -51,9 +70,16 @@ class Planted:
 
 
 def shared_data_root() -> Path:
-    root = Path(os.environ.get("FEDSEQ_DATA", ROOT.parent / "shared" / "data"))
-    if not (root / "FashionMNIST" / "raw").is_dir():
-        pytest.fail(f"real datasets not found under {root}; set FEDSEQ_DATA to the shared/data folder")
+    """The real datasets' root; without them a test skips with the command that fetches them
+    (in CI, where they must be there, it fails)."""
+    root = DATA_ROOT
+    if not (root / "FashionMNIST" / "raw").is_dir() or not (root / "MNIST" / "raw").is_dir():
+        why = (f"MNIST and Fashion-MNIST not found under {root}: run `fedseq data download mnist "
+               "fmnist` (or `--from DIR` with the files, offline), or set FEDSEQ_DATA to the "
+               "folder that holds them")
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
     return root
 
 
