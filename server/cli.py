@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 import time
@@ -728,7 +729,10 @@ def passwd(
 def status(
     broker: Annotated[str | None, typer.Option(
         help="mqtt://HOST:PORT or mqtts://HOST:PORT (default: deploy.broker of --config)")] = None,
-    config: ConfigOpt = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", "-c", help="Experiment TOML file (its deploy.broker, else its embedded "
+                               "broker's host and port), or a run directory of fedseq-server "
+                               "start (the broker it ran on).")] = None,
     username: UsernameOpt = None,
     password_file: PasswordFileOpt = None,
     ca_file: CaFileOpt = None,
@@ -746,13 +750,25 @@ def status(
     from fedseq.server.broker import coordinator_login
     from fedseq.server.status import format_fleet, read_fleet
 
-    cfg, _, _, _ = _start(config, None, Path("unused"))
+    ran_on = None
+    if config is not None and config.is_dir():  # a run directory: its config and its broker
+        try:
+            cfg = load_run_config(config)
+            ran_on = json.loads((config / "status.json").read_text()).get("broker")
+        except (FedseqError, OSError, ValueError, AttributeError) as exc:
+            _fail(ConfigError(f"--config {config}: not a run directory fedseq-server start "
+                              f"wrote ({exc})"))
+    else:
+        cfg, _, _, _ = _start(config, None, Path("unused"))
     _login_flags(cfg, no_verify_hostname, username=username, password_file=password_file,
                  ca_file=ca_file, cert_file=cert_file, key_file=key_file)
     d = cfg.deploy
-    url = broker or d.broker
+    # the broker named, the config's, the one the run directory ran on, or the config's embedded
+    embedded = f"mqtt://{d.host}:{d.port}" if config is not None and d.port else None
+    url = broker or d.broker or (ran_on if isinstance(ran_on, str) else None) or embedded
     if url is None:
-        _fail(ValueError("no broker: pass --broker mqtt://HOST:PORT or a --config with deploy.broker"))
+        _fail(ValueError("no broker: pass --broker mqtt://HOST:PORT, a --config with deploy.broker "
+                         "or a run directory as --config"))
     try:
         view = read_fleet(url, d.topic_root, *coordinator_login(d), wait)
     except FedseqError as exc:

@@ -211,7 +211,9 @@ class Fleet:
         return self.pool
 
     def info(self) -> dict[str, Any]:
-        return {"run_id": self.run_id}
+        """status.json's: the run id, and the broker it ran on (`fedseq-server status --config
+        RUN_DIR` finds it there)."""
+        return {"run_id": self.run_id, "broker": self.url}
 
     def started(self, stack: contextlib.ExitStack, run_dir: RunDir) -> None:
         record_devices(run_dir, self.pool)

@@ -58,10 +58,12 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
                     info = DeviceInfo.decode(payload)
                     if topic == t.device_info(info.device):
                         view.stacks[info.device] = info
-                else:
+                elif getattr(t.parse(topic), "kind", "") == "device_status":
                     status = DeviceStatus.decode(payload)
                     if topic == t.device_status(status.device):
                         view.devices[status.device] = status
+                # anything else (amqtt replays other retained messages too: weights,
+                # assignments) is not what status reads
         except ProtocolError as exc:
             view.invalid.append(f"{topic}: {exc}")
 

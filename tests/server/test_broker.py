@@ -192,3 +192,39 @@ def test_amqtt_s_dropped_messages_are_said_once_with_what_to_do(caplog):
     assert len(ours) == 1 and "amqtt issue #391" in ours[0], ours
     assert 'embedded_broker = "mosquitto"' in ours[0]
     assert not handler.filters and not broker.filters  # gone with the broker
+
+
+def test_status_finds_a_run_directory_s_broker_and_reads_only_statuses(tmp_path):
+    """Newcomer II, finding 5: `fedseq-server status --config RUN_DIR` reads the broker the run
+    ran on from its status.json (a local run's embedded broker), and the broker's other retained
+    messages (weights, an assignment) are not read as statuses (they printed a dozen "invalid"
+    lines)."""
+    import json
+
+    import paho.mqtt.client as mqtt
+
+    from fedseq.common.protocol.messages import DeviceStatus
+
+    broker = EmbeddedBroker("127.0.0.1", 0)
+    broker.start()
+    try:
+        pub = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="dev02")
+        pub.connect("127.0.0.1", broker.port)
+        pub.loop_start()
+        for topic, body in (("fedseq/device/dev02/status",
+                             DeviceStatus(device="dev02", state="online").encode()),
+                            ("fedseq/weights/conv1/0", b"\x00" * 64),
+                            ("fedseq/device/dev02/assign", b'{"clients": [0, 1]}')):
+            pub.publish(topic, body, qos=1, retain=True).wait_for_publish(10)
+        pub.loop_stop()
+        run = tmp_path / "run"
+        run.mkdir()
+        (run / "config.toml").write_text("rounds = 2\n")
+        (run / "status.json").write_text(json.dumps({"state": "running", "broker": broker.url}))
+        r = subprocess.run([sys.executable, "-c", SERVER, "status", "--config", str(run),
+                            "--wait", "1.5"], capture_output=True, text=True, timeout=120)
+    finally:
+        broker.stop()
+    assert r.returncode == 0, r.stderr
+    assert any(ln.startswith("dev02") and "online" in ln for ln in r.stdout.splitlines()), r.stdout
+    assert "invalid" not in r.stdout + r.stderr, r.stdout + r.stderr
