@@ -551,11 +551,40 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def _suggest(where: str) -> str:
+    """ "; did you mean X?" for a misspelt dotted key (a section or a key of its section), or ""."""
+    import difflib
+
+    parts = where.split(".")
+    model: Any = ExperimentConfig
+    for i, part in enumerate(parts):
+        fields = getattr(model, "model_fields", None)
+        if not fields:
+            return ""
+        if part not in fields:
+            close = difflib.get_close_matches(part, list(fields), n=1, cutoff=0.6)
+            if not close:  # by what the key means: "learning_rate" is lr ("... learning rate")
+                words = part.replace("_", " ").split()
+                scored = []
+                for name, f in fields.items():
+                    text = [w.strip(".,:;()`'\"") for w in (f.description or "").lower().split()]
+                    spans = [" ".join(text[j:j + len(words)]) for j in range(len(text))]
+                    best = max((difflib.SequenceMatcher(None, " ".join(words), sp).ratio()
+                                for sp in spans), default=0.0)
+                    scored.append((best, -len(text), name))  # ties: the shortest description
+                best, _, name = max(scored, default=(0.0, 0, ""))
+                close = [name] if best >= 0.85 else []
+            return f"; did you mean {'.'.join(parts[:i] + close)}?" if close else ""
+        model = fields[part].annotation
+    return ""
+
+
 def _format_validation(exc: ValidationError, source: str) -> str:
     p = validation_problem(exc)
     msg = p.msg
     if p.kind == "extra_forbidden":
-        msg = "unknown key (check the spelling; see examples/*.toml for valid keys)"
+        msg = ("unknown key" + (_suggest(p.where) or " (check the spelling)")
+               + " (every key: docs/how-to/experiments.md, the site's configuration reference)")
     return f"{p.where or 'config'}: {msg}; fix it in {source}{p.more}"
 
 

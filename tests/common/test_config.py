@@ -143,3 +143,14 @@ def test_a_run_directory_never_picks_its_data_root(tmp_path, monkeypatch):
     assert load_run_config(tmp_path, ["data.root='/x'"]).data.root == Path("/x")
     assert load_run_config(tmp_path).data.dataset == "cifar10"  # the rest is the run's
     assert run_data_root(tmp_path) == str(tmp_path / "planted")
+
+
+@pytest.mark.parametrize("key, meant", [("train.lerning_rate", "train.lr"),
+                                        ("train.local_epoch", "train.local_epochs"),
+                                        ("trian.lr", "train"), ("algorithm.nme", "algorithm.name")])
+def test_a_misspelt_key_says_what_was_meant(key, meant):
+    """Newcomer II, finding 8: "did you mean" for a misspelt key, by its name or by what its
+    description says it is; one line."""
+    with pytest.raises(ConfigError, match=f"did you mean {meant}\\?") as err:
+        load_config(None, [f"{key}=1"])
+    assert "\n" not in str(err.value)
