@@ -88,8 +88,17 @@ def is_table(annotation: Any) -> TypeGuard[type[BaseModel]]:
     return inspect.isclass(annotation) and issubclass(annotation, BaseModel)
 
 
+def _text(text: str) -> str:
+    """Generated text as Markdown shows it: `<`, `>` and `&` outside code spans escaped, so help
+    that says `OUT/<setting>/...` is not read as HTML (a `<s>` struck whole paragraphs through)."""
+    parts = text.split("`")
+    for i in range(0, len(parts), 2):  # outside code spans
+        parts[i] = parts[i].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return "`".join(parts)
+
+
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|")
+    return _text(" ".join(text.split())).replace("|", "\\|")
 
 
 def field_rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, FieldInfo]]:
@@ -175,7 +184,7 @@ def _click_command(name: str, cmd: Any, level: int) -> list[str]:
     ctx = typer.Context(cmd)
     out = [f"{'#' * level} `{name}`", ""]
     if cmd.help:
-        out += [inspect.cleandoc(cmd.help).split("\f")[0], ""]
+        out += [_text(inspect.cleandoc(cmd.help).split("\f")[0]), ""]
     if hasattr(cmd, "list_commands"):  # a group
         for sub_name in cmd.list_commands(ctx):
             sub = cmd.get_command(ctx, sub_name)
@@ -187,7 +196,7 @@ def _click_command(name: str, cmd: Any, level: int) -> list[str]:
 
 
 def _argparse_command(name: str, parser: argparse.ArgumentParser) -> list[str]:
-    out = [f"## `{name}`", "", parser.description or "", "", "```",
+    out = [f"## `{name}`", "", _text(parser.description or ""), "", "```",
            " ".join(parser.format_usage().split())[len("usage: "):], "```", "",
            "| argument or option | values | default | description |", "| --- | --- | --- | --- |"]
     for a in parser._actions:

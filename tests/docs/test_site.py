@@ -139,3 +139,22 @@ def test_every_page_renders_in_a_headless_browser_without_a_missing_asset(site):
     finally:
         server.shutdown()
     assert not handler.missing, f"assets the pages asked for and the site lacks: {handler.missing}"
+
+
+def test_generated_reference_text_is_not_read_as_html():
+    """Newcomer II, finding 3: help and descriptions saying `OUT/<setting>/seed-<s>` were read as
+    HTML (`<s>` struck the rest of the page through); outside code, generated text is escaped."""
+    import re
+
+    from fedseq.server import reference
+
+    cli = reference.cli_page()
+    assert "OUT/&lt;setting&gt;/&lt;algorithm&gt;/seed-&lt;s&gt;" in cli
+    for page in (cli, reference.config_page(), reference.messages_page()):
+        prose, fenced = [], False
+        for line in page.splitlines():
+            fenced ^= line.startswith("```")
+            if not fenced and not line.startswith("```"):
+                prose.append(re.sub(r"`[^`]*`", "", line))
+        tags = re.findall(r"<[A-Za-z/][^>]*>", "\n".join(prose))
+        assert not tags, tags[:5]
