@@ -13,7 +13,14 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from fedseq.common.config import ExperimentConfig, load_config, load_run_config, run_data_root
 from fedseq.common.errors import ConfigError, FedseqError
@@ -372,16 +379,20 @@ def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],
 
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=err, disable=quiet,
+        TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn(),
+        TextColumn("{task.fields[status]}"), console=err, disable=quiet,
     )
     with progress:
         task = progress.add_task(f"{cfg.algorithm.name} seed {cfg.seed}", total=cfg.rounds,
                                  status="loading data")
+        last: dict[str, str] = {}  # the last evaluated accuracies, shown until the next ones
+        tuning: list[Any] = []
 
         def on_round(row: RoundRecord) -> None:
-            status = (f"{row.phase} global{'*' if row.global_model else ''} "
-                      f"{_fmt(row.global_acc)} personal {_fmt(row.personal_acc)} "
-                      f"{row.seconds or 0:.1f}s")
+            if row.global_acc is not None or row.personal_acc is not None:
+                last["acc"] = (f"global{'*' if row.global_model else ''} {_fmt(row.global_acc)} "
+                               f"personal {_fmt(row.personal_acc)} (round {row.round})")
+            status = f"{row.phase} {last.get('acc', '')} {row.seconds or 0:.1f}s a round"
             progress.update(task, advance=1 if row.phase == "train" else 0, status=status)
             if row.global_model and not noted:
                 noted.append(True)
@@ -390,7 +401,9 @@ def _simulate(cfg: ExperimentConfig, out: Path, mode: str, info: dict[str, Any],
                 progress.update(task, status=status + " | fine-tuning")
 
         def on_progress(done: int, total: int) -> None:
-            progress.update(task, status=f"fine-tuning: {done}/{total} clients")
+            if not tuning:  # the final fine-tuning: a bar of its own, with its time left
+                tuning.append(progress.add_task("fine-tuning", total=total, status="clients"))
+            progress.update(tuning[0], completed=done)
 
         noted: list[bool] = []
         try:
