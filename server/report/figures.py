@@ -13,6 +13,10 @@ from fedseq.common.text import plot_label
 from fedseq.server.report.load import Run
 from fedseq.server.report.summarize import Group, group_runs
 
+#: matplotlib's tab20 colours, for more than ten groups
+_TAB20 = ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d62728", "#ff9896",
+          "#9467bd", "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7",
+          "#bcbd22", "#dbdb8d", "#17becf", "#9edae5"]
 
 @dataclass
 class _Palette:
@@ -28,7 +32,11 @@ class _Palette:
     @classmethod
     def of(cls, runs: list[Run]) -> _Palette:
         groups = group_runs(runs)
-        return cls(groups, {id(r): f"C{i % 10}" for i, g in enumerate(groups) for r in g.runs},
+        # matplotlib's ten colours, or its twenty (tab20) for more groups: no two groups share one
+        # up to twenty (a campaign of twelve algorithms repeated two after ten)
+        colors = [f"C{i}" for i in range(10)] if len(groups) <= 10 else _TAB20
+        return cls(groups, {id(r): colors[i % len(colors)] for i, g in enumerate(groups)
+                            for r in g.runs},
                    {id(r): plot_label(g.label) for g in groups for r in g.runs})
 
     def style(self, run: Run, points: int) -> dict[str, Any]:
@@ -216,17 +224,15 @@ def _time_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
             style = pal.style(run, len(ys))
             axes[0].plot(xt, ys, **style)
             axes[1].plot(xe, ys, **style)
+    if not simulated:  # only what was measured: no simulated fleet, no figure
+        plt.close(fig)
+        return None
     axes[0].set_xlabel("simulated time (s)")
     axes[1].set_xlabel("modelled energy of the fleet (kJ)")
     axes[0].set_ylabel("global accuracy (%)")
-    if not simulated:
-        for ax in axes:
-            ax.text(0.5, 0.5, "no simulated time\n(give the simulation a [fleet])",
-                    ha="center", va="center", transform=ax.transAxes, fontsize=9)
     for ax in axes:
         ax.grid(alpha=0.3)
-    if simulated:
-        axes[0].legend(fontsize=8, loc="lower right")
+    axes[0].legend(fontsize=8, loc="lower right")
     return fig
 
 
@@ -260,6 +266,8 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
     except ImportError as exc:
         raise ConfigError("the figures need matplotlib: pip install 'fedseq[report]' "
                           "(or pass --no-figures for the tables alone)") from exc
+    from matplotlib.ticker import MaxNLocator
+
     written = []
     pal = _Palette.of(runs)
     for name, draw in FIGURES.items():
@@ -267,6 +275,9 @@ def write_figures(runs: list[Run], out: Path) -> list[Path]:
         fig = draw(plt, runs, pal)
         if fig is None:
             continue
+        for ax in fig.axes:  # rounds are whole numbers
+            if ax.get_xlabel() == "round":
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
