@@ -574,8 +574,13 @@ def init_group(store: Any, rank: int, world: int, secret: str, loopback: bool = 
             os.environ["GLOO_SOCKET_IFNAME"] = loopback_interface()
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
                                 timeout=JOIN_TIMEOUT)
-        prove_pairs(secret)
-        steps_group()  # made here, while Gloo is told to bind loopback
+        try:
+            prove_pairs(secret)
+            steps_group()  # made here, while Gloo is told to bind loopback
+        except BaseException:  # a refused rank: leave the group, so this process can form another
+            _STEPS.clear()
+            dist.destroy_process_group()
+            raise
     except (RuntimeError, dist.DistError) as exc:
         raise _not_joined(rank, os.environ.get("MASTER_ADDR", "127.0.0.1"),
                           os.environ.get("MASTER_PORT", "?"), exc) from exc

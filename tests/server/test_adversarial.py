@@ -722,8 +722,8 @@ def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_
     seen: dict = {"file": 0, "pool": 0, "memory": 0, "inbox": []}
     real_open, real_write = box.Inbox.open, box.UpdateSpool.write
 
-    def opened(self, owner, update_bytes):
-        real_open(self, owner, update_bytes)
+    def opened(self, owner, update_bytes, *more):
+        real_open(self, owner, update_bytes, *more)
         self.spool.budget, self.frames.budget = 1, 0  # memory taken: everything to the file
         seen["inbox"].append(self)
 

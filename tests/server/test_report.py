@@ -60,7 +60,7 @@ def test_report_writes_figures_and_tables(two_runs, tmp_path):
 def test_an_unfinished_run_says_so(two_runs, tmp_path, data_root):
     """A run stopped after 2 of its 3 rounds is marked in the table, never shown as whole."""
     part = tmp_path / "part"
-    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.threads=1")
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.threads=1", "seed=1")
 
     def stop_after_round_1(row):
         if row.round == 1:
@@ -73,12 +73,13 @@ def test_an_unfinished_run_says_so(two_runs, tmp_path, data_root):
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| part | fedavg | fmnist | cnn | 1 | - | 2 of 3, interrupted |" in md
     assert "finish the runs" in md
-    # grouped with the finished run of the same config: the group says it mixes them
+    # grouped with the finished run of the same config (another seed): the group says it mixes them
     r = _report(str(two_runs / "fedavg"), str(part), "--out", str(tmp_path / "rep"),
                 "--no-figures")
     assert r.returncode == 0, r.stderr
     md = (tmp_path / "rep" / "summary.md").read_text()
-    assert "| fedavg (+1) | fedavg | fmnist | cnn | 2 | - | 2 of 3, mixed |" in md
+    assert "| fedavg (+1) | fedavg | fmnist | cnn | 2 | data,init,selection,training | 2 of 3, mixed |" \
+        in md, md[:900]
 
 
 def test_a_group_trained_on_cpu_and_gpu_says_so(two_runs, tmp_path):
