@@ -120,7 +120,8 @@ def _own_broker(rehearsal: Rehearsal | None, broker: str | None) -> None:
 
 
 def embedded_broker(stack: contextlib.ExitStack, d: DeployConfig, rehearsal: Rehearsal | None,
-                    announce: Callable[[str], None], whose: str) -> tuple[str, dict[str, Any]]:
+                    announce: Callable[[str], None], whose: str, local_clients: int = 0
+                    ) -> tuple[str, dict[str, Any]]:
     """The broker started here for a run or a campaign (`whose`), until `stack` closes: amqtt in
     this process, or Mosquitto from the checkout's broker.conf and ACL (deploy.embedded_broker),
     on `d.host` or a rehearsal's bridge. Returns its URL and the deploy.* login the coordinator
@@ -145,8 +146,9 @@ def embedded_broker(stack: contextlib.ExitStack, d: DeployConfig, rehearsal: Reh
         passwords, secret = one_run_login(Path(auth))
         login = {"username": "rehearsal", "password_file": secret}
     url = stack.enter_context(EmbeddedBroker(host, d.port, passwords, d.allow_anonymous)).url
-    announce(f"embedded MQTT broker at {url} - start devices with: "
-             f"fedseq-client --device NAME --broker {url}")
+    announce(f"embedded MQTT broker at {url}" + (
+        f" - {local_clients} local devices start here" if local_clients else
+        f" - start devices with: fedseq-client --device NAME --broker {url}"))
     return url, login
 
 
@@ -177,7 +179,8 @@ class Fleet:
             raise ConfigError(f"--resume {self.out}: that run was simulated; resume it with "
                               "fedseq-sim")
         if self.url is None:
-            self.url, login = embedded_broker(stack, cfg.deploy, rehearsal, self.announce, "run")
+            self.url, login = embedded_broker(stack, cfg.deploy, rehearsal, self.announce, "run",
+                                              self.local_clients)
             if login:
                 self.cfg_login = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(
                     update=login)})
@@ -234,7 +237,8 @@ def standing_fleet(cfg: ExperimentConfig, out: Path, broker: str | None, local_c
     with contextlib.ExitStack() as stack:
         url, login = broker or cfg.deploy.broker, dict[str, Any]()
         if url is None:
-            url, login = embedded_broker(stack, cfg.deploy, rehearsal, announce, "campaign")
+            url, login = embedded_broker(stack, cfg.deploy, rehearsal, announce, "campaign",
+                                         local_clients)
         children: list[subprocess.Popen] = []
         stack.callback(stop_children, children)
         if local_clients:
