@@ -108,11 +108,14 @@ def _start(config: Path | None, overrides: list[str] | None, out: Path | None,
 
 
 def _refuse_used_out(out: Path, mode: str) -> None:
-    """A new run's --out must be empty: said before the data loads or a broker or daemon starts
-    (RunDir refuses it too, later)."""
-    if mode == "new" and out.is_dir() and any(out.iterdir()):
-        _fail(ConfigError(f"--out {out} exists and is not empty: pass --resume {out} to continue "
-                          "that run, or --overwrite to replace it"))
+    """rundir.refuse_used_out before the data loads or a broker or daemon starts (RunDir checks
+    it again when it opens the folder)."""
+    from fedseq.server.rundir import refuse_used_out
+
+    try:
+        refuse_used_out(out, mode)
+    except ConfigError as exc:
+        _fail(exc)
 
 
 def _login_flags(cfg: ExperimentConfig, no_verify_hostname: bool, **flags: Any) -> None:

@@ -109,6 +109,14 @@ def copy_for_finetune(src: Path, out: Path, overrides: list[str], info: dict[str
     return cfg
 
 
+def refuse_used_out(path: Path, mode: str) -> None:
+    """A new run's folder must be empty or absent (nothing is ever silently overwritten):
+    ConfigError in one line otherwise. The commands check it before anything slow starts."""
+    if mode == "new" and path.is_dir() and any(path.iterdir()):
+        raise ConfigError(f"--out {path} exists and is not empty: pass --resume {path} to continue "
+                          "that run, or --overwrite to replace it")
+
+
 class RunDir:
     """`mode`: "new" refuses a non-empty folder (nothing is ever silently overwritten),
     "overwrite" replaces a previous run's files, "resume" keeps its rows before `resume_round`."""
@@ -116,9 +124,7 @@ class RunDir:
     def __init__(self, path: Path, cfg: ExperimentConfig, mode: str = "new",
                  resume_round: int = 0, info: dict[str, Any] | None = None):
         self.path = Path(path)
-        if mode == "new" and self.path.exists() and any(self.path.iterdir()):
-            raise ConfigError(f"--out {self.path} exists and is not empty: pass --resume {self.path} "
-                              "to continue that run, or --overwrite to replace it")
+        refuse_used_out(self.path, mode)
         self.path.mkdir(mode=0o750, parents=True, exist_ok=True)
         _check_owner(self.path)
         self._lock = _lock(self.path)

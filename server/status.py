@@ -54,11 +54,11 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
                     view.step = Step.decode(payload)
                 elif topic == t.campaign:
                     view.campaign = _campaign_status(payload)
-                elif getattr(t.parse(topic), "kind", "") == "device_info":
+                elif (kind := getattr(t.parse(topic), "kind", "")) == "device_info":
                     info = DeviceInfo.decode(payload)
                     if topic == t.device_info(info.device):
                         view.stacks[info.device] = info
-                elif getattr(t.parse(topic), "kind", "") == "device_status":
+                elif kind == "device_status":
                     status = DeviceStatus.decode(payload)
                     if topic == t.device_status(status.device):
                         view.devices[status.device] = status

@@ -18,6 +18,7 @@ from rich.progress import (
 )
 
 from fedseq.common.errors import FedseqError
+from fedseq.server.cli import VersionOpt
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 data_app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -26,18 +27,8 @@ data_app = typer.Typer(add_completion=False, no_args_is_help=True,
 app.add_typer(data_app, name="data")
 
 
-def _version(value: bool) -> None:
-    if value:
-        from fedseq.common import __version__
-
-        print(__version__)
-        raise typer.Exit()
-
-
 @app.callback()
-def _tools_options(version: Annotated[bool, typer.Option(
-        "--version", callback=_version, is_eager=True,
-        help="Print the package version and exit.")] = False) -> None:
+def _tools_options(version: VersionOpt = False) -> None:
     """The tools' options (`--version`, as fedseq-sim and fedseq-server have it)."""
 
 RootOpt = Annotated[Path | None, typer.Option(

@@ -18,6 +18,7 @@ _TAB20 = ["#1f77b4", "#aec7e8", "#ff7f0e", "#ffbb78", "#2ca02c", "#98df8a", "#d6
           "#9467bd", "#c5b0d5", "#8c564b", "#c49c94", "#e377c2", "#f7b6d2", "#7f7f7f", "#c7c7c7",
           "#bcbd22", "#dbdb8d", "#17becf", "#9edae5"]
 
+
 @dataclass
 class _Palette:
     """What the figures share: the runs grouped by seed, each run's colour (its group's) and
