@@ -20,6 +20,7 @@ from fedseq.client.session import DeviceSession, RunState
 from fedseq.client.state import StateStore
 from fedseq.common.algorithms import model_layout
 from fedseq.common.algorithms.aggregate import DeviceCost
+from fedseq.common.algorithms.hooks import UnknownAlgorithm, client_side
 from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict
 from fedseq.common.data.federated import FederatedData, load_federated
 from fedseq.common.errors import ProtocolError
@@ -71,7 +72,8 @@ class StepExecutor:
         """The run's clients of this device, their personal blocks on this device's disk."""
         data, model = self.prepare(run)
         return ClientExecutor(model, data, run.cfg.seed_for("training"),
-                              run.cfg.train.eval_batch_size, OnDisk(self, run))
+                              run.cfg.train.eval_batch_size, OnDisk(self, run),
+                              run.cfg.algorithm.name)
 
     # -- handlers --------------------------------------------------------------------------
     def _train(self, run: RunState, step: Step, mine: List[int]) -> None:
@@ -188,9 +190,16 @@ class StepExecutor:
 
 
 def _plan(step: Step) -> ClientPlan:
+    """The step's plan, refused in one line where it is malformed or names an algorithm this
+    device's fedseq lacks."""
     if step.plan is None:
         raise ProtocolError(f"step {step.seq} ({step.kind}) carries no plan")
-    return plan_from_dict(step.plan)
+    try:
+        plan = plan_from_dict(step.plan)
+        client_side(plan)
+    except UnknownAlgorithm as exc:
+        raise ProtocolError(f"step {step.seq}: {exc}") from None
+    return plan
 
 
 class OnDisk:

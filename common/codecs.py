@@ -49,6 +49,8 @@ class Codec:
 
     @property
     def spec(self) -> str:
+        """The codec as one string, as a plan carries it (`ClientPlan.codec`) and `parse` reads
+        it back: "none", "fp16", "int8:channel", "int8:tensor:stochastic", "topk:0.01"."""
         if self.name == "topk":
             return f"topk:{self.topk!r}"
         if self.name == "int8":

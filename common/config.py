@@ -113,9 +113,9 @@ class ModelConfig(_Section):
     """[model]: which model of the zoo (common/models.py)."""
 
     name: str = Field("cnn", description=(
-        "A model of common/models.py's MODELS: cnn (the FedSeq paper's FedAvg/PFLlib CNN), convnet "
-        "(FedReG's FedDyn/FedRoD ConvNet), 4convnet and mobilenet (FedBABU's), resnet18, resnet34 "
-        "(FedPer's and FedBABU's appendix). docs/models.md gives their blocks and parameters."))
+        "A model of common/models.py's MODELS (the limits column lists them): cnn is the FedSeq "
+        "paper's FedAvg/PFLlib CNN, convnet FedReG's FedDyn/FedRoD ConvNet; docs/models.md gives "
+        "every model's source, blocks and parameters."))
     head_init: Literal["default", "orthogonal"] = Field("default", description=(
         "The heads' initial weights: default (PyTorch's, the same for every algorithm) or "
         "orthogonal (nn.init.orthogonal_ on each head's weight, as FedBABU section 3 describes its "
@@ -140,10 +140,8 @@ class AlgorithmConfig(_Section):
     """[algorithm]: which algorithm and its own hyperparameters."""
 
     name: str = Field("fedseq-anti", description=(
-        "An algorithm of common/algorithms' REGISTRY: fedavg, fedavgm, fedadam, fedyogi, scaffold, "
-        "fedprox, feddyn, ditto, fedper, fedrep, lg-fedavg, fedbabu, gpfl, fedrod, fedreg, "
-        "fedseq-vanilla, fedseq-anti, or the control local (every client alone on the same "
-        "schedule)."))
+        "An algorithm of common/algorithms' REGISTRY (the limits column lists them; `local` is "
+        "the control: every client alone on the same schedule)."))
     unfreeze_rounds: List[int] = Field(default_factory=list, description=(
         "FedSeq: the round (from 0) at which each base block starts training, t_1..t_K in the "
         "schedule's order; empty: evenly spaced over the rounds. A t_k >= rounds keeps that block "
@@ -169,6 +167,11 @@ class AlgorithmConfig(_Section):
         "GPFL: the L2 regularization (weight decay) of its CoV and GCE (FedReG section 4.2's "
         "eta: 0.001)."))
     mu: float = Field(0.001, ge=0, description="FedProx: the proximal term's weight.")
+    moon_mu: float = Field(1.0, ge=0, description=(
+        "MOON: the weight mu of its model-contrastive term (the paper: 5 on CIFAR-10, 1 on "
+        "CIFAR-100 and Tiny-ImageNet)."))
+    moon_tau: float = Field(0.5, gt=0, description=(
+        "MOON: the temperature tau of its model-contrastive term (the paper's 0.5)."))
     head_epochs: int = Field(1, ge=0, description="FedRep: head epochs before the body epochs.")
     personal_layers: int = Field(1, ge=1, description=(
         "FedPer's K_P: the personalization layers in blocks, the head and the last K_P - 1 base "

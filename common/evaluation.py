@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fedseq.common.algorithms.gpfl import global_prediction, personal_features
+from fedseq.common.algorithms.hooks import ClientSide
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.models import BlockModel, Weights, block_of, set_weights
 
@@ -74,12 +74,15 @@ def evaluate(
     clients: list[int] | None = None,
     batch: int = 128,
     with_global: bool = True,
+    side: ClientSide | None = None,
 ) -> EvalReport:
     """Global model on the union of the clients' test rows, and each client's model (global
     blocks overridden by its personal blocks, logits of `eval_heads` summed) on its own rows.
-    On a model with GPFL's valve the heads read each client's personalized valve, and the
-    global model predicts by the GCE (common/algorithms/gpfl.py)."""
+    `side`: the algorithm's client side, where the heads read something else than the base
+    features (`head_features`) and the global model predicts otherwise than by its head
+    (`global_prediction`): GPFL's valve and GCE (common/algorithms/gpfl.py)."""
     spec = model.spec
+    side = ClientSide() if side is None else side
     clients = list(range(len(data.clients))) if clients is None else clients
     model.eval()  # running statistics (model.norm) normalize, and stay as they are
     set_weights(model, global_weights)
@@ -96,8 +99,9 @@ def evaluate(
             feats = features(model, data.images(rows), batch)
         y = data.y[rows]
         if with_global:
-            pred = (global_prediction(model, feats) if spec.valve
-                    else _head_logits(feats, (spec.head,), global_weights).argmax(1))
+            pred = side.global_prediction(model, feats)
+            if pred is None:
+                pred = _head_logits(feats, (spec.head,), global_weights).argmax(1)
             g_correct, g_total = int((pred == y).sum()), len(y)
     offset = 0
     for c in clients:
@@ -110,8 +114,8 @@ def evaluate(
             set_weights(model, {k: v for k, v in global_weights.items() if k in personal.get(c, {})})
         else:
             f_c = feats[offset : offset + n]
-        if spec.valve:
-            f_c = personal_features(model, f_c, data.clients[c].train_class_counts(
+        if side.needs_counts:
+            f_c = side.head_features(model, f_c, data.clients[c].train_class_counts(
                 data.y, data.num_classes))
         pred = _head_logits(f_c, eval_heads, w).argmax(1)
         per_client[c] = (int((pred == data.y[test]).sum()), n)

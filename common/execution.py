@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Protocol, Sequence, Tuple
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
-from fedseq.common.algorithms.ditto import personal_view
+from fedseq.common.algorithms.hooks import client_side_of
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.codecs import decode
 from fedseq.common.data.federated import FederatedData
@@ -53,11 +53,13 @@ class InMemory:
 
 class ClientExecutor:
     """Runs one client's plan at a time on `model` over `data` (this process's clients' rows),
-    with the run's training seed and evaluation batch, personal state in `personal`."""
+    with the run's training seed and evaluation batch, personal state in `personal`; `algorithm`:
+    the run's (algorithm.name), whose client side says how its clients are evaluated."""
 
     def __init__(self, model: BlockModel, data: FederatedData, seed: int, eval_batch: int,
-                 personal: PersonalState):
+                 personal: PersonalState, algorithm: str):
         self.model = model
+        self.side = client_side_of(algorithm)
         self.data = data
         self.seed = seed
         self.eval_batch = eval_batch
@@ -92,7 +94,7 @@ class ClientExecutor:
         chosen = list(range(len(self.data.clients))) if clients is None else list(clients)
         # the model's tensors of each client's state (not its control variates: SCAFFOLD's),
         # its own whole model where it keeps one (Ditto's)
-        blocks = {c: personal_view(self.personal.load(c, personal)) for c in chosen}
+        blocks = {c: self.side.view(self.personal.load(c, personal)) for c in chosen}
         return evaluate(self.model, self.data, decode(shared), blocks, eval_heads,
                         clients=None if clients is None else chosen, batch=self.eval_batch,
-                        with_global=with_global)
+                        with_global=with_global, side=self.side)

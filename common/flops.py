@@ -9,15 +9,17 @@ never count: the flop counter's import pulls in torch._dynamo and sympy (~95 MB 
 from __future__ import annotations
 
 import copy
+import json
 
 import torch
 
+from fedseq.common.algorithms.hooks import client_side
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 from fedseq.common.data.federated import ClientShard, FederatedData
 from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.models import BlockModel
 
-FlopCache = dict[tuple[tuple[Objective, ...], int, bool], int]
+FlopCache = dict[tuple[tuple[Objective, ...], int, str, str], int]
 
 
 def phase_rows(plan: ClientPlan, data: FederatedData, shard: ClientShard) -> list[int]:
@@ -37,14 +39,12 @@ def phase_rows(plan: ClientPlan, data: FederatedData, shard: ClientShard) -> lis
 def _runs(plan: ClientPlan, data: FederatedData, shard: ClientShard
           ) -> list[tuple[ClientPlan, Phase, int]]:
     """(the plan it runs under, phase, rows) of everything a client trains executing `plan`:
-    its phases, then Ditto's training of the client's own model (`training.personal_plan`)."""
-    runs = [(plan, phase, n) for phase, n in zip(plan.phases, phase_rows(plan, data, shard),
-                                                  strict=True)]
-    if plan.personal_epochs:
-        from fedseq.common.training import personal_plan
-
-        own = personal_plan(plan)
-        runs.append((own, own.phases[0], len(shard.train)))
+    its phases, then the further trainings of its algorithm's client side (Ditto's own model:
+    `ClientSide.extra_plans`)."""
+    runs = []
+    for p in (plan, *client_side(plan).extra_plans(plan)):
+        runs += [(p, phase, n) for phase, n in zip(p.phases, phase_rows(p, data, shard),
+                                                     strict=True)]
     return runs
 
 
@@ -63,23 +63,21 @@ def _batch_flops(model: BlockModel, plan: ClientPlan, phase: Phase, size: int,
                  in_shape: tuple[int, int, int], num_classes: int) -> int:
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fedseq.common.algorithms.gpfl import conditions
     from fedseq.common.training import Sgd, set_trainable, train_step
 
     m = copy.deepcopy(model).cpu()
     x = torch.zeros(size, *in_shape)
     y = torch.zeros(size, dtype=torch.int64)
     log_prior = torch.zeros(1, num_classes) if plan.class_counts_needed else None
-    anchor = ({k: v.detach().clone() for k, v in m.named_parameters()} if plan.prox_mu > 0
-              else {})
-    cond = conditions(m.gce.weight, torch.ones(num_classes)) if m.spec.valve else None
+    side = client_side(plan)
+    side.begin(m, torch.ones(num_classes) if plan.class_counts_needed else None, None)
     cache: dict[str, torch.Tensor] = {}
     with FlopCounterMode(display=False) as counter:
         for obj in phase.objectives:
             params = set_trainable(m, obj.trainable)
             if params:
-                train_step(m, obj, Sgd(params, plan.lr, plan.momentum), x, y, cache, log_prior, plan,
-                           anchor, cond=cond)
+                train_step(m, obj, Sgd(params, plan.lr, plan.momentum), x, y, cache, log_prior,
+                           side)
     return int(counter.get_total_flops())
 
 
@@ -93,7 +91,7 @@ def plan_flops(model: BlockModel, plan: ClientPlan, data: FederatedData, shard: 
         sizes = [bs] * (n // bs) + ([n % bs] if n % bs else [])
         per_epoch = 0
         for size in sizes:
-            key = (phase.objectives, size, p.prox_mu > 0)
+            key = (phase.objectives, size, p.algorithm, json.dumps(p.params, sort_keys=True))
             if key not in cache:
                 cache[key] = _batch_flops(model, p, phase, size, data.input_shape,
                                           data.num_classes)

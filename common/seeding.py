@@ -23,10 +23,15 @@ def derive_seed(seed: int, purpose: str, *keys: int) -> int:
 
 
 def numpy_rng(seed: int, purpose: str, *keys: int) -> np.random.Generator:
+    """A numpy generator of its own for (seed, purpose, keys...): the same arguments give the
+    same stream on every machine and in every process; a new purpose never shifts another's."""
     return np.random.default_rng(derive_seed(seed, purpose, *keys))
 
 
 def torch_rng(seed: int, purpose: str, *keys: int) -> torch.Generator:
+    """A CPU torch generator of its own for (seed, purpose, keys...), e.g. (training seed,
+    "batches", round, client): what a client draws does not depend on who runs it or on what
+    was drawn before."""
     g = torch.Generator()
     g.manual_seed(derive_seed(seed, purpose, *keys))
     return g

@@ -1,6 +1,9 @@
 """Executes a client plan on a torch model: the only training loop in fedseq.
 
-It knows blocks, objectives and losses, nothing of algorithms or transports. Frozen blocks have
+It knows blocks, objectives and losses, nothing of algorithms or transports: what an algorithm
+does on the client beyond the plan (extra loss terms, gradient corrections, state kept between
+rounds, what it uploads beside the deltas) comes from the plan's hooks
+(common/algorithms/hooks.py). Frozen blocks have
 requires_grad=False, so no gradient is computed for them and nothing is applied to them.
 """
 
@@ -15,11 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
-from fedseq.common.algorithms.ditto import PERSONAL_MODEL
-from fedseq.common.algorithms.feddyn import DYN, dyn_corrections, new_dyn_state
-from fedseq.common.algorithms.gpfl import Conditions, conditions, gpfl_loss, personal_features
+from fedseq.common.algorithms.hooks import ClientSide, Job, client_side
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
-from fedseq.common.algorithms.scaffold import CLIENT, SERVER, corrections, new_controls
 from fedseq.common.augment import augment_batch
 from fedseq.common.codecs import Codec, encode
 from fedseq.common.data.federated import ClientShard, FederatedData
@@ -139,12 +139,14 @@ def train_plan(
     purpose: str = "batches",
     correction: dict[str, torch.Tensor] | None = None,
     anchor_weights: Weights | None = None,
+    side: ClientSide | None = None,
 ) -> TrainStats:
     """Run every phase of `plan` on the client's training rows; updates `model` in place.
     `correction`: parameter name -> what is added to its gradient before every step
     (SCAFFOLD's c - c_i, FedDyn's -g_k); the raw gradients of those parameters are then summed
-    over the steps (`TrainStats.gradients`). `anchor_weights`: what the proximal term pulls
+    over the steps (`TrainStats.gradients`). `anchor_weights`: what a proximal term pulls
     towards (default: the model as it starts; Ditto's personal model: the global model).
+    `side`: the plan's hooks (default: built from the plan).
 
     Batch order (and FedReG's rebalancing and augmentation) come from generators derived from
     (seed, purpose, round, client), so the result does not depend on who runs it.
@@ -160,18 +162,14 @@ def train_plan(
 
         def transform(x: torch.Tensor) -> torch.Tensor:
             return augment_batch(x, plan.augment, plan.crop_padding, stats, g_train)
-    anchor: dict[str, torch.Tensor] = {}
+    side = client_side(plan) if side is None else side
     dev = next(model.parameters()).device
-    if plan.prox_mu > 0:
-        anchor = {k: v.detach().clone() if anchor_weights is None else anchor_weights[k].to(dev)
-                  for k, v in model.named_parameters()}
     log_prior = None
-    cond = None
+    counts = None
     if plan.class_counts_needed:
         counts = shard.train_class_counts(data.y, data.num_classes).float()
         log_prior = counts.clamp_min(1e-12).log()[None, :].to(dev)
-        if model.spec.valve:  # GPFL's inputs, from the GCE as it was sent
-            cond = conditions(model.gce.weight, counts.to(dev))
+    side.begin(model, None if counts is None else counts.to(dev), anchor_weights)
     batches = 0
     loss_sum = 0.0
     effective = None
@@ -197,8 +195,7 @@ def train_plan(
                         continue
                     if len(phase.objectives) > 1:
                         set_trainable(model, obj.trainable)
-                    loss = train_step(model, obj, opt, x, y, cache, log_prior, plan, anchor,
-                                      fixes, cond)
+                    loss = train_step(model, obj, opt, x, y, cache, log_prior, side, fixes)
                     if not math.isfinite(loss):
                         raise _Diverged
                     loss_sum += loss
@@ -276,21 +273,19 @@ def fixed_rebalanced(
     return rb, xs
 
 
-def train_step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientPlan, anchor,
-               fixes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
-               cond: Conditions | None = None) -> float:
-    """One optimizer step of one objective on one batch; returns its loss. `fixes`:
-    (parameter, what is added to its gradient before the step, where its raw gradients are
-    summed); `cond`: GPFL's conditional inputs (its loss alone reads them)."""
+def train_step(model, obj: Objective, opt, x, y, cache, log_prior, side: ClientSide,
+               fixes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()) -> float:
+    """One optimizer step of one objective on one batch; returns its loss. `side`: the plan's
+    hooks (`begin` already called): a loss of the algorithm's own kind, a penalty term;
+    `fixes`: (parameter, what is added to its gradient before the step, where its raw
+    gradients are summed)."""
     if obj.reuse_features and "features" in cache:
         feats = cache["features"].detach()
     else:
         feats = model.features(x)
         cache["features"] = feats
-    if obj.loss == "gpfl":
-        assert cond is not None, "GPFL's loss needs its conditional inputs"
-        loss = gpfl_loss(model, obj.heads[0], feats, y, cond, plan.gpfl_lambda, plan.gpfl_mu)
-    else:
+    loss = side.loss(model, obj, feats, y)
+    if loss is None:
         logits = None
         for h in obj.heads:
             if obj.reuse_features and h not in obj.trainable and h in cache:
@@ -301,13 +296,9 @@ def train_step(model, obj: Objective, opt, x, y, cache, log_prior, plan: ClientP
             logits = part if logits is None else logits + part
         assert logits is not None
         loss = _loss(logits, y, obj.loss, log_prior)
-    if plan.prox_mu > 0:
-        prox = sum(
-            (p - anchor[name]).pow(2).sum()
-            for name, p in model.named_parameters()
-            if p.requires_grad
-        )
-        loss = loss + 0.5 * plan.prox_mu * prox
+    extra = side.penalty(model, x, feats)
+    if extra is not None:
+        loss = loss + extra
     opt.zero_grad()
     loss.backward()
     for p, fix, total in fixes:
@@ -331,47 +322,30 @@ def run_client_round(
     """Load the client's weights (global blocks + its personal blocks), train under the plan and
     return (update with deltas of the uploaded blocks, the client's new personal blocks; both as
     `shared_tensors` and `personal_tensors` split them: FedBN's normalization layers are
-    personal in every block). Control variates in `weights` (SCAFFOLD: the server's, the
-    client's) correct the gradients where the plan says so; their changes go into the update and
-    the personal blocks (common/algorithms/scaffold.py). The update goes out in the plan's
-    wire codec (common/codecs.py); top-k's residual ("ef" state in `weights`, of the client's
-    personal state) is added to the deltas first and what is not sent is kept. Where
-    training diverged (`update.diverged_at`), the update is refused by the round's contract and
-    the caller keeps the client's previous personal blocks."""
+    personal in every block). The plan's hooks (its algorithm's client side) correct gradients,
+    add to the upload and keep state (SCAFFOLD's control variates, FedDyn's g_k, Ditto's own
+    model: common/algorithms/hooks.py). The update goes out in the plan's wire codec
+    (common/codecs.py); top-k's residual ("ef" state in `weights`, of the client's personal
+    state) is added to the deltas first and what is not sent is kept. Where training diverged
+    (`update.diverged_at`), the update is refused by the round's contract and the caller keeps
+    the client's previous personal blocks."""
     weights, state = split_state(weights)
-    server_c, client_c = state.get(SERVER, {}), state.get(CLIENT, {})
+    side = client_side(plan)
     set_weights(model, weights)
     upload = [b for b in plan.upload if not is_state_block(b)]  # model blocks; state below
     before = shared_tensors(model, upload)
-    correction = None
-    if plan.control_variates:
-        correction = corrections(server_c, client_c, {
-            k: p for k, p in model.named_parameters() if k in before})
-    elif plan.dyn_alpha > 0:
-        correction = dyn_corrections(state.get(DYN, {}), {
-            k: p for k, p in model.named_parameters() if k in before})
-    stats = train_plan(model, data, shard, plan, seed, round, purpose, correction)
+    job = Job(model, weights, state, {k: p for k, p in model.named_parameters() if k in before},
+              plan, data, shard, seed, round)
+    correction = side.start(job)
+    stats = train_plan(model, data, shard, plan, seed, round, purpose, correction, side=side)
     scoring = time.perf_counter()
-    score = score_local(model, data, shard, plan.score_heads) if plan.score_heads else None
+    score = (score_local(model, data, shard, plan.score_heads, side) if plan.score_heads
+             else None)
     compute = stats.seconds + time.perf_counter() - scoring
     after = shared_tensors(model, upload)
     deltas = {k: after[k] - before[k] for k in after}
     personal = personal_tensors(model, plan.personal)
-    if plan.control_variates:
-        sent, kept = new_controls(client_c, stats.gradients, stats.batches)
-        deltas.update(sent)
-        personal.update(kept)
-    if plan.dyn_alpha > 0:
-        personal.update(new_dyn_state(state.get(DYN, {}), deltas, plan.dyn_alpha))
-    if plan.personal_epochs and stats.diverged_at is None:
-        own = state.get(PERSONAL_MODEL, {})
-        set_weights(model, {**weights, **own})  # v_k (the global model the first time)
-        p_stats = train_plan(model, data, shard, personal_plan(plan), seed, round, "personal",
-                             anchor_weights=weights)
-        compute += p_stats.seconds
-        if p_stats.diverged_at is None:  # else v_k stays as it was
-            personal.update({state_key(k, PERSONAL_MODEL): v.detach().cpu().clone()
-                             for k, v in model.state_dict().items()})
+    compute += side.finish(job, stats, deltas, personal)
     codec = Codec.parse(plan.codec)
     if codec.name != "none":
         g = torch_rng(seed, "int8", round, shard.client) if codec.stochastic else None
@@ -390,28 +364,21 @@ def run_client_round(
     return update, personal
 
 
-def personal_plan(plan: ClientPlan) -> ClientPlan:
-    """Ditto's training of the client's own model: `plan.personal_epochs` over its rows with the
-    round's objectives, proximal weight `plan.personal_prox`, nothing else of the round's."""
-    return replace(plan, phases=(Phase(plan.personal_epochs, plan.phases[0].objectives),),
-                   prox_mu=plan.personal_prox, personal_epochs=0, control_variates=False,
-                   dyn_alpha=0.0, score_heads=())
-
-
 @torch.no_grad()
 def score_local(model: BlockModel, data: FederatedData, shard: ClientShard, heads: tuple[str, ...],
-                batch: int = 128) -> tuple[int, int]:
-    """(correct, total) of the model as it is on the client's own test rows, `heads` summed (on
-    GPFL's personalized valve where the model has one)."""
+                side: ClientSide | None = None, batch: int = 128) -> tuple[int, int]:
+    """(correct, total) of the model as it is on the client's own test rows, `heads` summed on
+    what the algorithm's heads read (`side.head_features`: GPFL's personalized valve)."""
     model.eval()
+    side = ClientSide() if side is None else side
     dev = next(model.parameters()).device
     correct = 0
-    counts = shard.train_class_counts(data.y, data.num_classes) if model.spec.valve else None
+    counts = shard.train_class_counts(data.y, data.num_classes) if side.needs_counts else None
     for i in range(0, len(shard.test), batch):
         rows = shard.test[i : i + batch]
         feats = model.features(data.images(rows).to(dev))
         if counts is not None:
-            feats = personal_features(model, feats, counts)
+            feats = side.head_features(model, feats, counts)
         logits = model.logits(feats, heads)
         correct += int((logits.argmax(1).cpu() == data.y[rows]).sum())
     return correct, len(shard.test)

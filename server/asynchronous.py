@@ -22,7 +22,7 @@ pure function of (seed, dispatch number) over the clients neither in flight nor 
 on the current version, so the same config and seed give the same run in-process and with
 `--workers`.
 
-On a real fleet (server/mqtt/asynchronous.py, OnFleet) the devices' own pace orders the
+On a real fleet (server/mqtt/asynchronous.py, MqttAsync) the devices' own pace orders the
 arrivals: each device trains its dispatched clients one after another on the newest model it
 holds, and an update says which version that was (docs/protocol.md, "An asynchronous run").
 
@@ -39,7 +39,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fedseq.common.algorithms import Algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.algorithms.robust import make_aggregator
@@ -121,8 +120,8 @@ class BufferedAsync(Coordinator):
         self.alpha = self.cfg.train.staleness_alpha
         # the server learning rate scales the folded deltas where the algorithm's server
         # update is FedAvg's (a server optimizer applies algorithm.server_lr itself)
-        own_update = type(self.alg).server_update is not Algorithm.server_update
-        self.server_lr = 1.0 if own_update else (self.cfg.algorithm.server_lr or 1.0)
+        self.server_lr = (1.0 if self.alg.own_server_step
+                          else (self.cfg.algorithm.server_lr or 1.0))
         self.flights: list[Flight] = []
         self.seq = 0  # dispatches so far
         self.trained_on: dict[int, int] = {}  # client -> the version it was last dispatched on

@@ -248,6 +248,13 @@ def sim(
         _simulate(cfg, out, mode, info, quiet, (workers, workers_per_gpu))
         _summary(out)
         return
+    _sweep(cfg, out, info, seeds, vary, overwrite, quiet, (workers, workers_per_gpu))
+
+
+def _sweep(cfg: Any, out: Path, info: dict[str, Any], seeds: str, vary: str, overwrite: bool,
+           quiet: bool, workers: tuple[int, int]) -> None:
+    """fedseq-sim --seeds: one run per seed under OUT/seed-N, each continued, kept (finished) or
+    restarted (another config) as its folder says; a line per seed and a closing one."""
     from fedseq.server.seeds import parse_seeds, parse_vary, seed_config, seed_dir, seed_state
 
     try:
@@ -263,7 +270,7 @@ def sim(
         print(f"seed {s}: {state} -> {path}", file=sys.stderr)
         run_mode = {"restart": "overwrite"}.get(state, state)
         _simulate(seed_cfg, path, run_mode, {**info, "sweep": str(out), "vary": vary}, quiet,
-                  (workers, workers_per_gpu))
+                  workers)
         _summary(path)
     print(f"sweep finished: {len(todo)} seeds in {out}  (fedseq report {out})", file=sys.stderr)
 

@@ -478,7 +478,8 @@ class Coordinator:
         report = got.report
         if report.global_total is None or self.down.name != "none":  # the master's score
             glob = evaluate(self.model, self.data, self.global_weights, {}, (self.model.spec.head,),
-                            batch=self.cfg.train.eval_batch_size)
+                            batch=self.cfg.train.eval_batch_size,
+                            side=self.alg.client_side(self.alg.client_params()))
             report = EvalReport(glob.global_correct, glob.global_total, report.per_client)
         return report, got.wire
 

@@ -21,7 +21,7 @@ from fedseq.server.checkpoint import Checkpoint
 from fedseq.server.coordinator import RunResult
 from fedseq.server.experiment import Experiment
 from fedseq.server.mqtt import MqttPool
-from fedseq.server.mqtt.asynchronous import OnFleet
+from fedseq.server.mqtt.asynchronous import MqttAsync
 from fedseq.server.processes import die_with_parent, stop_children
 from fedseq.server.records import RoundRecord
 from fedseq.server.rehearsal import Rehearsal
@@ -107,8 +107,8 @@ def run_deployment(
         announce("note: [fleet] models a simulation's time; a deployment's devices are real, "
                  "so it is ignored here")
         cfg = cfg.model_copy(update={"fleet": FleetConfig()})
-    fleet = Fleet(cfg, out, broker, local_clients, announce, client_threads, rehearsal)
-    driver = OnFleet if cfg.train.mode == "async" else None
+    fleet = MqttTransport(cfg, out, broker, local_clients, announce, client_threads, rehearsal)
+    driver = MqttAsync if cfg.train.mode == "async" else None
     return run_experiment(cfg, out, fleet, mode, info, on_round, on_progress, driver=driver)
 
 
@@ -152,7 +152,7 @@ def embedded_broker(stack: contextlib.ExitStack, d: DeployConfig, rehearsal: Reh
     return url, login
 
 
-class Fleet:
+class MqttTransport:
     """The devices over MQTT (MqttPool), through `broker` or an embedded one started here, with
     `local_clients` fedseq-client daemons started here (in a rehearsal's namespaces). Set up and
     torn down in reverse by run_experiment's stack: the embedded broker, the rehearsal's login,

@@ -657,7 +657,7 @@ def serve() -> None:
         # the step's clients' personal blocks, as rank 0 holds them; what training changes is
         # answered back
         personal = InMemory(body["personal"])
-        clients = ClientExecutor(model, data, seed, eval_batch, personal)
+        clients = ClientExecutor(model, data, seed, eval_batch, personal, cfg.algorithm.name)
         try:
             if kind == "train":
                 answer: Any = {}

@@ -184,7 +184,7 @@ class InProcessPool:
 
     def __init__(
         self, data: FederatedData, model: BlockModel, personal_blocks: tuple[str, ...], seed: int,
-        eval_batch: int = 128, device: torch.device | None = None,
+        eval_batch: int = 128, device: torch.device | None = None, *, algorithm: str,
     ):
         model, data = on_device(model, data, device)
         self.data = data
@@ -194,7 +194,8 @@ class InProcessPool:
         self.personal: dict[int, Weights] = {
             c.client: {k: v.clone() for k, v in initial.items()} for c in data.clients
         }
-        self.clients = ClientExecutor(model, data, seed, eval_batch, InMemory(self.personal))
+        self.clients = ClientExecutor(model, data, seed, eval_batch, InMemory(self.personal),
+                                      algorithm)
 
     def __enter__(self) -> InProcessPool:
         return self

@@ -113,12 +113,26 @@ def field_rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Fiel
     return rows
 
 
+def _registered(key: str) -> str:
+    """The names a registry-checked key takes, from the registry itself (never a copied list)."""
+    if key == "algorithm.name":
+        from fedseq.common.algorithms import REGISTRY
+
+        return "one of " + ", ".join(f"`{n}`" for n in REGISTRY)
+    if key == "model.name":
+        from fedseq.common.models import MODELS
+
+        return "one of " + ", ".join(f"`{n}`" for n in MODELS)
+    return ""
+
+
 def _table(rows: list[tuple[str, FieldInfo]]) -> list[str]:
     """A Markdown table of fields (dotted key, field)."""
     lines = ["| key | type | default | limits | description |", "| --- | --- | --- | --- | --- |"]
     for key, field in rows:
+        limits = _registered(key) or _limits(field)
         lines.append(f"| `{key}` | {_cell(_type(field.annotation))} | {_cell(_default(field))} | "
-                     f"{_cell(_limits(field))} | {_cell(field.description or '')} |")
+                     f"{_cell(limits)} | {_cell(field.description or '')} |")
     return lines
 
 

@@ -143,7 +143,7 @@ class InProcess:
                   ) -> InProcessPool:
         return stack.enter_context(InProcessPool(
             exp.data, exp.model, exp.algorithm.personal_blocks(), self.cfg.seed_for("training"),
-            self.cfg.train.eval_batch_size, self.device))
+            self.cfg.train.eval_batch_size, self.device, algorithm=exp.algorithm.name))
 
     def info(self) -> dict[str, Any]:
         # what else bitwise reproducibility depends on (docs/explanation/reproducibility.md); "device" is

@@ -64,9 +64,20 @@ def row_scalars(row: RoundRecord, totals: dict[str, float]) -> tuple[int, dict[s
 
 
 class Tracker(Protocol):
-    def log_config(self, config_toml: str, config: dict[str, Any], info: dict[str, Any]) -> None: ...
-    def log_row(self, row: RoundRecord) -> None: ...
-    def close(self) -> None: ...
+    """An experiment tracker a run's rows are exported to (TensorBoard, MLflow; `fedseq export`):
+    a new one implements these three and an `export_...` function that `replay`s runs into it."""
+
+    def log_config(self, config_toml: str, config: dict[str, Any], info: dict[str, Any]) -> None:
+        """Once at the start: the run's config (as TOML and as a dict) and what it ran on."""
+        ...
+
+    def log_row(self, row: RoundRecord) -> None:
+        """Every row of metrics.jsonl, as it is written."""
+        ...
+
+    def close(self) -> None:
+        """At the end of the run (also when it fails): flush and release."""
+        ...
 
 
 class TensorBoard:

@@ -9,6 +9,7 @@ from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.fedavgm import FedAvgM
 from fedseq.common.algorithms.fedbabu import FedBABU
 from fedseq.common.algorithms.feddyn import FedDyn
+from fedseq.common.algorithms.fednova import FedNova
 from fedseq.common.algorithms.fedper import FedPer
 from fedseq.common.algorithms.fedprox import FedProx
 from fedseq.common.algorithms.fedreg import FedReG
@@ -19,6 +20,7 @@ from fedseq.common.algorithms.fedyogi import FedYogi
 from fedseq.common.algorithms.gpfl import GPFL
 from fedseq.common.algorithms.lgfedavg import LGFedAvg
 from fedseq.common.algorithms.local import Local
+from fedseq.common.algorithms.moon import Moon
 from fedseq.common.algorithms.scaffold import Scaffold
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.models import ModelSpec
@@ -26,7 +28,8 @@ from fedseq.common.models import ModelSpec
 REGISTRY: dict[str, type[Algorithm]] = {
     cls.name: cls
     for cls in (FedAvg, FedAvgM, FedAdam, FedYogi, Scaffold, FedProx, FedDyn, Ditto, FedPer,
-                FedRep, LGFedAvg, FedBABU, GPFL, FedRoD, FedReG, FedSeq, FedSeqAnti, Local)
+                FedRep, LGFedAvg, FedBABU, GPFL, FedRoD, FedReG, FedSeq, FedSeqAnti, Local, Moon,
+                FedNova)
 }
 
 

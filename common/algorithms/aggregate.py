@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from fedseq.common.errors import AggregationError
-from fedseq.common.models import Weights, block_of
+from fedseq.common.models import Weights, block_of, is_statistic
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,13 @@ class WeightedDeltaSum:
         """How many updates were added."""
         return len(self.clients)
 
+    def clients_added(self) -> list[int]:
+        """The clients whose updates were added, in order."""
+        return list(self.clients)
+
     def apply(self, global_weights: Weights) -> Weights:
-        """New global tensors: old + weighted mean delta (tensors nobody sent stay as they are)."""
+        """New global tensors: old + weighted mean delta. A tensor nobody sent comes back as
+        the same object (`pseudo_gradients` and the round loop's block versions rely on it)."""
         out = dict(global_weights)
         for k, s in self.sums.items():
             # The round contract rejects a non-finite update before it is added; this is the
@@ -102,6 +107,21 @@ class WeightedDeltaSum:
                 g = global_weights[k]
                 out[k] = in_dtype(k, g.to(torch.float64) + s / self.weights[k], g.dtype)
         return out
+
+
+def pseudo_gradients(global_weights: Weights, new: Weights
+                     ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+    """(name, the global tensor, new - global in float64) of every tensor the round's aggregate
+    `new` moved that a server-side step treats as a gradient: floating point and not a running
+    statistic (those take the aggregate as FedAvg does). A tensor nobody sent is the global
+    tensor itself in `new` (every aggregation rule's `apply` returns it so) and is skipped.
+    The server optimizers, FedDyn, SCAFFOLD and FedNova step along these; the result goes
+    back to the model's dtype with `in_dtype`."""
+    for k, v in new.items():
+        g = global_weights[k]
+        if v is g or not g.is_floating_point() or is_statistic(k):
+            continue
+        yield k, g, v.to(torch.float64) - g.to(torch.float64)
 
 
 def in_dtype(key: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

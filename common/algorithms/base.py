@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Mapping
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.hooks import ClientSide
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase, ordered_union
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import ConfigError
@@ -29,6 +30,10 @@ class Algorithm:
     (blocks of their own in the plan's `upload`, bounded by `upload_bound`): SCAFFOLD does
     (scaffold.py).
 
+    Its client half is `client_class` (common/algorithms/hooks.py: extra loss terms, gradient
+    corrections, state a client keeps, what it uploads beside the deltas), built on the client
+    from the plan's `params` (`client_params`).
+
     Default behaviour is FedAvg: train every block, upload every block, nothing personal."""
 
     name = "fedavg"
@@ -40,6 +45,12 @@ class Algorithm:
     global_model_note: str | None = None
     #: why the algorithm cannot run asynchronously (train.mode = "async"); None: it can
     async_problem: str | None = None
+    #: its `server_update` steps the model itself (server optimizers, FedDyn, SCAFFOLD, FedNova:
+    #: they read algorithm.server_lr where they have one); False: FedAvg's step, which the
+    #: buffered-asynchronous loop scales by algorithm.server_lr
+    own_server_step = False
+    #: what its clients do beyond the plan's phases (hooks.ClientSide: FedAvg's, nothing)
+    client_class: type[ClientSide] = ClientSide
 
     def __init__(self, cfg: ExperimentConfig, spec: ModelSpec):
         self.cfg = cfg
@@ -83,17 +94,24 @@ class Algorithm:
             lr=self.cfg.lr_at(round),
             momentum=t.momentum,
             batch_size=t.batch_size,
-            prox_mu=self.prox_mu(),
             rebalance_threshold=None,
             class_counts_needed=any(o.loss != "ce" for p in phases for o in p.objectives),
             score_heads=self.eval_heads(),
             augment=tuple(t.augment),
             crop_padding=t.crop_padding,
+            algorithm=self.name,
+            params=self.client_params(),
         )
 
-    def prox_mu(self) -> float:
-        """FedProx's proximal weight; 0 = plain SGD."""
-        return 0.0
+    def client_params(self) -> dict[str, Any]:
+        """The parameters its client side reads (plain JSON data, in every plan); default:
+        none."""
+        return {}
+
+    @classmethod
+    def client_side(cls, params: Mapping[str, Any] | None = None) -> ClientSide:
+        """Its client half for a plan's `params` (hooks.client_side)."""
+        return cls.client_class(params)
 
     def finetune_plan(self) -> ClientPlan | None:
         """After the last round: every client fine-tunes locally (`local_finetune_plan`) where

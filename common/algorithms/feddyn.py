@@ -22,25 +22,26 @@ On the wire and in state g_k is a block beside the model's (`conv1~dyn`), kept w
 client's personal tensors; running statistics have none and are averaged as FedAvg's. FedReG
 section 4.2 sets alpha = 0.01 from FedDyn's code.
 
-The client's half (`dyn_corrections`, `new_dyn_state`) runs on the device floor (Python 3.8,
-torch 1.12).
+The client's half (`DynClient`: FedProx's proximal term, `dyn_corrections`, `new_dyn_state`)
+runs on the device floor (Python 3.8, torch 1.12).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING, Dict
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 import torch
 
-from fedseq.common.algorithms.aggregate import ClientUpdate, in_dtype
+from fedseq.common.algorithms.aggregate import ClientUpdate, in_dtype, pseudo_gradients
 from fedseq.common.algorithms.fedavg import FedAvg
-from fedseq.common.algorithms.plan import ClientPlan
+from fedseq.common.algorithms.fedprox import Proximal
+from fedseq.common.algorithms.hooks import Job
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.models import ModelSpec, Weights, block_of, is_statistic, state_key
 
 if TYPE_CHECKING:
     from fedseq.common.algorithms.robust import Aggregator
+    from fedseq.common.training import TrainStats
 
 DYN = "dyn"  # a client's g_k of block `conv1`: block `conv1~dyn`, with its personal tensors
 
@@ -63,10 +64,29 @@ def new_dyn_state(g: Weights, deltas: Weights, alpha: float) -> Weights:
     return out
 
 
+class DynClient(Proximal):
+    """A FedDyn client (params: {"alpha": alpha}): the proximal term alpha/2 ||w - theta||^2,
+    -g_k added to every gradient, and g_k updated and kept."""
+
+    def __init__(self, params: Optional[Mapping[str, Any]] = None):
+        super().__init__(params)
+        self.alpha = self.mu = float(self.params.get("alpha", 0.0))
+
+    def start(self, job: Job) -> Optional[Dict[str, torch.Tensor]]:
+        return dyn_corrections(job.state.get(DYN, {}), job.trained) if self.alpha > 0 else None
+
+    def finish(self, job: Job, stats: TrainStats, deltas: Weights, kept: Weights) -> float:
+        if self.alpha > 0:
+            kept.update(new_dyn_state(job.state.get(DYN, {}), deltas, self.alpha))
+        return 0.0
+
+
 class FedDyn(FedAvg):
     """FedDyn: FedAvg's plan with the dynamic regularizer, and the server's h."""
 
     name = "feddyn"
+    own_server_step = True
+    client_class = DynClient
     async_problem = ("its server state h and each client's g_k assume every update starts from "
                      "the current global model")
 
@@ -75,11 +95,8 @@ class FedDyn(FedAvg):
         self.alpha = cfg.algorithm.feddyn_alpha
         self.h: Weights = {}
 
-    def plan(self, round: int) -> ClientPlan:
-        return replace(super().plan(round), dyn_alpha=self.alpha)
-
-    def prox_mu(self) -> float:
-        return self.alpha
+    def client_params(self) -> dict[str, Any]:
+        return {"alpha": self.alpha}
 
     def aggregation_weights(self, update: ClientUpdate) -> Dict[str, float]:
         return {block_of(k): 1.0 for k in update.deltas}
@@ -88,11 +105,7 @@ class FedDyn(FedAvg):
         new = aggregate.apply(global_weights)  # AggregationError: h untouched
         share = aggregate.count() / self.cfg.data.num_clients
         h = dict(self.h)
-        for k, v in new.items():
-            g = global_weights[k]
-            if v is g or not g.is_floating_point() or is_statistic(k):
-                continue
-            mean = v.double() - g.double()
+        for k, g, mean in pseudo_gradients(global_weights, new):
             old = h.get(k)
             hk = -self.alpha * share * mean if old is None else old.double() - (
                 self.alpha * share * mean)

@@ -36,14 +36,16 @@ Table 2's Fashion-MNIST column: GPFL's P falls after round 30 at mu 0.001, not a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 
 from fedseq.common.algorithms.base import Algorithm
-from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
-from fedseq.common.models import VALVE, BlockModel
+from fedseq.common.algorithms.hooks import ClientSide
+from fedseq.common.algorithms.plan import Objective, Phase
+from fedseq.common.models import VALVE, BlockModel, Weights
 
 
 @dataclass(frozen=True)
@@ -102,11 +104,45 @@ def global_prediction(model: BlockModel, feats: torch.Tensor) -> torch.Tensor:
     return cosines(generic, table.to(generic.device)).argmax(1)
 
 
+class GPFLClient(ClientSide):
+    """A GPFL client (params: {"lambda": ..., "mu": ...}): its loss through the valve, from the
+    conditional inputs of the GCE it was sent; its heads read its personalized valve."""
+
+    needs_counts = True
+
+    def __init__(self, params: Optional[Mapping[str, Any]] = None):
+        super().__init__(params)
+        self.lam = float(self.params.get("lambda", 0.0))
+        self.mu = float(self.params.get("mu", 0.0))
+        self.cond: Optional[Conditions] = None
+
+    def begin(self, model: BlockModel, counts: Optional[torch.Tensor],
+              anchor: Optional[Weights]) -> None:
+        if counts is not None:  # GPFL's inputs, from the GCE as it was sent
+            self.cond = conditions(model.gce.weight, counts)
+
+    def loss(self, model: BlockModel, obj: Objective, feats: torch.Tensor,
+             y: torch.Tensor) -> Optional[torch.Tensor]:
+        if obj.loss != "gpfl":
+            return None
+        assert self.cond is not None, "GPFL's loss needs its conditional inputs"
+        return gpfl_loss(model, obj.heads[0], feats, y, self.cond, self.lam, self.mu)
+
+    def head_features(self, model: BlockModel, feats: torch.Tensor,
+                      counts: torch.Tensor) -> torch.Tensor:
+        return personal_features(model, feats, counts)
+
+    def global_prediction(self, model: BlockModel,
+                          feats: torch.Tensor) -> Optional[torch.Tensor]:
+        return global_prediction(model, feats)
+
+
 class GPFL(Algorithm):
     """GPFL: a shared base, CoV and GCE, a personal head on the personalized valve's output."""
 
     name = "gpfl"
     valve = True
+    client_class = GPFLClient
     global_model_note = ("aggregated base and CoV, the class whose aggregated GCE embedding is "
                          "nearest in angle (heads are personal)")
 
@@ -117,6 +153,6 @@ class GPFL(Algorithm):
         s = self.spec
         return (Phase(self.cfg.train.local_epochs, (Objective((s.head,), s.blocks, "gpfl"),)),)
 
-    def plan(self, round: int) -> ClientPlan:
+    def client_params(self) -> dict[str, Any]:
         a = self.cfg.algorithm
-        return replace(super().plan(round), gpfl_lambda=a.gpfl_lambda, gpfl_mu=a.gpfl_mu)
+        return {"lambda": a.gpfl_lambda, "mu": a.gpfl_mu}

@@ -6,10 +6,11 @@ Plans are plain data: the trainer executes them, the wire can carry them, and te
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Dict, Literal
 
-Loss = Literal["ce", "balanced_ce", "gpfl"]
+#: "ce", "balanced_ce" (the trainer's) or a loss of the algorithm's own (its `ClientSide.loss`)
+Loss = str
 DataSource = Literal["local", "rebalanced"]
 
 
@@ -29,8 +30,8 @@ class Objective:
     reuse_features: take the features and frozen heads' logits of the previous objective on the
     same batch, detached (FedRoD trains its personal head on the generic pass's features).
 
-    loss: cross-entropy ("ce"), balanced softmax ("balanced_ce": FedRoD's generic head) or GPFL's
-    three parts through its conditional valve ("gpfl": common/algorithms/gpfl.py).
+    loss: cross-entropy ("ce"), balanced softmax ("balanced_ce": FedRoD's generic head) or a loss
+    the plan's algorithm computes itself (`hooks.ClientSide.loss`: GPFL's "gpfl").
     """
 
     heads: tuple[str, ...]
@@ -55,7 +56,9 @@ class Phase:
 @dataclass(frozen=True)
 class ClientPlan:
     """Everything a selected client does in a round: phases, what to upload and keep, optimizer and
-    loss settings. Plain data: it crosses the wire as JSON (plan_to_dict / plan_from_dict)."""
+    loss settings, and the algorithm whose client side runs it (`algorithm`, with its own
+    `params`: common/algorithms/hooks.py). Plain data: it crosses the wire as JSON
+    (plan_to_dict / plan_from_dict)."""
 
     phases: tuple[Phase, ...]
     upload: tuple[str, ...]  # shared blocks whose deltas go back to the server
@@ -63,7 +66,6 @@ class ClientPlan:
     lr: float = 0.01
     momentum: float = 0.0
     batch_size: int = 20
-    prox_mu: float = 0.0
     rebalance_threshold: float | None = None  # FedReG: client sample-count threshold C
     # FedReG: the rebalanced set (augmented rows included) is built once per client, a function
     # of (seed, client) only (its Algorithm 3); False rebuilds and re-augments it every round
@@ -72,9 +74,6 @@ class ClientPlan:
     # after training, score the local model on the client's test rows with these heads summed
     # (the testbed's "locally trained model" accuracy); () = no score
     score_heads: tuple[str, ...] = ()
-    # SCAFFOLD: correct each step's gradient by the control variates the client was sent and
-    # keeps, and upload the change of its own (common/algorithms/scaffold.py)
-    control_variates: bool = False
     # the update's wire codec (common/codecs.py `Codec.spec`: "none", "fp16", "int8:channel",
     # "topk:0.01", ...), set by the round loop from wire.up
     codec: str = "none"
@@ -82,16 +81,10 @@ class ClientPlan:
     # the client's own stream (common/augment.py); () = none
     augment: tuple[str, ...] = ()
     crop_padding: int = 4
-    # FedDyn: the dynamic regularizer's alpha; the client keeps its gradient state (feddyn.py)
-    dyn_alpha: float = 0.0
-    # Ditto: epochs of the client's own model after the global model's, with a proximal term
-    # of this weight towards the global model it received (ditto.py); 0 = none
-    personal_epochs: int = 0
-    personal_prox: float = 0.0
-    # GPFL: the weight of the magnitude-level guidance (lambda) and the L2 regularization of the
-    # CoV's and GCE's parameters (mu) in its loss (gpfl.py)
-    gpfl_lambda: float = 0.0
-    gpfl_mu: float = 0.0
+    # the algorithm whose client side (hooks.ClientSide) runs the plan, and its parameters
+    # (FedProx's mu, SCAFFOLD's nothing, ...: the algorithm's `client_params`)
+    algorithm: str = "fedavg"
+    params: Dict[str, Any] = field(default_factory=dict)
 
     @property
     def trainable(self) -> tuple[str, ...]:
@@ -107,11 +100,6 @@ class ClientPlan:
         )
 
 
-#: fields a device older than them rejects: left off the wire at their defaults
-NEWER_FIELDS = {"augment": (), "crop_padding": 4, "dyn_alpha": 0.0, "personal_epochs": 0,
-                "personal_prox": 0.0, "gpfl_lambda": 0.0, "gpfl_mu": 0.0}
-
-
 def plan_to_dict(plan: ClientPlan) -> dict:
     """Plain data for the wire (JSON)."""
     from dataclasses import asdict
@@ -119,9 +107,6 @@ def plan_to_dict(plan: ClientPlan) -> dict:
     d = asdict(plan)
     if not d["augment"]:
         d.pop("crop_padding")  # read by the crop alone
-    for key, default in NEWER_FIELDS.items():
-        if d.get(key, default) == default:
-            d.pop(key, None)
     return d
 
 
@@ -143,4 +128,5 @@ def plan_from_dict(d: dict) -> ClientPlan:
     fields["personal"] = tuple(fields["personal"])
     fields["score_heads"] = tuple(fields.get("score_heads", ()))
     fields["augment"] = tuple(fields.get("augment", ()))
+    fields["params"] = dict(fields.get("params") or {})
     return ClientPlan(phases=phases, **fields)

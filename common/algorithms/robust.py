@@ -44,13 +44,25 @@ class Aggregator(Protocol):
     None: the client is its own device), then apply to the global weights."""
 
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
-            device: str | None = None) -> None: ...
+            device: str | None = None) -> None:
+        """Fold in one valid update: its deltas, its weight per block (the algorithm's
+        `aggregation_weights`), its client and the device that sent it."""
+        ...
 
     def count(self) -> int:
         """How many updates were added (SCAFFOLD scales its control variate's step by it)."""
         ...
 
-    def apply(self, global_weights: Weights) -> Weights: ...
+    def clients_added(self) -> list[int]:
+        """The clients whose updates were added, in order (FedNova weighs its step by their
+        local work)."""
+        ...
+
+    def apply(self, global_weights: Weights) -> Weights:
+        """The new global tensors under the rule; a tensor nobody sent is returned as the same
+        object (`aggregate.pseudo_gradients`, the round loop's block versions). AggregationError
+        (the round is refused) where the result would be non-finite or below quorum."""
+        ...
 
 
 def update_norm(deltas: Weights) -> float:
@@ -83,10 +95,12 @@ class DeviceVotes:
 
     byzantine: int = 1  # f: the quorum is 2f+1 devices
     groups: dict[str, list[Vote]] = field(default_factory=dict)
+    clients: list[int] = field(default_factory=list)
 
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
             device: str | None) -> None:
         dense = {k: d.to_dense() if d.is_sparse else d for k, d in deltas.items()}  # top-k's
+        self.clients.append(client)
         self.groups.setdefault(device if device is not None else f"client {client}",
                                []).append((dense, weight_of))
 
@@ -144,6 +158,9 @@ class ClippedMean:
     def count(self) -> int:
         return self._held.count()
 
+    def clients_added(self) -> list[int]:
+        return list(self._held.clients)
+
     def apply(self, global_weights: Weights) -> Weights:
         votes = self._held.votes("clipped-mean")
         self.bound = self.clip_norm
@@ -174,6 +191,9 @@ class CoordinateWise:
 
     def count(self) -> int:
         return self._held.count()
+
+    def clients_added(self) -> list[int]:
+        return list(self._held.clients)
 
     def trimmed(self, n: int) -> int:
         """Votes dropped from each end of every coordinate (0 for the median rule)."""

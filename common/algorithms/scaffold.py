@@ -24,25 +24,27 @@ about 1 / (1 - momentum) times (10x at 0.9) and over-correct, which the mean doe
 Running statistics are not gradients: they have no control variate and are averaged as
 FedAvg's.
 
-The client's half (`corrections`, `new_controls`; common/training.py finds c and c_i with
-`models.split_state`) runs on the device floor (Python 3.8, torch 1.12).
+The client's half (`ControlClient`: `corrections`, `new_controls`, c and c_i among the round's
+state blocks) runs on the device floor (Python 3.8, torch 1.12).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Dict, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch
 
-from fedseq.common.algorithms.aggregate import ClientUpdate, in_dtype
+from fedseq.common.algorithms.aggregate import ClientUpdate, in_dtype, pseudo_gradients
 from fedseq.common.algorithms.fedavg import FedAvg
+from fedseq.common.algorithms.hooks import ClientSide, Job
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.models import ModelSpec, Weights, block_of, is_statistic, state_block, state_key
 
 if TYPE_CHECKING:
     from fedseq.common.algorithms.robust import Aggregator
+    from fedseq.common.training import TrainStats
 
 SERVER = "c"  # the server's control variate of a block: block `conv1~c`
 CLIENT = "ci"  # a client's own: block `conv1~ci`, kept with its personal tensors
@@ -86,10 +88,25 @@ def new_controls(client: Weights, gradients: Weights, steps: int) -> Tuple[Weigh
     return up, kept
 
 
+class ControlClient(ClientSide):
+    """A SCAFFOLD client: c - c_i added to every gradient; dc_i uploaded, c_i+ kept."""
+
+    def start(self, job: Job) -> Optional[Dict[str, torch.Tensor]]:
+        return corrections(job.state.get(SERVER, {}), job.state.get(CLIENT, {}), job.trained)
+
+    def finish(self, job: Job, stats: TrainStats, deltas: Weights, kept: Weights) -> float:
+        sent, own = new_controls(job.state.get(CLIENT, {}), stats.gradients, stats.batches)
+        deltas.update(sent)
+        kept.update(own)
+        return 0.0
+
+
 class Scaffold(FedAvg):
     """SCAFFOLD: FedAvg's plan with drift-corrected local steps and both control variates."""
 
     name = "scaffold"
+    own_server_step = True
+    client_class = ControlClient
     async_problem = ("its control variates assume every client of a round corrects its steps "
                      "with the current c and x; a stale c_i breaks the variance reduction")
 
@@ -102,7 +119,7 @@ class Scaffold(FedAvg):
     def plan(self, round: int) -> ClientPlan:
         plan = super().plan(round)
         controls = tuple(state_block(b, SERVER) for b in plan.upload)
-        return replace(plan, upload=plan.upload + controls, control_variates=True)
+        return replace(plan, upload=plan.upload + controls)
 
     def aggregation_weights(self, update: ClientUpdate) -> Dict[str, float]:
         weights = super().aggregation_weights(update)
@@ -129,10 +146,8 @@ class Scaffold(FedAvg):
         both = aggregate.apply({**global_weights, **self.c})  # AggregationError: c untouched
         new = {k: both[k] for k in global_weights}
         if self.lr != 1.0:
-            for k, v in new.items():
-                g = global_weights[k]
-                if v is not g and g.is_floating_point() and not is_statistic(k):
-                    new[k] = in_dtype(k, g.double() + self.lr * (v.double() - g.double()), g.dtype)
+            for k, g, delta in pseudo_gradients(global_weights, dict(new)):
+                new[k] = in_dtype(k, g.double() + self.lr * delta, g.dtype)
         share = aggregate.count() / self.cfg.data.num_clients
         c = {}
         for k, old in self.c.items():

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedseq.common.algorithms.aggregate import in_dtype
+from fedseq.common.algorithms.aggregate import in_dtype, pseudo_gradients
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.models import ModelSpec, Weights, is_statistic
+from fedseq.common.models import ModelSpec, Weights
 
 if TYPE_CHECKING:
     from fedseq.common.algorithms.robust import Aggregator
@@ -39,6 +39,7 @@ class ServerOptimizer(FedAvg):
     `adaptive` and gives its `second_moment` rule (FedAdam, FedYogi)."""
 
     default_server_lr = 1.0
+    own_server_step = True
     adaptive = False  # keeps a second moment v
 
     def __init__(self, cfg: ExperimentConfig, spec: ModelSpec):
@@ -50,13 +51,11 @@ class ServerOptimizer(FedAvg):
         self.v: Weights = {}
 
     def server_update(self, global_weights: Weights, aggregate: Aggregator) -> Weights:
+        """m (and v) from the round's pseudo-gradients, then x + server_lr m (/ (sqrt(v) +
+        tau)); the state changes only when every tensor came out finite."""
         mean = aggregate.apply(global_weights)  # FedAvg's new model under the aggregation rule
         out, m, v = dict(mean), {}, {}
-        for k, new in mean.items():
-            g = global_weights[k]
-            if new is g or not g.is_floating_point() or is_statistic(k):
-                continue  # nobody sent it, or a running statistic: as FedAvg leaves it
-            delta = new.to(F64) - g.to(F64)
+        for k, g, delta in pseudo_gradients(global_weights, mean):
             before_m = self.m[k] if k in self.m else torch.zeros_like(delta)
             m[k] = self.beta1 * before_m + self.momentum_gain() * delta
             if self.adaptive:

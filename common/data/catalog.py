@@ -24,6 +24,9 @@ class DataFile:
 
 @dataclass(frozen=True)
 class DatasetSpec:
+    """A dataset's files on disk and where to download them: one entry of the catalog per
+    dataset (a new dataset: its DatasetSpec here and its reader in readers.py)."""
+
     folder: str  # where the files go, under the data root
     files: tuple[DataFile, ...]
     mirrors: tuple[str, ...]  # base URLs, tried in order

@@ -18,7 +18,9 @@ from fedseq.common.errors import ProtocolError, validation_problem
 # a device login can leave at most one retained message there (the ACL grants no deeper level).
 # 6: the "async" step kind (train.mode = "async"): Step.dispatched; an update's seq is then the
 # step that dispatched its client, its round the model version it trained on.
-PROTOCOL_VERSION = 6
+# 7: a plan names its algorithm and carries that algorithm's parameters (`algorithm`, `params`)
+# in place of a field per algorithm (prox_mu, control_variates, dyn_alpha, personal_epochs, ...)
+PROTOCOL_VERSION = 7
 #: seconds between an online device's status messages (its heartbeat)
 HEARTBEAT_S = 15.0
 
@@ -54,7 +56,7 @@ class Message(BaseModel):
     protocol version (a peer of another version is rejected loudly, see version_mismatch)."""
 
     model_config = ConfigDict(extra="forbid")
-    v: Literal[6] = 6  # PROTOCOL_VERSION
+    v: Literal[7] = 7  # PROTOCOL_VERSION
 
     def encode(self) -> bytes:
         """The message as compact JSON bytes."""

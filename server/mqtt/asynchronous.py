@@ -23,7 +23,7 @@ from fedseq.server.records import Rejection, RoundRecord
 log = logging.getLogger(__name__)
 
 
-class OnFleet(BufferedAsync):
+class MqttAsync(BufferedAsync):
     """train.mode = "async" on a real fleet (MqttPool): the devices' own pace orders arrivals.
 
     Every fill publishes an async step: the current model version and every client in flight

@@ -200,7 +200,7 @@ class MqttPool:
         return TrainRound(collect_updates(self.session, step.seq, round, clients, self.owner,
                                           check, self.deadlines, self.update_chunks, enough))
 
-    # -- an asynchronous run (server/mqtt/asynchronous.py, OnFleet) -------------------------
+    # -- an asynchronous run (server/mqtt/asynchronous.py, MqttAsync) -------------------------
     def dispatch(self, round: int, flights: dict[int, int | None], plan: ClientPlan,
                  weights: Weights) -> int:
         """Publish an async step: model version `round` (its plan and blocks) and the clients in

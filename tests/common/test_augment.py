@@ -68,10 +68,10 @@ def test_step_decay_of_the_learning_rate(data_root):
             quick_config(data_root, f"train.lr_milestones={bad}")
 
 
-def test_plans_carry_augmentation_and_leave_it_off_the_wire_when_unused(data_root):
+def test_plans_carry_augmentation_and_leave_the_crop_off_the_wire_when_unused(data_root):
     model = build_model("cnn", (1, 28, 28), 10)
     plain = make_algorithm(quick_config(data_root, "algorithm.name=fedavg"), model.spec).plan(0)
-    assert "augment" not in plan_to_dict(plain) and "crop_padding" not in plan_to_dict(plain)
+    assert plain.augment == () and "crop_padding" not in plan_to_dict(plain)
     cfg = quick_config(data_root, "algorithm.name=fedavg", "train.augment=['flip', 'crop']",
                        "train.crop_padding=2")
     plan = make_algorithm(cfg, model.spec).plan(0)

@@ -125,7 +125,8 @@ def _driver(*over):
     data = synthetic_data()
     model = build_model("cnn", (1, 28, 28), 4, generator_seed=1, **model_layout("fedavg"))
     alg = make_algorithm(cfg, model.spec)
-    return BufferedAsync(cfg, alg, model, data, ConstantPool(data, model, (), cfg.seed))
+    return BufferedAsync(cfg, alg, model, data, ConstantPool(data, model, (), cfg.seed,
+                                                          algorithm="fedavg"))
 
 
 def test_a_server_step_folds_staleness_discounted_deltas():

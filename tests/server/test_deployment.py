@@ -63,16 +63,18 @@ FAITHFUL = ("algorithm.final_finetune=true", "train.lr_milestones=[0.5]",
 
 @pytest.mark.parametrize("algorithm, extra", [
     ("fedrod", ()), ("fedyogi", ()), ("scaffold", ()), ("feddyn", ()), ("ditto", ()),
-    ("gpfl", ()), ("fedavg", FAITHFUL)])
+    ("gpfl", ()), ("moon", ()), ("fednova", ()), ("fedavg", FAITHFUL)])
 def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread, algorithm, extra):
     """A two-head algorithm, one with a server optimizer (its state on the coordinator),
     SCAFFOLD (c published as blocks, dc in the updates, each c_i on its device's disk: three
     rounds, so that clients train twice), FedDyn (g_k on the device's disk, h on the
     coordinator), Ditto (each client's own model on its device's disk, evaluated there), GPFL
-    (CoV and GCE shared, heads on the devices' disks, evaluated through the valve there), and
+    (CoV and GCE shared, heads on the devices' disks, evaluated through the valve there), MOON
+    (each client's previous base on its device's disk), FedNova (normalized on the device,
+    stepped by tau_eff on the coordinator), and
     FedAvg with a paper's training options (a step decay of the learning rate, augmentation
     drawn on the device, per-channel normalization, then every client fine-tuned)."""
-    rounds = 3 if algorithm in ("scaffold", "feddyn", "ditto") else 2
+    rounds = 3 if algorithm in ("scaffold", "feddyn", "ditto", "moon") else 2
     cfg = quick_config(data_root, f"algorithm.name={algorithm}", f"rounds={rounds}",
                        "train.join_ratio=0.6", "deploy.port=0", *extra)
     dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1, announce=_quiet)

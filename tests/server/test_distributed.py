@@ -158,6 +158,8 @@ def test_srun_tasks_become_a_groups_ranks(monkeypatch):
                                                 ("feddyn", 2, "convnet"),
                                                 ("ditto", 3, "convnet"),
                                                 ("gpfl", 2, "convnet"),
+                                                ("moon", 3, "convnet"),
+                                                ("fednova", 2, "convnet"),
                                                 ("fedreg", 2, "convnet"),
                                                 ("fedseq-anti", 2, "convnet"),
                                                 ("fedseq-anti", 3, "4convnet"),

@@ -7,7 +7,7 @@ from fedseq.common.algorithms import REGISTRY
 from fedseq.server.simulation import run_simulation
 
 TRAINED_GLOBAL = {"fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedprox", "fedrod",
-                  "fedreg"}
+                  "fedreg", "moon", "fednova"}
 
 
 @pytest.mark.parametrize("name", sorted(REGISTRY))

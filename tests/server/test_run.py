@@ -34,7 +34,8 @@ class Recording:
     def open_pool(self, stack, exp, ckpt):
         self._step("open_pool", stack)
         return stack.enter_context(InProcessPool(exp.data, exp.model,
-                                                 exp.algorithm.personal_blocks(), 0))
+                                                 exp.algorithm.personal_blocks(), 0,
+                                                 algorithm=exp.algorithm.name))
 
     def info(self):
         return {"transport": "recording"}

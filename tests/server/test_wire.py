@@ -87,11 +87,11 @@ def test_the_residual_survives_a_device_restart(data_root, tmp_path, one_thread)
     exp = load_experiment(cfg)
     plan = replace(exp.algorithm.plan(0), codec=cfg.wire.codec("up").spec)
     shared = get_blocks(exp.model, exp.model.spec.blocks)
-    memory = ClientExecutor(exp.model, exp.data, 0, 128, InMemory({2: {}}))
+    memory = ClientExecutor(exp.model, exp.data, 0, 128, InMemory({2: {}}), "fedavg")
     want = [memory.train(2, t, plan, shared).deltas for t in (0, 1)]
     got = []
     for t in (0, 1):
-        disk = ClientExecutor(exp.model, exp.data, 0, 128, _OnDisk(StateStore(tmp_path)))
+        disk = ClientExecutor(exp.model, exp.data, 0, 128, _OnDisk(StateStore(tmp_path)), "fedavg")
         got.append(disk.train(2, t, plan, shared).deltas)
     assert StateStore(tmp_path).load("run", 2) is not None
     for w, g in zip(want, got, strict=True):

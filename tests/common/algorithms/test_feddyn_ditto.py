@@ -7,7 +7,7 @@ import torch
 from conftest import plain_sgd, synthetic_data
 from fedseq.common.algorithms import make_algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum
-from fedseq.common.algorithms.ditto import PERSONAL_MODEL, personal_view
+from fedseq.common.algorithms.ditto import PERSONAL_MODEL, DittoClient
 from fedseq.common.algorithms.feddyn import DYN
 from fedseq.common.config import load_config
 from fedseq.common.models import build_model, get_blocks, state_key
@@ -34,7 +34,7 @@ def test_a_feddyn_client_minimizes_the_dynamic_objective_and_updates_g():
     g = {k: 0.05 * torch.randn(v.shape, generator=gen) for k, v in theta.items()}
     held = {state_key(k, DYN): v for k, v in g.items()}
     plan = alg.plan(0)
-    assert plan.prox_mu == alpha and plan.dyn_alpha == alpha
+    assert plan.algorithm == "feddyn" and plan.params == {"alpha": alpha}
     update, kept = run_client_round(model, {**get_blocks(model, model.spec.blocks), **held}, plan,
                                     data, shard, 0, 0)
     # grad of L_k(w) - <g, w> + alpha/2 ||w - theta||^2 = grad L_k - g + alpha (w - theta)
@@ -96,5 +96,5 @@ def test_a_ditto_client_uploads_fedavgs_delta_and_keeps_its_regularized_own_mode
     for k in w:
         assert torch.allclose(kept[state_key(k, PERSONAL_MODEL)], own[k], atol=1e-6), k
     # evaluation reads the client's own model in place of the shared blocks
-    view = personal_view(kept)
+    view = DittoClient().view(kept)
     assert all(torch.equal(view[k], kept[state_key(k, PERSONAL_MODEL)]) for k in w)

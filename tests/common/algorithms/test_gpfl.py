@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from conftest import synthetic_data
 from fedseq.common.algorithms import make_algorithm, model_layout
+from fedseq.common.algorithms.hooks import client_side_of
 from fedseq.common.algorithms.plan import plan_from_dict, plan_to_dict
 from fedseq.common.config import load_config
 from fedseq.common.errors import ConfigError
@@ -105,7 +106,7 @@ def test_gpfls_evaluation_goes_through_the_valve():
     weights = {k: v + 0.1 * torch.randn(v.shape, generator=gen)
                for k, v in get_blocks(model, model.spec.blocks).items()}
     head = {"fc2.weight": torch.randn(4, 512, generator=gen), "fc2.bias": torch.zeros(4)}
-    rep = evaluate(model, data, weights, {1: head}, ("fc2",))
+    rep = evaluate(model, data, weights, {1: head}, ("fc2",), side=client_side_of("gpfl"))
     model.load_state_dict(weights)
     model.eval()
     table = weights["gce.weight"]
@@ -136,9 +137,10 @@ def test_gpfls_plan_crosses_the_wire_and_its_settings_are_checked():
     cfg, model, alg, _ = _setup()
     plan = alg.plan(0)
     assert plan_from_dict(plan_to_dict(plan)) == plan
-    assert plan.gpfl_lambda == LAM and plan.gpfl_mu == MU and plan.class_counts_needed
+    assert plan.algorithm == "gpfl" and plan.params == {"lambda": LAM, "mu": MU}
+    assert plan.class_counts_needed
     fedavg = make_algorithm(load_config(None, ["algorithm.name=fedavg"]), model.spec).plan(0)
-    assert not {"gpfl_lambda", "gpfl_mu"} & set(plan_to_dict(fedavg))  # off the wire at 0
+    assert plan_to_dict(fedavg)["params"] == {}  # another algorithm's plan carries none of them
     with pytest.raises(ConfigError, match="conditional valve"):
         make_algorithm(load_config(None, ["algorithm.name=gpfl", "algorithm.final_finetune=true"]),
                        model.spec)

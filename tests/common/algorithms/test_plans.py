@@ -51,7 +51,7 @@ def test_fedrep_head_then_body():
 
 
 def test_fedprox_mu():
-    assert _alg("fedprox").plan(0).prox_mu == 0.001 and _alg("fedavg").plan(0).prox_mu == 0
+    assert _alg("fedprox").plan(0).params == {"mu": 0.001} and _alg("fedavg").plan(0).params == {}
 
 
 def test_fedreg_phases_and_weights():
