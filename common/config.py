@@ -42,7 +42,7 @@ NEWER_KEYS = (("model", "head_init"), ("data", "normalize"), ("algorithm", "fina
               ("train", "crop_padding"))
 
 #: The random streams a run draws from; each follows `seed` unless [seeds] pins it.
-SEED_STREAMS = ("data", "init", "selection", "training")
+SEED_STREAMS = ("data", "init", "selection", "training", "noise")
 
 
 def _one_of(kind: str, name: str, names: Iterable[str]) -> str:
@@ -443,6 +443,30 @@ class SeedsConfig(_Section):
     selection: Optional[int] = Field(None, description="Which clients join each round.")
     training: Optional[int] = Field(None, description=(
         "Batch order, augmentation, fine-tuning batches."))
+    noise: Optional[int] = Field(None, description=(
+        "[privacy]'s Gaussian noise on the coordinator. Whoever knows it can subtract the noise: "
+        "pin it to a secret value where the guarantee matters. Never sent to devices."))
+
+
+class PrivacyConfig(_Section):
+    """[privacy]: client-level differential privacy, DP-FedAvg (McMahan et al., ICLR 2018):
+    clipped on the device, noised and accounted on the coordinator (docs/how-to/privacy.md).
+    Coordinator only: devices get the clip norm in their plans."""
+
+    enabled: bool = Field(False, description=(
+        "Clip every update on its device, add Gaussian noise to the round's sum, sample clients "
+        "by Poisson sampling (rate train.join_ratio), and report epsilon in every round's row."))
+    clip_norm: float = Field(1.0, gt=0, description=(
+        "C: the L2 norm every client's whole upload is scaled to at most; the round contract "
+        "refuses an update above it."))
+    noise_multiplier: float = Field(1.0, ge=0, description=(
+        "z: the noise on the sum of the round's updates has standard deviation z x clip_norm "
+        "(0: no noise, epsilon infinite)."))
+    delta: float = Field(1e-5, gt=0, lt=1, description=(
+        "The delta epsilon is reported at; well below 1 / num_clients."))
+    target_epsilon: Optional[float] = Field(None, gt=0, description=(
+        "Refuse a run whose epsilon after its last round would exceed it, saying how many "
+        "rounds fit."))
 
 
 class ExperimentConfig(_Section):
@@ -460,6 +484,7 @@ class ExperimentConfig(_Section):
     seeds: SeedsConfig = Field(default_factory=lambda: SeedsConfig(), description="[seeds]")
     wire: WireConfig = Field(default_factory=lambda: WireConfig(), description="[wire]")
     fleet: FleetConfig = Field(default_factory=lambda: FleetConfig(), description="[fleet]")
+    privacy: PrivacyConfig = Field(default_factory=lambda: PrivacyConfig(), description="[privacy]")
 
     def seed_for(self, stream: str) -> int:
         """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`."""
@@ -477,6 +502,25 @@ class ExperimentConfig(_Section):
             if t.over_select != 1.0:
                 raise ValueError("train.over_select is for train.mode = \"sync\"; an "
                                  "asynchronous run has no rounds to over-select")
+        return self
+
+    @model_validator(mode="after")
+    def _check_privacy(self) -> ExperimentConfig:
+        if not self.privacy.enabled:
+            return self
+        why = "privacy.enabled = true (DP-FedAvg, docs/how-to/privacy.md)"
+        if self.aggregation.rule != "mean":
+            raise ValueError(f"{why} calibrates its noise to a sum; aggregation.rule = "
+                             f"{self.aggregation.rule!r} has another sensitivity: use \"mean\"")
+        if self.train.mode == "async":
+            raise ValueError(f"{why} is accounted per synchronous round; train.mode = \"async\" "
+                             "is not yet: use train.mode = \"sync\"")
+        if self.wire.up not in ("none", "fp16", "bf16"):
+            raise ValueError(f"{why}: wire.up = {self.wire.up!r} changes an update's norm after "
+                             "it is clipped; use none, fp16 or bf16")
+        if self.train.over_select != 1.0:
+            raise ValueError(f"{why} samples each client with probability train.join_ratio; "
+                             "train.over_select changes who counts: leave it at 1")
         return self
 
     @model_validator(mode="after")
@@ -516,6 +560,8 @@ class ExperimentConfig(_Section):
         for key in SERVER_ONLY:  # the server optimizer's; devices before it never read them
             data["algorithm"].pop(key, None)
         data.pop("fleet")  # the simulation's model of time: a device never reads it
+        data.pop("privacy")  # the coordinator's: a device gets the clip norm in its plans
+        data.get("seeds", {}).pop("noise", None)  # the noise's seed stays secret
         for key in ASYNC_ONLY:  # the coordinator's driver; devices before it never read them
             data["train"].pop(key, None)
         if data["wire"] == WireConfig().model_dump(mode="json"):

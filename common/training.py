@@ -347,6 +347,8 @@ def run_client_round(
     personal = personal_tensors(model, plan.personal)
     compute += side.finish(job, stats, deltas, personal)
     codec = Codec.parse(plan.codec)
+    if plan.clip is not None:
+        deltas = clip_update(deltas, plan.clip, codec)
     if codec.name != "none":
         g = torch_rng(seed, "int8", round, shard.client) if codec.stochastic else None
         deltas, left = encode(deltas, codec, state.get("ef"), g)
@@ -362,6 +364,28 @@ def run_client_round(
         diverged_at=stats.diverged_at,
     )
     return update, personal
+
+
+#: the largest relative change of an L2 norm by a codec's rounding (half the unit in the last
+#: place of its mantissa): a clipped update coded in it stays within the clip norm
+_ROUNDING = {"none": 0.0, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+
+
+def clip_update(deltas: Weights, clip: float, codec: Codec) -> Weights:
+    """[privacy]'s clipping: every tensor of the upload scaled by min(1, C' / its whole L2
+    norm), C' = `clip` less the codec's rounding (and float32's), so that what the coordinator
+    decodes has a norm of at most `clip` (the round contract's check). Integer tensors are
+    left as they are (none are uploaded but counters)."""
+    if codec.name not in _ROUNDING:
+        raise ValueError(f"an update in {codec.spec} cannot be clipped to a norm it keeps")
+    squares = sum(float(d.to(torch.float64).pow(2).sum()) for d in deltas.values()
+                  if d.is_floating_point())
+    norm = math.sqrt(squares)
+    target = clip / (1.0 + _ROUNDING[codec.name]) * (1.0 - 1e-6)
+    if norm <= target:
+        return deltas
+    scale = target / norm
+    return {k: d * scale if d.is_floating_point() else d for k, d in deltas.items()}
 
 
 @torch.no_grad()

@@ -446,6 +446,12 @@ def _summary(out: Path) -> None:
     rejected = sum(len(r.rejected) for r in rows)
     ft = " + fine-tuning" if s.finetuned else ""
     star = " (not a trained whole model: see the global_model note)" if s.init_global else ""
+    eps = next((s.metrics.pop(k) for k in list(s.metrics) if k.split()[0] == "epsilon"), None)
+    privacy = run.config.get("privacy", {})
+    dp = (f"  privacy: epsilon {eps:.3g} at delta {privacy.get('delta', 1e-5):g} (client-level "
+          f"DP-FedAvg; q = {run.config.get('train', {}).get('join_ratio', 0.2):g}, z = "
+          f"{privacy.get('noise_multiplier', 1.0):g}, C = {privacy.get('clip_norm', 1.0):g})\n"
+          if eps is not None else "")
     print(f"run finished: {s.algorithm} on {s.dataset} ({s.model}), {s.rounds} rounds"
           f"{ft}, {s.wall_s:.0f} s\n"
           f"  global{star}: {acc('G')}\n"
@@ -453,6 +459,7 @@ def _summary(out: Path) -> None:
           f"  local model (FedReG testbed): {acc('L')}\n"
           f"  moved {s.mb_moved:.1f} MB, trained {s.train_tflop:.2f} TFLOP; "
           f"missing updates: {failed}, rejected: {rejected}\n"
+          + dp
           + (f"  {more}\n" if (more := ", ".join(f"{k} {v:g}" for k, v in s.metrics.items()
                                                   if v is not None)) else "")
           + f"  -> {out}   (figures and tables: fedseq report {out})", file=sys.stderr)

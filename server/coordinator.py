@@ -34,6 +34,7 @@ from fedseq.common.seeding import numpy_rng
 from fedseq.server.checkpoint import Checkpoint, LoopState, save_checkpoint
 from fedseq.server.fleet import ClientTiming, VirtualFleet, energy_j, sync_round
 from fedseq.server.pool import ClientPool, RoundOutcome
+from fedseq.server.privacy import NoisedSum, check_budget, epsilon, poisson_clients
 from fedseq.server.records import ClientEnergy, Rejection, RoundRecord
 from fedseq.server.rundir import RunDir
 from fedseq.server.validation import (
@@ -157,6 +158,7 @@ class Coordinator:
         #: stop (resumably, after its checkpoint) once this many rounds are complete
         self.pause_after = pause_after
         algorithm.prepare([len(c.train) for c in data.clients])
+        check_budget(cfg)  # [privacy]: a run over its epsilon budget does not start
         # Block versions: version 0 of every block is the seed-derived initial model. bytes_down
         # counts a block for a client when the client does not hold its current version; a client
         # holds nothing before its first round (-1): a deployment does send version 0.
@@ -186,8 +188,7 @@ class Coordinator:
     def run_round(self, t: int) -> RoundRecord:
         """Train, aggregate and (when due) evaluate round t; returns its record."""
         start = time.perf_counter()
-        selected = select_clients(self.cfg.seed_for("selection"), t, self.cfg.data.num_clients,
-                                  self.cfg.selected_per_round())
+        selected = self._select(t)
         plan, needed = self._plan(t)
         down = {c: self._client_bytes_down(c, plan, needed) for c in selected}
         bytes_down = sum(down.values())
@@ -196,7 +197,7 @@ class Coordinator:
         # pool stops waiting for them)
         timing = self._timing(t, selected, plan, down) if self.fleet is not None else None
         trainers, enough = selected, None
-        if len(selected) > self.cfg.clients_per_round():
+        if len(selected) > self.cfg.clients_per_round() and not self.cfg.privacy.enabled:
             if timing is not None:
                 first = sorted(selected, key=lambda c: (timing[c].arrival, c))
                 trainers = sorted(first[:self.cfg.clients_per_round()])
@@ -217,6 +218,30 @@ class Coordinator:
         if timing is not None:
             self._advance_clock(rec, timing, trainers)
         return rec
+
+    def _select(self, t: int) -> list[int]:
+        """Round t's clients: train.join_ratio x the clients, or under [privacy] each client
+        with that probability (Poisson sampling, what the accountant assumes)."""
+        n = self.cfg.data.num_clients
+        if self.cfg.privacy.enabled:
+            return poisson_clients(self.cfg.seed_for("selection"), t, n, self.cfg.train.join_ratio)
+        return select_clients(self.cfg.seed_for("selection"), t, n, self.cfg.selected_per_round())
+
+    def _aggregator(self, t: int) -> Aggregator:
+        """A fresh aggregate for round (or server step) t: the configured rule, or under
+        [privacy] DP-FedAvg's noised sum over the expected number of clients."""
+        p = self.cfg.privacy
+        if p.enabled:
+            expected = self.cfg.train.join_ratio * self.cfg.data.num_clients
+            return NoisedSum(p.clip_norm, p.noise_multiplier, expected, self.cfg.seed_for("noise"),
+                             t)
+        return make_aggregator(self.cfg.aggregation)
+
+    def _epsilon(self, rounds: int) -> float | None:
+        """[privacy]: epsilon after `rounds` rounds at privacy.delta; None without it."""
+        p = self.cfg.privacy
+        return (epsilon(self.cfg.train.join_ratio, p.noise_multiplier, rounds, p.delta)
+                if p.enabled else None)
 
     def _evaluate_if_due(self, t: int) -> tuple[int, int] | None:
         """Evaluate after round t when it is due (train.eval_every, and the last round): the
@@ -259,6 +284,8 @@ class Coordinator:
             rec.refusals = {c: r.code for c, r in sorted(got.rejected.items())}
         if refused is not None:
             rec.quorum_failed, rec.received = refused, sorted(got.reported)
+        if self.cfg.privacy.enabled:
+            rec.epsilon = self._epsilon(t + 1)
         return rec
 
     def _plan(self, t: int) -> tuple[ClientPlan, list[str]]:
@@ -313,7 +340,9 @@ class Coordinator:
         (in client order: the same sums in simulation and deployment); `enough`: the pool stops
         waiting once that many valid updates came (over-selection on a real fleet)."""
         contract = self._contract(t, selected, plan, self.offered(), self._delta_bound())
-        got = RoundUpdates(make_aggregator(self.cfg.aggregation))
+        got = RoundUpdates(self._aggregator(t))
+        if not selected:  # Poisson sampling ([privacy]) drew nobody: nothing to dispatch
+            return got
 
         def check(update: ClientUpdate) -> Rejection | None:
             reason = contract.check(update)
@@ -344,7 +373,7 @@ class Coordinator:
         `plan`, given what they were `offered` and the bound on their deltas."""
         return round_contract(t, clients, plan.upload, offered, self.data,
                               plan.rebalance_threshold, bound, self.model.personal_keys(),
-                              self.alg.upload_bound, self.up)
+                              self.alg.upload_bound, self.up, plan.clip)
 
     def _fold(self, got: RoundUpdates, update: ClientUpdate, plan: ClientPlan,
               scale: float = 1.0) -> None:
@@ -550,6 +579,8 @@ class Coordinator:
             # their scores (in P) are their diverged models'
             diverged=dict(sorted(ft.diverged.items())),
         )
+        if self.cfg.privacy.enabled:  # fine-tuning sends nothing back: the rounds' budget
+            rec.epsilon = self._epsilon(self.cfg.rounds)
         if rec.diverged:
             log.warning("fine-tuning diverged (NaN or Inf loss) for clients %s: their scores "
                         "are their diverged models' (lower train.lr to avoid it)",

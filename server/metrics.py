@@ -20,7 +20,8 @@ MAX_DEVICES = 4096
 NAMES = ("fedseq_run", "fedseq_round", "fedseq_rounds", "fedseq_accuracy", "fedseq_devices",
          "fedseq_updates", "fedseq_updates_refused", "fedseq_bytes", "fedseq_round_seconds",
          "fedseq_energy_joules", "fedseq_campaign_run", "fedseq_campaign_runs",
-         "fedseq_campaign_finished", "fedseq_campaign_failed", "fedseq_campaign_left_seconds")
+         "fedseq_campaign_finished", "fedseq_campaign_failed", "fedseq_campaign_left_seconds",
+         "fedseq_privacy_epsilon")
 
 
 class Metrics:
@@ -47,6 +48,8 @@ class Metrics:
                              "published and received)", ["direction"], registry=r)
         self.seconds = Gauge("fedseq_round_seconds", "Seconds the last round took", registry=r)
         self.energy = Counter("fedseq_energy_joules", "Joules the devices measured", registry=r)
+        self.epsilon = Gauge("fedseq_privacy_epsilon", "[privacy]: epsilon spent so far (at "
+                             "privacy.delta)", registry=r)
         self.campaign_run = Gauge("fedseq_campaign_run", "The campaign's run going on, from 1",
                                   registry=r)
         self.campaign_runs = Gauge("fedseq_campaign_runs", "The campaign's runs", registry=r)
@@ -90,6 +93,8 @@ class Metrics:
                 self.bytes.labels(direction).inc(value)
         if row.energy_j:
             self.energy.inc(row.energy_j)
+        if row.epsilon is not None:
+            self.epsilon.set(row.epsilon)
 
     def device_status(self, status: Any) -> None:
         """A device's DeviceStatus arrived: the online/offline counts from every device's last

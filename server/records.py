@@ -47,6 +47,7 @@ Refusal = Literal[
     "bad-encoding",  # a compressed tensor that cannot be decoded safely (wire.up)
     "too-stale",  # trained on a model more than train.max_staleness server steps old (async)
     "bad-version",  # names a model version it cannot have trained on (async, on a fleet)
+    "over-clip",  # an L2 norm above privacy.clip_norm: not clipped on its device
 ]
 
 
@@ -211,6 +212,9 @@ class RoundRecord(_Record):
     folds: list[Fold] = Field(default_factory=list)
     #: the stalest update folded in
     max_staleness: int | None = Field(None, json_schema_extra=summary("max"))
+    # -- differential privacy ([privacy]) --
+    #: epsilon spent after this round (at privacy.delta); the fine-tuning's row: the run's
+    epsilon: float | None = Field(None, json_schema_extra=summary("max"))
     # -- a round that did not count --
     quorum_failed: str | None = None
     received: list[int] = Field(default_factory=list)

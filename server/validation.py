@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.robust import update_norm
 from fedseq.common.codecs import Codec, decode, expected, wire_problem
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.data.rebalance import rebalanced_size
@@ -69,6 +70,7 @@ class RoundContract:
     test_samples: dict[int, int] | None = None  # client -> test rows (its local score's total)
     bounds: dict[str, float] = field(default_factory=dict)  # tensor -> its own max_abs_delta
     codec: Codec = field(default_factory=Codec)  # the updates' wire codec (wire.up)
+    clip: float | None = None  # [privacy]: the largest L2 norm of a decoded update
     #: the wire form's tensors an update must have: name -> (dtype, shape)
     form: dict[str, tuple[torch.dtype, torch.Size]] = field(default_factory=dict)
 
@@ -144,6 +146,12 @@ class RoundContract:
                     f"tensor {k} has an element of magnitude {biggest:.3g} > the round's bound "
                     f"{bound:.3g} (aggregation.max_abs_delta; auto = 10 x the "
                     "model's largest parameter)"))
+        if self.clip is not None:
+            norm = update_norm(update.deltas)
+            if not norm <= self.clip:
+                return Rejection("over-clip", (
+                    f"the update's L2 norm {norm:.6g} > privacy.clip_norm {self.clip:g}: the "
+                    "device did not clip it (differential privacy needs every update clipped)"))
         return None
 
 
@@ -169,13 +177,14 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
                    data: FederatedData, rebalance_threshold: float | None,
                    max_abs_delta: float, personal_keys: frozenset[str] = frozenset(),
                    bound_of: Callable[[str, float], float] | None = None,
-                   codec: Codec | None = None) -> RoundContract:
+                   codec: Codec | None = None, clip: float | None = None) -> RoundContract:
     """The contract of one round, from the plan and what the coordinator knows of the clients.
     `global_weights`: what the clients were offered (the algorithm's broadcast included);
     `personal_keys`: tensors of the uploaded blocks that stay with the clients (FedBN's
     normalization layers, `BlockModel.personal_keys`), so no update may carry them;
     `bound_of(tensor, max_abs_delta)`: a tensor's own bound where the algorithm gives one
-    (Algorithm.upload_bound); `codec`: the updates' wire codec (None: as they are)."""
+    (Algorithm.upload_bound); `codec`: the updates' wire codec (None: as they are); `clip`:
+    [privacy]'s bound on a decoded update's L2 norm (None: none)."""
     reference = {k: v for k, v in global_weights.items()
                  if block_of(k) in upload and k not in personal_keys}
     samples = {c: len(data.clients[c].train) for c in selected}
@@ -189,7 +198,7 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
     bounds = {} if bound_of is None else {
         k: b for k in reference if (b := bound_of(k, max_abs_delta)) != max_abs_delta}
     return RoundContract(round, frozenset(selected), reference, samples, effective, max_abs_delta,
-                         tests, bounds, codec or Codec())
+                         tests, bounds, codec or Codec(), clip)
 
 
 def score_problem(data: FederatedData, client: int, correct: int, total: int) -> str | None:

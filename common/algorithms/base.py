@@ -99,6 +99,7 @@ class Algorithm:
             score_heads=self.eval_heads(),
             augment=tuple(t.augment),
             crop_padding=t.crop_padding,
+            clip=self.cfg.privacy.clip_norm if self.cfg.privacy.enabled else None,
             algorithm=self.name,
             params=self.client_params(),
         )

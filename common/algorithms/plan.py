@@ -81,6 +81,9 @@ class ClientPlan:
     # the client's own stream (common/augment.py); () = none
     augment: tuple[str, ...] = ()
     crop_padding: int = 4
+    # [privacy]: the L2 norm the client scales its whole upload to at most before it is coded
+    # (DP-FedAvg's C); None: no clipping
+    clip: float | None = None
     # the algorithm whose client side (hooks.ClientSide) runs the plan, and its parameters
     # (FedProx's mu, SCAFFOLD's nothing, ...: the algorithm's `client_params`)
     algorithm: str = "fedavg"

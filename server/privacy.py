@@ -1,0 +1,128 @@
+"""Client-level differential privacy on the coordinator: DP-FedAvg's noised sum, Poisson sampling
+of the clients, and the privacy accounting (McMahan, Ramage, Talwar, Zhang, "Learning
+Differentially Private Recurrent Language Models", ICLR 2018).
+
+Each round every client joins independently with probability q (train.join_ratio); a selected
+client clips its whole upload to an L2 norm C on its device (common/training.py; the round
+contract refuses an update above C, so a device that skips the clipping is not counted). The
+coordinator sums the clipped updates, every weight 1, adds Gaussian noise of standard deviation
+z C to every coordinate of the sum, and divides by the expected number of clients q N (the
+fixed-denominator estimator): one client changes the sum by at most C, whatever it sends. The
+algorithm's server step then runs on this noised mean (FedAvg's, a server optimizer's, ...).
+
+The noise is drawn from the `noise` random stream ([seeds] noise, else `seed`), so a simulation,
+`--workers` and a deployment give bitwise the same run: whoever knows that seed can subtract the
+noise, so a run whose guarantee matters keeps it secret (docs/how-to/privacy.md).
+
+The accountant is dp-accounting's (Google) Renyi-DP accountant for the Poisson-subsampled
+Gaussian mechanism composed over the rounds, add-or-remove-one-client adjacency: epsilon at
+privacy.delta after every round, a pure function of (q, z, rounds), so a resumed run's is the
+same as an uninterrupted one's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import zlib
+
+import numpy as np
+import torch
+
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum, in_dtype
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.errors import AggregationError, ConfigError
+from fedseq.common.models import Weights
+from fedseq.common.seeding import numpy_rng, torch_rng
+
+
+def poisson_clients(seed: int, round: int, num_clients: int, rate: float) -> list[int]:
+    """Round `round`'s clients under Poisson sampling: each joins with probability `rate`,
+    independently, from the selection stream (a pure function of its arguments)."""
+    u = numpy_rng(seed, "poisson-selection", round).random(num_clients)
+    return [int(c) for c in np.flatnonzero(u < rate)]
+
+
+@functools.lru_cache(maxsize=4096)
+def epsilon(rate: float, noise: float, rounds: int, delta: float) -> float:
+    """The (epsilon, delta) epsilon of `rounds` rounds of the Poisson-subsampled Gaussian
+    mechanism (sampling rate, noise multiplier z), from dp-accounting's RDP accountant; inf
+    without noise."""
+    if rounds <= 0:
+        return 0.0
+    if noise <= 0:
+        return math.inf
+    try:
+        import dp_accounting
+        from dp_accounting import rdp
+    except ImportError:  # pragma: no cover - the server extra installs it
+        raise ConfigError("[privacy] needs dp-accounting: pip install 'fedseq[server]'") from None
+    logging.getLogger("absl").setLevel(logging.ERROR)  # its RDP orders' convergence chatter
+    accountant = rdp.RdpAccountant()
+    event = dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(noise))
+    accountant.compose(dp_accounting.SelfComposedDpEvent(event, rounds))
+    return float(accountant.get_epsilon(delta))
+
+
+def rounds_within(rate: float, noise: float, delta: float, budget: float, most: int) -> int:
+    """The most rounds (up to `most`) whose epsilon stays within `budget` (epsilon grows with
+    the rounds: a bisection)."""
+    lo, hi = 0, most
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if epsilon(rate, noise, mid, delta) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def check_budget(cfg: ExperimentConfig) -> None:
+    """Refuse, in one line saying how many rounds fit, a run whose epsilon after its last round
+    would exceed privacy.target_epsilon."""
+    p = cfg.privacy
+    if not p.enabled or p.target_epsilon is None:
+        return
+    rate = cfg.train.join_ratio
+    final = epsilon(rate, p.noise_multiplier, cfg.rounds, p.delta)
+    if final <= p.target_epsilon:
+        return
+    fit = rounds_within(rate, p.noise_multiplier, p.delta, p.target_epsilon, cfg.rounds)
+    raise ConfigError(
+        f"privacy.target_epsilon = {p.target_epsilon:g}: {cfg.rounds} rounds at q = {rate:g}, "
+        f"z = {p.noise_multiplier:g} reach epsilon {final:.3g} at delta {p.delta:g}; {fit} rounds "
+        "fit the budget: set rounds <= that, raise privacy.noise_multiplier or lower "
+        "train.join_ratio")
+
+
+class NoisedSum(WeightedDeltaSum):
+    """DP-FedAvg's aggregate: the sum of the round's clipped updates, each of weight 1 (the
+    algorithm's weights are not used: a sample-weighted mean would scale one client's influence
+    by its rows), plus N(0, (z C)^2) in every coordinate of every tensor any client sent, over
+    the expected number of clients q N. The noise of round t comes from (noise seed, t) and the
+    tensors' names, so it is the same whoever computes it."""
+
+    def __init__(self, clip: float, noise: float, expected: float, seed: int, round: int):
+        super().__init__()
+        self.clip, self.noise, self.expected = clip, noise, expected
+        self.seed, self.round = seed, round
+
+    def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
+            device: str | None = None) -> None:
+        super().add(deltas, {b: 1.0 for b in weight_of}, client, device)
+
+    def apply(self, global_weights: Weights) -> Weights:
+        out = dict(global_weights)
+        std = self.noise * self.clip
+        for k in sorted(self.sums):
+            s = self.sums[k]
+            if not math.isfinite(float(s.sum())):
+                raise AggregationError(f"the aggregate of {k} has NaN or Inf; the round is refused")
+            g = global_weights[k]
+            if std > 0 and g.is_floating_point():
+                gen = torch_rng(self.seed, "dp-noise", self.round, zlib.crc32(k.encode()))
+                s = s + torch.randn(s.shape, generator=gen, dtype=torch.float64) * std
+            out[k] = in_dtype(k, g.to(torch.float64) + s / self.expected, g.dtype)
+        return out
+

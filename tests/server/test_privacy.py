@@ -1,0 +1,176 @@
+"""Client-level DP-FedAvg: clipping on the client, the contract's norm check, the coordinator's
+noise, Poisson sampling, the accountant, and the run's epsilon (docs/how-to/privacy.md)."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import quick_config, synthetic_data
+from fedseq.common.algorithms import make_algorithm
+from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.robust import update_norm
+from fedseq.common.config import load_config
+from fedseq.common.errors import ConfigError
+from fedseq.common.models import build_model, get_blocks
+from fedseq.common.training import run_client_round
+from fedseq.server.privacy import NoisedSum, epsilon, poisson_clients, rounds_within
+from fedseq.server.simulation import run_simulation
+from fedseq.server.validation import round_contract
+
+DP = ("privacy.enabled=true", "privacy.clip_norm=0.5", "privacy.noise_multiplier=1.1")
+
+
+def test_the_accountant_is_dp_accountings_rdp_for_the_poisson_gaussian():
+    import dp_accounting
+    from dp_accounting import rdp
+
+    acc = rdp.RdpAccountant()
+    acc.compose(dp_accounting.SelfComposedDpEvent(dp_accounting.PoissonSampledDpEvent(
+        0.01, dp_accounting.GaussianDpEvent(1.0)), 300))
+    assert epsilon(0.01, 1.0, 300, 1e-5) == acc.get_epsilon(1e-5)
+    # more rounds, more epsilon; more noise, less; no noise: no guarantee
+    assert epsilon(0.01, 1.0, 100, 1e-5) < epsilon(0.01, 1.0, 300, 1e-5)
+    assert epsilon(0.01, 2.0, 300, 1e-5) < epsilon(0.01, 1.0, 300, 1e-5)
+    assert epsilon(0.01, 0.0, 1, 1e-5) == math.inf and epsilon(0.3, 1.0, 0, 1e-5) == 0.0
+    fit = rounds_within(0.01, 1.0, 1e-5, 2.0, 10_000)
+    assert epsilon(0.01, 1.0, fit, 1e-5) <= 2.0 < epsilon(0.01, 1.0, fit + 1, 1e-5)
+
+
+def test_poisson_sampling_draws_each_client_with_its_rate():
+    rounds = [poisson_clients(7, t, 1000, 0.1) for t in range(50)]
+    sizes = [len(r) for r in rounds]
+    assert abs(sum(sizes) / 50 - 100) < 5  # 50,000 Bernoulli(0.1): mean 100, sd of mean ~0.4
+    assert len(set(map(len, rounds))) > 5  # the round's size varies
+    assert poisson_clients(7, 3, 1000, 0.1) == rounds[3]  # a pure function of (seed, round)
+
+
+def test_the_noise_has_the_configured_standard_deviation():
+    """The noised mean of zero updates is noise / (qN): its sample standard deviation over 40,000
+    coordinates is z C / (qN) within 2% (the estimate's relative sd is ~0.35%), and its mean ~0."""
+    clip, z, expected = 0.5, 1.3, 4.0
+    agg = NoisedSum(clip, z, expected, seed=3, round=2)
+    zero = {"fc.weight": torch.zeros(200, 200)}
+    agg.add(zero, {"fc": 123.0}, client=0)
+    out = agg.apply({"fc.weight": torch.zeros(200, 200)})["fc.weight"].double()
+    assert abs(float(out.std()) / (z * clip / expected) - 1) < 0.02
+    assert abs(float(out.mean())) < 4 * (z * clip / expected) / 200
+    again = NoisedSum(clip, z, expected, seed=3, round=2)
+    again.add(zero, {"fc": 1.0}, client=0)
+    assert torch.equal(again.apply({"fc.weight": torch.zeros(200, 200)})["fc.weight"],
+                       out.float())  # the same stream whoever draws it
+    other = NoisedSum(clip, z, expected, seed=3, round=3)
+    other.add(zero, {"fc": 1.0}, client=0)
+    assert not torch.equal(other.apply({"fc.weight": torch.zeros(200, 200)})["fc.weight"],
+                           out.float())
+
+
+def test_updates_are_summed_with_weight_one_over_the_expected_count():
+    agg = NoisedSum(10.0, 0.0, 4.0, seed=0, round=0)
+    for c, v in ((0, 1.0), (1, 3.0)):
+        agg.add({"w.weight": torch.full((3,), v)}, {"w": 100.0 * (c + 1)}, client=c)
+    out = agg.apply({"w.weight": torch.zeros(3)})
+    assert torch.allclose(out["w.weight"], torch.full((3,), 1.0))  # (1 + 3) / 4
+
+
+def test_a_client_clips_its_upload_and_the_contract_refuses_an_unclipped_one(data_root):
+    cfg = load_config(None, ["algorithm.name=fedavg", "train.local_epochs=1", "train.batch_size=8",
+                             "data.num_clients=4", "train.lr=0.5", *DP])
+    model = build_model("cnn", (1, 28, 28), 4, False, generator_seed=1)
+    alg = make_algorithm(cfg, model.spec)
+    plan = alg.plan(0)
+    assert plan.clip == 0.5
+    data = synthetic_data(num_clients=4)
+    start = get_blocks(model, model.spec.blocks)
+    update, _ = run_client_round(model, dict(start), plan, data, data.clients[1], 0, 0)
+    assert 0.45 < update_norm(update.deltas) <= 0.5  # lr 0.5 moves it far more: clipped
+    from dataclasses import replace
+
+    raw, _ = run_client_round(model, dict(start), replace(plan, clip=None), data, data.clients[1],
+                              0, 0)
+    assert update_norm(raw.deltas) > 0.5
+    contract = round_contract(0, [1], plan.upload, start, data, None, 1e9, clip=0.5)
+    assert contract.check(update) is None
+    refused = contract.check(ClientUpdate(1, 0, raw.deltas, len(data.clients[1].train)))
+    assert refused is not None and refused.code == "over-clip"
+    assert "privacy.clip_norm" in refused.text and "\n" not in refused.text
+
+
+def test_a_dp_run_records_its_epsilon_and_learns(data_root):
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.join_ratio=0.6",
+                       "privacy.enabled=true", "privacy.clip_norm=5",
+                       "privacy.noise_multiplier=0.3")
+    result = run_simulation(cfg, out=None)
+    eps = [r["epsilon"] for r in result.rows]
+    assert eps == sorted(eps) and eps[0] > 0
+    assert eps[-1] == pytest.approx(epsilon(0.6, 0.3, 3, cfg.privacy.delta))
+    assert all(r["clients"] == poisson_clients(cfg.seed_for("selection"), r["round"],
+                                               cfg.data.num_clients, 0.6) for r in result.rows)
+
+
+@pytest.mark.parametrize("over, words", [
+    (("aggregation.rule=median",), "median"),
+    (("train.mode='async'", "fleet.devices=[{profile='nano'}]"), "async"),
+    (("wire.up='int8'",), "wire.up"),
+    (("train.over_select=1.5",), "over_select"),
+])
+def test_what_breaks_the_analysis_is_refused_in_one_line(over, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [*DP, *over])
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_run_over_its_budget_is_refused_with_the_rounds_that_fit():
+    from fedseq.server.privacy import check_budget
+
+    cfg = load_config(None, [*DP, "rounds=500", "train.join_ratio=0.2",
+                             "privacy.target_epsilon=4"])
+    with pytest.raises(ConfigError) as err:
+        check_budget(cfg)
+    fit = rounds_within(0.2, 1.1, cfg.privacy.delta, 4.0, 500)
+    assert f"{fit} rounds fit" in str(err.value) and "\n" not in str(err.value)
+    check_budget(cfg.model_copy(update={"rounds": fit}))  # within: no error
+
+
+DP_RUN = ("algorithm.name=fedavg", "rounds=3", "train.join_ratio=0.6", "train.threads=1",
+          "privacy.enabled=true", "privacy.clip_norm=2", "privacy.noise_multiplier=0.5")
+
+
+def test_a_dp_run_is_bitwise_across_workers_and_resume(data_root, tmp_path, one_thread):
+    from conftest import same_run
+
+    cfg = quick_config(data_root, *DP_RUN)
+    alone = run_simulation(cfg, tmp_path / "full")
+    same_run(run_simulation(cfg, None, workers=2), alone)
+
+    def stop_after_round_1(row):
+        if row.round == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(cfg, tmp_path / "part", stop_after_round_1)
+    resumed = run_simulation(cfg, tmp_path / "part", mode="resume")
+    assert all(torch.equal(resumed.global_weights[k], v) for k, v in alone.global_weights.items())
+    import json
+
+    rows = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epsilon"] for r in rows] == [r["epsilon"] for r in alone.rows]
+
+
+@pytest.mark.slow
+def test_a_dp_deployment_gives_the_simulations_run(data_root, tmp_path, one_thread):
+    """Clipped on the devices (over MQTT, an embedded broker), noised on the coordinator from the
+    noise stream: bitwise the simulation's weights, rows and epsilon; the noise seed is not in
+    the config the devices get."""
+    from fedseq.server.deployment import run_deployment
+
+    cfg = quick_config(data_root, *DP_RUN, "deploy.port=0", "seeds.noise=77")
+    sent = cfg.for_devices()
+    assert "privacy" not in sent and not (sent.get("seeds") or {}).get("noise")
+    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+                         announce=lambda *a, **k: None)
+    sim = run_simulation(cfg, out=None)
+    for d, s in zip(dep.rows, sim.rows, strict=True):
+        assert d["clients"] == s["clients"] and d["epsilon"] == s["epsilon"]
+        assert d["global_acc"] == s["global_acc"]
+    assert all(torch.equal(dep.global_weights[k], v) for k, v in sim.global_weights.items())
