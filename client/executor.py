@@ -118,7 +118,8 @@ class StepExecutor:
                     train_seconds=update.train_seconds,
                     local_correct=update.local_score[0] if update.local_score else None,
                     local_total=update.local_score[1] if update.local_score else None,
-                    diverged_at=update.diverged_at, **dataclasses.asdict(cost))
+                    diverged_at=update.diverged_at, under_clip=update.under_clip,
+                    **dataclasses.asdict(cost))
         frame = encode_tensors(update.deltas)
         self.session.send(f"update/{c}", seq, functools.partial(self._publish_update, meta, frame))
 

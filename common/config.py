@@ -467,6 +467,18 @@ class PrivacyConfig(_Section):
     target_epsilon: Optional[float] = Field(None, gt=0, description=(
         "Refuse a run whose epsilon after its last round would exceed it, saying how many "
         "rounds fit."))
+    adaptive: bool = Field(False, description=(
+        "Adaptive clipping (Andrew et al., NeurIPS 2021): clip_norm is the first round's, then "
+        "it follows target_quantile of the updates' norms, learned from a noised count of the "
+        "clients whose update was within it; its privacy cost is in noise_multiplier."))
+    target_quantile: float = Field(0.5, gt=0, lt=1, description=(
+        "adaptive: the quantile of the updates' norms the clip norm tracks (0.5: the median)."))
+    clip_lr: float = Field(0.2, gt=0, description=(
+        "adaptive: eta, C <- C exp(-eta (noised share within C - target_quantile))."))
+    count_noise: Optional[float] = Field(None, gt=0, description=(
+        "adaptive: sigma_b, the standard deviation of the noise on the count; default: the "
+        "expected clients a round / 20 (the paper's). The updates' noise multiplier is then "
+        "(z^-2 - (2 sigma_b)^-2)^-1/2, so that both together spend what noise_multiplier z does."))
 
 
 class ExperimentConfig(_Section):
@@ -521,6 +533,14 @@ class ExperimentConfig(_Section):
         if self.train.over_select != 1.0:
             raise ValueError(f"{why} samples each client with probability train.join_ratio; "
                              "train.over_select changes who counts: leave it at 1")
+        p = self.privacy
+        if p.adaptive and p.noise_multiplier > 0:
+            sigma_b = p.count_noise or self.train.join_ratio * self.data.num_clients / 20
+            if 2 * sigma_b <= p.noise_multiplier:
+                raise ValueError(
+                    f"privacy.adaptive: the count's noise sigma_b = {sigma_b:g} leaves no noise "
+                    f"for the updates under noise_multiplier {p.noise_multiplier:g} (2 sigma_b "
+                    "must exceed it): raise privacy.count_noise or lower noise_multiplier")
         return self
 
     @model_validator(mode="after")

@@ -347,8 +347,9 @@ def run_client_round(
     personal = personal_tensors(model, plan.personal)
     compute += side.finish(job, stats, deltas, personal)
     codec = Codec.parse(plan.codec)
+    under = None
     if plan.clip is not None:
-        deltas = clip_update(deltas, plan.clip, codec)
+        deltas, under = clip_update(deltas, plan.clip, codec)
     if codec.name != "none":
         g = torch_rng(seed, "int8", round, shard.client) if codec.stochastic else None
         deltas, left = encode(deltas, codec, state.get("ef"), g)
@@ -362,6 +363,7 @@ def run_client_round(
         train_seconds=compute,
         local_score=score,
         diverged_at=stats.diverged_at,
+        under_clip=under,
     )
     return update, personal
 
@@ -371,11 +373,12 @@ def run_client_round(
 _ROUNDING = {"none": 0.0, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
 
 
-def clip_update(deltas: Weights, clip: float, codec: Codec) -> Weights:
+def clip_update(deltas: Weights, clip: float, codec: Codec) -> tuple[Weights, bool]:
     """[privacy]'s clipping: every tensor of the upload scaled by min(1, C' / its whole L2
     norm), C' = `clip` less the codec's rounding (and float32's), so that what the coordinator
     decodes has a norm of at most `clip` (the round contract's check). Integer tensors are
-    left as they are (none are uploaded but counters)."""
+    left as they are (none are uploaded but counters). Returns the clipped upload and whether
+    its norm was within `clip` (adaptive clipping's bit)."""
     if codec.name not in _ROUNDING:
         raise ValueError(f"an update in {codec.spec} cannot be clipped to a norm it keeps")
     squares = sum(float(d.to(torch.float64).pow(2).sum()) for d in deltas.values()
@@ -383,9 +386,9 @@ def clip_update(deltas: Weights, clip: float, codec: Codec) -> Weights:
     norm = math.sqrt(squares)
     target = clip / (1.0 + _ROUNDING[codec.name]) * (1.0 - 1e-6)
     if norm <= target:
-        return deltas
+        return deltas, norm <= clip
     scale = target / norm
-    return {k: d * scale if d.is_floating_point() else d for k, d in deltas.items()}
+    return {k: d * scale if d.is_floating_point() else d for k, d in deltas.items()}, norm <= clip
 
 
 @torch.no_grad()

@@ -45,6 +45,8 @@ class LoopState:
     clock: float = 0.0
     #: the asynchronous driver's bookkeeping (server/asynchronous.py); None: a synchronous run
     driver: dict[str, Any] | None = None
+    #: [privacy] with adaptive clipping: the clip norm of the next round; None: a fixed one
+    clip: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         rep = self.last_report
@@ -58,6 +60,7 @@ class LoopState:
                 {str(c): list(r) for c, r in rep.per_client.items()}],
             "clock": self.clock,
             **({"driver": self.driver} if self.driver is not None else {}),
+            **({"clip": self.clip} if self.clip is not None else {}),
         }
 
     @classmethod
@@ -72,6 +75,7 @@ class LoopState:
             None if row is None else RoundRecord.from_json(row),
             float(state.get("clock", 0.0)),
             state.get("driver"),
+            None if state.get("clip") is None else float(state["clip"]),
         )
 
 

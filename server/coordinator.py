@@ -34,7 +34,14 @@ from fedseq.common.seeding import numpy_rng
 from fedseq.server.checkpoint import Checkpoint, LoopState, save_checkpoint
 from fedseq.server.fleet import ClientTiming, VirtualFleet, energy_j, sync_round
 from fedseq.server.pool import ClientPool, RoundOutcome
-from fedseq.server.privacy import NoisedSum, check_budget, epsilon, poisson_clients
+from fedseq.server.privacy import (
+    NoisedSum,
+    check_budget,
+    epsilon,
+    next_clip,
+    poisson_clients,
+    update_noise,
+)
 from fedseq.server.records import ClientEnergy, Rejection, RoundRecord
 from fedseq.server.rundir import RunDir
 from fedseq.server.validation import (
@@ -97,6 +104,7 @@ class RoundUpdates:
     paces: dict[int, tuple[float, int]] = field(default_factory=dict)
     costs: dict[int, tuple[str | None, DeviceCost | None]] = field(default_factory=dict)
     outcome: RoundOutcome = field(default_factory=RoundOutcome)
+    within: int = 0  # [privacy] adaptive clipping: counted updates within the clip norm
 
 
 @dataclass
@@ -159,6 +167,8 @@ class Coordinator:
         self.pause_after = pause_after
         algorithm.prepare([len(c.train) for c in data.clients])
         check_budget(cfg)  # [privacy]: a run over its epsilon budget does not start
+        #: [privacy]: the clip norm of the next round (adaptive clipping moves it)
+        self.clip = cfg.privacy.clip_norm
         # Block versions: version 0 of every block is the seed-derived initial model. bytes_down
         # counts a block for a client when the client does not hold its current version; a client
         # holds nothing before its first round (-1): a deployment does send version 0.
@@ -233,8 +243,8 @@ class Coordinator:
         p = self.cfg.privacy
         if p.enabled:
             expected = self.cfg.train.join_ratio * self.cfg.data.num_clients
-            return NoisedSum(p.clip_norm, p.noise_multiplier, expected, self.cfg.seed_for("noise"),
-                             t)
+            return NoisedSum(self.clip, update_noise(self.cfg), expected,
+                             self.cfg.seed_for("noise"), t)
         return make_aggregator(self.cfg.aggregation)
 
     def _epsilon(self, rounds: int) -> float | None:
@@ -286,6 +296,8 @@ class Coordinator:
             rec.quorum_failed, rec.received = refused, sorted(got.reported)
         if self.cfg.privacy.enabled:
             rec.epsilon = self._epsilon(t + 1)
+            if self.cfg.privacy.adaptive:
+                rec.clip_norm = plan.clip
         return rec
 
     def _plan(self, t: int) -> tuple[ClientPlan, list[str]]:
@@ -295,6 +307,8 @@ class Coordinator:
         plan = self.alg.plan(t)
         if self.up.name != "none":
             plan = dataclasses.replace(plan, codec=self.up.spec)
+        if plan.clip is not None and plan.clip != self.clip:  # adaptive clipping's current C
+            plan = dataclasses.replace(plan, clip=self.clip)
         needed = [b for b in ordered_union((self.model.spec.base, plan.uses))
                   if b not in plan.personal] + list(dict.fromkeys(map(block_of, self.extra)))
         return plan, needed
@@ -386,6 +400,7 @@ class Coordinator:
                           update.device)
         got.norms[update.client] = update_norm(update.deltas)
         got.reported.append(update.client)
+        got.within += bool(update.under_clip)
         if update.local_score is not None:
             got.local_scores[update.client] = update.local_score
         shard = self.data.clients[update.client]
@@ -422,6 +437,8 @@ class Coordinator:
         self.global_weights = new
         self._broadcast()
         self.local_scores.update(got.local_scores)
+        if self.cfg.privacy.enabled and self.cfg.privacy.adaptive:
+            self.clip = next_clip(self.cfg, self.clip, got.within, t)
         return None
 
     def offered(self) -> Weights:
@@ -594,7 +611,8 @@ class Coordinator:
         return Checkpoint(next_round, self.global_weights,
                           LoopState(self.version, self.client_version, self.local_scores,
                                     self._last_report, row, self.clock,
-                                    self._driver_state()),
+                                    self._driver_state(),
+                                    self.clip if self.cfg.privacy.adaptive else None),
                           self.pool.snapshot(), self.alg.server_state())
 
     def _rounds_done(self) -> None:
@@ -615,6 +633,8 @@ class Coordinator:
         self.version, self.client_version = loop.version, loop.client_version
         self.local_scores, self._last_report = loop.local_scores, loop.last_report
         self.clock = loop.clock
+        if loop.clip is not None:  # adaptive clipping's clip norm as it was
+            self.clip = loop.clip
         self.pool.restore(ckpt.pool)
         self.alg.load_server_state(ckpt.server)
         self._broadcast(new_versions=False)  # as checkpointed, versions included

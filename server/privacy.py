@@ -14,6 +14,17 @@ The noise is drawn from the `noise` random stream ([seeds] noise, else `seed`), 
 `--workers` and a deployment give bitwise the same run: whoever knows that seed can subtract the
 noise, so a run whose guarantee matters keeps it secret (docs/how-to/privacy.md).
 
+Adaptive clipping (Andrew, Thakkar, McMahan, Ramaswamy, "Differentially Private Learning with
+Adaptive Clipping", NeurIPS 2021; privacy.adaptive): each client also reports one bit, whether
+its update's norm was within the round's C; the coordinator counts the bits with Gaussian noise
+of standard deviation sigma_b and moves C geometrically towards the target quantile gamma,
+
+    C <- C exp(-eta (b~ - gamma)),   b~ = (sum of the bits + N(0, sigma_b^2)) / (q N).
+
+The two noised sums together are one Gaussian mechanism of noise multiplier z (the configured
+one) when the updates' noise multiplier is z_delta = (z^-2 - (2 sigma_b)^-2)^-1/2 (the paper's
+Theorem 1), so the accounting is unchanged.
+
 The accountant is dp-accounting's (Google) Renyi-DP accountant for the Poisson-subsampled
 Gaussian mechanism composed over the rounds, add-or-remove-one-client adjacency: epsilon at
 privacy.delta after every round, a pure function of (q, z, rounds), so a resumed run's is the
@@ -35,6 +46,33 @@ from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import AggregationError, ConfigError
 from fedseq.common.models import Weights
 from fedseq.common.seeding import numpy_rng, torch_rng
+
+
+def count_noise(cfg: ExperimentConfig) -> float:
+    """sigma_b of adaptive clipping's count (0 without noise)."""
+    p = cfg.privacy
+    if p.noise_multiplier <= 0:
+        return 0.0
+    return p.count_noise or cfg.train.join_ratio * cfg.data.num_clients / 20
+
+
+def update_noise(cfg: ExperimentConfig) -> float:
+    """The noise multiplier of the updates' sum: privacy.noise_multiplier, less what adaptive
+    clipping's count takes of it."""
+    z = cfg.privacy.noise_multiplier
+    if not cfg.privacy.adaptive or z <= 0:
+        return z
+    return (z ** -2 - (2 * count_noise(cfg)) ** -2) ** -0.5
+
+
+def next_clip(cfg: ExperimentConfig, clip: float, within: int, round: int) -> float:
+    """Adaptive clipping's clip norm after `round`, whose counted updates were `within` times
+    at most `clip` before clipping: C exp(-eta (noised share - target quantile))."""
+    p = cfg.privacy
+    expected = cfg.train.join_ratio * cfg.data.num_clients
+    g = torch_rng(cfg.seed_for("noise"), "dp-count-noise", round)
+    noise = float(torch.randn(1, generator=g, dtype=torch.float64)) * count_noise(cfg)
+    return clip * math.exp(-p.clip_lr * ((within + noise) / expected - p.target_quantile))
 
 
 def poisson_clients(seed: int, round: int, num_clients: int, rate: float) -> list[int]:

@@ -215,6 +215,8 @@ class RoundRecord(_Record):
     # -- differential privacy ([privacy]) --
     #: epsilon spent after this round (at privacy.delta); the fine-tuning's row: the run's
     epsilon: float | None = Field(None, json_schema_extra=summary("max"))
+    #: the round's clip norm under adaptive clipping (privacy.adaptive)
+    clip_norm: float | None = None
     # -- a round that did not count --
     quorum_failed: str | None = None
     received: list[int] = Field(default_factory=list)

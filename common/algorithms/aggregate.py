@@ -51,6 +51,9 @@ class ClientUpdate:
     # the batch (from 1) where the client's training hit a NaN or Inf loss and stopped; such an
     # update is refused (server/validation.py); None: training stayed finite
     diverged_at: int | None = None
+    # [privacy] adaptive clipping: whether the update's norm was at most the clip norm before it
+    # was clipped (its one bit for the clip norm's quantile); None: not clipped
+    under_clip: bool | None = None
     # the frame bytes of the update as it came, in its wire codec (set by the round contract
     # when it decodes a compressed update; None: deltas are as they came)
     upload_bytes: int | None = None

@@ -254,6 +254,8 @@ class UpdateHeader(Message):
     mem_available_mb: Optional[int] = Field(None, description="Free memory after it.")
     diverged_at: Optional[int] = Field(None, ge=1, description=(
         "The batch (from 1) where training hit a NaN or Inf loss and stopped; the update is refused."))
+    under_clip: Optional[bool] = Field(None, description=(
+        "[privacy]: whether the update's norm was within the clip norm before it was clipped."))
     chunk: int = Field(ge=0, description="This chunk's index.")
     chunks: int = Field(ge=1, description="The frame's chunks.")
     size: int = Field(ge=0, description="Bytes of the whole frame.")

@@ -631,7 +631,8 @@ class Inbox:
                               train_seconds=head.train_seconds,
                               local_score=None if head.local_correct is None or head.local_total is
                               None else (head.local_correct, head.local_total), device=device,
-                              cost=device_cost(head), diverged_at=head.diverged_at)
+                              cost=device_cost(head), diverged_at=head.diverged_at,
+                              under_clip=head.under_clip)
         event = UpdateArrived(device, head.seq, update, held, spooled)
         if not self._put(event, ("update", head.seq, head.client), UPDATES_PER_CLIENT):
             self.release(event)

@@ -136,10 +136,15 @@ DP_RUN = ("algorithm.name=fedavg", "rounds=3", "train.join_ratio=0.6", "train.th
           "privacy.enabled=true", "privacy.clip_norm=2", "privacy.noise_multiplier=0.5")
 
 
-def test_a_dp_run_is_bitwise_across_workers_and_resume(data_root, tmp_path, one_thread):
+ADAPTIVE = ("privacy.adaptive=true", "privacy.clip_norm=0.05", "privacy.count_noise=1")
+
+
+@pytest.mark.parametrize("more", [(), ADAPTIVE])
+def test_a_dp_run_is_bitwise_across_workers_and_resume(data_root, tmp_path, one_thread, more):
+    """Fixed and adaptive clipping (the clip norm checkpointed with the run)."""
     from conftest import same_run
 
-    cfg = quick_config(data_root, *DP_RUN)
+    cfg = quick_config(data_root, *DP_RUN, *more)
     alone = run_simulation(cfg, tmp_path / "full")
     same_run(run_simulation(cfg, None, workers=2), alone)
 
@@ -155,6 +160,7 @@ def test_a_dp_run_is_bitwise_across_workers_and_resume(data_root, tmp_path, one_
 
     rows = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
     assert [r["epsilon"] for r in rows] == [r["epsilon"] for r in alone.rows]
+    assert [r.get("clip_norm") for r in rows] == [r.get("clip_norm") for r in alone.rows]
 
 
 @pytest.mark.slow
@@ -164,7 +170,7 @@ def test_a_dp_deployment_gives_the_simulations_run(data_root, tmp_path, one_thre
     the config the devices get."""
     from fedseq.server.deployment import run_deployment
 
-    cfg = quick_config(data_root, *DP_RUN, "deploy.port=0", "seeds.noise=77")
+    cfg = quick_config(data_root, *DP_RUN, *ADAPTIVE, "deploy.port=0", "seeds.noise=77")
     sent = cfg.for_devices()
     assert "privacy" not in sent and not (sent.get("seeds") or {}).get("noise")
     dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
@@ -172,5 +178,31 @@ def test_a_dp_deployment_gives_the_simulations_run(data_root, tmp_path, one_thre
     sim = run_simulation(cfg, out=None)
     for d, s in zip(dep.rows, sim.rows, strict=True):
         assert d["clients"] == s["clients"] and d["epsilon"] == s["epsilon"]
+        assert d["clip_norm"] == s["clip_norm"]  # the devices' bits crossed the wire
         assert d["global_acc"] == s["global_acc"]
     assert all(torch.equal(dep.global_weights[k], v) for k, v in sim.global_weights.items())
+
+
+def test_adaptive_clipping_moves_the_clip_norm_to_the_quantile():
+    """C exp(-eta (share within - gamma)): every update within C shrinks it, none grows it (no
+    noise here); the updates' noise multiplier leaves the count its share of z (Theorem 1)."""
+    from fedseq.server.privacy import next_clip, update_noise
+
+    cfg = load_config(None, [*DP, "privacy.adaptive=true", "privacy.noise_multiplier=0",
+                             "data.num_clients=100", "train.join_ratio=0.1"])
+    assert next_clip(cfg, 2.0, 10, 0) == pytest.approx(2.0 * math.exp(-0.2 * 0.5))
+    assert next_clip(cfg, 2.0, 0, 0) == pytest.approx(2.0 * math.exp(0.2 * 0.5))
+    assert next_clip(cfg, 2.0, 5, 0) == pytest.approx(2.0)
+    noisy = load_config(None, [*DP, "privacy.adaptive=true", "privacy.noise_multiplier=1",
+                               "privacy.count_noise=5"])
+    assert update_noise(noisy) == pytest.approx((1 - 1 / 100) ** -0.5)
+    with pytest.raises(ConfigError, match="count_noise"):
+        load_config(None, [*DP, "privacy.adaptive=true", "privacy.noise_multiplier=4",
+                           "privacy.count_noise=1"])
+
+
+def test_an_adaptive_run_raises_a_too_small_clip_norm(data_root):
+    cfg = quick_config(data_root, *DP_RUN, *ADAPTIVE, "rounds=4", "privacy.noise_multiplier=0.1")
+    rows = run_simulation(cfg, out=None).rows
+    clips = [r["clip_norm"] for r in rows]
+    assert clips[0] == 0.05 and clips == sorted(clips) and clips[-1] > 0.05  # every update > C
