@@ -82,7 +82,8 @@ def main() -> None:
     cfg = load_config(Path(args.config), over)
     exp = load_experiment(cfg)
     data, model, alg = exp.data, exp.model, exp.algorithm
-    pool = TimedPool(data, model, alg.personal_blocks(), cfg.seed, cfg.train.eval_batch_size)
+    pool = TimedPool(data, model, alg.personal_blocks(), cfg.seed, cfg.train.eval_batch_size,
+                     algorithm=alg.name)
     coord = Coordinator(cfg, alg, model, data, pool)
     print(f"{args.algorithm}, {cfg.model.name}, on {Path(args.config).name}: {cfg.data.num_clients} clients, "
           f"{cfg.clients_per_round()} per round, {cfg.train.local_epochs} local epochs, "

@@ -24,7 +24,7 @@ def _coord(name, *over, pool_cls=InProcessPool, run_dir=None):
     data = synthetic_data()
     model = build_model("cnn", (1, 28, 28), 4, generator_seed=1, **model_layout(name))
     alg = make_algorithm(cfg, model.spec)
-    pool = pool_cls(data, model, alg.personal_blocks(), cfg.seed)
+    pool = pool_cls(data, model, alg.personal_blocks(), cfg.seed, algorithm=name)
     return Coordinator(cfg, alg, model, data, pool, run_dir), model
 
 

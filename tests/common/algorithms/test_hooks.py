@@ -2,6 +2,8 @@
 and FLOP counter call hooks and import no algorithm; a plan names its algorithm and carries its
 parameters; a device without the algorithm refuses the plan in one line."""
 
+from __future__ import annotations
+
 import ast
 from pathlib import Path
 
