@@ -160,6 +160,10 @@ def picked_up(rows: list[RoundRecord]) -> dict[str, float | None]:
 
 
 def _seed_of(run: Run, stream: str) -> Any:
+    """The seed of one of the run's random streams; None for the noise of a run without
+    [privacy] (it draws none)."""
+    if stream == "noise" and not run.config.get("privacy", {}).get("enabled"):
+        return None
     pinned = run.config.get("seeds", {}).get(stream)
     return run.config.get("seed") if pinned is None else pinned
 
