@@ -183,7 +183,9 @@ class Campaign:
                                   f"{self.out} ({len(gone)} runs gone): restore the file, or pass "
                                   "another --out")
             for folder, r in old.items():
-                changed = changed_keys(r["config"],
+                # both with every default filled in: a key a newer fedseq added, at its
+                # default, is no change
+                changed = changed_keys(defining(r["config"]),
                                         defining(new[folder].cfg.model_dump(mode="json")))
                 if changed:
                     raise ConfigError(f"{self.source} changed run {folder} of the campaign in "

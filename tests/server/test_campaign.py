@@ -225,3 +225,25 @@ def test_a_config_or_data_error_skips_the_rest_of_its_setting(tmp_path, data_roo
         "broken/fedavg/seed-1", "broken/fedprox/seed-0", "broken/fedprox/seed-1",
         "other/fedavg/seed-1", "other/fedprox/seed-0", "other/fedprox/seed-1"]
     assert done.stderr.count("are skipped") == 2, done.stderr
+
+
+def test_a_campaign_recorded_before_a_key_existed_continues(tmp_path, data_root):
+    """A newer fedseq adds keys with defaults ([privacy], algorithm.moon_mu): a campaign folder
+    whose recorded configs lack them is the same campaign, not a changed file; a real change is
+    still refused."""
+    from fedseq.common.errors import ConfigError
+    from fedseq.server.campaign import Campaign
+
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\n')
+    _, runs = load_campaign(file)
+    out = tmp_path / "out"
+    Campaign(out, runs, file).open(lambda m: None)
+    book = json.loads((out / "campaign.json").read_text())
+    for r in book["runs"]:
+        r["config"].pop("privacy")
+        r["config"]["algorithm"].pop("moon_mu")
+    (out / "campaign.json").write_text(json.dumps(book))
+    Campaign(out, runs, file).open(lambda m: None)  # no error
+    _, other = load_campaign(file, ["train.lr=0.5"])
+    with pytest.raises(ConfigError, match="changed run"):
+        Campaign(out, other, file).open(lambda m: None)
