@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.aggregate import ClientUpdate, update_norm
 from fedseq.common.algorithms.hooks import ClientSide, Job, client_side
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 from fedseq.common.augment import augment_batch
@@ -381,9 +381,7 @@ def clip_update(deltas: Weights, clip: float, codec: Codec) -> tuple[Weights, bo
     its norm was within `clip` (adaptive clipping's bit)."""
     if codec.name not in _ROUNDING:
         raise ValueError(f"an update in {codec.spec} cannot be clipped to a norm it keeps")
-    squares = sum(float(d.to(torch.float64).pow(2).sum()) for d in deltas.values()
-                  if d.is_floating_point())
-    norm = math.sqrt(squares)
+    norm = update_norm({k: d for k, d in deltas.items() if d.is_floating_point()})
     target = clip / (1.0 + _ROUNDING[codec.name]) * (1.0 - 1e-6)
     if norm <= target:
         return deltas, norm <= clip

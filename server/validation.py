@@ -147,7 +147,8 @@ class RoundContract:
                     f"{bound:.3g} (aggregation.max_abs_delta; auto = 10 x the "
                     "model's largest parameter)"))
         if self.clip is not None:
-            norm = update_norm(update.deltas)
+            # the norm the client clipped: its floating-point tensors (a counter is not clipped)
+            norm = update_norm({k: d for k, d in update.deltas.items() if d.is_floating_point()})
             if not norm <= self.clip:
                 return Rejection("over-clip", (
                     f"the update's L2 norm {norm:.6g} > privacy.clip_norm {self.clip:g}: the "

@@ -112,6 +112,20 @@ class WeightedDeltaSum:
         return out
 
 
+def update_norm(deltas: Weights) -> float:
+    """L2 norm of an update's whole delta (all its tensors as one vector)."""
+    return math.sqrt(sum(_squares(d) for d in deltas.values()))
+
+
+def _squares(d: torch.Tensor) -> float:
+    """The sum of d's squares in float64: squared in place in d's one float64 copy (torch's
+    pow(2) is x * x, so bitwise what `d.double().pow(2).sum()` gives, without a second buffer).
+    A sparse d (a top-k update): its entries' squares, summed in another order than d's dense
+    form's, so the last bits may differ from it."""
+    x = (d.coalesce().values() if d.is_sparse else d).to(torch.float64, copy=True)
+    return float(x.mul_(x).sum())
+
+
 def pseudo_gradients(global_weights: Weights, new: Weights
                      ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, the global tensor, new - global in float64) of every tensor the round's aggregate

@@ -33,7 +33,7 @@ from typing import Dict, Protocol, Tuple
 
 import torch
 
-from fedseq.common.algorithms.aggregate import WeightedDeltaSum, in_dtype
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum, in_dtype, update_norm
 from fedseq.common.config import AggregationConfig
 from fedseq.common.errors import AggregationError
 from fedseq.common.models import Weights, block_of
@@ -63,20 +63,6 @@ class Aggregator(Protocol):
         object (`aggregate.pseudo_gradients`, the round loop's block versions). AggregationError
         (the round is refused) where the result would be non-finite or below quorum."""
         ...
-
-
-def update_norm(deltas: Weights) -> float:
-    """L2 norm of an update's whole delta (all its tensors as one vector)."""
-    return math.sqrt(sum(_squares(d) for d in deltas.values()))
-
-
-def _squares(d: torch.Tensor) -> float:
-    """The sum of d's squares in float64: squared in place in d's one float64 copy (torch's
-    pow(2) is x * x, so bitwise what `d.double().pow(2).sum()` gives, without a second buffer).
-    A sparse d (a top-k update): its entries' squares, summed in another order than d's dense
-    form's, so the last bits may differ from it."""
-    x = (d.coalesce().values() if d.is_sparse else d).to(torch.float64, copy=True)
-    return float(x.mul_(x).sum())
 
 
 def _scaled(deltas: Weights, bound: float) -> Weights:
