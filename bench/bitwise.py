@@ -24,16 +24,30 @@ from fedseq.server.simulation import run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ["fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedper", "fedrep", "lg-fedavg",
-           "fedbabu", "fedrod", "fedreg", "fedseq-anti", "feddyn", "ditto", "gpfl"]
+           "fedbabu", "fedrod", "fedreg", "fedseq-anti", "feddyn", "ditto", "gpfl", "moon",
+           "fednova", "fedavg+fleet", "fedavg+over", "fedavg+async", "fedavgm+async",
+           "fedper+async", "fedavg+dp"]
+
+#: NAME+VARIANT runs the algorithm under another driver or setting: a simulated fleet's clock
+#: (sync), over-selection on it, buffered asynchronous aggregation, client-level DP
+FLEET = "fleet.devices=[{profile='nano',count=2},{profile='orin-nano',count=2}]"
+VARIANTS = {
+    "fleet": [FLEET],
+    "over": [FLEET, "train.join_ratio=0.6", "train.over_select=1.7"],
+    "async": [FLEET, "train.mode='async'", "train.concurrency=3", "train.buffer=2"],
+    "dp": ["privacy.enabled=true", "privacy.clip_norm=1.0", "privacy.noise_multiplier=0.5",
+           "privacy.delta=1e-3", "train.join_ratio=0.8"],
+}
 
 
-def fingerprint(data_root: Path, algorithm: str) -> str:
+def fingerprint(data_root: Path, name: str) -> str:
+    algorithm, _, variant = name.partition("+")
     cfg = load_config(None, [
         f"data.root={str(data_root)!r}", "data.dataset=fmnist", "data.fraction=0.05",
         "data.num_clients=5", "data.alpha=0.5", "data.min_samples=40", "rounds=3",
         "train.join_ratio=1.0", "train.local_epochs=1", "train.batch_size=20",
         "algorithm.finetune_epochs=2", "algorithm.unfreeze_rounds=[0,1,1,2]", "train.threads=1",
-        f"algorithm.name={algorithm}", "model.name=convnet",
+        f"algorithm.name={algorithm}", "model.name=convnet", *VARIANTS.get(variant, []),
     ])
     with tempfile.TemporaryDirectory() as tmp:
         result = run_simulation(cfg, Path(tmp) / "run")
@@ -45,7 +59,7 @@ def fingerprint(data_root: Path, algorithm: str) -> str:
             for r in rows]
     final = sorted(result.final.per_client.items())
     h = lambda x: hashlib.sha256(repr(x).encode()).hexdigest()[:16]  # noqa: E731
-    return (f"{algorithm:14s} weights {weights.hexdigest()[:16]}  rounds {h(accs)}  "
+    return (f"{name:14s} weights {weights.hexdigest()[:16]}  rounds {h(accs)}  "
             f"final {h(final)}  personal_acc {result.final.personal_acc:.6f}")
 
 

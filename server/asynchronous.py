@@ -22,7 +22,7 @@ pure function of (seed, dispatch number) over the clients neither in flight nor 
 on the current version, so the same config and seed give the same run in-process and with
 `--workers`.
 
-On a real fleet (server/mqtt/asynchronous.py, MqttAsync) the devices' own pace orders the
+On a real fleet (server/mqtt/asynchronous.py, MqttArrivals) the devices' own pace orders the
 arrivals: each device trains its dispatched clients one after another on the newest model it
 holds, and an update says which version that was (docs/protocol.md, "An asynchronous run").
 
@@ -35,21 +35,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
-from fedseq.common.algorithms.robust import make_aggregator
 from fedseq.common.errors import ConfigError
-from fedseq.common.evaluation import EvalReport
-from fedseq.common.flops import plan_flops
 from fedseq.common.models import Weights, in_blocks
 from fedseq.common.seeding import numpy_rng
-from fedseq.server.checkpoint import Checkpoint
-from fedseq.server.coordinator import Coordinator, RoundUpdates, outliers
 from fedseq.server.fleet import energy_j
+from fedseq.server.ledger import Ledger, RoundUpdates, add_wire, outliers
 from fedseq.server.pool import PoolState
 from fedseq.server.records import Fold, Rejection, RoundRecord
 
@@ -104,94 +100,114 @@ class Version:
     bound: float
 
 
-class BufferedAsync(Coordinator):
-    """The asynchronous driver: `run` (inherited) checkpoints after every server step and
-    fine-tunes at the end; `run_round(t)` folds server step t's arrivals and steps."""
+class Arrivals(Protocol):
+    """Where an asynchronous run's updates come from and in which order: the simulated fleet's
+    clock (`VirtualArrivals`), a real fleet (mqtt/asynchronous.py `MqttArrivals`) or a finished
+    run's log (`LoggedArrivals`). Built on the driver (`ArrivalsFactory`), whose flights, model
+    versions and ledger it reads."""
 
-    clock: float
+    def can_train(self, client: int) -> bool:
+        """Whether `client` may be selected now."""
+        ...
 
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._check_can_run()
-        if self.alg.async_problem is not None:
-            raise ConfigError(f"algorithm {self.alg.name} cannot run with train.mode = \"async\": "
-                              f"{self.alg.async_problem}; use train.mode = \"sync\"")
-        self.concurrency, self.buffer = self.cfg.async_shape()
-        self.alpha = self.cfg.train.staleness_alpha
+    def dispatch(self, t: int, client: int, seq: int) -> Flight:
+        """Dispatch number `seq`: `client` starts on model version t; its flight."""
+        ...
+
+    def filled(self, t: int) -> None:
+        """The driver selected clients until its concurrency is in flight (a fleet publishes)."""
+        ...
+
+    def arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
+        """Server step t's arrivals, until its buffer is full (`got`: what it folded so far)."""
+        ...
+
+    def wire(self) -> tuple[int, int] | None:
+        """The (sent, received) bytes of the step's arrivals (None: not measured)."""
+        ...
+
+    def step_done(self, t: int, rec: RoundRecord, got: RoundUpdates) -> None:
+        """What this source adds to server step t's row."""
+        ...
+
+    def rounds_done(self) -> None:
+        """After the last step: what the source settles."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the source, beside the driver's state."""
+        ...
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint's state (ConfigError: this source cannot)."""
+        ...
+
+
+class BufferedAsync:
+    """The asynchronous driver (module docstring): `run_round(t)` folds server step t's
+    arrivals, each discounted by its staleness, then steps the server. Who is selected and how
+    a step folds are here; the order of arrivals is its `Arrivals` source's."""
+
+    def __init__(self, book: Ledger, arrivals: ArrivalsFactory):
+        self.book = book
+        cfg = book.cfg
+        if book.alg.async_problem is not None:
+            raise ConfigError(f"algorithm {book.alg.name} cannot run with train.mode = \"async\": "
+                              f"{book.alg.async_problem}; use train.mode = \"sync\"")
+        self.concurrency, self.buffer = cfg.async_shape()
+        self.alpha = cfg.train.staleness_alpha
         # the server learning rate scales the folded deltas where the algorithm's server
         # update is FedAvg's (a server optimizer applies algorithm.server_lr itself)
-        self.server_lr = (1.0 if self.alg.own_server_step
-                          else (self.cfg.algorithm.server_lr or 1.0))
+        self.server_lr = (1.0 if book.alg.own_server_step
+                          else (cfg.algorithm.server_lr or 1.0))
         self.flights: list[Flight] = []
         self.seq = 0  # dispatches so far
         self.trained_on: dict[int, int] = {}  # client -> the version it was last dispatched on
-        self.device_free: dict[str, float] = {}  # device -> virtual time it is free
-        # the versions a flight waiting to be trained needs
-        self._versions: dict[int, Version] = {}
-        self._bytes_down_step = 0
-        self._extra_j = 0.0  # the step's modelled joules above idle
+        #: the model versions a flight may still need (to be trained, or to be checked against)
+        self.versions: dict[int, Version] = {}
+        self.bytes_down_step = 0
+        self.extra_j = 0.0  # the step's modelled joules above idle
+        self.source = arrivals(self)
 
-    def _check_can_run(self) -> None:
-        if self.fleet is None:
-            raise ConfigError("train.mode = \"async\" needs a [fleet]: the devices' paces order "
-                              "the updates' arrivals; e.g. --set "
-                              "'fleet.devices=[{profile=\"nano\",count=5},"
-                              "{profile=\"orin-nano\",count=5}]'")
-
-    def _version(self, t: int) -> Version:
+    def version(self, t: int) -> Version:
         """The current model (version t) as its clients get it; kept while a flight needs it."""
-        if t not in self._versions:
-            plan, needed = self._plan(t)
-            offered = self.offered()
-            self._versions[t] = Version(plan, needed, self._sent(in_blocks(offered, needed)),
-                                        offered, self._delta_bound())
-        return self._versions[t]
+        if t not in self.versions:
+            book = self.book
+            plan, needed = book.plan(t)
+            offered = book.offered()
+            self.versions[t] = Version(plan, needed, book.sent(in_blocks(offered, needed)),
+                                       offered, book.delta_bound())
+        return self.versions[t]
 
     # -- dispatch --------------------------------------------------------------------------
-    def _fill(self, t: int) -> None:
+    def fill(self, t: int) -> None:
         """Dispatch newly selected clients on the current model (version t) until `concurrency`
-        are in flight, or no client is left that is not in flight and has not trained on it."""
+        are in flight, or no client is left that is not in flight and has not trained on it;
+        then tell the source."""
         busy = {f.client for f in self.flights}
         while len(self.flights) < self.concurrency:
-            eligible = [c for c in range(self.cfg.data.num_clients)
-                        if c not in busy and self.trained_on.get(c) != t and self._can_train(c)]
+            eligible = [c for c in range(self.book.cfg.data.num_clients)
+                        if c not in busy and self.trained_on.get(c) != t
+                        and self.source.can_train(c)]
             if not eligible:
-                return
-            rng = numpy_rng(self.cfg.seed_for("selection"), "async-select", self.seq)
+                break
+            rng = numpy_rng(self.book.cfg.seed_for("selection"), "async-select", self.seq)
             client = eligible[int(rng.integers(len(eligible)))]
-            self._dispatch(t, client)
+            self.flights.append(self.source.dispatch(t, client, self.seq))
+            self.trained_on[client] = t
+            self.seq += 1
             busy.add(client)
+        self.source.filled(t)
 
-    def _can_train(self, client: int) -> bool:
-        """Whether `client` may be selected now (every client of a simulated fleet)."""
-        return True
-
-    def _dispatch(self, t: int, client: int) -> None:
-        """Start `client` on version t: its device starts when it is free, receives the blocks,
-        trains at its pace and sends its update (virtual seconds)."""
-        assert self.fleet is not None
-        v = self._version(t)
-        nbytes = self._client_bytes_down(client, v.plan, v.needed)
-        self._bytes_down_step += nbytes
-        device = self.fleet.device_of[client]
-        start = max(self.clock, self.device_free.get(device.name, 0.0)) + device.down_s(nbytes)
-        flops = plan_flops(self.model, v.plan, self.data, self.data.clients[client],
-                           self.flop_cache)
-        train_s = self.fleet.train_s(client, flops, self.seq)
-        self.device_free[device.name] = start + train_s
-        arrival = start + train_s + device.up_s(self._upload_size(v.plan))
-        self.flights.append(Flight(self.seq, client, t, start, train_s, arrival))
-        self.trained_on[client] = t
-        self.seq += 1
-
-    def _train_flights(self, flights: list[Flight]) -> None:
+    def train_flights(self, flights: list[Flight]) -> None:
         """Train `flights` (clients dispatched on one version) in one pool step, each against
         the round contract of its version."""
+        book = self.book
         version = flights[0].version
-        v = self._versions[version]
+        v = self.versions[version]
         waiting = {f.client: f for f in flights}
         clients = sorted(waiting)
-        contract = self._contract(version, clients, v.plan, v.offered, v.bound)
+        contract = book.contract(version, clients, v.plan, v.offered, v.bound)
 
         def check(update: ClientUpdate) -> Rejection | None:
             reason = contract.check(update)
@@ -199,51 +215,32 @@ class BufferedAsync(Coordinator):
                 waiting[update.client].rejection = reason
             return reason
 
-        before = self.pool.snapshot().personal  # a trained flight's state until it arrives
+        before = book.pool.snapshot().personal  # a trained flight's state until it arrives
         for f in flights:
             f.held = before.get(f.client)
-        for update in self.pool.train(version, clients, v.plan, v.sent, check):
+        for update in book.pool.train(version, clients, v.plan, v.sent, check):
             waiting[update.client].update = update
         for f in flights:
             f.trained = True
             if f.update is None and f.rejection is None:
                 f.rejection = Rejection("diverged", "no update came back")
 
-    def _arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
-        """Server step t's arrivals in virtual-time order, until the buffer is full; each is
-        replaced by a newly dispatched client."""
-        assert self.fleet is not None
-        self._fill(t)
-        # a step that cannot fill its buffer (every update refused) gives up after this many
-        limit, arrived = self.concurrency + 4 * self.buffer, 0
-        while len(got.reported) < self.buffer and self.flights and arrived < limit:
-            f = min(self.flights, key=lambda f: (f.arrival, f.seq))
-            if not f.trained:
-                self._train_flights([g for g in self.flights
-                                     if g.version == f.version and not g.trained])
-                del self._versions[f.version]  # none of its flights waits to be trained now
-            self.flights.remove(f)
-            self.clock = f.arrival
-            self._extra_j += self.fleet.extra_j(f.client, f.train_s)
-            arrived += 1
-            yield f
-            self._fill(t)
-
     # -- one server step -------------------------------------------------------------------
     def run_round(self, t: int) -> RoundRecord:
         """Fold step t's arrivals (each discounted by its staleness; the stale beyond the bound
         refused), then step the server, evaluate when due, and make the step's row."""
+        book, cfg = self.book, self.book.cfg
         start = time.perf_counter()
-        began: float = self.clock
-        got = RoundUpdates(make_aggregator(self.cfg.aggregation))
+        began: float = book.clock
+        got = book.updates(t)
         folds: list[Fold] = []
-        for f in self._arrivals(t, got):
+        for f in self.source.arrivals(t, got):
             staleness = f.staleness(t)
-            if f.rejection is None and self.cfg.train.max_staleness is not None \
-                    and staleness > self.cfg.train.max_staleness:
+            if f.rejection is None and cfg.train.max_staleness is not None \
+                    and staleness > cfg.train.max_staleness:
                 f.rejection = Rejection("too-stale", f"dispatched on the model of step "
                                         f"{t - staleness}, {staleness} steps ago > "
-                                        f"train.max_staleness={self.cfg.train.max_staleness}")
+                                        f"train.max_staleness={cfg.train.max_staleness}")
             fold = Fold(client=f.client, version=f.version, staleness=staleness)
             if f.rejection is not None:
                 log.warning("step %d: rejected update of client %d: %s", t, f.client, f.rejection)
@@ -252,29 +249,28 @@ class BufferedAsync(Coordinator):
             else:
                 assert f.update is not None
                 discount = staleness_discount(staleness, self.alpha)
-                self._fold(got, f.update, self.alg.plan(f.version),
-                           discount * self.server_lr)
+                book.fold(got, f.update, book.alg.plan(f.version), discount * self.server_lr)
                 fold.discount = round(discount, 6)
             folds.append(fold)
-        got.outliers, _ = outliers(got.norms, self.cfg.aggregation.outlier_factor)
-        refused = self._apply(t, got)
-        self._evaluate_if_due(t)
+        got.outliers, _ = outliers(got.norms, cfg.aggregation.outlier_factor)
+        refused = book.apply(t, got)
+        arrived_wire = self.source.wire()
+        eval_wire = self._evaluate_if_due(t)
         arrived = sorted({f.client for f in folds})
-        rec = self._row(t, self.alg.plan(t), got, refused, arrived, arrived,
-                        self._bytes_down_step, start)
+        rec = book.row(t, book.alg.plan(t), got, refused, arrived, arrived,
+                       self.bytes_down_step, start)
         rec.folds = folds
         if refused is None:
             rec.max_staleness = max((f.staleness for f in folds if f.refused is None),
                                     default=None)
-        if self.fleet is not None:
-            spent = self.clock - began
-            rec.set_virtual(spent, self.clock, energy_j(self.fleet, spent, {}) + self._extra_j)
-        self._bytes_down_step, self._extra_j = 0, 0.0
-        self._finish(t, rec, got)
+        if book.fleet is not None:
+            spent = book.clock - began
+            rec.set_virtual(spent, book.clock, energy_j(book.fleet, spent, {}) + self.extra_j)
+        if arrived_wire is not None:  # measured: the step's dispatches and arrivals, its evaluation
+            rec.wire_bytes_out, rec.wire_bytes_in = add_wire(arrived_wire, eval_wire) or (0, 0)
+        self.bytes_down_step, self.extra_j = 0, 0.0
+        self.source.step_done(t, rec, got)
         return rec
-
-    def _finish(self, t: int, rec: RoundRecord, got: RoundUpdates) -> None:
-        """What a driver adds to step t's row (nothing in simulation)."""
 
     # -- what never arrived ----------------------------------------------------------------
     def _not_arrived(self) -> dict[int, Weights]:
@@ -284,52 +280,124 @@ class BufferedAsync(Coordinator):
         stopped) changes nothing, and a run's rows say all that moved (`--replay`)."""
         return {f.client: f.held for f in self.flights if f.trained and f.held is not None}
 
-    def _rounds_done(self) -> None:
-        self.pool.restore(PoolState(None, self._not_arrived()))
-
-    def _evaluate(self) -> tuple[EvalReport, tuple[int, int] | None]:
-        """The scores with every client's state as of its last arrival."""
+    def _evaluate_if_due(self, t: int) -> tuple[int, int] | None:
+        """The ledger's evaluation, with every client's state as of its last arrival."""
+        pool = self.book.pool
         undo = self._not_arrived()
         if not undo:
-            return super()._evaluate()
-        current = self.pool.snapshot().personal
+            return self.book.evaluate_if_due(t)
+        current = pool.snapshot().personal
         ahead = {c: current[c] for c in undo}
-        self.pool.restore(PoolState(None, undo))
+        pool.restore(PoolState(None, undo))
         try:
-            return super()._evaluate()
+            return self.book.evaluate_if_due(t)
         finally:
-            self.pool.restore(PoolState(None, ahead))
+            pool.restore(PoolState(None, ahead))
 
-    def _checkpoint(self, next_round: int, row: RoundRecord | None) -> Checkpoint:
-        ckpt = super()._checkpoint(next_round, row)
+    def rounds_done(self) -> None:
+        """The trained flights that did not arrive leave their clients' state as it was."""
         undo = self._not_arrived()
-        if undo:  # the flights in flight are lost on resume: so is their training
-            ckpt.pool = PoolState(ckpt.pool.state, {**ckpt.pool.personal, **undo})
-        return ckpt
+        if undo:
+            self.book.pool.restore(PoolState(None, undo))
+        self.source.rounds_done()
+
+    def pool_state(self, state: PoolState) -> PoolState:
+        """The flights in flight are lost on resume: so is their training."""
+        undo = self._not_arrived()
+        return PoolState(state.state, {**state.personal, **undo}) if undo else state
 
     # -- checkpoint ------------------------------------------------------------------------
-    def _driver_state(self) -> dict[str, Any] | None:
+    def state(self) -> dict[str, Any] | None:
         return {"seq": self.seq,
                 "trained_on": {str(c): v for c, v in self.trained_on.items()},
-                "device_free": self.device_free,
-                "in_flight": [[f.client, f.version] for f in self.flights]}
+                "in_flight": [[f.client, f.version] for f in self.flights],
+                **self.source.state()}
 
-    def _restore(self, ckpt: Checkpoint) -> int:
-        first = super()._restore(ckpt)
-        state = ckpt.loop.driver
+    def restore(self, state: dict[str, Any] | None) -> None:
         if state is None:
             raise ConfigError("--resume: the checkpoint is a synchronous run's; resume it with "
                               "train.mode = \"sync\"")
+        self.source.restore(state)
         self.seq = int(state["seq"])
         # the clients in flight at the checkpoint are lost; they may be selected again
         lost = {int(c) for c, _ in state["in_flight"]}
         self.trained_on = {int(c): int(v) for c, v in state["trained_on"].items()
                            if int(c) not in lost}
-        self.device_free = {d: float(s) for d, s in state["device_free"].items()}
-        return first
 
 
-class Replay(BufferedAsync):
+ArrivalsFactory = Callable[[BufferedAsync], Arrivals]
+
+
+class VirtualArrivals:
+    """The simulated fleet's order ([fleet], server/fleet.py): a dispatched client's device
+    starts it when the device is free, receives the blocks over its link, trains at its pace
+    and sends the update back (virtual seconds). Training is lazy: a client is trained when its
+    update is first needed, with every other client dispatched on the same model version, in
+    one step of any ClientPool (in process, or the `--workers` ranks in parallel)."""
+
+    def __init__(self, driver: BufferedAsync):
+        if driver.book.fleet is None:
+            raise ConfigError("train.mode = \"async\" needs a [fleet]: the devices' paces order "
+                              "the updates' arrivals; e.g. --set "
+                              "'fleet.devices=[{profile=\"nano\",count=5},"
+                              "{profile=\"orin-nano\",count=5}]'")
+        self.driver, self.book, self.fleet = driver, driver.book, driver.book.fleet
+        self.device_free: dict[str, float] = {}  # device -> virtual time it is free
+
+    def can_train(self, client: int) -> bool:
+        """Every client of a simulated fleet."""
+        return True
+
+    def dispatch(self, t: int, client: int, seq: int) -> Flight:
+        book, device = self.book, self.fleet.device_of[client]
+        v = self.driver.version(t)
+        nbytes = book.client_bytes_down(client, v.plan, v.needed)
+        self.driver.bytes_down_step += nbytes
+        start = max(book.clock, self.device_free.get(device.name, 0.0)) + device.down_s(nbytes)
+        train_s = self.fleet.train_s(client, book.flops(client, v.plan), seq)
+        self.device_free[device.name] = start + train_s
+        arrival = start + train_s + device.up_s(book.upload_size(v.plan))
+        return Flight(seq, client, t, start, train_s, arrival)
+
+    def filled(self, t: int) -> None:
+        """Nothing to publish: the flights' times are known."""
+
+    def arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
+        """In virtual-time order, until the buffer is full; each is replaced by a newly
+        dispatched client."""
+        d = self.driver
+        d.fill(t)
+        # a step that cannot fill its buffer (every update refused) gives up after this many
+        limit, arrived = d.concurrency + 4 * d.buffer, 0
+        while len(got.reported) < d.buffer and d.flights and arrived < limit:
+            f = min(d.flights, key=lambda f: (f.arrival, f.seq))
+            if not f.trained:
+                d.train_flights([g for g in d.flights if g.version == f.version and not g.trained])
+                del d.versions[f.version]  # none of its flights waits to be trained now
+            d.flights.remove(f)
+            self.book.clock = f.arrival
+            d.extra_j += self.fleet.extra_j(f.client, f.train_s)
+            arrived += 1
+            yield f
+            d.fill(t)
+
+    def wire(self) -> tuple[int, int] | None:
+        return None
+
+    def step_done(self, t: int, rec: RoundRecord, got: RoundUpdates) -> None:
+        """Nothing to add."""
+
+    def rounds_done(self) -> None:
+        """Nothing to settle."""
+
+    def state(self) -> dict[str, Any]:
+        return {"device_free": self.device_free}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.device_free = {d: float(s) for d, s in state.get("device_free", {}).items()}
+
+
+class LoggedArrivals:
     """`fedseq-sim --replay RUN_DIR`: an asynchronous run re-executed in the order its rows
     record (`folds`: client and model version of every arrival, step by step), so a deployed
     asynchronous run gives its global model again, bitwise with equal threads. Every arrival
@@ -338,8 +406,8 @@ class Replay(BufferedAsync):
     malformed update that was refused is, trained again here, a valid one); the time and order
     come from the log, not from a fleet."""
 
-    def __init__(self, *args: Any, log: dict[int, list[Fold]], **kwargs: Any):
-        super().__init__(*args, **kwargs)
+    def __init__(self, driver: BufferedAsync, log: dict[int, list[Fold]]):
+        self.driver = driver
         self.log = log
         # version -> the last step that folds an update trained on it
         self.last_use: dict[int, int] = {}
@@ -347,30 +415,46 @@ class Replay(BufferedAsync):
             for f in folds:
                 self.last_use[f.version] = t
 
-    def _check_can_run(self) -> None:
-        """A replay needs no fleet: the order is the log's."""
+    def can_train(self, client: int) -> bool:
+        return False  # nobody is selected: the log says who arrives
 
-    def _arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
+    def dispatch(self, t: int, client: int, seq: int) -> Flight:
+        raise AssertionError("a replay dispatches nobody")
+
+    def filled(self, t: int) -> None:
+        """Nothing to publish."""
+
+    def arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
+        d = self.driver
         if t in self.last_use:
-            self._version(t)  # clients of a later step train on this version
+            d.version(t)  # clients of a later step train on this version
         for fold in self.log.get(t, []):
-            if fold.version not in self._versions:
+            if fold.version not in d.versions:
                 raise ConfigError(f"--replay: step {t} folds an update trained on step "
                                   f"{fold.version}, which the log never reached; the run "
                                   "directory's rows are not an asynchronous run's")
             f = Flight(-1, fold.client, fold.version, 0.0, 0.0, 0.0,
                        dispatched=t - fold.staleness)  # the staleness the run counted
-            self._train_flights([f])
+            d.train_flights([f])
             if fold.refused is not None:
                 f.update, f.rejection = None, Rejection(fold.refused, "refused in the run")
             yield f
         for version in [v for v, last in self.last_use.items() if last <= t]:
-            self._versions.pop(version, None)
+            d.versions.pop(version, None)
 
-    def _driver_state(self) -> dict[str, Any] | None:
+    def wire(self) -> tuple[int, int] | None:
+        return None
+
+    def step_done(self, t: int, rec: RoundRecord, got: RoundUpdates) -> None:
+        """Nothing to add."""
+
+    def rounds_done(self) -> None:
+        """Nothing to settle."""
+
+    def state(self) -> dict[str, Any]:
         return {"replay": True}
 
-    def _restore(self, ckpt: Checkpoint) -> int:
+    def restore(self, state: dict[str, Any]) -> None:
         raise ConfigError("--replay runs into a new --out from the start; it does not resume")
 
 

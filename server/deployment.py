@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import subprocess
@@ -16,12 +17,13 @@ from typing import Any
 
 from fedseq.common.config import DeployConfig, ExperimentConfig, FleetConfig
 from fedseq.common.errors import ConfigError
+from fedseq.server.asynchronous import BufferedAsync
 from fedseq.server.broker import EmbeddedBroker, LocalMosquitto, coordinator_login, one_run_login
 from fedseq.server.checkpoint import Checkpoint
-from fedseq.server.coordinator import RunResult
+from fedseq.server.coordinator import DriverFactory, RunResult
 from fedseq.server.experiment import Experiment
 from fedseq.server.mqtt import MqttPool
-from fedseq.server.mqtt.asynchronous import MqttAsync
+from fedseq.server.mqtt.asynchronous import MqttArrivals
 from fedseq.server.processes import die_with_parent, stop_children
 from fedseq.server.records import RoundRecord
 from fedseq.server.rehearsal import Rehearsal
@@ -108,7 +110,9 @@ def run_deployment(
                  "so it is ignored here")
         cfg = cfg.model_copy(update={"fleet": FleetConfig()})
     fleet = MqttTransport(cfg, out, broker, local_clients, announce, client_threads, rehearsal)
-    driver = MqttAsync if cfg.train.mode == "async" else None
+    driver: DriverFactory | None = None
+    if cfg.train.mode == "async":  # the devices' own pace orders the arrivals
+        driver = functools.partial(BufferedAsync, arrivals=MqttArrivals)
     return run_experiment(cfg, out, fleet, mode, info, on_round, on_progress, driver=driver)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -153,6 +153,75 @@ class ClientPool(Protocol):
 
     def restore(self, state: PoolState) -> None:
         """Continue from a checkpoint's `snapshot()` (before `open`)."""
+        ...
+
+
+class Asking(Protocol):
+    """`AsyncPool.asker`: asks again for answers lost on the way."""
+
+    def poll(self, owed: list[int]) -> None:
+        """After each wait for events: ask again for `owed` clients' answers after a silence."""
+        ...
+
+
+class AsyncPool(ClientPool, Protocol):
+    """A pool whose clients train at their devices' own pace (train.mode = "async" on a real
+    fleet: the MQTT pool; server/mqtt/asynchronous.py `MqttArrivals` drives it). The in-process
+    and `--workers` pools need none of this: a simulation's arrivals come in the order of its
+    simulated fleet's clock (asynchronous.py `VirtualArrivals`), and they train through
+    `ClientPool.train` like a round's clients.
+
+    An event from `async_events` is an update that arrived (`take` reads it, `release` drops it),
+    a device gone offline, or a device that failed its step."""
+
+    def device_of(self, client: int) -> str | None:
+        """The device hosting `client` (None: none yet)."""
+        ...
+
+    def can_train(self, client: int, failing: Collection[str] = ()) -> bool:
+        """Whether `client`'s device can train now (not one of `failing`)."""
+        ...
+
+    def online_devices(self) -> set[str]:
+        """The devices online that host a client."""
+        ...
+
+    def cannot_run(self) -> dict[str, str]:
+        """Devices that said they cannot run any step of this run -> why."""
+        ...
+
+    def await_devices(self) -> None:
+        """Wait for the devices as a round does before its step."""
+        ...
+
+    def dispatch(self, round: int, flights: dict[int, int | None], plan: ClientPlan,
+                 weights: Weights) -> int:
+        """Publish model version `round` and the clients in flight, each with the step that
+        dispatched it (None: this one); returns this step's number."""
+        ...
+
+    def async_events(self, timeout: float) -> list[Any]:
+        """What the devices sent within `timeout` seconds."""
+        ...
+
+    def take(self, ev: Any) -> ClientUpdate:
+        """An arrived update, its deltas in memory."""
+        ...
+
+    def release(self, ev: Any) -> None:
+        """An arrived update nobody takes."""
+        ...
+
+    def asker(self) -> Asking:
+        """What asks again for answers lost on the way, for one server step."""
+        ...
+
+    def wire_bytes(self) -> tuple[int, int]:
+        """The (sent, received) bytes since the last call."""
+        ...
+
+    def end_async(self) -> None:
+        """The asynchronous part is over: late updates are dropped from now on."""
         ...
 
 

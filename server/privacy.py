@@ -164,3 +164,7 @@ class NoisedSum(WeightedDeltaSum):
             out[k] = in_dtype(k, g.to(torch.float64) + s / self.expected, g.dtype)
         return out
 
+    def moved(self) -> set[str]:
+        """Every tensor some client sent: each gets noise, whatever its weights."""
+        return set(self.sums)
+

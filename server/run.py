@@ -12,11 +12,11 @@ one ExitStack, so whatever a step opened is closed in reverse, on success, error
     pool   = transport.open_pool(stack, exp, ckpt)       a ClientPool, closed by the stack
     run_dir = RunDir(out, ..., info + transport.info())
     transport.started(stack, run_dir)                    what the transport records beside it
-    driver(...).run(ckpt)                                the round loop (coordinator.py)
+    Coordinator(..., driver).run(ckpt)                   the run loop (coordinator.py)
 
-The driver is the round loop's class: the synchronous one (`Coordinator`), or with
-train.mode = "async" buffered asynchronous aggregation (`BufferedAsync`, asynchronous.py), which
-takes the same arguments and runs over the same run.
+The driver makes the rounds on the run's ledger: the synchronous one (`Rounds`), or with
+train.mode = "async" buffered asynchronous aggregation (`BufferedAsync`, asynchronous.py) with
+its arrivals' order from the simulated fleet, a real one (`MqttArrivals`) or a run's log.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from fedseq.common.config import ExperimentConfig
 from fedseq.server.checkpoint import Checkpoint, load_checkpoint
-from fedseq.server.coordinator import Coordinator, RunResult
+from fedseq.server.coordinator import Coordinator, DriverFactory, RunResult
 from fedseq.server.experiment import Experiment, load_experiment
 from fedseq.server.pool import ClientPool
 from fedseq.server.records import RoundRecord
@@ -70,11 +70,12 @@ def run_experiment(
     on_round: Callable[[RoundRecord], None] | None = None,
     on_progress: Callable[[int, int], None] | None = None,
     pause_after: int | None = None,
-    driver: Callable[..., Coordinator] | None = None,
+    driver: DriverFactory | None = None,
 ) -> RunResult:
     """Run `cfg` over `transport` into the run directory `out` (None: write nothing); mode
     "resume" continues `out` after its checkpoint's last complete round. `pause_after`: stop
-    (resumably) once that many rounds are complete."""
+    (resumably) once that many rounds are complete; `driver`: the rounds' driver (None: the one
+    train.mode names, on the simulated fleet where it is asynchronous)."""
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     with contextlib.ExitStack() as stack:
         transport.connect(stack, ckpt)
@@ -85,12 +86,8 @@ def run_experiment(
             run_dir = RunDir(out, cfg, mode, ckpt.next_round if ckpt else 0,
                              {**(info or {}), **transport.info()})
             transport.started(stack, run_dir)
-        if driver is None:
-            from fedseq.server.asynchronous import BufferedAsync
-
-            driver = BufferedAsync if cfg.train.mode == "async" else Coordinator
-        loop = driver(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir, on_round,
-                      on_progress, collect_threads=transport.collect_threads,
-                      pause_after=pause_after)
+        loop = Coordinator(cfg, exp.algorithm, exp.model, exp.data, pool, run_dir, on_round,
+                           on_progress, collect_threads=transport.collect_threads,
+                           pause_after=pause_after, driver=driver)
         with recorded(run_dir):
             return loop.run(ckpt)

@@ -14,7 +14,7 @@ from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.hardware import compute_record, torch_device
 from fedseq.server.checkpoint import Checkpoint
-from fedseq.server.coordinator import Coordinator, RunResult
+from fedseq.server.coordinator import DriverFactory, RunResult
 from fedseq.server.experiment import Experiment
 from fedseq.server.pool import InProcessPool
 from fedseq.server.records import RoundRecord
@@ -62,7 +62,7 @@ def run_simulation(
     pause_after: int | None = None,
     workers: int = 0,
     workers_per_gpu: int = 0,
-    driver: Callable[..., Coordinator] | None = None,
+    driver: DriverFactory | None = None,
 ) -> RunResult:
     """Load data, build the seed-derived model, run all rounds (and fine-tuning): in-process, or
     with `workers` > 0 by that many worker processes (server/distributed.py; under torchrun, the
@@ -89,14 +89,14 @@ def replay(src: Path, out: Path | None, overrides: list[str] | None = None, work
            info: dict[str, Any] | None = None, mode: str = "new"
            ) -> tuple[RunResult, bool, str]:
     """Re-execute the asynchronous run in `src` in the order its rows record
-    (asynchronous.Replay) into `out`: the result, whether its global model is bitwise the one
+    (asynchronous.LoggedArrivals) into `out`: the result, whether its global model is bitwise the one
     `src` holds, and that in a sentence."""
     import functools
 
     from safetensors.torch import load_file
 
     from fedseq.common.config import FleetConfig, load_run_config
-    from fedseq.server.asynchronous import Replay, fold_log
+    from fedseq.server.asynchronous import BufferedAsync, LoggedArrivals, fold_log
     from fedseq.server.report import load_run
 
     if not (src / "config.toml").is_file():
@@ -111,7 +111,8 @@ def replay(src: Path, out: Path | None, overrides: list[str] | None = None, work
     if done < cfg.rounds:
         cfg = cfg.model_copy(update={"rounds": done})  # a run that stopped early: its steps
     result = run_simulation(cfg, out, on_round, mode, info, workers=workers,
-                            driver=functools.partial(Replay, log=log))
+                            driver=functools.partial(
+                                BufferedAsync, arrivals=functools.partial(LoggedArrivals, log=log)))
     model = src / "model.safetensors"
     if not model.is_file():
         return result, False, f"{src} holds no final model (model.safetensors) to compare with"

@@ -95,8 +95,8 @@ class WeightedDeltaSum:
         return list(self.clients)
 
     def apply(self, global_weights: Weights) -> Weights:
-        """New global tensors: old + weighted mean delta. A tensor nobody sent comes back as
-        the same object (`pseudo_gradients` and the round loop's block versions rely on it)."""
+        """New global tensors: old + weighted mean delta; a tensor nobody sent (with a positive
+        weight) is left as it was (`moved` names the others)."""
         out = dict(global_weights)
         for k, s in self.sums.items():
             # The round contract rejects a non-finite update before it is added; this is the
@@ -110,6 +110,21 @@ class WeightedDeltaSum:
                 g = global_weights[k]
                 out[k] = in_dtype(k, g.to(torch.float64) + s / self.weights[k], g.dtype)
         return out
+
+    def moved(self) -> set[str]:
+        """The tensors `apply` changes: those some update sent with a positive weight."""
+        return {k for k, w in self.weights.items() if w > 0}
+
+
+@dataclass
+class ServerStep:
+    """What a server step returns (`Algorithm.server_update`): the new global tensors and the
+    names of those it changed (the model's and the algorithm's broadcast tensors alike). The
+    round loop gives the blocks of `changed`, and only those, a new version: a client holding
+    an older one is sent it again."""
+
+    weights: Weights
+    changed: frozenset = frozenset()
 
 
 def update_norm(deltas: Weights) -> float:
@@ -126,17 +141,17 @@ def _squares(d: torch.Tensor) -> float:
     return float(x.mul_(x).sum())
 
 
-def pseudo_gradients(global_weights: Weights, new: Weights
+def pseudo_gradients(global_weights: Weights, new: Weights, moved: Iterable[str]
                      ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
     """(name, the global tensor, new - global in float64) of every tensor the round's aggregate
-    `new` moved that a server-side step treats as a gradient: floating point and not a running
-    statistic (those take the aggregate as FedAvg does). A tensor nobody sent is the global
-    tensor itself in `new` (every aggregation rule's `apply` returns it so) and is skipped.
-    The server optimizers, FedDyn, SCAFFOLD and FedNova step along these; the result goes
-    back to the model's dtype with `in_dtype`."""
+    `new` moved (`moved`: the aggregation rule's `moved()`) that a server-side step treats as a
+    gradient: floating point and not a running statistic (those take the aggregate as FedAvg
+    does), in `new`'s order. The server optimizers, FedDyn, SCAFFOLD and FedNova step along
+    these; the result goes back to the model's dtype with `in_dtype`."""
+    moved = set(moved)
     for k, v in new.items():
         g = global_weights[k]
-        if v is g or not g.is_floating_point() or is_statistic(k):
+        if k not in moved or not g.is_floating_point() or is_statistic(k):
             continue
         yield k, g, v.to(torch.float64) - g.to(torch.float64)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Mapping
 
-from fedseq.common.algorithms.aggregate import ClientUpdate
+from fedseq.common.algorithms.aggregate import ClientUpdate, ServerStep
 from fedseq.common.algorithms.hooks import ClientSide
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase, ordered_union
 from fedseq.common.config import ExperimentConfig
@@ -139,12 +139,14 @@ class Algorithm:
         """Per-block weight of one client's deltas; default: its sample count."""
         return {block_of(k): float(update.num_samples) for k in update.deltas}
 
-    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> Weights:
+    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> ServerStep:
         """The new global tensors from the round's aggregate (every valid update folded in by
-        the configured aggregation rule); default: FedAvg's, the global model plus the mean
-        delta. Raises AggregationError (the round is refused) and then must leave the
-        algorithm's state as it was."""
-        return aggregate.apply(global_weights)
+        the configured aggregation rule) and the names of those that changed (their blocks get
+        a new version); default: FedAvg's, the global model plus the mean delta. Raises
+        AggregationError (the round is refused) and then must leave the algorithm's state as it
+        was."""
+        new = aggregate.apply(global_weights)
+        return ServerStep(new, frozenset(aggregate.moved()))
 
     def broadcast(self, shared: Weights) -> Weights:
         """Tensors besides the model that every selected client receives with its round's

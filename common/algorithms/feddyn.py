@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 import torch
 
-from fedseq.common.algorithms.aggregate import ClientUpdate, in_dtype, pseudo_gradients
+from fedseq.common.algorithms.aggregate import ClientUpdate, ServerStep, in_dtype, pseudo_gradients
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.fedprox import Proximal
 from fedseq.common.algorithms.hooks import Job
@@ -101,18 +101,18 @@ class FedDyn(FedAvg):
     def aggregation_weights(self, update: ClientUpdate) -> Dict[str, float]:
         return {block_of(k): 1.0 for k in update.deltas}
 
-    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> Weights:
+    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> ServerStep:
         new = aggregate.apply(global_weights)  # AggregationError: h untouched
         share = aggregate.count() / self.cfg.data.num_clients
         h = dict(self.h)
-        for k, g, mean in pseudo_gradients(global_weights, new):
+        for k, g, mean in pseudo_gradients(global_weights, new, aggregate.moved()):
             old = h.get(k)
             hk = -self.alpha * share * mean if old is None else old.double() - (
                 self.alpha * share * mean)
             h[k] = in_dtype(k, hk, g.dtype)
             new[k] = in_dtype(k, g.double() + mean - hk / self.alpha, g.dtype)
         self.h = h
-        return new
+        return ServerStep(new, frozenset(aggregate.moved()))
 
     def server_state(self) -> Weights:
         return dict(self.h)

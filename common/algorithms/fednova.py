@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fedseq.common.algorithms.aggregate import in_dtype, pseudo_gradients
+from fedseq.common.algorithms.aggregate import ServerStep, in_dtype, pseudo_gradients
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.hooks import ClientSide, Job
 from fedseq.common.models import Weights, is_statistic
@@ -76,7 +76,7 @@ class FedNova(FedAvg):
         t = self.cfg.train
         return t.local_epochs * -(-self.sizes[client] // t.batch_size)
 
-    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> Weights:
+    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> ServerStep:
         mean = aggregate.apply(global_weights)  # x + sum_S p_i d_i under the aggregation rule
         clients = aggregate.clients_added()
         n = sum(self.sizes[c] for c in clients)
@@ -84,6 +84,6 @@ class FedNova(FedAvg):
         tau_eff = sum(self.sizes[c] * normalizer(self.local_steps(c), momentum)
                       for c in clients) / n if n else 0.0
         out = dict(mean)
-        for k, g, step in pseudo_gradients(global_weights, mean):
+        for k, g, step in pseudo_gradients(global_weights, mean, aggregate.moved()):
             out[k] = in_dtype(k, g.double() + tau_eff * step, g.dtype)
-        return out
+        return ServerStep(out, frozenset(aggregate.moved()))

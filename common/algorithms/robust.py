@@ -59,9 +59,14 @@ class Aggregator(Protocol):
         ...
 
     def apply(self, global_weights: Weights) -> Weights:
-        """The new global tensors under the rule; a tensor nobody sent is returned as the same
-        object (`aggregate.pseudo_gradients`, the round loop's block versions). AggregationError
-        (the round is refused) where the result would be non-finite or below quorum."""
+        """The new global tensors under the rule (every tensor of `global_weights`: those it
+        did not move as they were). AggregationError (the round is refused) where the result
+        would be non-finite or below quorum."""
+        ...
+
+    def moved(self) -> set[str]:
+        """After `apply`: the tensors it changed (a server step's pseudo-gradients and the
+        blocks that get a new version)."""
         ...
 
 
@@ -133,6 +138,7 @@ class ClippedMean:
     byzantine: int = 1
     _held: DeviceVotes = field(init=False)
     bound: float | None = None  # the bound used, known after apply()
+    _clipped: WeightedDeltaSum = field(init=False, default_factory=WeightedDeltaSum)
 
     def __post_init__(self) -> None:
         self._held = DeviceVotes(self.byzantine)
@@ -153,10 +159,13 @@ class ClippedMean:
         if self.bound is None:
             norms = torch.tensor([update_norm(d) for d, _ in votes], dtype=torch.float64)
             self.bound = self.clip_factor * float(norms.median())
-        out = WeightedDeltaSum()
+        out = self._clipped = WeightedDeltaSum()
         for i, (deltas, weight_of) in enumerate(votes):
             out.add(_scaled(deltas, self.bound), weight_of, i)
         return out.apply(global_weights)
+
+    def moved(self) -> set[str]:
+        return self._clipped.moved()
 
 
 @dataclass
@@ -167,6 +176,7 @@ class CoordinateWise:
     trim_ratio: float | None = None
     byzantine: int = 1
     _held: DeviceVotes = field(init=False)
+    _moved: set = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self._held = DeviceVotes(self.byzantine)
@@ -202,7 +212,11 @@ class CoordinateWise:
                 agg = srt[k_trim : n - k_trim].mean(dim=0)
             g = global_weights[k]
             out[k] = in_dtype(k, g.to(torch.float64) + agg, g.dtype)
+        self._moved = set(votes[0][0])
         return out
+
+    def moved(self) -> set[str]:
+        return set(self._moved)
 
 
 def make_aggregator(cfg: AggregationConfig) -> Aggregator:

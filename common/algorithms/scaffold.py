@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch
 
-from fedseq.common.algorithms.aggregate import ClientUpdate, in_dtype, pseudo_gradients
+from fedseq.common.algorithms.aggregate import ClientUpdate, ServerStep, in_dtype, pseudo_gradients
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.hooks import ClientSide, Job
 from fedseq.common.algorithms.plan import ClientPlan
@@ -142,20 +142,21 @@ class Scaffold(FedAvg):
         return bound / self.cfg.train.lr + (float(c.abs().max()) if c is not None and c.numel()
                                             else 0.0)
 
-    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> Weights:
+    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> ServerStep:
         both = aggregate.apply({**global_weights, **self.c})  # AggregationError: c untouched
+        moved = aggregate.moved()
         new = {k: both[k] for k in global_weights}
         if self.lr != 1.0:
-            for k, g, delta in pseudo_gradients(global_weights, dict(new)):
+            for k, g, delta in pseudo_gradients(global_weights, dict(new), moved):
                 new[k] = in_dtype(k, g.double() + self.lr * delta, g.dtype)
         share = aggregate.count() / self.cfg.data.num_clients
         c = {}
         for k, old in self.c.items():
-            moved = both[k]
-            c[k] = old if moved is old else in_dtype(
-                k, old.double() + share * (moved.double() - old.double()), old.dtype)
+            c[k] = old if k not in moved else in_dtype(
+                k, old.double() + share * (both[k].double() - old.double()), old.dtype)
         self.c = c
-        return new
+        # the moved control variate's tensors are broadcast ones: their blocks get new versions
+        return ServerStep(new, frozenset(moved))
 
     def server_state(self) -> Weights:
         return dict(self.c)

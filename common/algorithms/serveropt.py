@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedseq.common.algorithms.aggregate import in_dtype, pseudo_gradients
+from fedseq.common.algorithms.aggregate import ServerStep, in_dtype, pseudo_gradients
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.models import ModelSpec, Weights
@@ -50,12 +50,12 @@ class ServerOptimizer(FedAvg):
         self.m: Weights = {}
         self.v: Weights = {}
 
-    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> Weights:
+    def server_update(self, global_weights: Weights, aggregate: Aggregator) -> ServerStep:
         """m (and v) from the round's pseudo-gradients, then x + server_lr m (/ (sqrt(v) +
         tau)); the state changes only when every tensor came out finite."""
         mean = aggregate.apply(global_weights)  # FedAvg's new model under the aggregation rule
         out, m, v = dict(mean), {}, {}
-        for k, g, delta in pseudo_gradients(global_weights, mean):
+        for k, g, delta in pseudo_gradients(global_weights, mean, aggregate.moved()):
             before_m = self.m[k] if k in self.m else torch.zeros_like(delta)
             m[k] = self.beta1 * before_m + self.momentum_gain() * delta
             if self.adaptive:
@@ -67,7 +67,7 @@ class ServerOptimizer(FedAvg):
             out[k] = in_dtype(k, g.to(F64) + step, g.dtype)  # AggregationError: state untouched
         self.m.update(m)
         self.v.update(v)
-        return out
+        return ServerStep(out, frozenset(aggregate.moved()))
 
     def momentum_gain(self) -> float:
         """What delta is scaled by in m (FedAvgM: 1; the adaptive ones' EMA: 1 - beta1)."""

@@ -8,7 +8,7 @@
 - collect.py   collecting a step's answers: updates in client order until all came, the deadline
                passed or their devices went away; evaluation results; the deadline policy
 - pool.py      MqttPool, the ClientPool over all of the above
-- asynchronous.py  MqttAsync, train.mode = "async" on the fleet (the devices' pace orders arrivals)
+- asynchronous.py  MqttArrivals, train.mode = "async" on the fleet (the devices' pace orders arrivals)
 """
 
 from fedseq.server.mqtt.pool import MqttPool, assign_clients

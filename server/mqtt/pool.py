@@ -7,6 +7,7 @@ Per step it publishes the blocks that changed (retained, versioned, chunked), th
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -25,7 +26,12 @@ from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.protocol.topics import Topics
 from fedseq.common.text import printable
 from fedseq.server.mqtt.blocks import BlockPublisher
-from fedseq.server.mqtt.collect import DeadlinePolicy, collect_scores, collect_updates
+from fedseq.server.mqtt.collect import (
+    DeadlinePolicy,
+    Resender,
+    collect_scores,
+    collect_updates,
+)
 from fedseq.server.mqtt.guard import FloodGuard
 from fedseq.server.mqtt.inbox import UpdateArrived
 from fedseq.server.mqtt.session import ServerSession, SessionEvent
@@ -200,7 +206,40 @@ class MqttPool:
         return TrainRound(collect_updates(self.session, step.seq, round, clients, self.owner,
                                           check, self.deadlines, self.update_chunks, enough))
 
-    # -- an asynchronous run (server/mqtt/asynchronous.py, MqttAsync) -------------------------
+    # -- an asynchronous run (server/mqtt/asynchronous.py; pool.AsyncPool) -------------------
+    def device_of(self, client: int) -> str | None:
+        """The device hosting `client` (None: none yet)."""
+        return self.owner.get(client)
+
+    def can_train(self, client: int, failing: Collection[str] = ()) -> bool:
+        """`client`'s device is online, can run this run's steps, and is not in `failing`."""
+        device = self.owner.get(client)
+        return device in self.session.online and device not in self.session.incompatible \
+            and device not in failing
+
+    def online_devices(self) -> set[str]:
+        """The devices online that host a client."""
+        return {d for d in self.owner.values() if d in self.session.online}
+
+    def cannot_run(self) -> dict[str, str]:
+        """Devices that said they cannot run any step of this run -> why."""
+        return dict(self.session.incompatible)
+
+    def await_devices(self) -> None:
+        """Wait for the assigned devices as a round does before its step (each has
+        deploy.wait_devices_s for the run)."""
+        self.session.await_devices(set(self.assignment), self.cfg.deploy.min_devices,
+                                   self.cfg.deploy.wait_devices_s)
+
+    def asker(self) -> Asker:
+        """Asks again, after a silence, for the answers of the current step's clients that the
+        broker's queue may have lost (as a round's collection does)."""
+        return Asker(self)
+
+    def wire_bytes(self) -> tuple[int, int]:
+        """The (sent, received) bytes on the coordinator's connection since the last call."""
+        return self.session.wire_bytes()
+
     def dispatch(self, round: int, flights: dict[int, int | None], plan: ClientPlan,
                  weights: Weights) -> int:
         """Publish an async step: model version `round` (its plan and blocks) and the clients in
@@ -259,3 +298,16 @@ class MqttPool:
                                   eval_heads=list(eval_heads), personal=list(self.personal))
         return collect_scores(self.session, step.seq, self.assignment, check,
                               self.cfg.deploy.finetune_timeout_s, progress)
+
+
+class Asker:
+    """`MqttPool.asker`: a Resender that follows the pool's current step."""
+
+    def __init__(self, pool: MqttPool):
+        self.pool = pool
+        self.resender = Resender(pool.session, pool.seq, pool.update_chunks)
+
+    def poll(self, owed: list[int]) -> None:
+        """After each drain: ask again for `owed` clients' answers after a silence."""
+        self.resender.seq = self.pool.seq  # a device answers an ask of its current step
+        self.resender.poll(owed)

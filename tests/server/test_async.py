@@ -9,8 +9,8 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import FleetConfig, load_config
 from fedseq.common.errors import ConfigError
 from fedseq.common.models import block_of, build_model
-from fedseq.server.asynchronous import BufferedAsync, staleness_discount
-from fedseq.server.coordinator import RunPaused
+from fedseq.server.asynchronous import staleness_discount
+from fedseq.server.coordinator import Coordinator, RunPaused
 from fedseq.server.fleet import VirtualFleet, energy_j, measured_fleet, parse_device, sync_round
 from fedseq.server.pool import InProcessPool, TrainRound
 from fedseq.server.simulation import run_simulation
@@ -125,14 +125,14 @@ def _driver(*over):
     data = synthetic_data()
     model = build_model("cnn", (1, 28, 28), 4, generator_seed=1, **model_layout("fedavg"))
     alg = make_algorithm(cfg, model.spec)
-    return BufferedAsync(cfg, alg, model, data, ConstantPool(data, model, (), cfg.seed,
-                                                          algorithm="fedavg"))
+    return Coordinator(cfg, alg, model, data, ConstantPool(data, model, (), cfg.seed,
+                                                        algorithm="fedavg"))
 
 
 def test_a_server_step_folds_staleness_discounted_deltas():
     """x_{t+1} = x_t + sum_i n_i s(tau_i) delta_i / sum_i n_i, s(tau) = (1 + tau)^-0.5."""
     coord = _driver()
-    coord._broadcast()
+    coord.book.broadcast(initial=True)
     seen, stalest = set(), 0
     for t in range(6):
         before = {k: v.clone() for k, v in coord.global_weights.items()}
@@ -154,7 +154,7 @@ def test_a_server_step_folds_staleness_discounted_deltas():
 
 def test_an_update_staler_than_the_bound_is_refused_and_the_step_goes_on():
     coord = _driver("train.max_staleness=0")
-    coord._broadcast()
+    coord.book.broadcast(initial=True)
     rows = [coord.run_round(t) for t in range(4)]
     assert all(f.staleness == 0 for r in rows for f in r.folds if f.refused is None)
     assert all(len(r.reported) == 1 for r in rows)

@@ -212,7 +212,7 @@ def test_updates_streamed_before_a_quorum_failure_are_discarded():
     assert row["received"] == row["clients"]
     assert all(torch.equal(coord.global_weights[k], v) for k, v in before.items())
     assert row["train_flops"] > 0  # the clients did the work all the same
-    assert coord.version == dict.fromkeys(model.spec.blocks, 0)
+    assert coord.book.version == dict.fromkeys(model.spec.blocks, 0)
 
 
 def test_a_non_finite_aggregate_refuses_the_round_and_keeps_the_model(monkeypatch):
@@ -370,3 +370,38 @@ def test_a_simulation_loads_no_mqtt_code(data_root):
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_a_block_gets_a_new_version_when_the_server_step_says_it_changed():
+    """The versions follow what `server_update` returns as changed, not the tensors' identity:
+    a step that hands back fresh copies of every tensor re-sends only the blocks it changed
+    (FedSeq-Anti's round 0 trains the last base block alone)."""
+    from fedseq.common.algorithms.aggregate import ServerStep
+
+    coord, model = _coord("fedseq-anti")
+    step_of = coord.alg.server_update
+    seen = []
+
+    def copying(global_weights, aggregate):
+        step = step_of(global_weights, aggregate)
+        seen.append(step.changed)
+        return ServerStep({k: v.clone() for k, v in step.weights.items()}, step.changed)
+
+    coord.alg.server_update = copying
+    coord.book.broadcast(initial=True)
+    plan = coord.alg.plan(0)
+    coord.run_round(0)
+    moved = {k.split(".")[0] for k in seen[0]}
+    assert moved == set(plan.upload) and len(moved) < len(model.spec.blocks)
+    assert coord.book.version == {b: int(b in moved) for b in model.spec.blocks}
+
+
+def test_the_drivers_share_the_ledger_and_subclass_nothing():
+    """Sync, buffered-async (with each source of arrivals) are built on the ledger, none a
+    subclass of another driver."""
+    from fedseq.server.asynchronous import BufferedAsync, LoggedArrivals, VirtualArrivals
+    from fedseq.server.coordinator import Rounds
+    from fedseq.server.mqtt.asynchronous import MqttArrivals
+
+    for cls in (Rounds, BufferedAsync, VirtualArrivals, LoggedArrivals, MqttArrivals):
+        assert cls.__bases__ == (object,), cls

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import quick_config
 from fedseq.common.errors import TransportError
-from fedseq.server.coordinator import Coordinator
+from fedseq.server.coordinator import Rounds
 from fedseq.server.pool import InProcessPool
 from fedseq.server.run import run_experiment
 
@@ -68,7 +68,7 @@ def test_the_round_loop_is_a_driver_of_the_run(data_root, one_thread):
     """A second driver takes the run as the synchronous one does (the next issue's buffered
     asynchronous aggregation); here one that counts its rounds."""
 
-    class Counting(Coordinator):
+    class Counting(Rounds):
         rounds = 0
 
         def run_round(self, t):

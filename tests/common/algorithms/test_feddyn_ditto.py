@@ -60,7 +60,7 @@ def test_feddyn_server_update_steps_by_the_mean_and_h():
         acc = WeightedDeltaSum()
         for i, d in enumerate(ups):  # sample counts 1 and 9: unweighted all the same
             acc.add(d, alg.aggregation_weights(ClientUpdate(i, 0, d, num_samples=1 + 8 * i)), i)
-        return alg.server_update(x, acc)
+        return alg.server_update(x, acc).weights
 
     new = step(theta)
     mean = torch.tensor([2.0, 1.0])

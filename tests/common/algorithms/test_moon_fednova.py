@@ -132,7 +132,7 @@ def test_fednovas_server_steps_the_mean_normalized_update_by_tau_eff():
     for c, v in d.items():
         deltas = {"fc1.weight": v, "fc1.running_mean": v}
         acc.add(deltas, alg.aggregation_weights(ClientUpdate(c, 0, deltas, sizes[c])), c)
-    new = alg.server_update(x, acc)
+    new = alg.server_update(x, acc).weights
     p = {1: 35 / 55, 2: 20 / 55}
     tau_eff = p[1] * 8 + p[2] * 4
     want = tau_eff * (p[1] * d[1] + p[2] * d[2])
@@ -142,4 +142,4 @@ def test_fednovas_server_steps_the_mean_normalized_update_by_tau_eff():
     for c in (2, 3):  # equal steps: d_i = delta_i / 4, tau_eff = 4
         deltas = {"fc1.weight": d[2] / 4 * (c - 1), "fc1.running_mean": torch.zeros(3)}
         same.add(deltas, alg.aggregation_weights(ClientUpdate(c, 0, deltas, sizes[c])), c)
-    assert torch.allclose(alg.server_update(x, same)["fc1.weight"], d[2] * 1.5)
+    assert torch.allclose(alg.server_update(x, same).weights["fc1.weight"], d[2] * 1.5)

@@ -87,7 +87,10 @@ def test_the_server_steps_x_by_the_weighted_mean_and_c_by_s_over_n_of_the_mean()
              "conv1~c.weight": torch.tensor([0.0, 6.0])}, 3.0)]
     for i, (d, n) in enumerate(ups):
         acc.add(d, alg.aggregation_weights(ClientUpdate(i, 0, d, num_samples=int(n))), i)
-    new = alg.server_update(x, acc)
+    step = alg.server_update(x, acc)
+    new = step.weights
+    # the model's moved tensors and c's get new versions
+    assert step.changed == {"conv1.weight", "conv1.running_var", "conv1~c.weight"}
     # x: server_lr x the sample-weighted mean (1*[1,2] + 3*[4,2]) / 4 = [3.25, 2]
     assert torch.allclose(new["conv1.weight"], torch.tensor([1.625, 1.0]))
     # a running statistic takes the weighted mean as FedAvg's: 1 + [3.25, 1]

@@ -24,7 +24,7 @@ def _round(alg, weights, *deltas):
     acc = WeightedDeltaSum()
     for i, d in enumerate(deltas):
         acc.add(d, {"conv1": 1.0, "fc": 1.0}, i)
-    return alg.server_update(weights, acc)
+    return alg.server_update(weights, acc).weights
 
 
 def _reference(name, lr, b1, b2, tau, deltas):
