@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import Any, Iterable, List, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterable, List, Literal, Optional, TypeVar, Union
 
 from pydantic import (
     BaseModel,
@@ -22,27 +22,57 @@ from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError, validation_problem
 from fedseq.common.text import printable
 
+if TYPE_CHECKING:
+    from pydantic.json_schema import JsonDict
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10 on Jetson
     import tomli as tomllib
 
-#: [algorithm] keys the coordinator alone reads (the server's optimizer)
-SERVER_ONLY = ("server_lr", "beta1", "beta2", "tau")
+#: Who reads a key is declared on its field (`json_schema_extra`), read by
+#: ExperimentConfig.for_devices. COORDINATOR: the coordinator alone (its paths and broker
+#: account, the driver, the server's step, simulated time, privacy); the config a run
+#: broadcasts leaves it out.
+COORDINATOR: JsonDict = {"devices": False}
 
-#: [train] keys the coordinator alone reads (how the run advances)
-ASYNC_ONLY = ("mode", "concurrency", "buffer", "staleness_alpha", "max_staleness", "over_select")
 
-#: keys that devices older than them reject; the broadcast config leaves them out at their default
-NEWER_KEYS = (("model", "head_init"), ("data", "normalize"), ("algorithm", "final_finetune"),
-              ("algorithm", "ditto_lambda"),
-              ("algorithm", "ditto_epochs"), ("algorithm", "feddyn_alpha"),
-              ("algorithm", "gpfl_lambda"), ("algorithm", "gpfl_mu"),
-              ("train", "lr_milestones"), ("train", "lr_gamma"), ("train", "augment"),
-              ("train", "crop_padding"))
+def since(protocol: int) -> JsonDict:
+    """The mark of a device-visible key added while protocol `protocol` was current
+    (common/protocol/messages.py PROTOCOL_VERSION): a device of that protocol older than the key
+    would refuse it, so the broadcast config leaves it out at its default. A key added with a
+    protocol bump needs no mark (devices of another protocol are refused)."""
+    return {"since": protocol}
+
+
+#: The flat [algorithm] keys before every algorithm had its own table: history, never extended.
+#: A config file that uses one keeps working (its value moves to the table(s) named); a new
+#: parameter goes in its algorithm's table (`Algorithm.params_model`).
+FORMER_KEYS = {
+    "mu": ("fedprox.mu",), "ditto_lambda": ("ditto.lam",), "ditto_epochs": ("ditto.epochs",),
+    "feddyn_alpha": ("feddyn.alpha",), "gpfl_lambda": ("gpfl.lam",), "gpfl_mu": ("gpfl.mu",),
+    "moon_mu": ("moon.mu",), "moon_tau": ("moon.tau",), "head_epochs": ("fedrep.head_epochs",),
+    "personal_layers": ("fedper.personal_layers",),
+    "rebalance_threshold": ("fedreg.threshold",), "fedreg_passes": ("fedreg.passes",),
+    "fedreg_rebalance": ("fedreg.rebalance",),
+    "beta1": ("fedavgm.beta1", "fedadam.beta1", "fedyogi.beta1"),
+    "beta2": ("fedadam.beta2", "fedyogi.beta2"), "tau": ("fedadam.tau", "fedyogi.tau"),
+}
 
 #: The random streams a run draws from; each follows `seed` unless [seeds] pins it.
 SEED_STREAMS = ("data", "init", "selection", "training", "noise")
+
+
+P = TypeVar("P", bound="AlgorithmParams")
+
+
+def _read_by(field: Any) -> int | str | None:
+    """"coordinator" for a COORDINATOR key, its protocol for a `since` one, else None."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    if extra.get("devices") is False:
+        return "coordinator"
+    since = extra.get("since")
+    return since if isinstance(since, int) else None
 
 
 def _one_of(kind: str, name: str, names: Iterable[str]) -> str:
@@ -70,7 +100,7 @@ class DataConfig(_Section):
     dataset: str = Field("fmnist", description=(
         "A dataset of the catalog (common/data/catalog.py): mnist, fmnist, cifar10, cifar100, the six "
         "emnist-<split>s (emnist-letters, -digits, -balanced, -byclass, -bymerge, -mnist), tiny-imagenet."))
-    root: Path = Field(default_factory=default_data_root, description=(
+    root: Path = Field(default_factory=default_data_root, json_schema_extra=COORDINATOR, description=(
         "The folder holding MNIST/raw, FashionMNIST/raw, EMNIST/raw, cifar-10-batches-py, "
         "cifar-100-python or tiny-imagenet-200. Default: the one data root of every command "
         "($FEDSEQ_DATA, else ~/.local/share/fedseq/data; `fedseq data where`)."))
@@ -136,8 +166,20 @@ class ModelConfig(_Section):
         return _one_of("model", v, MODELS)
 
 
+class AlgorithmParams(BaseModel):
+    """An algorithm's own parameters, its table [algorithm.<name>] (e.g. `[algorithm.fedprox]`
+    then `mu = 0.01`, or `--set algorithm.fedprox.mu=0.01`): a subclass in the algorithm's
+    module, its `params_model`, validated with the config. The coordinator alone reads it; a
+    client gets what it needs in every plan (`Algorithm.client_params`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
 class AlgorithmConfig(_Section):
-    """[algorithm]: which algorithm and its own hyperparameters."""
+    """[algorithm]: which algorithm, the keys several algorithms share, and a table per
+    algorithm with its own parameters ([algorithm.<name>], listed below)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     name: str = Field("fedseq-anti", description=(
         "An algorithm of common/algorithms' REGISTRY (the limits column lists them; `local` is "
@@ -153,52 +195,15 @@ class AlgorithmConfig(_Section):
         "Whether every client fine-tunes after the last round: unset, where the algorithm does "
         "(FedBABU, FedSeq, local); true, also FedAvg, FedProx and the other one-head algorithms "
         "(FedBABU's Table 4 \"FedAvg\" column is FedAvg fine-tuned); false, no algorithm."))
-    ditto_lambda: float = Field(0.1, ge=0, description=(
-        "Ditto: the weight of the personal model's proximal term lambda/2 ||v - w||^2."))
-    ditto_epochs: int = Field(5, ge=1, description=(
-        "Ditto: epochs of the personal model a round (FedReG's \"personal local step\": 5)."))
-    feddyn_alpha: float = Field(0.01, gt=0, description=(
-        "FedDyn: the dynamic regularizer's weight alpha (FedReG section 4.2: 0.01, from FedDyn's "
-        "code)."))
-    gpfl_lambda: float = Field(0.1, ge=0, description=(
-        "GPFL: the weight of its magnitude-level global guidance (FedReG section 4.2: 0.1, "
-        "from GPFL's code)."))
-    gpfl_mu: float = Field(0.001, ge=0, description=(
-        "GPFL: the L2 regularization (weight decay) of its CoV and GCE (FedReG section 4.2's "
-        "eta: 0.001)."))
-    mu: float = Field(0.001, ge=0, description="FedProx: the proximal term's weight.")
-    moon_mu: float = Field(1.0, ge=0, description=(
-        "MOON: the weight mu of its model-contrastive term (the paper: 5 on CIFAR-10, 1 on "
-        "CIFAR-100 and Tiny-ImageNet)."))
-    moon_tau: float = Field(0.5, gt=0, description=(
-        "MOON: the temperature tau of its model-contrastive term (the paper's 0.5)."))
-    head_epochs: int = Field(1, ge=0, description="FedRep: head epochs before the body epochs.")
-    personal_layers: int = Field(1, ge=1, description=(
-        "FedPer's K_P: the personalization layers in blocks, the head and the last K_P - 1 base "
-        "blocks (1: the head alone, FedPer's default; its section 4.3 tries 1 to 4)."))
-    rebalance_threshold: Literal["mean", "median", "max"] = Field("mean", description=(
-        "FedReG: the client size a client's rebalanced set is filled up to."))
-    fedreg_passes: Literal["epochs", "one"] = Field("epochs", description=(
-        "FedReG: passes over the original and over the rebalanced set per round: `epochs` "
-        "(train.local_epochs each, section 4.1) or `one` (one each, Algorithm 1 as written)."))
-    fedreg_rebalance: Literal["once", "every-round"] = Field("once", description=(
-        "FedReG: build a client's rebalanced set with its augmented images once (Algorithm 3, an "
-        "input of Algorithm 1) or again with fresh augmentations every round."))
     finetune_blocks: Union[str, List[str]] = Field("all", description=(
         "What the final fine-tuning (FedBABU, FedSeq, local) trains: `all` blocks (FedBABU's "
         "Algorithm 1), the `head` alone (FedReG section 5's reading), or a block name or list of "
         "them, e.g. [\"conv1\", \"head\"], checked against the model when the run starts."))
-    server_lr: Optional[float] = Field(None, gt=0, description=(
-        "FedAvgM, FedAdam, FedYogi (Reddi et al., ICLR 2021): the server's learning rate along the "
-        "round's mean delta (default 1.0 for FedAvgM, 0.01 for the others); SCAFFOLD: its global "
-        "step size (default 1). Coordinator only."))
-    beta1: float = Field(0.9, ge=0, lt=1, description=(
-        "The server optimizer's momentum: FedAvgM m = beta1 m + delta; FedAdam, FedYogi the EMA "
-        "m = beta1 m + (1 - beta1) delta. Coordinator only."))
-    beta2: float = Field(0.99, ge=0, lt=1, description=(
-        "FedAdam, FedYogi: the second moment's decay. Coordinator only."))
-    tau: float = Field(1e-3, gt=0, description=(
-        "FedAdam, FedYogi: adaptivity; the second moment starts at tau^2. Coordinator only."))
+    server_lr: Optional[float] = Field(None, gt=0, json_schema_extra=COORDINATOR, description=(
+        "The server's step size along the round's mean delta: FedAvgM, FedAdam, FedYogi (Reddi "
+        "et al., ICLR 2021; default 1.0 for FedAvgM, 0.01 for the others), SCAFFOLD's global step "
+        "(default 1), and under train.mode = \"async\" the scale of FedAvg's folded deltas "
+        "(default 1). Coordinator only."))
 
     @field_validator("name")
     @classmethod
@@ -208,6 +213,70 @@ class AlgorithmConfig(_Section):
         from fedseq.common.algorithms import REGISTRY  # imports this module: read at run time
 
         return _one_of("algorithm", v, REGISTRY)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _former_keys(cls, data: Any) -> Any:
+        """A former flat key (FORMER_KEYS) moves to its table(s); any other key that is neither
+        a field nor a table is refused."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for key in [k for k in data if k in FORMER_KEYS]:
+            value = data.pop(key)
+            for target in FORMER_KEYS[key]:
+                name, field = target.split(".")
+                table = dict(data.get(name) or {})
+                if field in table and table[field] != value:
+                    raise ValueError(f"algorithm.{key} = {value!r} and algorithm.{target} = "
+                                     f"{table[field]!r}: {key} is the former name of "
+                                     f"algorithm.{target}; keep one")
+                table.setdefault(field, value)
+                data[name] = table
+        for key, value in data.items():
+            if key not in cls.model_fields and not isinstance(value, (dict, AlgorithmParams)):
+                where = f"algorithm.{printable(str(key), 60)}"
+                raise ValueError(f"unknown key {where}"
+                                 + (_suggest(where) or " (check the spelling; an algorithm's "
+                                    "own parameters are in its table, e.g. algorithm.fedprox.mu)")
+                                 + " (every key: the site's configuration reference)")
+        return data
+
+    @model_validator(mode="after")
+    def _tables(self, info: ValidationInfo) -> AlgorithmConfig:
+        """Every [algorithm.<name>] table validated by that algorithm's `params_model`, and the
+        selected algorithm's present (its defaults), so a run's config.toml records all of its
+        parameters."""
+        if not _check_registries(info):
+            return self
+        from fedseq.common.algorithms import REGISTRY  # imports this module: read at run time
+
+        extra = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
+        tables = [n for n, c in REGISTRY.items() if c.params_model is not None]
+        for name, raw in list(extra.items()):
+            model = REGISTRY[name].params_model if name in REGISTRY else None
+            if model is None:
+                raise ValueError(f"[algorithm.{printable(str(name), 60)}]: "
+                                 + ("this algorithm has no parameters of its own" if name in
+                                    REGISTRY else "no such algorithm")
+                                 + f"; the tables are {', '.join(tables)}")
+            if not isinstance(raw, model):
+                try:
+                    extra[name] = model.model_validate(raw)
+                except ValidationError as exc:
+                    err = exc.errors()[0]
+                    where = ".".join(str(x) for x in err["loc"])
+                    given = f" = {printable(repr(err['input']), 40)}" if err["loc"] else ""
+                    raise ValueError(f"{name}.{where}{given}: {err['msg']}") from None
+        own = REGISTRY[self.name].params_model if self.name in REGISTRY else None
+        if own is not None and self.name not in extra:
+            extra[self.name] = own()
+        return self
+
+    def table(self, name: str, model: type[P]) -> P:
+        """[algorithm.<name>] as `model` (its defaults where the config has no such table)."""
+        got = (self.model_extra or {}).get(name)
+        return got if isinstance(got, model) else model.model_validate(got or {})
 
     @field_validator("finetune_blocks")
     @classmethod
@@ -251,21 +320,21 @@ class TrainConfig(_Section):
         "cores, or OMP_NUM_THREADS: fixed, so a seed gives the same run whatever the load); `auto` "
         "= the cores not busy at start (faster beside other work, but the result then depends on "
         "the load). Recorded in the run directory."))
-    mode: Literal["sync", "async"] = Field("sync", description=(
+    mode: Literal["sync", "async"] = Field("sync", json_schema_extra=COORDINATOR, description=(
         "How the run advances (server/asynchronous.py): sync rounds, each waiting for its selected "
         "clients (or its deadline), or async: buffered asynchronous aggregation (FedBuff): "
         "`concurrency` clients train at once and the server steps every `buffer` updates; a server "
         "step is a round for everything that counts rounds."))
-    concurrency: Optional[int] = Field(None, ge=1, description=(
+    concurrency: Optional[int] = Field(None, ge=1, json_schema_extra=COORDINATOR, description=(
         "async: clients training at once (default: the clients a round selects)."))
-    buffer: Optional[int] = Field(None, ge=1, description=(
+    buffer: Optional[int] = Field(None, ge=1, json_schema_extra=COORDINATOR, description=(
         "async: updates folded per server step (default: half the concurrency, rounded up)."))
-    staleness_alpha: float = Field(0.5, ge=0, description=(
+    staleness_alpha: float = Field(0.5, ge=0, json_schema_extra=COORDINATOR, description=(
         "async: an update trained tau server steps ago counts (1 + tau)^-alpha as much (FedBuff's "
         "1/sqrt(1 + tau) at 0.5; 0: staleness ignored)."))
-    max_staleness: Optional[int] = Field(10, ge=0, description=(
+    max_staleness: Optional[int] = Field(10, ge=0, json_schema_extra=COORDINATOR, description=(
         "async: an update staler than this many server steps is refused (none: none is)."))
-    over_select: float = Field(1.0, ge=1, description=(
+    over_select: float = Field(1.0, ge=1, json_schema_extra=COORDINATOR, description=(
         "sync: select over_select x the round's clients and count the first updates to arrive "
         "(the others are late); 1: no over-selection."))
 
@@ -325,11 +394,12 @@ class AggregationConfig(_Section):
 class DeployConfig(_Section):
     """[deploy]: MQTT deployment (fedseq-server start); ignored by fedseq-sim."""
 
-    host: str = Field("127.0.0.1", description="The embedded broker's bind address.")
+    host: str = Field("127.0.0.1", json_schema_extra=COORDINATOR,
+                      description="The embedded broker's bind address.")
     port: int = Field(18830, ge=0, le=65535, description=(
         "The embedded broker's port (0: a free one); not 1883, where a system Mosquitto usually "
         "listens."))
-    broker: Optional[str] = Field(None, description=(
+    broker: Optional[str] = Field(None, json_schema_extra=COORDINATOR, description=(
         "mqtt://HOST:PORT or mqtts://HOST:PORT of an external broker (Mosquitto); none: an embedded "
         "one."))
     topic_root: str = Field("fedseq", pattern=r"^[A-Za-z0-9_\-]+$", description=(
@@ -353,28 +423,32 @@ class DeployConfig(_Section):
     min_updates: int = Field(1, ge=1, description=(
         "Valid updates a round needs; below it the round is discarded with its reason."))
     eval_timeout_s: float = Field(600, gt=0, description="An evaluation step's deadline.")
-    username: Optional[str] = Field(None, description=(
+    username: Optional[str] = Field(None, json_schema_extra=COORDINATOR, description=(
         "The coordinator's broker account (Mosquitto with a password file)."))
-    password_file: Optional[Path] = Field(None, description="A file holding that account's password.")
-    ca_file: Optional[Path] = Field(None, description=(
+    password_file: Optional[Path] = Field(None, json_schema_extra=COORDINATOR,
+                                          description="A file holding that account's password.")
+    ca_file: Optional[Path] = Field(None, json_schema_extra=COORDINATOR, description=(
         "TLS (mqtts://): the CA that signed the broker's certificate."))
-    cert_file: Optional[Path] = Field(None, description="Mutual TLS: this side's certificate.")
-    key_file: Optional[Path] = Field(None, description="Mutual TLS: this side's key.")
+    cert_file: Optional[Path] = Field(None, json_schema_extra=COORDINATOR,
+                                      description="Mutual TLS: this side's certificate.")
+    key_file: Optional[Path] = Field(None, json_schema_extra=COORDINATOR,
+                                     description="Mutual TLS: this side's key.")
     tls_verify_hostname: bool = Field(True, description=(
         "Check that the broker's certificate names the host connected to."))
-    guard_username: Optional[str] = Field(None, description=(
+    guard_username: Optional[str] = Field(None, json_schema_extra=COORDINATOR, description=(
         "Mosquitto with its dynamic-security plugin (broker.conf): the login that holds the "
         "plugin's admin role. With it the coordinator disables at the broker a device login that "
         "keeps flooding after its budget is spent, for a cool-down that doubles with each flood "
         "(docs/security.md); without it the budget alone bounds a flood."))
-    guard_password_file: Optional[Path] = Field(None, description=(
+    guard_password_file: Optional[Path] = Field(None, json_schema_extra=COORDINATOR, description=(
         "A file holding deploy.guard_username's password."))
-    broker_password_file: Optional[Path] = Field(None, description=(
+    broker_password_file: Optional[Path] = Field(None, json_schema_extra=COORDINATOR, description=(
         "Embedded amqtt only: its password file (`fedseq-server passwd`). Bound to anything but "
         "loopback, the embedded broker refuses anonymous logins unless allow_anonymous is set."))
     allow_anonymous: bool = Field(False, description=(
         "Embedded amqtt beyond loopback: accept logins without a password."))
-    embedded_broker: Literal["amqtt", "mosquitto"] = Field("amqtt", description=(
+    embedded_broker: Literal["amqtt", "mosquitto"] = Field("amqtt", json_schema_extra=COORDINATOR,
+                                                           description=(
         "Which embedded broker: amqtt in the coordinator, or mosquitto started for the run from the "
         "checkout's broker.conf and ACL, with a login made for the run that the coordinator and its "
         "--local-clients share. amqtt drops a message a device does not acknowledge within 5 s "
@@ -443,7 +517,7 @@ class SeedsConfig(_Section):
     selection: Optional[int] = Field(None, description="Which clients join each round.")
     training: Optional[int] = Field(None, description=(
         "Batch order, augmentation, fine-tuning batches."))
-    noise: Optional[int] = Field(None, description=(
+    noise: Optional[int] = Field(None, json_schema_extra=COORDINATOR, description=(
         "[privacy]'s Gaussian noise on the coordinator. Whoever knows it can subtract the noise: "
         "pin it to a secret value where the guarantee matters. Never sent to devices."))
 
@@ -495,8 +569,10 @@ class ExperimentConfig(_Section):
     deploy: DeployConfig = Field(default_factory=lambda: DeployConfig(), description="[deploy]")
     seeds: SeedsConfig = Field(default_factory=lambda: SeedsConfig(), description="[seeds]")
     wire: WireConfig = Field(default_factory=lambda: WireConfig(), description="[wire]")
-    fleet: FleetConfig = Field(default_factory=lambda: FleetConfig(), description="[fleet]")
-    privacy: PrivacyConfig = Field(default_factory=lambda: PrivacyConfig(), description="[privacy]")
+    fleet: FleetConfig = Field(default_factory=lambda: FleetConfig(), json_schema_extra=COORDINATOR,
+                               description="[fleet]")
+    privacy: PrivacyConfig = Field(default_factory=lambda: PrivacyConfig(), json_schema_extra=COORDINATOR,
+                                   description="[privacy]")
 
     def seed_for(self, stream: str) -> int:
         """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`."""
@@ -566,30 +642,29 @@ class ExperimentConfig(_Section):
         return t.lr * t.lr_gamma ** steps
 
     def for_devices(self) -> dict[str, Any]:
-        """The config as the run broadcasts it: without the coordinator's own paths and broker
-        account (its data root, password and key files, TLS files, user name), which devices
-        neither need nor should learn."""
+        """The config as the run broadcasts it: without the keys their fields declare
+        coordinator-only (`COORDINATOR`: its data root, broker account and files, the driver,
+        the server's step, the noise's seed, [fleet], [privacy]), which devices neither need nor
+        should learn; without the algorithms' parameter tables (a device gets what its client
+        side needs in every plan); and without a key marked `since` the current protocol at its
+        default (a device of this protocol older than the key would refuse it)."""
+        from fedseq.common.protocol.messages import PROTOCOL_VERSION  # imports nothing of this
+
         data = self.model_dump(mode="json")
-        for key in ("username", "password_file", "ca_file", "cert_file", "key_file",
-                    "broker_password_file", "broker", "host", "embedded_broker", "guard_username",
-                    "guard_password_file"):
-            data["deploy"].pop(key, None)
-        data["data"].pop("root", None)
-        if not any(v is not None for v in data["seeds"].values()):
-            data.pop("seeds")  # nothing pinned: the config as devices before [seeds] read it
-        for key in SERVER_ONLY:  # the server optimizer's; devices before it never read them
-            data["algorithm"].pop(key, None)
-        data.pop("fleet")  # the simulation's model of time: a device never reads it
-        data.pop("privacy")  # the coordinator's: a device gets the clip norm in its plans
-        data.get("seeds", {}).pop("noise", None)  # the noise's seed stays secret
-        for key in ASYNC_ONLY:  # the coordinator's driver; devices before it never read them
-            data["train"].pop(key, None)
-        if data["wire"] == WireConfig().model_dump(mode="json"):
-            data.pop("wire")  # as devices before [wire] read it
-        for section, key in NEWER_KEYS:  # at their defaults: as devices before them read it
-            if data[section][key] == type(getattr(self, section)).model_fields[key].get_default(
-                    call_default_factory=True):
-                data[section].pop(key)
+        for name, f in type(self).model_fields.items():
+            section = getattr(self, name)
+            if _read_by(f) == "coordinator":
+                data.pop(name)
+            elif isinstance(section, BaseModel):
+                out = data[name]
+                for key in section.model_extra or {}:  # [algorithm.<name>] tables
+                    out.pop(key)
+                for key, field in type(section).model_fields.items():
+                    mark = _read_by(field)
+                    if mark == "coordinator" or (
+                            mark == PROTOCOL_VERSION and getattr(section, key) ==
+                            field.get_default(call_default_factory=True)):
+                        out.pop(key)
         return data
 
     def clients_per_round(self) -> int:

@@ -159,6 +159,8 @@ def config_page() -> str:
         if not is_table(section):
             continue
         out += [f"### [{name}]", "", _doc(section), "", *_table(field_rows(section, f"{name}.")), ""]
+        if name == "algorithm":
+            out += _algorithm_tables()
         for sub in _nested_tables(section):
             out += [f"Each entry of a list of `{sub.__name__}`: {_doc(sub)}", "",
                     *_table(field_rows(sub)), ""]
@@ -167,6 +169,25 @@ def config_page() -> str:
             "`FEDSEQ_<KEY>` environment variables (`FEDSEQ_DEVICE=jetson01`) and flags, in rising "
             "precedence.", "", *_table(field_rows(ClientSettings)), ""]
     return "\n".join(out)
+
+
+def _algorithm_tables() -> list[str]:
+    """Every [algorithm.<name>] table, from the registry's parameter models, and the former flat
+    keys that still map to them."""
+    from fedseq.common.algorithms import REGISTRY
+    from fedseq.common.config import FORMER_KEYS
+
+    out = []
+    for name, cls in REGISTRY.items():
+        if cls.params_model is not None:
+            out += [f"#### [algorithm.{name}]", "",
+                    *_table(field_rows(cls.params_model, f"algorithm.{name}.")), ""]
+    out += ["Former keys: a config that uses one of these flat `[algorithm]` keys keeps working; "
+            "its value moves to the table(s) named.", "",
+            "| former key | now |", "| --- | --- |",
+            *(f"| `algorithm.{k}` | {', '.join(f'`algorithm.{t}`' for t in v)} |"
+              for k, v in FORMER_KEYS.items()), ""]
+    return out
 
 
 def _nested_tables(model: type[BaseModel]) -> list[type[BaseModel]]:

@@ -88,8 +88,9 @@ def seed_state(path: Path, cfg: ExperimentConfig) -> str:
 
 def defining(config: dict[str, Any]) -> dict[str, Any]:
     """What defines a run's results, from a config as a dict (a model dump or a run directory's
-    config.toml): all of it but the deployment section and the data root (a resumed sweep may
-    run from another folder or against another broker, and give the same numbers), with every
+    config.toml): all of it but the deployment section, the data root (a resumed sweep may
+    run from another folder or against another broker, and give the same numbers) and other
+    algorithms' parameter tables ([algorithm.<name>] of an algorithm not run), with every
     default filled in, so a run directory written before a key existed (its default then being
     the only behaviour) compares equal to one that records the default."""
     with contextlib.suppress(ValidationError):  # a config this version cannot read: as written
@@ -98,6 +99,10 @@ def defining(config: dict[str, Any]) -> dict[str, Any]:
                                                  ).model_dump(mode="json")
     out = {k: v for k, v in config.items() if k != "deploy"}
     out["data"] = {k: v for k, v in out.get("data", {}).items() if k != "root"}
+    alg = out.get("algorithm", {})
+    if isinstance(alg, dict):  # other algorithms' tables do not define this run
+        out["algorithm"] = {k: v for k, v in alg.items()
+                            if not isinstance(v, dict) or k == alg.get("name")}
     return out
 
 

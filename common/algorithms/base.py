@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from fedseq.common.algorithms.aggregate import ClientUpdate, ServerStep
 from fedseq.common.algorithms.hooks import ClientSide
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase, ordered_union
-from fedseq.common.config import ExperimentConfig
+from fedseq.common.config import AlgorithmParams, ExperimentConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.models import ModelSpec, Weights, block_of
 
@@ -51,6 +51,9 @@ class Algorithm:
     own_server_step = False
     #: what its clients do beyond the plan's phases (hooks.ClientSide: FedAvg's, nothing)
     client_class: type[ClientSide] = ClientSide
+    #: its own parameters, the table [algorithm.<name>] (config.AlgorithmParams, declared in its
+    #: module and validated with the config); None: it has none
+    params_model: type[AlgorithmParams] | None = None
 
     def __init__(self, cfg: ExperimentConfig, spec: ModelSpec):
         self.cfg = cfg

@@ -3,10 +3,10 @@
 v_k, regularized towards the global one.
 
 A selected client receives w^t and (1) trains a copy of it for train.local_epochs, whose delta it
-uploads (FedAvg's part), and (2) trains its own v_k for algorithm.ditto_epochs (FedReG's
+uploads (FedAvg's part), and (2) trains its own v_k for algorithm.ditto.epochs (FedReG's
 "personal local step", 5) on
 
-    F_k(v) + lambda/2 ||v - w^t||^2                              (lambda: algorithm.ditto_lambda)
+    F_k(v) + lambda/2 ||v - w^t||^2                              (lambda: algorithm.ditto.lam)
 
 from where v_k was (w^t the first time it is selected), w^t being the global model it received
 (PFLlib's clientditto: the same anchor, its personal steps before the global ones; the two are
@@ -26,10 +26,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
+from pydantic import Field
+
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.fedprox import Proximal
 from fedseq.common.algorithms.hooks import ClientSide, Job
 from fedseq.common.algorithms.plan import ClientPlan, Phase
+from fedseq.common.config import AlgorithmParams
 from fedseq.common.models import Weights, set_weights, split_state, state_key
 
 if TYPE_CHECKING:
@@ -78,12 +81,22 @@ class DittoClient(ClientSide):
         return {**model, **state.get(PERSONAL_MODEL, {})}
 
 
+class DittoParams(AlgorithmParams):
+    """[algorithm.ditto]"""
+
+    lam: float = Field(0.1, ge=0, description=(
+        "lambda: the weight of the personal model's proximal term lambda/2 ||v - w||^2."))
+    epochs: int = Field(5, ge=1, description=(
+        "Epochs of the personal model a round (FedReG's \"personal local step\": 5)."))
+
+
 class Ditto(FedAvg):
     """Ditto: FedAvg's global model and each client's proximally regularized own model."""
 
     name = "ditto"
     client_class = DittoClient
+    params_model = DittoParams
 
     def client_params(self) -> dict[str, Any]:
-        a = self.cfg.algorithm
-        return {"epochs": a.ditto_epochs, "lambda": a.ditto_lambda}
+        p = self.cfg.algorithm.table(self.name, DittoParams)
+        return {"epochs": p.epochs, "lambda": p.lam}

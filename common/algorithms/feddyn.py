@@ -4,7 +4,7 @@ Algorithm 1): a dynamic regularizer aligns each client's local optimum with the 
 Every client k keeps g_k, its last local gradient (0 at the start), one tensor per shared
 parameter. A selected client receives theta and minimizes
 
-    L_k(w) - <g_k, w> + alpha/2 ||w - theta||^2                  (alpha: algorithm.feddyn_alpha)
+    L_k(w) - <g_k, w> + alpha/2 ||w - theta||^2                  (alpha: algorithm.feddyn.alpha)
 
 by local SGD (the linear term enters every step's gradient as -g_k, the proximal term as FedProx's
 does), uploads w - theta and keeps
@@ -31,12 +31,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
 
 import torch
+from pydantic import Field
 
 from fedseq.common.algorithms.aggregate import ClientUpdate, ServerStep, in_dtype, pseudo_gradients
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.fedprox import Proximal
 from fedseq.common.algorithms.hooks import Job
-from fedseq.common.config import ExperimentConfig
+from fedseq.common.config import AlgorithmParams, ExperimentConfig
 from fedseq.common.models import ModelSpec, Weights, block_of, is_statistic, state_key
 
 if TYPE_CHECKING:
@@ -81,18 +82,26 @@ class DynClient(Proximal):
         return 0.0
 
 
+class DynParams(AlgorithmParams):
+    """[algorithm.feddyn]"""
+
+    alpha: float = Field(0.01, gt=0, description=(
+        "The dynamic regularizer's weight alpha (FedReG section 4.2: 0.01, from FedDyn's code)."))
+
+
 class FedDyn(FedAvg):
     """FedDyn: FedAvg's plan with the dynamic regularizer, and the server's h."""
 
     name = "feddyn"
     own_server_step = True
     client_class = DynClient
+    params_model = DynParams
     async_problem = ("its server state h and each client's g_k assume every update starts from "
                      "the current global model")
 
     def __init__(self, cfg: ExperimentConfig, spec: ModelSpec):
         super().__init__(cfg, spec)
-        self.alpha = cfg.algorithm.feddyn_alpha
+        self.alpha = cfg.algorithm.table(self.name, DynParams).alpha
         self.h: Weights = {}
 
     def client_params(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """FedProx (Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020): FedAvg plus
 a proximal term mu/2 ||w - w_global||^2 on the trained parameters of every local step
-(algorithm.mu).
+(algorithm.fedprox.mu).
 
 Its client side (`Proximal`) also serves FedDyn (the same term, weight alpha) and Ditto's
 training of a client's own model (weight lambda, towards the global model it received). Runs on
@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import Any, Dict, Mapping, Optional
 
 import torch
+from pydantic import Field
 
 from fedseq.common.algorithms.base import Algorithm
 from fedseq.common.algorithms.hooks import ClientSide
+from fedseq.common.config import AlgorithmParams
 from fedseq.common.models import BlockModel, Weights
 
 
@@ -46,11 +48,19 @@ class Proximal(ClientSide):
         return 0.5 * self.mu * prox  # type: ignore[return-value]
 
 
+class ProxParams(AlgorithmParams):
+    """[algorithm.fedprox]"""
+
+    mu: float = Field(0.001, ge=0, description="The proximal term's weight mu.")
+
+
 class FedProx(Algorithm):
-    """FedProx (Li et al.): FedAvg with a proximal term mu/2 ||w - w_global||^2 (algorithm.mu)."""
+    """FedProx (Li et al.): FedAvg with a proximal term mu/2 ||w - w_global||^2
+    (algorithm.fedprox.mu)."""
 
     name = "fedprox"
     client_class = Proximal
+    params_model = ProxParams
 
     def client_params(self) -> dict[str, Any]:
-        return {"mu": self.cfg.algorithm.mu}
+        return {"mu": self.cfg.algorithm.table(self.name, ProxParams).mu}

@@ -1,9 +1,9 @@
 """FedYogi (Reddi et al., ICLR 2021): Yogi on the server over FedAvg's mean delta (serveropt.py);
-algorithm.server_lr (default 0.01), beta1, beta2, tau."""
+algorithm.server_lr (default 0.01); [algorithm.fedyogi] beta1, beta2, tau."""
 
 import torch
 
-from fedseq.common.algorithms.serveropt import ServerOptimizer
+from fedseq.common.algorithms.serveropt import AdaptiveParams, ServerOptimizer
 
 
 class FedYogi(ServerOptimizer):
@@ -13,6 +13,7 @@ class FedYogi(ServerOptimizer):
     name = "fedyogi"
     default_server_lr = 0.01
     adaptive = True
+    params_model = AdaptiveParams
 
     def second_moment(self, v: torch.Tensor, squared: torch.Tensor) -> torch.Tensor:
         return v - (1.0 - self.beta2) * squared * torch.sign(v - squared)

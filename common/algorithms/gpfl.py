@@ -15,7 +15,7 @@ a selected client trains every block on
 
 (cos: the cosine of each row with every class's embedding, unscaled; E': the GCE as received,
 frozen; the norm is over the whole batch, unsquared, as GPFL's code writes it; lambda:
-algorithm.gpfl_lambda, mu: algorithm.gpfl_mu, GPFL's code's weight decay of the two modules).
+algorithm.gpfl.lam, mu: algorithm.gpfl.mu, GPFL's code's weight decay of the two modules).
 The head is personal; the base, CoV and GCE are aggregated (sample-weighted, as FedAvg's). A
 client's personalized model is head(CoV(base(x), p)). GPFL has no global classifier besides the
 GCE: the global model here predicts the class whose embedding is nearest in angle to
@@ -41,10 +41,12 @@ from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
 from fedseq.common.algorithms.base import Algorithm
 from fedseq.common.algorithms.hooks import ClientSide
 from fedseq.common.algorithms.plan import Objective, Phase
+from fedseq.common.config import AlgorithmParams
 from fedseq.common.models import VALVE, BlockModel, Weights
 
 
@@ -137,12 +139,24 @@ class GPFLClient(ClientSide):
         return global_prediction(model, feats)
 
 
+class GPFLParams(AlgorithmParams):
+    """[algorithm.gpfl]"""
+
+    lam: float = Field(0.1, ge=0, description=(
+        "lambda: the weight of its magnitude-level global guidance (FedReG section 4.2: 0.1, "
+        "from GPFL's code)."))
+    mu: float = Field(0.001, ge=0, description=(
+        "The L2 regularization (weight decay) of its CoV and GCE (FedReG section 4.2's eta: "
+        "0.001)."))
+
+
 class GPFL(Algorithm):
     """GPFL: a shared base, CoV and GCE, a personal head on the personalized valve's output."""
 
     name = "gpfl"
     valve = True
     client_class = GPFLClient
+    params_model = GPFLParams
     global_model_note = ("aggregated base and CoV, the class whose aggregated GCE embedding is "
                          "nearest in angle (heads are personal)")
 
@@ -154,5 +168,5 @@ class GPFL(Algorithm):
         return (Phase(self.cfg.train.local_epochs, (Objective((s.head,), s.blocks, "gpfl"),)),)
 
     def client_params(self) -> dict[str, Any]:
-        a = self.cfg.algorithm
-        return {"lambda": a.gpfl_lambda, "mu": a.gpfl_mu}
+        p = self.cfg.algorithm.table(self.name, GPFLParams)
+        return {"lambda": p.lam, "mu": p.mu}

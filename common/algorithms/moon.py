@@ -10,8 +10,8 @@ A selected client receives w^t and trains every block on
 per batch (the mean over its rows), where z, z_glob and z_prev are the representations of the
 batch by the model being trained, by the global model it received (w^t, frozen) and by its own
 model after its previous round (frozen; w^t the first time, where l_con is the constant log 2
-and has no gradient), and sim is the cosine similarity (mu: algorithm.moon_mu, tau:
-algorithm.moon_tau). The server is FedAvg's.
+and has no gradient), and sim is the cosine similarity (mu: algorithm.moon.mu, tau:
+algorithm.moon.tau). The server is FedAvg's.
 
 The paper's models end with a projection head whose output is the representation; fedseq's
 models have none, so the representation is the base's output (the features the head reads), as
@@ -32,9 +32,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 
 from fedseq.common.algorithms.fedavg import FedAvg
 from fedseq.common.algorithms.hooks import ClientSide, Job
+from fedseq.common.config import AlgorithmParams
 from fedseq.common.models import BlockModel, Weights, block_of, set_weights, state_key
 
 if TYPE_CHECKING:
@@ -103,12 +105,23 @@ class MoonClient(ClientSide):
         return 0.0
 
 
+class MoonParams(AlgorithmParams):
+    """[algorithm.moon]"""
+
+    mu: float = Field(1.0, ge=0, description=(
+        "The weight mu of its model-contrastive term (the paper: 5 on CIFAR-10, 1 on CIFAR-100 "
+        "and Tiny-ImageNet)."))
+    tau: float = Field(0.5, gt=0, description=(
+        "The temperature tau of its model-contrastive term (the paper's 0.5)."))
+
+
 class Moon(FedAvg):
     """MOON: FedAvg's server, clients trained with the model-contrastive term."""
 
     name = "moon"
     client_class = MoonClient
+    params_model = MoonParams
 
     def client_params(self) -> dict[str, Any]:
-        a = self.cfg.algorithm
-        return {"mu": a.moon_mu, "tau": a.moon_tau}
+        p = self.cfg.algorithm.table(self.name, MoonParams)
+        return {"mu": p.mu, "tau": p.tau}

@@ -22,16 +22,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from pydantic import Field
 
 from fedseq.common.algorithms.aggregate import ServerStep, in_dtype, pseudo_gradients
 from fedseq.common.algorithms.fedavg import FedAvg
-from fedseq.common.config import ExperimentConfig
+from fedseq.common.config import AlgorithmParams, ExperimentConfig
 from fedseq.common.models import ModelSpec, Weights
 
 if TYPE_CHECKING:
     from fedseq.common.algorithms.robust import Aggregator
 
 F64 = torch.float64
+
+
+class MomentumParams(AlgorithmParams):
+    """[algorithm.fedavgm] (with algorithm.server_lr)"""
+
+    beta1: float = Field(0.9, ge=0, lt=1, description=(
+        "The server optimizer's momentum: FedAvgM m = beta1 m + delta; FedAdam, FedYogi the EMA "
+        "m = beta1 m + (1 - beta1) delta."))
+
+
+class AdaptiveParams(MomentumParams):
+    """[algorithm.fedadam], [algorithm.fedyogi] (with algorithm.server_lr)"""
+
+    beta2: float = Field(0.99, ge=0, lt=1, description="The second moment's decay.")
+    tau: float = Field(1e-3, gt=0, description=(
+        "Adaptivity; the second moment starts at tau^2."))
 
 
 class ServerOptimizer(FedAvg):
@@ -41,12 +58,15 @@ class ServerOptimizer(FedAvg):
     default_server_lr = 1.0
     own_server_step = True
     adaptive = False  # keeps a second moment v
+    params_model: type[MomentumParams] = MomentumParams
 
     def __init__(self, cfg: ExperimentConfig, spec: ModelSpec):
         super().__init__(cfg, spec)
         a = cfg.algorithm
         self.lr = a.server_lr if a.server_lr is not None else self.default_server_lr
-        self.beta1, self.beta2, self.tau = a.beta1, a.beta2, a.tau
+        p = a.table(self.name, self.params_model)
+        q = p if isinstance(p, AdaptiveParams) else AdaptiveParams()  # FedAvgM: unused
+        self.beta1, self.beta2, self.tau = p.beta1, q.beta2, q.tau
         self.m: Weights = {}
         self.v: Weights = {}
 

@@ -86,9 +86,8 @@ def test_the_broadcast_config_carries_no_coordinator_paths_or_account():
     assert back.data.num_clients == cfg.data.num_clients
 
 
-def test_the_head_init_reaches_devices_only_where_chosen():
-    """model.head_init: a default config is broadcast as devices before the key read it."""
-    assert "head_init" not in load_config(None, []).for_devices()["model"]
+def test_the_head_init_reaches_devices():
+    """model.head_init crosses to the devices as chosen; a bad one is refused."""
     sent = load_config(None, ['model.head_init="orthogonal"']).for_devices()
     assert ExperimentConfig.model_validate(sent).model.head_init == "orthogonal"
     with pytest.raises(ConfigError, match="head_init"):

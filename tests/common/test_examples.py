@@ -31,14 +31,14 @@ BY_PARTITION = {"dirichlet": ("data.alpha", "data.min_samples"), "shards": ("dat
 WITH_BATCHNORM = {"4convnet", "mobilenet", "resnet18", "resnet34"}
 FINE_TUNED = {"fedbabu", "fedseq-vanilla", "fedseq-anti", "local"}
 BY_ALGORITHM = {
-    "fedprox": ("algorithm.mu",),
-    "feddyn": ("algorithm.feddyn_alpha",),
-    "ditto": ("algorithm.ditto_lambda", "algorithm.ditto_epochs"),
-    "gpfl": ("algorithm.gpfl_lambda", "algorithm.gpfl_mu"),
-    "fedrep": ("algorithm.head_epochs",),
-    "fedper": ("algorithm.personal_layers",),
-    "fedreg": ("algorithm.rebalance_threshold", "algorithm.fedreg_passes",
-               "algorithm.fedreg_rebalance"),
+    "fedprox": ("algorithm.fedprox.mu",),
+    "feddyn": ("algorithm.feddyn.alpha",),
+    "ditto": ("algorithm.ditto.lam", "algorithm.ditto.epochs"),
+    "gpfl": ("algorithm.gpfl.lam", "algorithm.gpfl.mu"),
+    "fedrep": ("algorithm.fedrep.head_epochs",),
+    "fedper": ("algorithm.fedper.personal_layers",),
+    "fedreg": ("algorithm.fedreg.threshold", "algorithm.fedreg.passes",
+               "algorithm.fedreg.rebalance"),
     "fedseq-vanilla": ("algorithm.unfreeze_rounds",),
     "fedseq-anti": ("algorithm.unfreeze_rounds",),
     "fedbabu": ("model.head_init",),

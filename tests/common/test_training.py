@@ -86,7 +86,7 @@ def test_seed_and_round_change_batch_order():
 
 
 def test_fedprox_pulls_towards_global():
-    cfg, model, alg, data = _setup("fedprox", "algorithm.mu=10.0", "train.local_epochs=3")
+    cfg, model, alg, data = _setup("fedprox", "algorithm.fedprox.mu=10.0", "train.local_epochs=3")
     start = get_blocks(model, model.spec.blocks)
     prox, _ = run_client_round(model, start, alg.plan(0), data, data.clients[0], seed=0, round=0)
     cfg2, model2, alg2, _ = _setup("fedavg", "train.local_epochs=3")
@@ -130,7 +130,7 @@ def test_fedreg_rebalanced_set_built_once_per_client_by_default():
     once = _rebalanced_batches([], [0, 3])
     # same rows, same augmented images in rounds 0 and 3 (in each round's own shuffled order)
     assert torch.equal(rows(once[0]), rows(once[3]))
-    every = _rebalanced_batches(["algorithm.fedreg_rebalance=\"every-round\""], [0, 3])
+    every = _rebalanced_batches(["algorithm.fedreg.rebalance=\"every-round\""], [0, 3])
     assert not torch.equal(rows(every[0]), rows(every[3]))
     assert len(once[0]) == len(every[0])
 
@@ -138,7 +138,7 @@ def test_fedreg_rebalanced_set_built_once_per_client_by_default():
 def test_fedreg_passes_switch():
     cfg, model, alg, data = _setup("fedreg", "train.local_epochs=3")
     assert [p.epochs for p in alg.plan(0).phases] == [3, 3]
-    cfg, model, alg, data = _setup("fedreg", "train.local_epochs=3", "algorithm.fedreg_passes=\"one\"")
+    cfg, model, alg, data = _setup("fedreg", "train.local_epochs=3", "algorithm.fedreg.passes=\"one\"")
     assert [p.epochs for p in alg.plan(0).phases] == [1, 1]
 
 

@@ -228,9 +228,10 @@ def test_a_config_or_data_error_skips_the_rest_of_its_setting(tmp_path, data_roo
 
 
 def test_a_campaign_recorded_before_a_key_existed_continues(tmp_path, data_root):
-    """A newer fedseq adds keys with defaults ([privacy], algorithm.moon_mu): a campaign folder
-    whose recorded configs lack them is the same campaign, not a changed file; a real change is
-    still refused."""
+    """A newer fedseq adds keys with defaults ([privacy]) and moves keys (the former flat
+    [algorithm] keys, into tables): a campaign folder whose recorded configs lack the new keys or
+    use the former ones is the same campaign, not a changed file; a real change is still
+    refused."""
     from fedseq.common.errors import ConfigError
     from fedseq.server.campaign import Campaign
 
@@ -241,7 +242,7 @@ def test_a_campaign_recorded_before_a_key_existed_continues(tmp_path, data_root)
     book = json.loads((out / "campaign.json").read_text())
     for r in book["runs"]:
         r["config"].pop("privacy")
-        r["config"]["algorithm"].pop("moon_mu")
+        r["config"]["algorithm"].update(mu=0.001, ditto_lambda=0.1)  # former keys, defaults
     (out / "campaign.json").write_text(json.dumps(book))
     Campaign(out, runs, file).open(lambda m: None)  # no error
     _, other = load_campaign(file, ["train.lr=0.5"])

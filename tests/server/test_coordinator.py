@@ -34,7 +34,7 @@ def test_selection_is_pure_function_of_seed_and_round():
     assert all(len(s) == 6 == len(set(s)) for s in a) and len({tuple(s) for s in a}) > 1
 
 
-@pytest.mark.parametrize("name,over", [("fedper", ()), ("fedper", ("algorithm.personal_layers=3",)),
+@pytest.mark.parametrize("name,over", [("fedper", ()), ("fedper", ("algorithm.fedper.personal_layers=3",)),
                                        ("fedrep", ()), ("fedrod", ()), ("fedreg", ()),
                                        ("lg-fedavg", ())])
 def test_personal_blocks_never_aggregated(name, over):

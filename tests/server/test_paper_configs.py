@@ -54,11 +54,11 @@ RUNS = [
     ("fedreg-table2", ["data.num_clients=6", "data.min_samples=5"]),
     ("fedreg-table2", ["data.num_clients=6", "data.min_samples=5", "algorithm.name=fedbabu"]),
     ("fedreg-table2", ["data.num_clients=6", "data.min_samples=5", "algorithm.name=ditto",
-                       "algorithm.ditto_epochs=1"]),
+                       "algorithm.ditto.epochs=1"]),
     ("fedreg-table3", ["data.num_clients=6", "data.min_samples=5", "algorithm.name=feddyn"]),
     ("fedreg-table3", ["data.num_clients=6", "data.min_samples=5", "algorithm.name=gpfl"]),
     ("fedreg-table4", ["data.num_clients=6", "data.min_samples=5", "algorithm.name=fedrep",
-                       "algorithm.head_epochs=1"]),
+                       "algorithm.fedrep.head_epochs=1"]),
     ("fedper-figure2", ["data.num_clients=4", "train.batch_size=16"]),
 ]
 

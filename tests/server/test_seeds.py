@@ -55,10 +55,10 @@ def test_training_stream_changes_batches_alone(data_root):
                for k in runs[0].global_weights)
 
 
-def test_nothing_pinned_is_the_plain_seed_and_devices_see_no_seeds_table(data_root):
+def test_nothing_pinned_is_the_plain_seed_and_devices_see_no_pinned_stream(data_root):
     cfg = quick_config(data_root, "seed=5")
     assert all(cfg.seed_for(s) == 5 for s in SEED_STREAMS)
-    assert "seeds" not in cfg.for_devices()
+    assert not any(cfg.for_devices()["seeds"].values())
     pinned = quick_config(data_root, "seed=5", "seeds.init=2")
     assert pinned.seed_for("init") == 2 and pinned.for_devices()["seeds"]["init"] == 2
 
@@ -152,7 +152,7 @@ def test_report_pairs_seeds_against_the_first_group(data_root, tmp_path):
     finals = {}
     for name, seeds in (("fedavg", (0, 1)), ("fedprox", (0, 1, 2))):
         base = quick_config(data_root, f"algorithm.name={name}", "train.threads=1", "rounds=2",
-                            "algorithm.mu=0.5")
+                            "algorithm.fedprox.mu=0.5")
         for s in seeds:
             out = tmp_path / name / f"seed-{s}"
             run_simulation(seed_config(base, s, SEED_STREAMS), out)

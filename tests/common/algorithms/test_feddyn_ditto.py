@@ -27,7 +27,7 @@ def _params(model):
 
 def test_a_feddyn_client_minimizes_the_dynamic_objective_and_updates_g():
     alpha = 0.3
-    cfg, model, alg, data = _setup("feddyn", f"algorithm.feddyn_alpha={alpha}")
+    cfg, model, alg, data = _setup("feddyn", f"algorithm.feddyn.alpha={alpha}")
     shard = data.clients[2]
     theta = _params(model)
     gen = torch.Generator().manual_seed(4)
@@ -51,7 +51,7 @@ def test_feddyn_server_update_steps_by_the_mean_and_h():
     """h = -alpha |P|/m mean(delta); theta' = theta + mean(delta) - h / alpha, the mean over the
     round's clients unweighted; a second round carries h on."""
     alpha = 0.5
-    cfg, model, alg, _ = _setup("feddyn", f"algorithm.feddyn_alpha={alpha}")
+    cfg, model, alg, _ = _setup("feddyn", f"algorithm.feddyn.alpha={alpha}")
     theta = {"conv1.weight": torch.zeros(2), "conv1.running_var": torch.ones(2)}
     ups = [{"conv1.weight": torch.tensor([1.0, 2.0]), "conv1.running_var": torch.tensor([1.0, 1.0])},
            {"conv1.weight": torch.tensor([3.0, 0.0]), "conv1.running_var": torch.tensor([3.0, 1.0])}]
@@ -75,8 +75,8 @@ def test_feddyn_server_update_steps_by_the_mean_and_h():
 
 def test_a_ditto_client_uploads_fedavgs_delta_and_keeps_its_regularized_own_model():
     lam = 0.7
-    cfg, model, alg, data = _setup("ditto", f"algorithm.ditto_lambda={lam}",
-                                   "algorithm.ditto_epochs=2")
+    cfg, model, alg, data = _setup("ditto", f"algorithm.ditto.lam={lam}",
+                                   "algorithm.ditto.epochs=2")
     shard = data.clients[1]
     w = _params(model)
     gen = torch.Generator().manual_seed(9)

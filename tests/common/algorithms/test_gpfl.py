@@ -26,7 +26,7 @@ LR, LAM, MU = 0.05, 0.3, 0.02
 def _setup(*over):
     cfg = load_config(None, ["algorithm.name=gpfl", "train.local_epochs=2", "train.batch_size=8",
                              "data.num_clients=4", "train.momentum=0", f"train.lr={LR}",
-                             f"algorithm.gpfl_lambda={LAM}", f"algorithm.gpfl_mu={MU}", *over])
+                             f"algorithm.gpfl.lam={LAM}", f"algorithm.gpfl.mu={MU}", *over])
     model = build_model("cnn", (1, 28, 28), 4, generator_seed=1, **model_layout("gpfl"))
     return cfg, model, make_algorithm(cfg, model.spec), synthetic_data()
 
@@ -144,5 +144,5 @@ def test_gpfls_plan_crosses_the_wire_and_its_settings_are_checked():
     with pytest.raises(ConfigError, match="conditional valve"):
         make_algorithm(load_config(None, ["algorithm.name=gpfl", "algorithm.final_finetune=true"]),
                        model.spec)
-    with pytest.raises(ConfigError, match="gpfl_lambda"):
-        load_config(None, ["algorithm.name=gpfl", "algorithm.gpfl_lambda=-1"])
+    with pytest.raises(ConfigError, match="gpfl.lam = -1"):
+        load_config(None, ["algorithm.name=gpfl", "algorithm.gpfl.lam=-1"])

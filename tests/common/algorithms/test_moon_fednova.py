@@ -67,7 +67,7 @@ def _moon_by_hand(model, start, previous, data, shard, mu, tau):
 
 def test_a_moon_client_trains_on_the_contrastive_loss_and_keeps_its_base():
     mu, tau = 2.0, 0.5
-    cfg, model, alg, data = _setup("moon", f"algorithm.moon_mu={mu}", f"algorithm.moon_tau={tau}")
+    cfg, model, alg, data = _setup("moon", f"algorithm.moon.mu={mu}", f"algorithm.moon.tau={tau}")
     shard = data.clients[1]
     start = get_blocks(model, model.spec.blocks)
     gen = torch.Generator().manual_seed(5)
@@ -89,7 +89,7 @@ def test_a_moon_client_trains_on_the_contrastive_loss_and_keeps_its_base():
 def test_a_moon_clients_first_round_steps_as_fedavgs():
     """Without a previous model the negative pair is the positive one: l_con is log 2 and its
     gradient 0 (up to the last bits of the softmax's 1/2), so the deltas are FedAvg's."""
-    cfg, model, alg, data = _setup("moon", "algorithm.moon_mu=3")
+    cfg, model, alg, data = _setup("moon", "algorithm.moon.mu=3")
     fedavg = _fedavg(model)
     shard = data.clients[0]
     start = get_blocks(model, model.spec.blocks)

@@ -106,7 +106,7 @@ def test_fedper_personal_layers_count_blocks_and_leave_a_base_federated():
     spec = model_spec("convnet", False)  # conv1 conv2 fc1 fc2 | fc3
 
     def fedper(k):
-        cfg = load_config(None, ["algorithm.name=fedper", f"algorithm.personal_layers={k}"])
+        cfg = load_config(None, ["algorithm.name=fedper", f"algorithm.fedper.personal_layers={k}"])
         return algorithm_class("fedper")(cfg, spec)
 
     for k, personal in ((1, ("fc3",)), (2, ("fc2", "fc3")), (4, ("conv2", "fc1", "fc2", "fc3"))):
