@@ -44,7 +44,7 @@ from fedseq.server.ledger import (
     torch_threads,
 )
 from fedseq.server.pool import ClientPool, PoolState, RoundOutcome
-from fedseq.server.privacy import check_budget
+from fedseq.server.privacy import check_budget, statement
 from fedseq.server.records import ClientEnergy, Rejection, RoundRecord
 from fedseq.server.rundir import RunDir
 
@@ -257,6 +257,9 @@ class Coordinator:
     ):
         check_budget(cfg)  # [privacy]: a run over its epsilon budget does not start
         self.book = Ledger(cfg, algorithm, model, data, pool, collect_threads)
+        said = statement(cfg, count_params(model, algorithm.shared_blocks()))
+        if said is not None:
+            log.warning("%s", said)
         self.driver = (driver or default_driver)(self.book)
         self.cfg, self.alg, self.model, self.data, self.pool = cfg, algorithm, model, data, pool
         self.run_dir = run_dir

@@ -206,3 +206,20 @@ def test_an_adaptive_run_raises_a_too_small_clip_norm(data_root):
     rows = run_simulation(cfg, out=None).rows
     clips = [r["clip_norm"] for r in rows]
     assert clips[0] == 0.05 and clips == sorted(clips) and clips[-1] > 0.05  # every update > C
+
+
+def test_a_private_run_says_its_epsilon_and_how_loud_its_noise_is():
+    """The testbed's 30 clients: a large epsilon or a noise far above the updates, said before
+    the run starts; many clients a round and enough noise: no warning."""
+    from fedseq.server.privacy import statement
+
+    small = load_config(None, ["privacy.enabled=true", "data.num_clients=30",
+                               "train.join_ratio=0.2", "rounds=100"])
+    said = statement(small, 573_578)
+    assert said is not None and "epsilon 16.1 at delta 1e-05 after 100 rounds" in said
+    assert "~126 x" in said and "epsilon above 10" in said and "cost accuracy" in said
+    big = load_config(None, ["privacy.enabled=true", "data.num_clients=100000",
+                             "train.join_ratio=0.01", "rounds=100", "privacy.noise_multiplier=1"])
+    said = statement(big, 582_026)
+    assert said is not None and "protects little" not in said and "cost accuracy" not in said
+    assert statement(load_config(None, []), 10) is None
