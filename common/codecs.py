@@ -38,6 +38,10 @@ Q = 127  # int8 codes are in [-Q, Q]: symmetric, so 0 is exact
 TINY = torch.finfo(torch.float32).tiny  # a smaller scale would be flushed to zero
 
 
+#: Codec.norm_rounding of the codecs that keep a clipped norm within a known factor
+NORM_ROUNDING = {"none": 0.0, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+
+
 @dataclass(frozen=True)
 class Codec:
     """One direction's codec and its settings; `spec` is its plain-text form (in a plan)."""
@@ -57,6 +61,13 @@ class Codec:
             return ("int8:" + ("channel" if self.per_channel else "tensor")
                     + (":stochastic" if self.stochastic else ""))
         return self.name
+
+    @property
+    def norm_rounding(self) -> float | None:
+        """The largest relative change of an update's L2 norm by this codec (half the unit in
+        the last place of its mantissa: none, fp16, bf16), or None where the decoded norm is not
+        bounded by the coded one (int8's scales, top-k's error-feedback residual)."""
+        return NORM_ROUNDING.get(self.name)
 
     @classmethod
     def parse(cls, spec: str) -> Codec:

@@ -603,9 +603,6 @@ class ExperimentConfig(_Section):
         if self.train.mode == "async":
             raise ValueError(f"{why} is accounted per synchronous round; train.mode = \"async\" "
                              "is not yet: use train.mode = \"sync\"")
-        if self.wire.up not in ("none", "fp16", "bf16"):
-            raise ValueError(f"{why}: wire.up = {self.wire.up!r} changes an update's norm after "
-                             "it is clipped; use none, fp16 or bf16")
         if self.train.over_select != 1.0:
             raise ValueError(f"{why} samples each client with probability train.join_ratio; "
                              "train.over_select changes who counts: leave it at 1")

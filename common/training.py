@@ -368,21 +368,16 @@ def run_client_round(
     return update, personal
 
 
-#: the largest relative change of an L2 norm by a codec's rounding (half the unit in the last
-#: place of its mantissa): a clipped update coded in it stays within the clip norm
-_ROUNDING = {"none": 0.0, "fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
-
-
 def clip_update(deltas: Weights, clip: float, codec: Codec) -> tuple[Weights, bool]:
     """[privacy]'s clipping: every tensor of the upload scaled by min(1, C' / its whole L2
     norm), C' = `clip` less the codec's rounding (and float32's), so that what the coordinator
-    decodes has a norm of at most `clip` (the round contract's check). Integer tensors are
-    left as they are (none are uploaded but counters). Returns the clipped upload and whether
-    its norm was within `clip` (adaptive clipping's bit)."""
-    if codec.name not in _ROUNDING:
-        raise ValueError(f"an update in {codec.spec} cannot be clipped to a norm it keeps")
+    decodes has a norm of at most `clip` (the round contract's check). A codec that does not
+    keep the norm (int8, top-k) is clipped to `clip` before it codes; the coordinator scales
+    what it decodes back to `clip` (server/privacy.py NoisedSum). Integer tensors are left as
+    they are (none are uploaded but counters). Returns the clipped upload and whether its norm
+    was within `clip` (adaptive clipping's bit)."""
     norm = update_norm({k: d for k, d in deltas.items() if d.is_floating_point()})
-    target = clip / (1.0 + _ROUNDING[codec.name]) * (1.0 - 1e-6)
+    target = clip / (1.0 + (codec.norm_rounding or 0.0)) * (1.0 - 1e-6)
     if norm <= target:
         return deltas, norm <= clip
     scale = target / norm

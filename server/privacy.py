@@ -41,7 +41,7 @@ import zlib
 import numpy as np
 import torch
 
-from fedseq.common.algorithms.aggregate import WeightedDeltaSum, in_dtype
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum, in_dtype, update_norm
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import AggregationError, ConfigError
 from fedseq.common.models import Weights
@@ -175,6 +175,15 @@ class NoisedSum(WeightedDeltaSum):
 
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
             device: str | None = None) -> None:
+        """Add one update, weight 1, scaled to an L2 norm of at most C first: an update the
+        contract checked is within C already (a no-op); one decoded from int8 or top-k, whose
+        codec does not keep the norm its device clipped, is brought back to C here, so no
+        client moves the sum by more than C whatever it sends."""
+        floats = {k: d for k, d in deltas.items() if d.is_floating_point()}
+        norm = update_norm(floats)
+        if norm > self.clip:
+            scale = self.clip / norm
+            deltas = {k: d * scale if k in floats else d for k, d in deltas.items()}
         super().add(deltas, {b: 1.0 for b in weight_of}, client, device)
 
     def apply(self, global_weights: Weights) -> Weights:

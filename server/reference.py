@@ -137,7 +137,8 @@ def _table(rows: list[tuple[str, FieldInfo]]) -> list[str]:
 
 
 def _doc(obj: Any) -> str:
-    return inspect.cleandoc(obj.__doc__ or "")
+    """A class's docstring as Markdown shows it (escaped: `[algorithm.<name>]`)."""
+    return _text(inspect.cleandoc(obj.__doc__ or ""))
 
 
 def config_page() -> str:

@@ -146,8 +146,9 @@ class RoundContract:
                     f"tensor {k} has an element of magnitude {biggest:.3g} > the round's bound "
                     f"{bound:.3g} (aggregation.max_abs_delta; auto = 10 x the "
                     "model's largest parameter)"))
-        if self.clip is not None:
-            # the norm the client clipped: its floating-point tensors (a counter is not clipped)
+        if self.clip is not None and self.codec.norm_rounding is not None:
+            # the norm the client clipped: its floating-point tensors (a counter is not clipped);
+            # a codec that does not keep it (int8, top-k) is scaled back by the noised sum
             norm = update_norm({k: d for k, d in update.deltas.items() if d.is_floating_point()})
             if not norm <= self.clip:
                 return Rejection("over-clip", (
