@@ -528,8 +528,9 @@ class PrivacyConfig(_Section):
     Coordinator only: devices get the clip norm in their plans."""
 
     enabled: bool = Field(False, description=(
-        "Clip every update on its device, add Gaussian noise to the round's sum, sample clients "
-        "by Poisson sampling (rate train.join_ratio), and report epsilon in every round's row."))
+        "Clip every update on its device, add Gaussian noise to the round's sum (an async "
+        "run's: every server step's), sample a synchronous run's clients by Poisson sampling "
+        "(rate train.join_ratio), and report epsilon in every round's row."))
     clip_norm: float = Field(1.0, gt=0, description=(
         "C: the L2 norm every client's whole upload is scaled to at most; the round contract "
         "refuses an update above it."))
@@ -600,9 +601,9 @@ class ExperimentConfig(_Section):
         if self.aggregation.rule != "mean":
             raise ValueError(f"{why} calibrates its noise to a sum; aggregation.rule = "
                              f"{self.aggregation.rule!r} has another sensitivity: use \"mean\"")
-        if self.train.mode == "async":
-            raise ValueError(f"{why} is accounted per synchronous round; train.mode = \"async\" "
-                             "is not yet: use train.mode = \"sync\"")
+        if self.train.mode == "async" and self.privacy.adaptive:
+            raise ValueError(f"{why}: privacy.adaptive counts its bits per synchronous round; "
+                             "with train.mode = \"async\" use a fixed privacy.clip_norm")
         if self.train.over_select != 1.0:
             raise ValueError(f"{why} samples each client with probability train.join_ratio; "
                              "train.over_select changes who counts: leave it at 1")

@@ -167,6 +167,9 @@ class BufferedAsync:
         self.versions: dict[int, Version] = {}
         self.bytes_down_step = 0
         self.extra_j = 0.0  # the step's modelled joules above idle
+        #: [privacy]: the clients that arrived this step; none is dispatched again before the
+        #: step ends, so no client is in a step's noised sum twice (its sensitivity is C)
+        self.arrived_this_step: set[int] = set()
         self.source = arrivals(self)
 
     def version(self, t: int) -> Version:
@@ -188,7 +191,7 @@ class BufferedAsync:
         while len(self.flights) < self.concurrency:
             eligible = [c for c in range(self.book.cfg.data.num_clients)
                         if c not in busy and self.trained_on.get(c) != t
-                        and self.source.can_train(c)]
+                        and c not in self.arrived_this_step and self.source.can_train(c)]
             if not eligible:
                 break
             rng = numpy_rng(self.book.cfg.seed_for("selection"), "async-select", self.seq)
@@ -234,7 +237,10 @@ class BufferedAsync:
         began: float = book.clock
         got = book.updates(t)
         folds: list[Fold] = []
+        self.arrived_this_step.clear()
         for f in self.source.arrivals(t, got):
+            if cfg.privacy.enabled:
+                self.arrived_this_step.add(f.client)
             staleness = f.staleness(t)
             if f.rejection is None and cfg.train.max_staleness is not None \
                     and staleness > cfg.train.max_staleness:

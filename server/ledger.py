@@ -38,7 +38,15 @@ from fedseq.common.seeding import numpy_rng
 from fedseq.server.checkpoint import Checkpoint, LoopState
 from fedseq.server.fleet import VirtualFleet
 from fedseq.server.pool import ClientPool, RoundOutcome
-from fedseq.server.privacy import NoisedSum, epsilon, next_clip, poisson_clients, update_noise
+from fedseq.server.privacy import (
+    NoisedSum,
+    epsilon,
+    expected_clients,
+    next_clip,
+    poisson_clients,
+    sampling_rate,
+    update_noise,
+)
 from fedseq.server.records import Rejection, RoundRecord
 from fedseq.server.validation import (
     RoundContract,
@@ -272,9 +280,9 @@ class Ledger:
         """A fresh round (or server step) t: the configured aggregation rule, or under
         [privacy] DP-FedAvg's noised sum over the expected number of clients."""
         if self.cfg.privacy.enabled:
-            expected = self.cfg.train.join_ratio * self.cfg.data.num_clients
-            return RoundUpdates(NoisedSum(self.clip, update_noise(self.cfg), expected,
-                                          self.cfg.seed_for("noise"), t))
+            return RoundUpdates(NoisedSum(self.clip, update_noise(self.cfg),
+                                          expected_clients(self.cfg), self.cfg.seed_for("noise"),
+                                          t))
         return RoundUpdates(make_aggregator(self.cfg.aggregation))
 
     def fold(self, got: RoundUpdates, update: ClientUpdate, plan: ClientPlan,
@@ -359,7 +367,7 @@ class Ledger:
     def epsilon(self, rounds: int) -> float | None:
         """[privacy]: epsilon after `rounds` rounds at privacy.delta; None without it."""
         p = self.cfg.privacy
-        return (epsilon(self.cfg.train.join_ratio, p.noise_multiplier, rounds, p.delta)
+        return (epsilon(sampling_rate(self.cfg), p.noise_multiplier, rounds, p.delta)
                 if p.enabled else None)
 
     def row(self, t: int, plan: ClientPlan, got: RoundUpdates, refused: str | None,

@@ -29,6 +29,11 @@ The accountant is dp-accounting's (Google) Renyi-DP accountant for the Poisson-s
 Gaussian mechanism composed over the rounds, add-or-remove-one-client adjacency: epsilon at
 privacy.delta after every round, a pure function of (q, z, rounds), so a resumed run's is the
 same as an uninterrupted one's.
+
+A buffered-asynchronous run (train.mode = "async") noises every server step's sum over its
+buffer, folds each client at most once a step (server/asynchronous.py), and is accounted at
+q = 1: its steps' clients are not Poisson-sampled, so no amplification by sampling is claimed
+(`sampling_rate`, `expected_clients`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,22 @@ from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import AggregationError, ConfigError
 from fedseq.common.models import Weights
 from fedseq.common.seeding import numpy_rng, torch_rng
+
+
+def sampling_rate(cfg: ExperimentConfig) -> float:
+    """The q the accountant composes over the rounds: train.join_ratio under Poisson sampling
+    (train.mode = "sync"); 1 for a buffered-asynchronous run's server steps, whose clients are
+    not Poisson-sampled: every step is accounted as if every client took part (no amplification
+    by sampling), each client folded at most once a step."""
+    return 1.0 if cfg.train.mode == "async" else cfg.train.join_ratio
+
+
+def expected_clients(cfg: ExperimentConfig) -> float:
+    """The fixed denominator of the noised mean: the clients expected a round (q N), or a
+    buffered-asynchronous step's buffer."""
+    if cfg.train.mode == "async":
+        return float(cfg.async_shape()[1])
+    return cfg.train.join_ratio * cfg.data.num_clients
 
 
 def count_noise(cfg: ExperimentConfig) -> float:
@@ -125,13 +146,13 @@ def statement(cfg: ExperimentConfig, shared_params: int) -> str | None:
     p = cfg.privacy
     if not p.enabled:
         return None
-    q, n = cfg.train.join_ratio, cfg.data.num_clients
+    q, n = sampling_rate(cfg), expected_clients(cfg)
     final = epsilon(q, p.noise_multiplier, cfg.rounds, p.delta)
-    ratio = p.noise_multiplier * math.sqrt(max(shared_params, 1)) / (q * n)
+    ratio = p.noise_multiplier * math.sqrt(max(shared_params, 1)) / n
     text = (f"privacy: epsilon {final:.3g} at delta {p.delta:g} after {cfg.rounds} rounds "
             f"(q = {q:g}, z = {p.noise_multiplier:g}); the noise on a round's mean update is "
             f"~{ratio:.3g} x its largest norm C ({shared_params:,} shared parameters, "
-            f"{q * n:g} clients expected a round)")
+            f"{n:g} clients expected a round)")
     weak = []
     if final > 10:
         weak.append("epsilon above 10 protects little")
@@ -149,7 +170,7 @@ def check_budget(cfg: ExperimentConfig) -> None:
     p = cfg.privacy
     if not p.enabled or p.target_epsilon is None:
         return
-    rate = cfg.train.join_ratio
+    rate = sampling_rate(cfg)
     final = epsilon(rate, p.noise_multiplier, cfg.rounds, p.delta)
     if final <= p.target_epsilon:
         return

@@ -110,7 +110,8 @@ def test_a_dp_run_records_its_epsilon_and_learns(data_root):
 
 @pytest.mark.parametrize("over, words", [
     (("aggregation.rule=median",), "median"),
-    (("train.mode='async'", "fleet.devices=[{profile='nano'}]"), "async"),
+    (("train.mode='async'", "fleet.devices=[{profile='nano'}]", "privacy.adaptive=true",
+      "privacy.count_noise=5"), "async"),
     (("train.over_select=1.5",), "over_select"),
 ])
 def test_what_breaks_the_analysis_is_refused_in_one_line(over, words):
@@ -152,6 +153,30 @@ def test_a_dp_run_codes_its_updates_in_int8_or_topk(data_root, one_thread, codec
                            out=None).rows
     assert sum(r["bytes_up"] for r in rows) < sum(r["bytes_up"] for r in plain) / 3  # coded
     assert result.final.global_acc > 0.3
+
+
+def test_a_buffered_asynchronous_run_is_noised_per_step_and_accounted_without_sampling(
+        data_root, one_thread):
+    """train.mode = "async": every server step's sum is noised over its buffer, each client in
+    it at most once, and the accountant composes the steps at q = 1 (the steps' clients are not
+    Poisson-sampled)."""
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=4", "train.threads=1",
+                       "train.mode='async'", "train.concurrency=4", "train.buffer=3",
+                       "fleet.devices=[{profile='nano'},{profile='orin-nano',count=2}]",
+                       "privacy.enabled=true", "privacy.clip_norm=2",
+                       "privacy.noise_multiplier=0.05")
+    result = run_simulation(cfg, out=None)
+    rows = [r for r in result.rows if r["phase"] == "train"]
+    for r in rows:
+        clients = [f["client"] for f in r["folds"]]
+        assert len(clients) == len(set(clients))  # no client twice in a step's sum
+        assert r["epsilon"] == pytest.approx(epsilon(1.0, 0.05, r["round"] + 1,
+                                                      cfg.privacy.delta))
+    assert sum(len(r["reported"]) for r in rows) >= 8
+    noiseless = run_simulation(cfg.model_copy(update={"privacy": cfg.privacy.model_copy(
+        update={"noise_multiplier": 0.0})}), out=None)
+    assert any(not torch.equal(noiseless.global_weights[k], v)
+               for k, v in result.global_weights.items())  # the noise was added
 
 
 def test_a_run_over_its_budget_is_refused_with_the_rounds_that_fit():
