@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,9 @@ if TYPE_CHECKING:
     from fedseq.server.distributed import DistributedPool
 
 
+log = logging.getLogger(__name__)
+
+
 def default_threads(cores: int | None = None, load: float | None = None) -> int:
     """The cores not already busy when the run starts: all of them on an idle machine, fewer
     beside other work. Measured on 2 cores (a FedAvg testbed round, `bench/sim_round.py`): idle,
@@ -37,6 +41,27 @@ def default_threads(cores: int | None = None, load: float | None = None) -> int:
         except OSError:
             load = 0.0
     return max(1, min(cores, cores - round(load)))
+
+
+def busy_machine(threads: int, setting: int | str | None, cores: int | None = None,
+                 load: float | None = None) -> str | None:
+    """A one-line warning where `threads` torch threads (train.threads left unset) meet a busy
+    machine, whose other work makes more threads slower, not faster; None where they fit."""
+    if setting is not None or threads <= 1:
+        return None
+    cores = cores or os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except OSError:
+            return None
+    free = default_threads(cores, load)
+    if free >= threads:
+        return None
+    return (f"this machine is busy (load {load:.1f} on {cores} cores): {threads} torch threads "
+            f"may be several times slower than {free} (measured on 2 cores beside other work: "
+            "60.9 s a round with 2 threads, 22.5 s with 1); --set train.threads=" + str(free)
+            + " (its results differ bitwise from " + str(threads) + " threads'), or wait")
 
 
 def sim_threads(setting: int | str | None) -> int:
@@ -136,6 +161,9 @@ class InProcess:
         self.threads = sim_threads(cfg.train.threads)
         torch.set_num_threads(self.threads)
         self.device = torch_device(cfg.train.device)
+        said = busy_machine(self.threads, cfg.train.threads)
+        if said is not None:
+            log.warning("%s", said)
 
     def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
         """Nothing to reach."""
