@@ -523,11 +523,12 @@ def start(
                 _metrics(metrics_port, metrics_host) as metrics:
             if metrics is not None:
                 metrics.run_started(cfg, str(out))
+            shown = _Printer(cfg.rounds)
             run_deployment(cfg, out, broker, local_clients,
-                           on_round=_rows(None if quiet else _print_row, metrics),
+                           on_round=_rows(None if quiet else shown.row, metrics),
                            announce=lambda s: print(s, file=sys.stderr),
                            client_threads=client_threads, mode=mode, info=info,
-                           on_progress=None if quiet else _print_progress, rehearsal=rehearsal)
+                           on_progress=None if quiet else shown.progress, rehearsal=rehearsal)
     except FedseqError as exc:
         _fail(exc)
     except KeyboardInterrupt:
@@ -593,10 +594,11 @@ def campaign(
                 def row(r: RoundRecord) -> None:
                     progress.round_done(r.round, r.phase, r.seconds)
 
+                shown = _Printer(run.cfg.rounds)
                 run_deployment(run.cfg.model_copy(update={"deploy": deploy}), path, url, 0,
-                               on_round=_rows(row, None if quiet else _print_row, metrics),
+                               on_round=_rows(row, None if quiet else shown.row, metrics),
                                announce=say, client_threads=client_threads, mode=mode, info=info,
-                               on_progress=None if quiet else _print_progress)
+                               on_progress=None if quiet else shown.progress)
 
             _go_campaign(spec, book, one, progress)
     except FedseqError as exc:
@@ -709,26 +711,60 @@ def _rehearsal(local_clients: int, links: list[str], quotas: list[str]) -> Any:
                         rh.per_device(quotas, names, rh.parse_quota, "--cpu-quota"))
 
 
-_shown: dict[str, Any] = {}
+def _left(seconds: float) -> str:
+    """A time left as the progress lines say it: "~40 s", "~12 min", "~2.5 h"."""
+    if seconds < 90:
+        return f"~{seconds:.0f} s"
+    if seconds < 5400:
+        return f"~{seconds / 60:.0f} min"
+    return f"~{seconds / 3600:.1f} h"
 
 
-def _print_progress(done: int, total: int) -> None:
-    """Fine-tuning progress, about every tenth of the clients."""
-    step = max(1, total // 10)
-    if done == total or done // step != _shown.get("progress", -1):
-        _shown["progress"] = done // step
-        print(f"fine-tuning: {done}/{total} clients", file=sys.stderr)
+class _Printer:
+    """A fleet run's progress on stderr: a line per round with the time left at the pace of
+    the rounds this process saw (evaluations included), and the fine-tuning's clients about
+    every tenth with theirs."""
 
+    def __init__(self, rounds: int):
+        self.rounds = rounds
+        self.started: float | None = None  # when the first row of this process came
+        self.seen = 0
+        self.note = False
+        #: the fine-tuning's (first report's time, its clients done, the tenth last shown)
+        self.tuning: tuple[float, int, int] | None = None
 
-def _print_row(row: RoundRecord) -> None:
-    if row.global_model and not _shown.get("note"):
-        _shown["note"] = True
-        print(f"note: global* = {row.global_model}", file=sys.stderr)
-    star = "*" if row.global_model else ""
-    reported = row.reported if row.phase == "train" else row.clients
-    print(f"round {row.round} {row.phase}: global{star} {_fmt(row.global_acc)} personal "
-          f"{_fmt(row.personal_acc)} reported {len(reported)}/{len(row.clients)} "
-          f"{row.seconds or 0:.1f}s", file=sys.stderr)
+    def row(self, row: RoundRecord) -> None:
+        """One round's (or the fine-tuning's) line."""
+        now = time.monotonic()
+        if row.global_model and not self.note:
+            self.note = True
+            print(f"note: global* = {row.global_model}", file=sys.stderr)
+        star = "*" if row.global_model else ""
+        reported = row.reported if row.phase == "train" else row.clients
+        left = ""
+        if row.phase == "train":
+            if self.started is None:  # the pace counts from the end of the first round seen
+                self.started = now - (row.seconds or 0.0)
+            self.seen += 1
+            remaining = self.rounds - 1 - row.round
+            if remaining > 0:
+                left = f", {_left((now - self.started) / self.seen * remaining)} left"
+        print(f"round {row.round + 1}/{self.rounds} {row.phase}: global{star} "
+              f"{_fmt(row.global_acc)} personal {_fmt(row.personal_acc)} reported "
+              f"{len(reported)}/{len(row.clients)} {row.seconds or 0:.1f}s{left}", file=sys.stderr)
+
+    def progress(self, done: int, total: int) -> None:
+        """The fine-tuning's clients, about every tenth of them, with the time left."""
+        now = time.monotonic()
+        if self.tuning is None:  # the pace counts from the first client reported
+            self.tuning = (now, done, -1)
+        began, first, shown = self.tuning
+        step = max(1, total // 10)
+        if done == total or done // step != shown:
+            self.tuning = (began, first, done // step)
+            left = (f", {_left((now - began) / (done - first) * (total - done))} left"
+                    if first < done < total else "")
+            print(f"fine-tuning: {done}/{total} clients{left}", file=sys.stderr)
 
 
 @server_app.command()

@@ -182,3 +182,26 @@ def test_a_used_out_is_refused_before_anything_starts(tmp_path):
         r = _run(*cmd, "--config", str(ROOT / "examples" / "quickstart.toml"), "--out", str(out))
         assert r.returncode == 2 and "exists and is not empty" in r.stderr, (cmd, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_fleet_runs_lines_say_the_time_left(capsys, monkeypatch):
+    """Newcomer II, finding 1: a fleet run's line per round says how long is left at the pace
+    seen so far, and the fine-tuning's clients theirs."""
+    from fedseq.server import cli
+    from fedseq.server.records import RoundRecord
+
+    clock = iter([100.0, 110.0, 120.0, 200.0, 230.0, 260.0])
+    monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
+    shown = cli._Printer(rounds=3)
+    for t in range(3):
+        shown.row(RoundRecord(round=t, phase="train", clients=[0, 1], reported=[0, 1],
+                              seconds=10.0))
+    shown.progress(1, 4)
+    shown.progress(2, 4)
+    shown.progress(4, 4)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("round 1/3 train:") and err[0].endswith("~20 s left")
+    assert err[1].endswith("~10 s left") and not err[2].endswith("left")  # the last round
+    assert err[3] == "fine-tuning: 1/4 clients"  # its first: no pace yet
+    assert err[4] == "fine-tuning: 2/4 clients, ~60 s left"
+    assert err[5] == "fine-tuning: 4/4 clients"
