@@ -1,7 +1,9 @@
-"""What [privacy]'s clipping costs a client: the seconds of `training.clip_update` on one
-update against the seconds of the client round that made it, on this machine's CPU, for the
-testbed's ConvNet and the FedSeq paper's CNN (Fashion-MNIST, one client of the testbed config,
-one torch thread). Prints one line per model with both figures and their ratio.
+"""What [privacy] costs a client: the seconds of `training.clip_update` (client level,
+DP-FedAvg) on one update, and of the same client round under record-level DP-SGD (per-example
+gradients by Opacus, clipped and noised every step), against the seconds of the plain client
+round, on this machine's CPU, for the testbed's ConvNet and the FedSeq paper's CNN
+(Fashion-MNIST, one client of the testbed config, one torch thread). Prints one line per model
+with the figures and their ratios (one run, so the ratios share the machine's load).
 
     python bench/dp_cost.py [--data-root ../shared/data] [--repeat 20]
 """
@@ -9,6 +11,7 @@ one torch thread). Prints one line per model with both figures and their ratio.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 
@@ -40,9 +43,14 @@ def measure(data_root: Path, model: str, repeat: int) -> str:
         clip_update(raw, 0.01, Codec())
     clip_s = (time.perf_counter() - t0) / repeat
     params = sum(v.numel() for v in raw.values())
+    dp_sgd = dataclasses.replace(plan, clip=None, record_dp=(1.0, 1.0))
+    t0 = time.perf_counter()
+    run_client_round(exp.model, dict(start), dp_sgd, exp.data, shard, 0, 0)
+    sgd_s = time.perf_counter() - t0
     return (f"{model:8s} {params:>9,d} parameters, {len(shard.train)} rows x "
             f"{cfg.train.local_epochs} epochs: client round {round_s:.3f} s, clipping "
-            f"{clip_s * 1000:.2f} ms ({clip_s / round_s:.2e} of the round)")
+            f"{clip_s * 1000:.2f} ms ({clip_s / round_s:.2e} of the round); DP-SGD client round "
+            f"{sgd_s:.3f} s ({sgd_s / round_s:.2f} x the plain round)")
 
 
 def main() -> None:

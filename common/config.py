@@ -523,14 +523,23 @@ class SeedsConfig(_Section):
 
 
 class PrivacyConfig(_Section):
-    """[privacy]: client-level differential privacy, DP-FedAvg (McMahan et al., ICLR 2018):
-    clipped on the device, noised and accounted on the coordinator (docs/how-to/privacy.md).
-    Coordinator only: devices get the clip norm in their plans."""
+    """[privacy]: differential privacy (docs/how-to/privacy.md). Client level, DP-FedAvg
+    (McMahan et al., ICLR 2018): clipped on the device, noised and accounted on the coordinator.
+    Record level, DP-SGD (Abadi et al., CCS 2016): every local step of every client clips each
+    example's gradient and adds noise, and the coordinator accounts each client's epsilon.
+    Coordinator only: devices get what they need in their plans."""
 
     enabled: bool = Field(False, description=(
-        "Clip every update on its device, add Gaussian noise to the round's sum (an async "
-        "run's: every server step's), sample a synchronous run's clients by Poisson sampling "
-        "(rate train.join_ratio), and report epsilon in every round's row."))
+        "Differential privacy at privacy.level, with epsilon in every round's row. Client level: "
+        "clip every update on its device, add Gaussian noise to the round's sum (an async run's: "
+        "every server step's), sample a synchronous run's clients by Poisson sampling (rate "
+        "train.join_ratio)."))
+    level: Literal["client", "record"] = Field("client", description=(
+        "What one unit of privacy is: a client (DP-FedAvg: whether a client took part at all) "
+        "or one training example of a client (DP-SGD in local training: clip_norm is then the "
+        "per-example gradient's bound and noise_multiplier the noise of every local step; "
+        "needs torch >= 2.0 and opacus where clients train, a model without batch "
+        "normalization, and an algorithm without client-side loss terms)."))
     clip_norm: float = Field(1.0, gt=0, description=(
         "C: the L2 norm every client's whole upload is scaled to at most; the round contract "
         "refuses an update above it."))
@@ -554,6 +563,17 @@ class PrivacyConfig(_Section):
         "adaptive: sigma_b, the standard deviation of the noise on the count; default: the "
         "expected clients a round / 20 (the paper's). The updates' noise multiplier is then "
         "(z^-2 - (2 sigma_b)^-2)^-1/2, so that both together spend what noise_multiplier z does."))
+
+    @property
+    def client_level(self) -> bool:
+        """DP-FedAvg: clipped updates, a noised sum, Poisson-sampled clients."""
+        return self.enabled and self.level == "client"
+
+    @property
+    def record_level(self) -> bool:
+        """DP-SGD in every client's local training."""
+        return self.enabled and self.level == "record"
+
 
 
 class ExperimentConfig(_Section):
@@ -595,6 +615,15 @@ class ExperimentConfig(_Section):
 
     @model_validator(mode="after")
     def _check_privacy(self) -> ExperimentConfig:
+        if self.privacy.record_level:
+            p = self.privacy
+            for key, value, default in (("adaptive", p.adaptive, False),
+                                        ("target_epsilon", p.target_epsilon, None)):
+                if value != default:
+                    raise ValueError(f"privacy.{key} is for privacy.level = \"client\"; "
+                                     "record-level DP-SGD keeps a fixed clip norm and reports "
+                                     "each client's epsilon in the rows")
+            return self
         if not self.privacy.enabled:
             return self
         why = "privacy.enabled = true (DP-FedAvg, docs/how-to/privacy.md)"

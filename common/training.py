@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from fedseq.common.models import (
     state_key,
 )
 from fedseq.common.seeding import torch_rng
+
+if TYPE_CHECKING:
+    from fedseq.common.dpsgd import DpSgd
 
 # Overconfident heads on skewed clients drive gradients into denormal floats, which made CPU
 # backward passes up to 4x slower (measured in bench/sim_round.py). Flush-to-zero is a per-thread
@@ -177,6 +180,12 @@ def train_plan(
     correction = correction or {}
     corrected = [(n, p) for n, p in model.named_parameters() if n in correction]
     fixes = [(p, correction[n], torch.zeros_like(p)) for n, p in corrected]
+    dp = None
+    if plan.record_dp is not None:  # DP-SGD: each step's per-example gradients clipped, noised
+        from fedseq.common.dpsgd import DpSgd
+
+        dp = DpSgd(model, *plan.record_dp, plan.batch_size,
+                   torch_rng(seed, f"{purpose}-dp-sgd", round, shard.client))
     try:
         for phase in plan.phases:
             rows = _PhaseRows.of(phase, plan, data, shard, seed, g_aug)
@@ -195,13 +204,16 @@ def train_plan(
                         continue
                     if len(phase.objectives) > 1:
                         set_trainable(model, obj.trainable)
-                    loss = train_step(model, obj, opt, x, y, cache, log_prior, side, fixes)
+                    loss = train_step(model, obj, opt, x, y, cache, log_prior, side, fixes, dp)
                     if not math.isfinite(loss):
                         raise _Diverged
                     loss_sum += loss
                 batches += 1
     except _Diverged:
         diverged_at = batches + 1
+    finally:
+        if dp is not None:
+            dp.close()
     set_trainable(model, ())
     return TrainStats(
         num_samples=len(shard.train),
@@ -274,11 +286,13 @@ def fixed_rebalanced(
 
 
 def train_step(model, obj: Objective, opt, x, y, cache, log_prior, side: ClientSide,
-               fixes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = ()) -> float:
+               fixes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (),
+               dp: DpSgd | None = None) -> float:
     """One optimizer step of one objective on one batch; returns its loss. `side`: the plan's
     hooks (`begin` already called): a loss of the algorithm's own kind, a penalty term;
     `fixes`: (parameter, what is added to its gradient before the step, where its raw
-    gradients are summed)."""
+    gradients are summed); `dp`: DP-SGD's clipping and noise of the gradients (record-level
+    privacy)."""
     if obj.reuse_features and "features" in cache:
         feats = cache["features"].detach()
     else:
@@ -301,6 +315,8 @@ def train_step(model, obj: Objective, opt, x, y, cache, log_prior, side: ClientS
         loss = loss + extra
     opt.zero_grad()
     loss.backward()
+    if dp is not None:
+        dp.privatize(opt.params)
     for p, fix, total in fixes:
         if p.grad is not None:
             total.add_(p.grad)

@@ -239,8 +239,9 @@ class BufferedAsync:
         folds: list[Fold] = []
         self.arrived_this_step.clear()
         for f in self.source.arrivals(t, got):
-            if cfg.privacy.enabled:
+            if cfg.privacy.client_level:
                 self.arrived_this_step.add(f.client)
+            book.spent(f.client, book.alg.plan(f.version))
             staleness = f.staleness(t)
             if f.rejection is None and cfg.train.max_staleness is not None \
                     and staleness > cfg.train.max_staleness:

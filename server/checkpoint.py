@@ -47,6 +47,8 @@ class LoopState:
     driver: dict[str, Any] | None = None
     #: [privacy] with adaptive clipping: the clip norm of the next round; None: a fixed one
     clip: float | None = None
+    #: [privacy] level = "record": each client's DP-SGD steps so far (its epsilon's count)
+    record_steps: dict[int, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         rep = self.last_report
@@ -61,6 +63,8 @@ class LoopState:
             "clock": self.clock,
             **({"driver": self.driver} if self.driver is not None else {}),
             **({"clip": self.clip} if self.clip is not None else {}),
+            **({"record_steps": {str(c): n for c, n in self.record_steps.items()}}
+               if self.record_steps else {}),
         }
 
     @classmethod
@@ -76,6 +80,7 @@ class LoopState:
             float(state.get("clock", 0.0)),
             state.get("driver"),
             None if state.get("clip") is None else float(state["clip"]),
+            {int(c): int(n) for c, n in state.get("record_steps", {}).items()},
         )
 
 

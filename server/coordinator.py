@@ -44,7 +44,7 @@ from fedseq.server.ledger import (
     torch_threads,
 )
 from fedseq.server.pool import ClientPool, PoolState, RoundOutcome
-from fedseq.server.privacy import check_budget, statement
+from fedseq.server.privacy import check_budget, check_record_level, statement
 from fedseq.server.records import ClientEnergy, Rejection, RoundRecord
 from fedseq.server.rundir import RunDir
 
@@ -124,13 +124,15 @@ class Rounds:
         # pool stops waiting for them)
         timing = self._timing(t, selected, plan, down) if book.fleet is not None else None
         trainers, enough = selected, None
-        if len(selected) > cfg.clients_per_round() and not cfg.privacy.enabled:
+        if len(selected) > cfg.clients_per_round() and not cfg.privacy.client_level:
             if timing is not None:
                 first = sorted(selected, key=lambda c: (timing[c].arrival, c))
                 trainers = sorted(first[:cfg.clients_per_round()])
             else:
                 enough = cfg.clients_per_round()
         got = self._train(t, trainers, plan, needed, enough)
+        for c in trainers:
+            book.spent(c, plan)
         self._no_device_can_train(selected, got.reported, got.outcome)
         refused = book.apply(t, got)
         wire = add_wire(got.outcome.wire, book.evaluate_if_due(t))
@@ -257,6 +259,7 @@ class Coordinator:
     ):
         check_budget(cfg)  # [privacy]: a run over its epsilon budget does not start
         self.book = Ledger(cfg, algorithm, model, data, pool, collect_threads)
+        check_record_level(cfg, algorithm, model)  # (after the ledger prepared the algorithm)
         said = statement(cfg, count_params(model, algorithm.shared_blocks()))
         if said is not None:
             log.warning("%s", said)

@@ -44,6 +44,7 @@ from fedseq.server.privacy import (
     expected_clients,
     next_clip,
     poisson_clients,
+    record_epsilon,
     sampling_rate,
     update_noise,
 )
@@ -159,13 +160,15 @@ class Ledger:
         self.fleet = VirtualFleet(cfg) if cfg.fleet else None
         #: the virtual clock: seconds since the run's start
         self.clock = 0.0
+        #: [privacy] level = "record": each client's DP-SGD steps so far
+        self.record_steps: dict[int, int] = {}
 
     # -- a round's plan and what it sends ---------------------------------------------------
     def select(self, t: int) -> list[int]:
         """Round t's clients: train.join_ratio x the clients, or under [privacy] each client
         with that probability (Poisson sampling, what the accountant assumes)."""
         n = self.cfg.data.num_clients
-        if self.cfg.privacy.enabled:
+        if self.cfg.privacy.client_level:
             return poisson_clients(self.cfg.seed_for("selection"), t, n, self.cfg.train.join_ratio)
         return select_clients(self.cfg.seed_for("selection"), t, n, self.cfg.selected_per_round())
 
@@ -279,7 +282,7 @@ class Ledger:
     def updates(self, t: int) -> RoundUpdates:
         """A fresh round (or server step) t: the configured aggregation rule, or under
         [privacy] DP-FedAvg's noised sum over the expected number of clients."""
-        if self.cfg.privacy.enabled:
+        if self.cfg.privacy.client_level:
             return RoundUpdates(NoisedSum(self.clip, update_noise(self.cfg),
                                           expected_clients(self.cfg), self.cfg.seed_for("noise"),
                                           t))
@@ -328,7 +331,7 @@ class Ledger:
         self.global_weights = step.weights
         self.broadcast()
         self.local_scores.update(got.local_scores)
-        if self.cfg.privacy.enabled and self.cfg.privacy.adaptive:
+        if self.cfg.privacy.client_level and self.cfg.privacy.adaptive:
             self.clip = next_clip(self.cfg, self.clip, got.within, t)
         return None
 
@@ -365,10 +368,21 @@ class Ledger:
         return pooled_accuracy(self.local_scores.get(c, r) for c, r in report.per_client.items())
 
     def epsilon(self, rounds: int) -> float | None:
-        """[privacy]: epsilon after `rounds` rounds at privacy.delta; None without it."""
+        """[privacy]: epsilon after `rounds` rounds at privacy.delta (record level: the largest
+        of the clients' so far); None without it."""
         p = self.cfg.privacy
+        if p.record_level:
+            return record_epsilon(self.cfg, self.record_steps,
+                                  {c.client: len(c.train) for c in self.data.clients})
         return (epsilon(sampling_rate(self.cfg), p.noise_multiplier, rounds, p.delta)
                 if p.enabled else None)
+
+    def spent(self, client: int, plan: ClientPlan) -> None:
+        """[privacy] level = "record": `client` trained `plan` (its steps count in its epsilon,
+        whether or not its update counts: the coordinator saw it)."""
+        if plan.record_dp is not None:
+            steps = plan_steps(plan, self.data, self.data.clients[client])
+            self.record_steps[client] = self.record_steps.get(client, 0) + steps
 
     def row(self, t: int, plan: ClientPlan, got: RoundUpdates, refused: str | None,
             clients: list[int], trainers: list[int], bytes_down: int, start: float
@@ -414,7 +428,8 @@ class Ledger:
         """What a checkpoint keeps of the ledger (`driver`: the driver's own state)."""
         return LoopState(self.version, self.client_version, self.local_scores, self.last_report,
                          row, self.clock, driver,
-                         self.clip if self.cfg.privacy.adaptive else None)
+                         self.clip if self.cfg.privacy.adaptive else None,
+                         dict(self.record_steps))
 
     def restore(self, ckpt: Checkpoint) -> None:
         """The ledger as the checkpoint left it (versions included), the pool's and the
@@ -427,6 +442,7 @@ class Ledger:
         self.clock = loop.clock
         if loop.clip is not None:  # adaptive clipping's clip norm as it was
             self.clip = loop.clip
+        self.record_steps = dict(loop.record_steps)
         self.pool.restore(ckpt.pool)
         self.alg.load_server_state(ckpt.server)
         self.broadcast()  # as checkpointed: its versions are the checkpoint's

@@ -42,6 +42,7 @@ import functools
 import logging
 import math
 import zlib
+from typing import Any
 
 import numpy as np
 import torch
@@ -124,6 +125,18 @@ def epsilon(rate: float, noise: float, rounds: int, delta: float) -> float:
     return float(accountant.get_epsilon(delta))
 
 
+def record_epsilon(cfg: ExperimentConfig, steps: dict[int, int], sizes: dict[int, int]
+                   ) -> float:
+    """[privacy] level = "record": the largest epsilon of any client's training examples at
+    privacy.delta, client i's being `steps[i]` DP-SGD steps of the Poisson-subsampled Gaussian
+    mechanism at rate batch size / its training rows (`sizes[i]`). The client's batches are a
+    shuffle's, not Poisson samples: the usual approximation (Abadi et al. and Opacus account
+    shuffled batches so), stated in docs/how-to/privacy.md. 0 before any client trained."""
+    p, b = cfg.privacy, cfg.train.batch_size
+    return max((epsilon(min(1.0, b / max(1, sizes[c])), p.noise_multiplier, n, p.delta)
+                for c, n in steps.items()), default=0.0)
+
+
 def rounds_within(rate: float, noise: float, delta: float, budget: float, most: int) -> int:
     """The most rounds (up to `most`) whose epsilon stays within `budget` (epsilon grows with
     the rounds: a bisection)."""
@@ -144,6 +157,10 @@ def statement(cfg: ExperimentConfig, shared_params: int) -> str | None:
     a round). A small federation (the FedReG testbed's 30 clients) gets a large epsilon or a
     noise that drowns the updates, and the run says which."""
     p = cfg.privacy
+    if p.record_level:
+        return (f"privacy: record-level DP-SGD in every client's training (per-example clip "
+                f"{p.clip_norm:g}, z = {p.noise_multiplier:g} a step); each client's epsilon at "
+                f"delta {p.delta:g} grows with its own steps, and every row reports the largest")
     if not p.enabled:
         return None
     q, n = sampling_rate(cfg), expected_clients(cfg)
@@ -164,11 +181,37 @@ def statement(cfg: ExperimentConfig, shared_params: int) -> str | None:
     return text
 
 
+def check_record_level(cfg: ExperimentConfig, algorithm: Any, model: torch.nn.Module) -> None:
+    """Refuse, in one line, a record-level (DP-SGD) run whose per-example gradients or whose
+    accounting would not hold: an algorithm whose client adds loss terms or corrections of its
+    own (not per example), a model with batch normalization (it mixes a batch's examples), a
+    plan that trains on other rows than the client's own (FedReG's rebalanced set)."""
+    if not cfg.privacy.record_level:
+        return
+    from fedseq.common.algorithms.hooks import ClientSide
+    from fedseq.common.dpsgd import batch_norm_in
+
+    why = "privacy.level = \"record\" (DP-SGD)"
+    if algorithm.client_class is not ClientSide:
+        raise ConfigError(f"{why} clips each example's gradient; {algorithm.name}'s clients add "
+                          f"terms of their own ({algorithm.client_class.__name__}): use "
+                          "privacy.level = \"client\", or an algorithm without them (fedavg, "
+                          "fedper, fedrep, fedbabu, fedseq, ...)")
+    layer = batch_norm_in(model)
+    if layer is not None:
+        raise ConfigError(f"{why}: the model's layer {layer} is batch normalization, which mixes "
+                          "a batch's examples; use a model without it (cnn, convnet)")
+    if any(phase.data != "local" for phase in algorithm.plan(0).phases):
+        raise ConfigError(f"{why} accounts each client's own training rows; "
+                          f"{algorithm.name} trains on a rebalanced set too: use privacy.level = "
+                          "\"client\"")
+
+
 def check_budget(cfg: ExperimentConfig) -> None:
     """Refuse, in one line saying how many rounds fit, a run whose epsilon after its last round
     would exceed privacy.target_epsilon."""
     p = cfg.privacy
-    if not p.enabled or p.target_epsilon is None:
+    if not p.client_level or p.target_epsilon is None:
         return
     rate = sampling_rate(cfg)
     final = epsilon(rate, p.noise_multiplier, cfg.rounds, p.delta)

@@ -101,6 +101,12 @@ def run_simulation(
                           "say which clients arrive first; e.g. --set "
                           "'fleet.devices=[{profile=\"nano\",count=5},"
                           "{profile=\"orin-nano\",count=5}]'")
+    if cfg.privacy.record_level:  # the clients train here (or on this machine's workers)
+        from fedseq.common.dpsgd import unavailable
+
+        why = unavailable()
+        if why is not None:
+            raise ConfigError(why)
     if workers > 0 or workers_per_gpu > 0 or under_torchrun():
         transport: Transport = Workers(cfg, workers, workers_per_gpu)
     else:

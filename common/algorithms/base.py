@@ -102,7 +102,9 @@ class Algorithm:
             score_heads=self.eval_heads(),
             augment=tuple(t.augment),
             crop_padding=t.crop_padding,
-            clip=self.cfg.privacy.clip_norm if self.cfg.privacy.enabled else None,
+            clip=self.cfg.privacy.clip_norm if self.cfg.privacy.client_level else None,
+            record_dp=((self.cfg.privacy.clip_norm, self.cfg.privacy.noise_multiplier)
+                       if self.cfg.privacy.record_level else None),
             algorithm=self.name,
             params=self.client_params(),
         )

@@ -38,7 +38,8 @@ if TYPE_CHECKING:
 
 
 class UnknownAlgorithm(ValueError):
-    """A plan names an algorithm this fedseq does not have (an older device)."""
+    """A plan this client cannot run: it names an algorithm this fedseq does not have (an older
+    device), or asks for what this machine's stack lacks (DP-SGD on torch < 2.0)."""
 
 
 @dataclass
@@ -127,7 +128,14 @@ class ClientSide:
 
 
 def client_side(plan: ClientPlan) -> ClientSide:
-    """The hooks `plan` runs under: its algorithm's client side with the plan's parameters."""
+    """The hooks `plan` runs under: its algorithm's client side with the plan's parameters;
+    UnknownAlgorithm where this client cannot run the plan."""
+    if plan.record_dp is not None:
+        from fedseq.common.dpsgd import unavailable
+
+        why = unavailable()
+        if why is not None:
+            raise UnknownAlgorithm(why)
     return client_side_of(plan.algorithm, plan.params)
 
 

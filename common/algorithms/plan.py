@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Dict, Literal
+from typing import Any, Dict, Literal, Optional, Tuple
 
 #: "ce", "balanced_ce" (the trainer's) or a loss of the algorithm's own (its `ClientSide.loss`)
 Loss = str
@@ -88,6 +88,9 @@ class ClientPlan:
     # (FedProx's mu, SCAFFOLD's nothing, ...: the algorithm's `client_params`)
     algorithm: str = "fedavg"
     params: Dict[str, Any] = field(default_factory=dict)
+    # [privacy] level = "record": DP-SGD's (per-example clip norm C, noise multiplier z) in every
+    # local step (common/dpsgd.py); None: plain SGD. Left off the wire when None
+    record_dp: Optional[Tuple[float, float]] = None
 
     @property
     def trainable(self) -> tuple[str, ...]:
@@ -110,6 +113,8 @@ def plan_to_dict(plan: ClientPlan) -> dict:
     d = asdict(plan)
     if not d["augment"]:
         d.pop("crop_padding")  # read by the crop alone
+    if d["record_dp"] is None:
+        d.pop("record_dp")  # a plain plan reads as before DP-SGD existed
     return d
 
 
@@ -132,4 +137,7 @@ def plan_from_dict(d: dict) -> ClientPlan:
     fields["score_heads"] = tuple(fields.get("score_heads", ()))
     fields["augment"] = tuple(fields.get("augment", ()))
     fields["params"] = dict(fields.get("params") or {})
+    if fields.get("record_dp") is not None:
+        clip, noise = fields["record_dp"]
+        fields["record_dp"] = (float(clip), float(noise))
     return ClientPlan(phases=phases, **fields)

@@ -282,3 +282,52 @@ def test_a_private_run_says_its_epsilon_and_how_loud_its_noise_is():
     said = statement(big, 582_026)
     assert said is not None and "protects little" not in said and "cost accuracy" not in said
     assert statement(load_config(None, []), 10) is None
+
+
+RECORD = ("privacy.enabled=true", "privacy.level='record'", "privacy.clip_norm=1.0",
+          "privacy.noise_multiplier=0.8")
+
+
+def test_a_record_level_run_reports_its_clients_largest_epsilon(data_root, one_thread):
+    """DP-SGD in every client's training: the rows carry the largest epsilon of any client's
+    training examples, its steps at rate batch / its rows (recomputed here from the rows)."""
+    pytest.importorskip("opacus")
+    from fedseq.common.flops import plan_steps
+    from fedseq.server.privacy import record_epsilon
+
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "data.fraction=0.03",
+                       "train.join_ratio=0.6", "train.threads=1", *RECORD)
+    result = run_simulation(cfg, out=None)
+    from fedseq.server.experiment import load_experiment
+
+    exp = load_experiment(cfg)
+    plan = exp.algorithm.plan(0)
+    steps: dict[int, int] = {}
+    for r in result.rows:
+        if r["phase"] != "train":
+            continue
+        for c in r["clients"]:
+            steps[c] = steps.get(c, 0) + plan_steps(plan, exp.data, exp.data.clients[c])
+        sizes = {c.client: len(c.train) for c in exp.data.clients}
+        assert r["epsilon"] == pytest.approx(record_epsilon(cfg, steps, sizes))
+    assert 0 < result.rows[0]["epsilon"] < result.rows[1]["epsilon"]
+
+
+@pytest.mark.parametrize("over, words", [
+    (("algorithm.name=fedprox",), "Proximal"),
+    (("algorithm.name=fedavg", "model.name=4convnet"), "batch normalization"),
+    (("algorithm.name=fedreg",), "rebalanced"),
+    (("algorithm.name=fedavg", "privacy.target_epsilon=4"), "target_epsilon"),
+])
+def test_what_dp_sgd_cannot_account_is_refused_in_one_line(data_root, over, words):
+    with pytest.raises(ConfigError) as err:
+        run_simulation(quick_config(data_root, "data.fraction=0.03", *RECORD, *over), out=None)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_checkpoint_keeps_each_clients_dp_sgd_steps():
+    from fedseq.server.checkpoint import LoopState
+
+    state = LoopState({"a": 1}, {0: {"a": 1}}, record_steps={3: 40, 7: 12})
+    assert LoopState.from_json(state.to_json()).record_steps == {3: 40, 7: 12}
+    assert "record_steps" not in LoopState({"a": 1}, {}).to_json()  # as before without it
