@@ -129,12 +129,14 @@ def report_cmd(
     seconds per round) and a Markdown/CSV summary of one or more runs."""
     from fedseq.server.report import report
 
+    from fedseq.server.report.tables import terminal_table
+
     try:
-        _, figures = report(runs, out, paper, not no_figures, label)
+        rows, figures = report(runs, out, paper, not no_figures, label)
     except FedseqError as exc:
         _fail(exc)
-    print((out / "summary.md").read_text(), end="")
-    print(f"wrote {out / 'summary.md'}, {out / 'summary.csv'}"
+    print(terminal_table(rows), end="")
+    print(f"every column, with the notes: {out / 'summary.md'}; wrote {out / 'summary.csv'}"
           + "".join(f", {f}" for f in figures))
 
 

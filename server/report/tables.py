@@ -100,6 +100,30 @@ MD_COLUMNS = ("run", "algorithm", "dataset", "model", "wire", "seeds", "varied",
               "wall s", "energy kJ", "J/round", "finetune kJ")
 
 
+#: what the terminal shows of summary.md (the rest, and the notes, are in the files)
+TERMINAL_COLUMNS = ("run", "algorithm", "seeds", "rounds", "G best", "G final", "P best",
+                    "P final")
+
+
+def terminal_table(rows: list[dict[str, Any]]) -> str:
+    """The report's rows as plain text that fits a terminal: the run, its algorithm, seeds and
+    rounds, the best and final global and personalized accuracies (and a paper's columns where
+    they were asked for), aligned in columns."""
+    keys = [k for k in TERMINAL_COLUMNS if any(r.get(k) is not None for r in rows)]
+    keys += [k for k in rows[0] if k.startswith("paper ")] if rows else []
+
+    def text(row: dict[str, Any], key: str) -> str:
+        if key == "rounds" and row["state"] != "finished":
+            return f"{row['rounds']}/{row['of']} {row['state']}"
+        sd = row.get(f"{key} sd")
+        return _fmt(row.get(key)) + (f"±{sd:.2f}" if sd is not None and key in _ACC_KEYS else "")
+
+    table = [keys] + [[text(r, k) for k in keys] for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(keys))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+                     for line in table) + "\n"
+
+
 def setting_differences(runs: list[Run], ref: dict[str, Any]) -> list[str]:
     """Where the runs' configs differ from the setting the paper's numbers come from: "rounds
     2 (the paper: 100)", one entry per key, every value the runs used; FedSeq's T columns take
