@@ -128,7 +128,6 @@ def report_cmd(
     """Figures (accuracy per round, per-client accuracy, bytes and FLOPs against accuracy,
     seconds per round) and a Markdown/CSV summary of one or more runs."""
     from fedseq.server.report import report
-
     from fedseq.server.report.tables import terminal_table
 
     try:
