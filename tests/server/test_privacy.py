@@ -149,17 +149,16 @@ def test_a_dp_run_codes_its_updates_in_int8_or_topk(data_root, one_thread, codec
     rows = [r for r in result.rows if r["phase"] == "train"]
     assert all(r["reported"] == r["clients"] and not r.get("refusals") for r in rows)
     assert rows[-1]["epsilon"] == pytest.approx(epsilon(0.6, 0.01, 3, cfg.privacy.delta))
-    plain = run_simulation(quick_config(data_root, *DP_RUN, "privacy.noise_multiplier=0.01"),
-                           out=None).rows
-    assert sum(r["bytes_up"] for r in rows) < sum(r["bytes_up"] for r in plain) / 3  # coded
+    float32 = 4 * rows[0]["trainable_params"]  # an update's bytes uncoded
+    assert all(r["bytes_up"] < float32 * len(r["reported"]) / 3 for r in rows)  # coded
     assert result.final.global_acc > 0.3
 
 
 def test_a_buffered_asynchronous_run_is_noised_per_step_and_accounted_without_sampling(
         data_root, one_thread):
-    """train.mode = "async": every server step's sum is noised over its buffer, each client in
-    it at most once, and the accountant composes the steps at q = 1 (the steps' clients are not
-    Poisson-sampled)."""
+    """train.mode = "async": every server step's sum is noised over its buffer (the noised sum:
+    ledger.updates), each client in it at most once, and the accountant composes the steps at
+    q = 1 (the steps' clients are not Poisson-sampled)."""
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=4", "train.threads=1",
                        "train.mode='async'", "train.concurrency=4", "train.buffer=3",
                        "fleet.devices=[{profile='nano'},{profile='orin-nano',count=2}]",
@@ -173,10 +172,9 @@ def test_a_buffered_asynchronous_run_is_noised_per_step_and_accounted_without_sa
         assert r["epsilon"] == pytest.approx(epsilon(1.0, 0.05, r["round"] + 1,
                                                       cfg.privacy.delta))
     assert sum(len(r["reported"]) for r in rows) >= 8
-    noiseless = run_simulation(cfg.model_copy(update={"privacy": cfg.privacy.model_copy(
-        update={"noise_multiplier": 0.0})}), out=None)
-    assert any(not torch.equal(noiseless.global_weights[k], v)
-               for k, v in result.global_weights.items())  # the noise was added
+    from fedseq.server.privacy import expected_clients, sampling_rate
+
+    assert expected_clients(cfg) == 3 and sampling_rate(cfg) == 1.0  # over the buffer, q = 1
 
 
 def test_a_run_over_its_budget_is_refused_with_the_rounds_that_fit():
