@@ -241,7 +241,8 @@ class BufferedAsync:
         for f in self.source.arrivals(t, got):
             if cfg.privacy.client_level:
                 self.arrived_this_step.add(f.client)
-            book.spent(f.client, book.alg.plan(f.version))
+            plan = book.alg.plan(f.version)
+            book.spent(f.client, plan)
             staleness = f.staleness(t)
             if f.rejection is None and cfg.train.max_staleness is not None \
                     and staleness > cfg.train.max_staleness:
@@ -256,7 +257,7 @@ class BufferedAsync:
             else:
                 assert f.update is not None
                 discount = staleness_discount(staleness, self.alpha)
-                book.fold(got, f.update, book.alg.plan(f.version), discount * self.server_lr)
+                book.fold(got, f.update, plan, discount * self.server_lr)
                 fold.discount = round(discount, 6)
             folds.append(fold)
         got.outliers, _ = outliers(got.norms, cfg.aggregation.outlier_factor)

@@ -75,7 +75,7 @@ def count_noise(cfg: ExperimentConfig) -> float:
     p = cfg.privacy
     if p.noise_multiplier <= 0:
         return 0.0
-    return p.count_noise or cfg.train.join_ratio * cfg.data.num_clients / 20
+    return p.count_noise or expected_clients(cfg) / 20
 
 
 def update_noise(cfg: ExperimentConfig) -> float:
@@ -91,7 +91,7 @@ def next_clip(cfg: ExperimentConfig, clip: float, within: int, round: int) -> fl
     """Adaptive clipping's clip norm after `round`, whose counted updates were `within` times
     at most `clip` before clipping: C exp(-eta (noised share - target quantile))."""
     p = cfg.privacy
-    expected = cfg.train.join_ratio * cfg.data.num_clients
+    expected = expected_clients(cfg)
     g = torch_rng(cfg.seed_for("noise"), "dp-count-noise", round)
     noise = float(torch.randn(1, generator=g, dtype=torch.float64)) * count_noise(cfg)
     return clip * math.exp(-p.clip_lr * ((within + noise) / expected - p.target_quantile))

@@ -36,11 +36,16 @@ def default_threads(cores: int | None = None, load: float | None = None) -> int:
     spin waiting for a preempted peer), 1 thread 33.4 s."""
     cores = cores or os.cpu_count() or 1
     if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except OSError:
-            load = 0.0
+        load = load_average() or 0.0
     return max(1, min(cores, cores - round(load)))
+
+
+def load_average() -> float | None:
+    """This machine's one-minute load average (None where the system does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def busy_machine(threads: int, setting: int | str | None, cores: int | None = None,
@@ -50,18 +55,16 @@ def busy_machine(threads: int, setting: int | str | None, cores: int | None = No
     if setting is not None or threads <= 1:
         return None
     cores = cores or os.cpu_count() or 1
+    load = load_average() if load is None else load
     if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except OSError:
-            return None
+        return None
     free = default_threads(cores, load)
     if free >= threads:
         return None
     return (f"this machine is busy (load {load:.1f} on {cores} cores): {threads} torch threads "
             f"may be several times slower than {free} (measured on 2 cores beside other work: "
-            "60.9 s a round with 2 threads, 22.5 s with 1); --set train.threads=" + str(free)
-            + " (its results differ bitwise from " + str(threads) + " threads'), or wait")
+            f"60.9 s a round with 2 threads, 22.5 s with 1); --set train.threads={free} (its "
+            f"results differ bitwise from {threads} threads'), or wait")
 
 
 def sim_threads(setting: int | str | None) -> int:
