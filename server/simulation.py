@@ -170,15 +170,16 @@ class InProcess:
         self.threads = sim_threads(cfg.train.threads)
         torch.set_num_threads(self.threads)
         self.device = torch_device(cfg.train.device)
-        said = busy_machine(self.threads, cfg.train.threads)
-        if said is not None:
-            log.warning("%s", said)
 
     def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
         """Nothing to reach."""
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> InProcessPool:
+        # warned once the data loaded: a run that cannot start says only why
+        said = busy_machine(self.threads, self.cfg.train.threads)
+        if said is not None:
+            log.warning("%s", said)
         return stack.enter_context(InProcessPool(
             exp.data, exp.model, exp.algorithm.personal_blocks(), self.cfg.seed_for("training"),
             self.cfg.train.eval_batch_size, self.device, algorithm=exp.algorithm.name))
