@@ -575,6 +575,26 @@ class PrivacyConfig(_Section):
         return self.enabled and self.level == "record"
 
 
+class SecAggConfig(_Section):
+    """[secagg]: secure aggregation, SecAgg+ (Bell et al., CCS 2020): the coordinator learns only
+    the sum of a round's updates (docs/how-to/secure-aggregation.md). Coordinator only: devices
+    get their round's setup in their plans."""
+
+    enabled: bool = Field(False, description=(
+        "Mask every update on its device so that only the round's sum can be unmasked; needs "
+        "aggregation.rule = \"mean\", train.mode = \"sync\", wire.up = \"none\"."))
+    clip_range: float = Field(1.0, gt=0, description=(
+        "B: every coordinate of an update is clamped to [-B, B] on its device before it is "
+        "encoded in fixed point (the sum then cannot wrap around the 32-bit ring); the mean's "
+        "encoding error is at most (clients x B) / 2^32 per coordinate (times the largest "
+        "client's weight over the mean weight)."))
+    neighbours: Optional[int] = Field(None, ge=1, description=(
+        "k: each client masks with k others (a random regular graph); default 2 ceil(log2 n) "
+        "for n clients in the round, every other client where that is more."))
+    threshold: float = Field(0.5, gt=0, lt=1, description=(
+        "t as a share of k: floor(threshold x k) + 1 of a client's neighbours recover its "
+        "masks if it drops; fewer, colluding with the coordinator, learn nothing of it."))
+
 
 class ExperimentConfig(_Section):
     """One experiment: everything a run (simulated or deployed) is a function of, with the seed."""
@@ -594,6 +614,8 @@ class ExperimentConfig(_Section):
                                description="[fleet]")
     privacy: PrivacyConfig = Field(default_factory=lambda: PrivacyConfig(), json_schema_extra=COORDINATOR,
                                    description="[privacy]")
+    secagg: SecAggConfig = Field(default_factory=lambda: SecAggConfig(), json_schema_extra=COORDINATOR,
+                                 description="[secagg]")
 
     def seed_for(self, stream: str) -> int:
         """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`."""
@@ -644,6 +666,26 @@ class ExperimentConfig(_Section):
                     f"privacy.adaptive: the count's noise sigma_b = {sigma_b:g} leaves no noise "
                     f"for the updates under noise_multiplier {p.noise_multiplier:g} (2 sigma_b "
                     "must exceed it): raise privacy.count_noise or lower noise_multiplier")
+        return self
+
+    @model_validator(mode="after")
+    def _check_secagg(self) -> ExperimentConfig:
+        if not self.secagg.enabled:
+            return self
+        why = "secagg.enabled = true (the coordinator learns only the round's sum)"
+        if self.aggregation.rule != "mean":
+            raise ValueError(f"{why} cannot feed aggregation.rule = {self.aggregation.rule!r}, "
+                             "which needs every update on its own: use \"mean\"")
+        if self.train.mode == "async":
+            raise ValueError(f"{why} needs a round's clients to share keys before any sends its "
+                             "update; train.mode = \"async\" folds updates one by one as they "
+                             "arrive: use \"sync\"")
+        if self.wire.up != "none":
+            raise ValueError(f"{why}: the masked input is the upload (32-bit ring elements), "
+                             f"which wire.up = {self.wire.up!r} cannot code: leave it \"none\"")
+        if self.privacy.client_level and self.privacy.adaptive:
+            raise ValueError(f"{why}: privacy.adaptive counts every client's bit in the clear; "
+                             "use a fixed privacy.clip_norm")
         return self
 
     @model_validator(mode="after")

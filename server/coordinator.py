@@ -174,7 +174,7 @@ class Rounds:
         waiting once that many valid updates came (over-selection on a real fleet)."""
         book = self.book
         contract = book.contract(t, selected, plan, book.offered(), book.delta_bound())
-        got = book.updates(t)
+        got = book.updates(t, selected, contract.reference)
         if not selected:  # Poisson sampling ([privacy]) drew nobody: nothing to dispatch
             return got
 

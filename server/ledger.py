@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from fedseq.common.algorithms import Algorithm
-from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
+from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost, WeightedDeltaSum
 from fedseq.common.algorithms.plan import ClientPlan, ordered_union
 from fedseq.common.algorithms.robust import Aggregator, make_aggregator, update_norm
 from fedseq.common.codecs import encode, expected
@@ -49,6 +49,7 @@ from fedseq.server.privacy import (
     update_noise,
 )
 from fedseq.server.records import Rejection, RoundRecord
+from fedseq.server.secure import SecureSum, layout_of, round_setup
 from fedseq.server.validation import (
     RoundContract,
     parameter_scale,
@@ -279,14 +280,25 @@ class Ledger:
                               plan.rebalance_threshold, bound, self.model.personal_keys(),
                               self.alg.upload_bound, self.up, plan.clip)
 
-    def updates(self, t: int) -> RoundUpdates:
+    def updates(self, t: int, clients: list[int] | None = None,
+                offered: Weights | None = None) -> RoundUpdates:
         """A fresh round (or server step) t: the configured aggregation rule, or under
-        [privacy] DP-FedAvg's noised sum over the expected number of clients."""
+        [privacy] DP-FedAvg's noised sum over the expected number of clients; under [secagg]
+        that rule fed by a secure sum over `clients`, whose key stages run now (`offered`: the
+        round contract's reference, the tensors a masked input carries)."""
+        inner: Aggregator
         if self.cfg.privacy.client_level:
-            return RoundUpdates(NoisedSum(self.clip, update_noise(self.cfg),
-                                          expected_clients(self.cfg), self.cfg.seed_for("noise"),
-                                          t))
-        return RoundUpdates(make_aggregator(self.cfg.aggregation))
+            inner = NoisedSum(self.clip, update_noise(self.cfg), expected_clients(self.cfg),
+                              self.cfg.seed_for("noise"), t)
+        else:
+            inner = make_aggregator(self.cfg.aggregation)
+        if self.cfg.secagg.enabled and clients:
+            assert offered is not None and isinstance(inner, WeightedDeltaSum)
+            layout = layout_of(offered)
+            heaviest = max(1, *(len(self.data.clients[c].train) for c in clients))
+            return RoundUpdates(SecureSum(inner, round_setup(self.cfg, t, clients, layout,
+                                                             heaviest), layout))
+        return RoundUpdates(inner)
 
     def fold(self, got: RoundUpdates, update: ClientUpdate, plan: ClientPlan,
              scale: float = 1.0) -> None:
@@ -297,7 +309,8 @@ class Ledger:
                                                       update.deltas.items()}
         got.aggregate.add(deltas, self.alg.aggregation_weights(update), update.client,
                           update.device)
-        got.norms[update.client] = update_norm(update.deltas)
+        if not self.cfg.secagg.enabled:  # a secure round's coordinator never sees it
+            got.norms[update.client] = update_norm(update.deltas)
         got.reported.append(update.client)
         got.within += bool(update.under_clip)
         if update.local_score is not None:
@@ -307,8 +320,9 @@ class Ledger:
         got.flops += flops
         got.paces[update.client] = (update.train_seconds, flops)
         got.steps += plan_steps(plan, self.data, shard)
-        got.bytes_up += (update.upload_bytes if update.upload_bytes is not None
-                         else self.update_bytes(update.deltas))
+        if not isinstance(got.aggregate, SecureSum):  # its four stages' bytes: at the row
+            got.bytes_up += (update.upload_bytes if update.upload_bytes is not None
+                             else self.update_bytes(update.deltas))
 
     def apply(self, t: int, got: RoundUpdates) -> str | None:
         """Step the server with the round's aggregate if the round counts; else say why it does
@@ -390,6 +404,8 @@ class Ledger:
         """Round t's row from what it got (`refused`: why its aggregate did not count; None: it
         did), its clients, those of them that trained and its last evaluation."""
         report, counted = self.last_report, refused is None
+        if isinstance(got.aggregate, SecureSum):
+            got.bytes_up = got.aggregate.bytes_up()
         rec = RoundRecord(
             round=t, phase="train",
             global_acc=report.global_acc if report else None,
@@ -417,6 +433,8 @@ class Ledger:
             rec.refusals = {c: r.code for c, r in sorted(got.rejected.items())}
         if refused is not None:
             rec.quorum_failed, rec.received = refused, sorted(got.reported)
+        if isinstance(got.aggregate, SecureSum) and counted:
+            rec.secure_recovered = got.aggregate.recovered
         if self.cfg.privacy.enabled:
             rec.epsilon = self.epsilon(t + 1)
             if self.cfg.privacy.adaptive:

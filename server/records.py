@@ -217,6 +217,10 @@ class RoundRecord(_Record):
     epsilon: float | None = Field(None, json_schema_extra=summary("max"))
     #: the round's clip norm under adaptive clipping (privacy.adaptive)
     clip_norm: float | None = None
+    # -- secure aggregation ([secagg]) --
+    #: clients that dropped after sharing their keys, whose masks the coordinator removed with
+    #: their neighbours' shares
+    secure_recovered: list[int] | None = None
     # -- a round that did not count --
     quorum_failed: str | None = None
     received: list[int] = Field(default_factory=list)

@@ -119,6 +119,22 @@ def same_run(a, b):
     assert a.final.per_client == b.final.per_client
 
 
+def resumed_after(cfg, out: Path, stop_round: int):
+    """A simulation of `cfg` into `out` interrupted after round `stop_round`'s row (as by ^C),
+    then resumed there: its RunResult."""
+    import pytest
+
+    from fedseq.server.simulation import run_simulation
+
+    def stop(row):
+        if row.round == stop_round:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_simulation(cfg, out, stop)
+    return run_simulation(cfg, out, mode="resume")
+
+
 def synthetic_data(num_clients: int = 3, per_client: int = 40, classes: int = 4, seed: int = 0):
     """Random 28x28 images with a label-dependent offset: tiny, fast, learnable."""
     g = torch.Generator().manual_seed(seed)

@@ -199,19 +199,13 @@ ADAPTIVE = ("privacy.adaptive=true", "privacy.clip_norm=0.05", "privacy.count_no
 @pytest.mark.parametrize("more", [(), ADAPTIVE])
 def test_a_dp_run_is_bitwise_across_workers_and_resume(data_root, tmp_path, one_thread, more):
     """Fixed and adaptive clipping (the clip norm checkpointed with the run)."""
-    from conftest import same_run
+    from conftest import resumed_after, same_run
 
     cfg = quick_config(data_root, *DP_RUN, *more)
     alone = run_simulation(cfg, tmp_path / "full")
     same_run(run_simulation(cfg, None, workers=2), alone)
 
-    def stop_after_round_1(row):
-        if row.round == 1:
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        run_simulation(cfg, tmp_path / "part", stop_after_round_1)
-    resumed = run_simulation(cfg, tmp_path / "part", mode="resume")
+    resumed = resumed_after(cfg, tmp_path / "part", 1)
     assert all(torch.equal(resumed.global_weights[k], v) for k, v in alone.global_weights.items())
     import json
 

@@ -1,0 +1,567 @@
+"""Secure aggregation, SecAgg+ (Bell, Bonawitz, Gascon, Lepoint, Raykova, CCS 2020; the protocol
+of Bonawitz et al., CCS 2017, over a sparse graph of neighbours): the coordinator learns only the
+sum of a round's updates (docs/explanation/secure-aggregation.md).
+
+A round's clients are the vertices of a random regular graph (`neighbours`); each pair of
+neighbours agrees on a mask by X25519 key agreement, and each client adds a self-mask. The masks
+cancel in the sum; what a client that dropped after sharing its keys left uncancelled, and every
+survivor's self-mask, the coordinator removes from Shamir shares its neighbours hold, t of which
+reconstruct a secret and fewer say nothing. The stages, each a message each way:
+
+1. advertise: a client sends two public keys (c: the channel its shares travel on; s: its masks).
+2. share keys: it receives its neighbours' keys, Shamir-shares its self-mask seed b and its mask
+   key s to them (each share encrypted with ChaCha20-Poly1305 under the channel key of that pair,
+   so the coordinator relays what it cannot read), and commits to b (SHA-256).
+3. masked input: it receives the shares addressed to it and sends its update, in fixed point in
+   the ring Z_2^32, plus its self-mask and +/- one mask per neighbour that shared.
+4. unmasking: told who sent a masked input and who dropped after sharing, it sends, per
+   neighbour, the share of b (a survivor) or of s (dropped), never both.
+
+`SecAggClient` is a device's side, `SecAggServer` the coordinator's; each validates every message
+it takes, and the server drops from the round (with the reason) a client that sends junk at any
+stage. The sum does not depend on the keys or masks: decoded, it is the same arithmetic wherever
+the round ran, so simulation, workers and a deployment agree bitwise. Cryptography comes from the
+`cryptography` package (a device installs it with the `secagg` extra); Shamir's sharing over a
+prime field is written here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import math
+import random
+import secrets
+import struct
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import numpy as np
+
+from fedseq.common.errors import ProtocolError
+
+if TYPE_CHECKING:
+    import torch
+
+RING_BITS = 32
+HALF = 1 << (RING_BITS - 1)
+#: Shamir's field: the Mersenne prime 2^521 - 1, above every 256-bit secret (a key or a seed)
+PRIME = (1 << 521) - 1
+SHARE_BYTES = 66  # a field element, big-endian
+KEY_BYTES = 32
+#: sender, receiver, the share of b, the share of s: what one encrypted share carries
+_PLAIN = struct.Struct(f">II{SHARE_BYTES}s{SHARE_BYTES}s")
+NONCE_BYTES = 12
+TAG_BYTES = 16
+CIPHER_BYTES = NONCE_BYTES + _PLAIN.size + TAG_BYTES
+
+
+class SecAggError(ProtocolError):
+    """A secure round cannot go on (too few clients or shares), or a message in it is junk."""
+
+
+# -- Shamir's secret sharing over GF(PRIME) ------------------------------------------------------
+def shamir_share(secret: int, threshold: int, xs: Sequence[int]) -> Dict[int, int]:
+    """Points (x, f(x)) of a random polynomial f of degree threshold - 1 with f(0) = secret, one
+    per x (distinct, nonzero): any `threshold` of them give the secret, fewer say nothing."""
+    if not 0 <= secret < PRIME:
+        raise ValueError("a Shamir secret must lie in [0, PRIME)")
+    if not 1 <= threshold <= len(xs) or len(set(xs)) != len(xs) or any(
+            x % PRIME == 0 for x in xs):
+        raise ValueError(f"threshold {threshold} of {len(xs)} distinct nonzero points")
+    coefficients = [secret] + [secrets.randbelow(PRIME) for _ in range(threshold - 1)]
+    return {x: _evaluate(coefficients, x) for x in xs}
+
+
+def _evaluate(coefficients: Sequence[int], x: int) -> int:
+    y = 0
+    for c in reversed(coefficients):
+        y = (y * x + c) % PRIME
+    return y
+
+
+def lagrange_at(points: Mapping[int, int], x: int) -> int:
+    """The value at x of the polynomial through `points` (degree len(points) - 1)."""
+    total = 0
+    for xi, yi in points.items():
+        num = den = 1
+        for xj in points:
+            if xj != xi:
+                num = num * (x - xj) % PRIME
+                den = den * (xi - xj) % PRIME
+        total = (total + yi * num * pow(den, -1, PRIME)) % PRIME
+    return total
+
+
+def shamir_reconstruct(points: Mapping[int, int]) -> int:
+    """The secret (f(0)) from `threshold` or more points of one polynomial."""
+    return lagrange_at(points, 0)
+
+
+def robust_reconstruct(points: Mapping[int, int], threshold: int, valid, tries: int = 5000
+                       ) -> Tuple[Optional[int], List[int]]:
+    """(the secret, the x whose points lie off its polynomial) from points some of which may be
+    junk: the first `threshold`-subset whose secret passes `valid` (a commitment check) wins;
+    (None, []) where no subset of the first `tries` does."""
+    xs = sorted(points)
+    if len(xs) < threshold:
+        return None, []
+    for subset in itertools.islice(itertools.combinations(xs, threshold), tries):
+        chosen = {x: points[x] for x in subset}
+        secret = shamir_reconstruct(chosen)
+        if valid(secret):
+            wrong = [x for x in xs if x not in chosen and lagrange_at(chosen, x) != points[x]]
+            return secret, wrong
+    return None, []
+
+
+# -- the round's shape ---------------------------------------------------------------------------
+def degree_for(clients: int, setting: Optional[int] = None) -> int:
+    """k, each client's neighbours: `setting` where given, else Bell et al.'s logarithmic degree,
+    2 ceil(log2 n) (every other client below 2 log2 n + 1); at most n - 1."""
+    if clients <= 1:
+        return 0
+    k = setting if setting is not None else 2 * math.ceil(math.log2(clients))
+    return min(clients - 1, k)
+
+
+def threshold_for(degree: int, fraction: float) -> int:
+    """t, the shares (of a client's k neighbours') that recover its secrets: floor(fraction k)
+    + 1, at least 1, at most k."""
+    return max(1, min(degree, int(fraction * degree) + 1))
+
+
+def neighbours(clients: Sequence[int], degree: int, seed: int) -> Dict[int, List[int]]:
+    """A random k-regular graph (a Harary graph over a seeded permutation of the clients; with
+    an odd k and an even count, the opposite vertex joins; complete where k >= n - 1): each
+    client's neighbours, ascending."""
+    order = list(clients)
+    random.Random(seed).shuffle(order)
+    n = len(order)
+    out: Dict[int, Set[int]] = {c: set() for c in order}
+    if degree >= n - 1:
+        return {c: sorted(x for x in order if x != c) for c in order}
+    for i, c in enumerate(order):
+        for j in range(1, degree // 2 + 1):
+            out[c].update((order[(i + j) % n], order[(i - j) % n]))
+        if degree % 2 and n % 2 == 0:
+            out[c].add(order[(i + n // 2) % n])
+    return {c: sorted(v) for c, v in out.items()}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What every client of a secure round is told before it starts: the round, who takes
+    part and with whom, the threshold, the vector's length and its fixed-point scale."""
+
+    round: int
+    graph: Dict[int, List[int]]  # client -> its neighbours
+    threshold: int
+    length: int  # ring elements in a masked input
+    scale: float  # S: a value v travels as round(v S) mod 2^32
+    clip_range: float  # B: every coordinate is clamped to [-B, B] before it is scaled
+
+    @property
+    def clients(self) -> List[int]:
+        return sorted(self.graph)
+
+
+def scale_for(clients: int, max_weight: float, clip_range: float) -> float:
+    """S such that `clients` updates, each a weight <= max_weight times coordinates in [-B, B],
+    sum to at most 2^31 - 1 in absolute value: the signed sum cannot wrap around the ring."""
+    return (HALF - 1) / (clients * max_weight * clip_range)
+
+
+# -- fixed point in Z_2^32 -----------------------------------------------------------------------
+def encode(values: np.ndarray, scale: float) -> np.ndarray:
+    """float64 values (already clamped and weighted) -> ring elements: round(v S) mod 2^32."""
+    ints = np.rint(np.asarray(values, dtype=np.float64) * scale).astype(np.int64)
+    return (ints & 0xFFFFFFFF).astype(np.uint32)
+
+
+def decode(elements: np.ndarray, scale: float) -> np.ndarray:
+    """Ring elements -> float64, read as signed 32-bit integers over S."""
+    signed = elements.astype(np.int64)
+    signed[signed >= HALF] -= 1 << RING_BITS
+    return signed.astype(np.float64) / scale
+
+
+Layout = List[Tuple[str, int]]  # (tensor name, elements), in the round's order
+
+
+def vector_length(layout: Layout) -> int:
+    """Ring elements of a masked input: every tensor's, then one weight per tensor."""
+    return sum(n for _, n in layout) + len(layout)
+
+
+def client_vector(deltas: Mapping[str, torch.Tensor], weight_of: Mapping[str, float],
+                  layout: Layout, clip_range: float, scale: float) -> np.ndarray:
+    """A client's update as ring elements (what it masks): per tensor of the layout, its
+    weight times its delta clamped to [-B, B], then each tensor's weight times B (0 for a
+    tensor it did not send), all in fixed point at `scale`. `weight_of`: tensor -> weight."""
+    import torch
+
+    parts, weights = [], []
+    for name, n in layout:
+        d = deltas.get(name)
+        if d is None:
+            parts.append(np.zeros(n, dtype=np.float64))
+            weights.append(0.0)
+            continue
+        w = float(weight_of[name])
+        values = d.detach().to("cpu", torch.float64).clamp(-clip_range, clip_range).mul(w)
+        parts.append(values.reshape(-1).numpy())
+        weights.append(w * clip_range)
+    parts.append(np.asarray(weights, dtype=np.float64))
+    return encode(np.concatenate(parts), scale)
+
+
+def split_sum(total: np.ndarray, layout: Layout, scale: float, clip_range: float
+              ) -> Tuple[Dict[str, np.ndarray], Dict[str, float]]:
+    """The unmasked sum as (tensor -> sum of weight x delta, tensor -> sum of weights)."""
+    values = decode(total, scale)
+    sums, at = {}, 0
+    for name, n in layout:
+        sums[name] = values[at:at + n]
+        at += n
+    weights = {name: float(w) / clip_range for (name, _), w in zip(layout, values[at:])}
+    return sums, weights
+
+
+def prg(seed: bytes, length: int) -> np.ndarray:
+    """`length` pseudorandom ring elements from a 32-byte seed (ChaCha20's keystream)."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
+
+    stream = Cipher(algorithms.ChaCha20(seed, b"\0" * 16), mode=None).encryptor()
+    return np.frombuffer(stream.update(b"\0" * (4 * length)), dtype="<u4").astype(np.uint32)
+
+
+def _kdf(shared: bytes, purpose: bytes) -> bytes:
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    return HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=None,
+                info=b"fedseq-secagg " + purpose).derive(shared)
+
+
+def _agree(private_raw: bytes, public_raw: bytes, purpose: bytes) -> bytes:
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+
+    mine = X25519PrivateKey.from_private_bytes(private_raw)
+    try:
+        theirs = X25519PublicKey.from_public_bytes(public_raw)
+        return _kdf(mine.exchange(theirs), purpose)
+    except ValueError as exc:  # a low-order point: the agreement is all zeros
+        raise SecAggError(f"unusable public key ({exc})") from exc
+
+
+def _new_key() -> Tuple[bytes, bytes]:
+    """(private, public) X25519 key, 32 raw bytes each."""
+    from cryptography.hazmat.primitives import serialization as ser
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    key = X25519PrivateKey.generate()
+    private = key.private_bytes(ser.Encoding.Raw, ser.PrivateFormat.Raw, ser.NoEncryption())
+    return private, public_of(private)
+
+
+def public_of(private_raw: bytes) -> bytes:
+    """The X25519 public key of a raw private key."""
+    from cryptography.hazmat.primitives import serialization as ser
+    from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+
+    return X25519PrivateKey.from_private_bytes(private_raw).public_key().public_bytes(
+        ser.Encoding.Raw, ser.PublicFormat.Raw)
+
+
+def pair_mask(private_raw: bytes, public_raw: bytes, length: int) -> np.ndarray:
+    """The mask two neighbours share: the PRG of their agreed key."""
+    return prg(_agree(private_raw, public_raw, b"mask"), length)
+
+
+def _aad(round: int, sender: int, receiver: int) -> bytes:
+    return struct.pack(">qII", round, sender, receiver)
+
+
+def _x(client: int) -> int:
+    """A client's Shamir point: its index + 1 (never 0, where the secret is)."""
+    return client + 1
+
+
+def _bytes(value: int) -> bytes:
+    return value.to_bytes(SHARE_BYTES, "big")
+
+
+def _as_keys(entry) -> Tuple[bytes, bytes]:
+    if (not isinstance(entry, (tuple, list)) or len(entry) != 2 or not all(
+            isinstance(k, bytes) and len(k) == KEY_BYTES for k in entry) or entry[0] == entry[1]):
+        raise SecAggError("public keys must be two distinct 32-byte X25519 keys")
+    return bytes(entry[0]), bytes(entry[1])
+
+
+def _opens(commitment: bytes):
+    """Whether a reconstructed seed is the one a client committed to (SHA-256)."""
+    return lambda secret: secret < 1 << 256 and hashlib.sha256(
+        secret.to_bytes(32, "big")).digest() == commitment
+
+
+def _pairs_with(public: bytes):
+    """Whether a reconstructed mask key is the private key of a client's advertised one."""
+    return lambda secret: secret < 1 << 256 and public_of(secret.to_bytes(32, "big")) == public
+
+
+# -- a device's side -----------------------------------------------------------------------------
+class SecAggClient:
+    """One client's side of one secure round; fresh keys and seeds every round, never reused."""
+
+    def __init__(self, me: int, setup: Setup):
+        if me not in setup.graph:
+            raise SecAggError(f"client {me} is not in secure round {setup.round}")
+        self.me, self.setup = me, setup
+        self.c_private, self.c_public = _new_key()
+        self.s_private, self.s_public = _new_key()
+        self.seed = secrets.token_bytes(KEY_BYTES)  # b: the self-mask's seed
+        self.keys: Dict[int, Tuple[bytes, bytes]] = {}
+        self.partners: List[int] = []  # neighbours whose shares arrived: the masks it adds
+        self.held: Dict[int, Tuple[int, int]] = {}  # neighbour -> (share of b, share of s)
+        self.revealed: Dict[int, str] = {}
+
+    def advertise(self) -> Tuple[bytes, bytes]:
+        """Stage 1: (c, s) public keys."""
+        return self.c_public, self.s_public
+
+    def share_keys(self, keys: Mapping[int, Tuple[bytes, bytes]]
+                   ) -> Tuple[Dict[int, bytes], bytes]:
+        """Stage 2: the neighbours' keys in, (receiver -> encrypted shares, SHA-256 of b) out."""
+        mine = set(self.setup.graph[self.me])
+        if set(keys) - mine:
+            raise SecAggError(f"keys of clients {sorted(set(keys) - mine)[:5]} that are not "
+                              f"client {self.me}'s neighbours")
+        self.keys = {v: _as_keys(k) for v, k in keys.items()}
+        if len({k for pair in self.keys.values() for k in pair}) != 2 * len(self.keys):
+            raise SecAggError("two neighbours advertised the same public key")
+        t = self.setup.threshold
+        if len(self.keys) < t:
+            raise SecAggError(f"{len(self.keys)} neighbours advertised keys, below the "
+                              f"threshold {t}: the round cannot recover anyone")
+        xs = [_x(v) for v in sorted(self.keys)]
+        b_shares = shamir_share(int.from_bytes(self.seed, "big"), t, xs)
+        s_shares = shamir_share(int.from_bytes(self.s_private, "big"), t, xs)
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+        out = {}
+        for v in sorted(self.keys):
+            key = _agree(self.c_private, self.keys[v][0], b"channel")
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            plain = _PLAIN.pack(self.me, v, _bytes(b_shares[_x(v)]), _bytes(s_shares[_x(v)]))
+            out[v] = nonce + ChaCha20Poly1305(key).encrypt(
+                nonce, plain, _aad(self.setup.round, self.me, v))
+        return out, hashlib.sha256(self.seed).digest()
+
+    def masked_input(self, elements: np.ndarray, shares: Mapping[int, bytes]) -> np.ndarray:
+        """Stage 3: the encoded update (ring elements) and the shares addressed to this client
+        in, the masked input out."""
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+        if elements.shape != (self.setup.length,) or elements.dtype != np.uint32:
+            raise SecAggError(f"an encoded update must be {self.setup.length} uint32 elements")
+        for v, blob in sorted(shares.items()):
+            if v not in self.keys or not isinstance(blob, bytes) or len(blob) != CIPHER_BYTES:
+                raise SecAggError(f"a share from {v}, not a neighbour that advertised keys, or "
+                                  f"not {CIPHER_BYTES} bytes")
+            key = _agree(self.c_private, self.keys[v][0], b"channel")
+            try:
+                plain = ChaCha20Poly1305(key).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:],
+                                                      _aad(self.setup.round, v, self.me))
+            except InvalidTag:
+                raise SecAggError(f"the share from {v} does not decrypt") from None
+            sender, receiver, b_share, s_share = _PLAIN.unpack(plain)
+            b_int, s_int = int.from_bytes(b_share, "big"), int.from_bytes(s_share, "big")
+            if (sender, receiver) != (v, self.me) or b_int >= PRIME or s_int >= PRIME:
+                raise SecAggError(f"the share from {v} names other clients or is out of range")
+            self.held[v] = (b_int, s_int)
+        if len(self.held) < self.setup.threshold:
+            raise SecAggError(f"shares from {len(self.held)} neighbours, below the threshold "
+                              f"{self.setup.threshold}")
+        self.partners = sorted(self.held)
+        y = elements + prg(self.seed, self.setup.length)
+        for v in self.partners:
+            mask = pair_mask(self.s_private, self.keys[v][1], self.setup.length)
+            y = y + mask if self.me < v else y - mask
+        return y
+
+    def unmask(self, survivors: Sequence[int], dropped: Sequence[int]) -> Dict[int, Tuple[str, int]]:
+        """Stage 4: who sent a masked input and who dropped after sharing in; per neighbour,
+        the share of b (survived) or of s (dropped) out, never both for one neighbour."""
+        alive, gone = set(survivors), set(dropped)
+        if alive & gone or (alive | gone) - set(self.partners) - {self.me}:
+            raise SecAggError("survivors and dropped must be disjoint sets of this client's "
+                              "partners")
+        if self.me not in alive:
+            raise SecAggError(f"client {self.me} is told it did not survive")
+        if len(alive) < self.setup.threshold:  # itself among them
+            raise SecAggError(f"{len(alive)} surviving neighbours: too few to unmask safely")
+        out = {}
+        for v, kind in [(v, "b") for v in alive - {self.me}] + [(v, "s") for v in gone]:
+            if self.revealed.setdefault(v, kind) != kind:
+                raise SecAggError(f"both secrets of client {v} asked for")
+            b_share, s_share = self.held[v]
+            out[v] = (kind, b_share if kind == "b" else s_share)
+        return out
+
+
+# -- the coordinator's side ----------------------------------------------------------------------
+@dataclass
+class SecAggServer:
+    """The coordinator's side of one secure round: it relays, sums and unmasks, and learns the
+    sum of the masked inputs it accepted and nothing else of any one client's."""
+
+    setup: Setup
+    keys: Dict[int, Tuple[bytes, bytes]] = field(default_factory=dict)  # stage 1
+    commitments: Dict[int, bytes] = field(default_factory=dict)  # stage 2: SHA-256 of b
+    routed: Dict[int, Dict[int, bytes]] = field(default_factory=dict)  # receiver -> sender -> blob
+    total: Optional[np.ndarray] = None
+    masked: List[int] = field(default_factory=list)  # stage 3: whose masked input is in total
+    dropped: Dict[int, str] = field(default_factory=dict)  # client -> at which stage and why
+    #: client -> a wrong share it sent in stage 4 (its own masked input still counts)
+    blamed: Dict[int, str] = field(default_factory=dict)
+
+    def drop(self, client: int, why: str) -> None:
+        self.dropped.setdefault(client, why)
+
+    def advertised(self, keys: Mapping[int, object]) -> Dict[int, Dict[int, Tuple[bytes, bytes]]]:
+        """Stage 1's messages in (a client that sent none has dropped); per client, its
+        neighbours' keys to send it."""
+        for c, entry in sorted(keys.items()):
+            if c not in self.setup.graph:
+                continue
+            try:
+                self.keys[c] = _as_keys(entry)
+            except SecAggError as exc:
+                self.drop(c, f"advertise: {exc}")
+        seen: Dict[bytes, int] = {}
+        for c, pair in sorted(self.keys.items()):
+            for k in pair:
+                if k in seen:
+                    self.drop(c, f"advertise: a public key client {seen[k]} advertised too")
+                seen.setdefault(k, c)
+        for c in self.setup.clients:
+            if c not in self.keys:
+                self.drop(c, "advertise: no public keys")
+        self.keys = {c: k for c, k in self.keys.items() if c not in self.dropped}
+        return {c: {v: self.keys[v] for v in self.setup.graph[c] if v in self.keys}
+                for c in self.keys}
+
+    def shared(self, sent: Mapping[int, object]) -> Dict[int, Dict[int, bytes]]:
+        """Stage 2's messages in ((receiver -> blob, commitment) per client); per client, the
+        blobs addressed to it by neighbours that shared, to send it."""
+        for c in sorted(self.keys):
+            entry = sent.get(c)
+            if c in self.dropped:
+                continue
+            if entry is None:
+                self.drop(c, "share keys: no shares")
+                continue
+            try:
+                if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                    raise SecAggError("expected (shares, commitment)")
+                blobs: Any = entry[0]
+                commitment: Any = entry[1]
+                wanted = {v for v in self.setup.graph[c] if v in self.keys}
+                if (not isinstance(blobs, dict) or set(blobs) != wanted or not all(
+                        isinstance(b, bytes) and len(b) == CIPHER_BYTES for b in blobs.values())
+                        or not isinstance(commitment, bytes) or len(commitment) != 32):
+                    raise SecAggError(f"expected {CIPHER_BYTES}-byte shares for exactly its "
+                                      "neighbours that advertised keys, and a 32-byte commitment")
+            except (TypeError, ValueError, SecAggError) as exc:
+                self.drop(c, f"share keys: {exc}")
+                continue
+            self.commitments[c] = commitment
+            for v, blob in blobs.items():
+                self.routed.setdefault(v, {})[c] = blob
+        sharers = set(self.commitments)
+        return {c: {v: b for v, b in self.routed.get(c, {}).items() if v in sharers}
+                for c in sorted(sharers)}
+
+    def add_masked(self, client: int, y: object) -> None:
+        """One stage-3 message in: its masked input joins the sum (junk drops the client)."""
+        if client not in self.commitments or client in self.dropped or client in self.masked:
+            self.drop(client, "masked input: not expected from it")
+            return
+        if (not isinstance(y, np.ndarray) or y.dtype != np.uint32
+                or y.shape != (self.setup.length,)):
+            self.drop(client, f"masked input: not {self.setup.length} uint32 elements")
+            return
+        self.total = y.copy() if self.total is None else self.total + y
+        self.masked.append(client)
+
+    def unmask_requests(self) -> Dict[int, Tuple[List[int], List[int]]]:
+        """Per client that sent a masked input: (its partners that did too, those that shared
+        keys and sent none), which stage 4 asks it to unmask."""
+        alive = set(self.masked)
+        out = {}
+        for c in self.masked:
+            partners = [v for v in self.setup.graph[c] if v in self.commitments]
+            out[c] = ([v for v in partners if v in alive] + [c],
+                      [v for v in partners if v not in alive])
+        return out
+
+    def unmasked(self, shares: Mapping[int, object]) -> np.ndarray:
+        """Stage 4's messages in (neighbour -> (kind, share) per client); the sum of the masked
+        inputs without their masks. SecAggError where some secret cannot be recovered (fewer
+        than t valid shares): the round fails, and its sum is never known."""
+        if self.total is None:
+            raise SecAggError("no masked input arrived")
+        asked = self.unmask_requests()
+        b_points: Dict[int, Dict[int, int]] = {}
+        s_points: Dict[int, Dict[int, int]] = {}
+        for c, got in sorted(shares.items()):
+            if c not in asked:
+                continue
+            alive, gone = asked[c]
+            want = {v: "b" for v in alive if v != c}
+            want.update({v: "s" for v in gone})
+            try:
+                if not isinstance(got, dict) or set(got) != set(want):
+                    raise SecAggError("shares for other clients than asked")
+                for v, entry in got.items():
+                    kind, value = entry
+                    if kind != want[v] or not isinstance(value, int) or not 0 <= value < PRIME:
+                        raise SecAggError(f"a share of {v} of the wrong kind or out of range")
+            except (TypeError, ValueError, SecAggError) as exc:
+                self.blamed.setdefault(c, f"unmask: {exc}")
+                continue
+            for v, (kind, value) in got.items():
+                (b_points if kind == "b" else s_points).setdefault(v, {})[_x(c)] = value
+        total = self.total.copy()
+        t, n = self.setup.threshold, self.setup.length
+        for c in self.masked:
+            b, wrong = robust_reconstruct(
+                b_points.get(c, {}), t, _opens(self.commitments[c]))
+            self._blame(wrong, f"unmask: a wrong share of client {c}'s seed")
+            if b is None:
+                raise SecAggError(f"client {c}'s self-mask: {len(b_points.get(c, {}))} valid "
+                                  f"shares, {t} needed; the round's sum cannot be unmasked")
+            total = total - prg(b.to_bytes(32, "big"), n)
+        survived = set(self.masked)
+        for v in sorted(set(self.commitments) - survived):
+            self.drop(v, "masked input: none came (its masks are removed with its neighbours' "
+                         "shares)")
+            s, wrong = robust_reconstruct(
+                s_points.get(v, {}), t, _pairs_with(self.keys[v][1]))
+            self._blame(wrong, f"unmask: a wrong share of client {v}'s mask key")
+            if s is None:
+                raise SecAggError(f"client {v} dropped after sharing: "
+                                  f"{len(s_points.get(v, {}))} valid shares of its mask key, "
+                                  f"{t} needed; the round's sum cannot be unmasked")
+            for u in self.setup.graph[v]:
+                if u in survived:  # u masked with v: both shared, and the graph is symmetric
+                    mask = pair_mask(s.to_bytes(32, "big"), self.keys[u][1], n)
+                    # u added +mask where u < v, -mask otherwise: take it back out
+                    total = total - mask if u < v else total + mask
+        return total
+
+    def _blame(self, xs: Sequence[int], why: str) -> None:
+        for x in xs:
+            self.blamed.setdefault(x - 1, why)

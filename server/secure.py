@@ -1,0 +1,150 @@
+"""[secagg] in a round: the aggregate the coordinator can unmask only as a sum (common/secagg.py).
+
+`SecureSum` is a round's aggregation rule under [secagg]. Where the clients train in this
+process (fedseq-sim, `--workers`), it plays their side of the protocol too: each client's key
+stages before any update is folded, its masked input as its update arrives, its unmasking shares
+at the end; a client whose update never counted (it failed, or the round contract refused it)
+dropped after sharing its keys, and its masks are recovered from its neighbours' shares. What
+the coordinator's side holds is only the masked inputs' sum; the unmasked sum goes to the rule it
+wraps (the weighted mean, or DP-FedAvg's noised sum), so every algorithm's server step reads it
+as it would read a plain round's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.errors import AggregationError
+from fedseq.common.models import Weights, block_of
+from fedseq.common.secagg import (
+    CIPHER_BYTES,
+    KEY_BYTES,
+    SHARE_BYTES,
+    Layout,
+    SecAggClient,
+    SecAggError,
+    SecAggServer,
+    Setup,
+    client_vector,
+    degree_for,
+    neighbours,
+    scale_for,
+    split_sum,
+    threshold_for,
+    vector_length,
+)
+from fedseq.common.seeding import derive_seed
+from fedseq.server.privacy import NoisedSum
+
+log = logging.getLogger(__name__)
+
+
+def round_setup(cfg: ExperimentConfig, t: int, clients: list[int], layout: Layout,
+                max_weight: float) -> Setup:
+    """Round t's [secagg] setup for `clients`: its graph (seeded by the selection's seed and t),
+    threshold, vector length and fixed-point scale."""
+    s = cfg.secagg
+    k = degree_for(len(clients), s.neighbours)
+    graph = neighbours(clients, k, derive_seed(cfg.seed_for("selection"), "secagg-graph", t))
+    return Setup(round=t, graph=graph, threshold=threshold_for(k, s.threshold),
+                 length=vector_length(layout), scale=scale_for(len(clients), max_weight,
+                                                               s.clip_range),
+                 clip_range=s.clip_range)
+
+
+def layout_of(reference: Weights) -> Layout:
+    """The tensors a masked input carries, in the reference's order: every tensor of the
+    round's upload (what the round contract expects)."""
+    return [(k, v.numel()) for k, v in reference.items()]
+
+
+class SecureSum:
+    """A secure round's aggregate (module docstring): `inner`, the rule the unmasked sum feeds
+    (its `sums`, `weights` and `clients` are set from it)."""
+
+    def __init__(self, inner: WeightedDeltaSum, setup: Setup, layout: Layout):
+        self.inner, self.setup, self.layout = inner, setup, layout
+        self.unweighted = isinstance(inner, NoisedSum)
+        self.server = SecAggServer(setup)
+        self.clients = {c: SecAggClient(c, setup) for c in setup.clients}
+        advertised = {c: x.advertise() for c, x in self.clients.items()}
+        self.wire = {c: 2 * KEY_BYTES for c in self.clients}  # each client's bytes up
+        keys = self.server.advertised(advertised)
+        sent = {}
+        for c, theirs in keys.items():
+            try:
+                sent[c] = self.clients[c].share_keys(theirs)
+            except SecAggError as exc:
+                log.warning("secure round %d: client %d stops: %s", setup.round, c, exc)
+                continue
+            self.wire[c] += len(sent[c][0]) * CIPHER_BYTES + 32
+        self.routed = self.server.shared(sent)
+        self.recovered: list[int] = []
+
+    def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
+            device: str | None = None) -> None:
+        """Client `client`'s masked input, made from its update as its device would, joins the
+        sum (the coordinator's side sees only the masked vector)."""
+        # DP-FedAvg's noised sum weighs every update 1 (NoisedSum.add)
+        per_tensor = {k: 1.0 if self.unweighted else weight_of[block_of(k)] for k in deltas}
+        bound = (1 << 31) / (self.setup.clip_range * self.setup.scale * len(self.setup.graph))
+        if max(per_tensor.values(), default=0.0) > bound:
+            raise AggregationError(f"client {client}'s weight exceeds the round's bound "
+                                   f"{bound:.6g}: the secure sum could wrap")
+        x = client_vector(deltas, per_tensor, self.layout, self.setup.clip_range,
+                          self.setup.scale)
+        try:
+            y = self.clients[client].masked_input(x, self.routed.get(client, {}))
+        except SecAggError as exc:
+            log.warning("secure round %d: client %d stops: %s", self.setup.round, client, exc)
+            return
+        self.server.add_masked(client, y)
+        self.wire[client] += 4 * y.size
+
+    def count(self) -> int:
+        return len(self.server.masked)
+
+    def clients_added(self) -> list[int]:
+        return list(self.server.masked)
+
+    def apply(self, global_weights: Weights) -> Weights:
+        """Unmask the sum (stage 4 with every client whose masked input counted), decode it and
+        hand it to the inner rule. AggregationError where it cannot be unmasked (too few shares:
+        the round fails, its sum unknown) or decodes outside what clamped updates can sum to."""
+        shares: dict[int, Any] = {}
+        for c, (alive, gone) in self.server.unmask_requests().items():
+            answer = self.clients[c].unmask(alive, gone)
+            if answer is not None:  # None: the device went silent
+                shares[c] = answer
+                self.wire[c] += len(answer) * (SHARE_BYTES + 5)
+        try:
+            total = self.server.unmasked(shares)
+        except SecAggError as exc:
+            raise AggregationError(f"secure aggregation: {exc}") from None
+        self.recovered = sorted(set(self.server.commitments) - set(self.server.masked))
+        sums, weights = split_sum(total, self.layout, self.setup.scale, self.setup.clip_range)
+        inner = self.inner
+        inner.clients = list(self.server.masked)
+        for k, s in sums.items():
+            w = weights[k]
+            # a mean of values clamped to [-B, B]: outside it, some masked input was junk
+            if w > 0 and float(np.abs(s).max()) > w * self.setup.clip_range * (1 + 1e-6) + 1e-6:
+                raise AggregationError(f"secure aggregation: the unmasked sum of {k} lies outside "
+                                       "what clamped updates can sum to (a masked input was junk)")
+            if w > 0:
+                inner.sums[k] = torch.from_numpy(s.reshape(global_weights[k].shape).copy())
+                inner.weights[k] = w
+        return inner.apply(global_weights)
+
+    def moved(self) -> set[str]:
+        return self.inner.moved()
+
+    def bytes_up(self) -> int:
+        """What the round's clients sent in its four stages (payloads)."""
+        return sum(self.wire.values())

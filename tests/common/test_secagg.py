@@ -1,0 +1,224 @@
+"""SecAgg+ (common/secagg.py): Shamir's sharing against its definition, the fixed-point
+encoding's error, the unmasked sum against the plain one, dropouts and junk at every stage, and a
+masked input against uniform."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+
+import numpy as np
+import pytest
+
+pytest.importorskip("cryptography")
+
+from fedseq.common import secagg as S  # noqa: E402
+
+
+def test_shamir_any_t_points_give_the_secret_and_the_points_are_the_polynomials():
+    rng = random.Random(0)
+    secret = rng.getrandbits(256)
+    xs = list(range(1, 11))
+    points = S.shamir_share(secret, 4, xs)
+    for _ in range(20):
+        subset = rng.sample(xs, 4)
+        assert S.shamir_reconstruct({x: points[x] for x in subset}) == secret
+    # the definition: f(x) = secret + a1 x + a2 x^2 + a3 x^3 over GF(p); four points fix it and
+    # every other point lies on it
+    some = {x: points[x] for x in xs[:4]}
+    assert all(S.lagrange_at(some, x) == points[x] for x in xs[4:])
+    assert S.lagrange_at(some, 0) == secret
+    # three points say nothing: a polynomial through them takes any value at 0 (here the
+    # interpolation of three points, a degree-2 curve, misses the secret)
+    assert S.shamir_reconstruct({x: points[x] for x in xs[:3]}) != secret
+    with pytest.raises(ValueError):
+        S.shamir_share(secret, 11, xs)
+    with pytest.raises(ValueError):
+        S.shamir_share(S.PRIME, 2, xs)
+
+
+def test_robust_reconstruction_finds_the_secret_past_a_wrong_share_and_names_it():
+    secret = 12345
+    points = S.shamir_share(secret, 3, [1, 2, 3, 4, 5, 6])
+    points[2] = (points[2] + 1) % S.PRIME
+    got, wrong = S.robust_reconstruct(points, 3, lambda s: s == secret)
+    assert got == secret and wrong == [2]
+    assert S.robust_reconstruct({1: points[1], 3: points[3]}, 3, lambda s: True) == (None, [])
+
+
+def test_the_encoding_error_is_within_half_a_step_and_the_sum_cannot_wrap():
+    m, weight, clip = 100, 1324.0, 1.0
+    scale = S.scale_for(m, weight, clip)
+    rng = np.random.default_rng(1)
+    values = rng.uniform(-1, 1, 10_000) * weight
+    back = S.decode(S.encode(values, scale), scale)
+    assert np.abs(back - values).max() <= 0.5 / scale + 1e-12
+    # m clients at the extremes: +B x the largest weight each, and -B
+    for sign in (1, -1):
+        one = S.encode(np.full(4, sign * weight * clip), scale)
+        total = sum((one for _ in range(m)), np.zeros(4, dtype=np.uint32))
+        assert np.allclose(S.decode(total, scale), sign * m * weight * clip, rtol=1e-6)
+
+
+def _round(m=12, n=5000, degree=None, fraction=0.5, seed=0):
+    clients = list(range(3, 3 + m))
+    k = S.degree_for(m, degree)
+    setup = S.Setup(round=7, graph=S.neighbours(clients, k, seed),
+                    threshold=S.threshold_for(k, fraction), length=n,
+                    scale=S.scale_for(m, 1.0, 1.0), clip_range=1.0)
+    rng = np.random.default_rng(seed)
+    inputs = {c: S.encode(rng.uniform(-1, 1, n), setup.scale) for c in clients}
+    return setup, inputs, {c: S.SecAggClient(c, setup) for c in clients}, S.SecAggServer(setup)
+
+
+def _run(setup, inputs, clients, server, silent=(), late=(), quiet=(), tamper=None):
+    """One round: `silent` send nothing from stage 1, `late` share keys and send no masked
+    input, `quiet` send no unmasking shares; `tamper(stage, client, message)` may replace a
+    message."""
+    tamper = tamper or (lambda stage, c, msg: msg)
+    keys = server.advertised({c: tamper(1, c, x.advertise()) for c, x in clients.items()
+                              if c not in silent})
+    sent = {}
+    for c, theirs in keys.items():
+        with contextlib.suppress(S.SecAggError):
+            sent[c] = tamper(2, c, clients[c].share_keys(theirs))
+    routed = server.shared(sent)
+    for c in routed:
+        if c in late:
+            continue
+        with contextlib.suppress(S.SecAggError):
+            server.add_masked(c, tamper(3, c, clients[c].masked_input(inputs[c], routed[c])))
+    shares = {c: tamper(4, c, clients[c].unmask(*asked))
+              for c, asked in server.unmask_requests().items() if c not in quiet}
+    return server.unmasked(shares)
+
+
+def _plain(inputs, who):
+    return sum((inputs[c] for c in who), np.zeros_like(next(iter(inputs.values()))))
+
+
+def test_the_unmasked_sum_is_the_plain_sum_exactly():
+    setup, inputs, clients, server = _round()
+    assert np.array_equal(_run(setup, inputs, clients, server), _plain(inputs, inputs))
+    assert server.dropped == {} and server.masked == sorted(inputs)
+    assert 1 < setup.threshold <= len(setup.graph[3]) < len(inputs) - 1  # a sparse graph
+
+
+def test_the_graph_is_regular_symmetric_and_logarithmic():
+    for m in (2, 5, 10, 30, 101, 300):
+        clients = list(range(m))
+        k = S.degree_for(m)
+        g = S.neighbours(clients, k, 3)
+        assert all(c not in g[c] and all(c in g[v] for v in g[c]) for c in clients)
+        degrees = {len(v) for v in g.values()}
+        assert max(degrees) <= k + 1 and min(degrees) >= min(k, m - 1)
+        assert k <= 2 * math.ceil(math.log2(m))
+
+
+@pytest.mark.parametrize("stage", ["advertise", "share keys", "masked input"])
+def test_a_client_that_drops_at_any_stage_leaves_the_others_sum(stage):
+    setup, inputs, clients, server = _round()
+    gone = [4, 9]
+    kwargs = {"advertise": {"silent": gone}, "share keys": {},
+              "masked input": {"late": gone}}[stage]
+    if stage == "share keys":  # keys advertised, then nothing
+        kwargs = {"tamper": lambda st, c, msg: None if st == 2 and c in gone else msg}
+    total = _run(setup, inputs, clients, server, **kwargs)
+    assert np.array_equal(total, _plain(inputs, [c for c in inputs if c not in gone]))
+    assert set(server.dropped) == set(gone)
+
+
+def test_unmasking_survives_silent_clients_down_to_the_threshold_and_fails_below():
+    setup, inputs, clients, server = _round(m=8, degree=7, fraction=0.5)  # k 7, t 4
+    assert setup.threshold == 4
+    quiet = [3, 4, 5]  # 4 of each client's 7 neighbours still answer
+    total = _run(setup, inputs, clients, server, quiet=quiet)
+    assert np.array_equal(total, _plain(inputs, inputs))
+    setup, inputs, clients, server = _round(m=8, degree=7, fraction=0.5)
+    with pytest.raises(S.SecAggError, match="cannot be unmasked"):
+        _run(setup, inputs, clients, server, quiet=[3, 4, 5, 6])
+
+
+def _junk(stage, victim, kind):
+    def tamper(st, c, msg):
+        if st != stage or c != victim:
+            return msg
+        if stage == 1:
+            return (b"\0" * 31, msg[1]) if kind == "short" else (msg[0], msg[0])
+        if stage == 2:
+            blobs, commitment = msg
+            return ({v: b[:-1] for v, b in blobs.items()}, commitment) if kind == "short" else (
+                blobs, b"x")
+        if stage == 3:
+            return msg[:-1] if kind == "short" else msg.astype(np.int64)
+        one = next(iter(msg))
+        return {**msg, one: (msg[one][0], (msg[one][1] + 1) % S.PRIME)} if kind == "short" else {
+            **msg, one: ("s" if msg[one][0] == "b" else "b", msg[one][1])}
+    return tamper
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3, 4])
+@pytest.mark.parametrize("kind", ["short", "wrong"])
+def test_junk_at_any_stage_drops_its_sender_and_the_sum_stays_right(stage, kind):
+    setup, inputs, clients, server = _round()
+    victim = 6
+    total = _run(setup, inputs, clients, server, tamper=_junk(stage, victim, kind))
+    if stage == 4:  # its masked input counted; its wrong share is found and named
+        assert np.array_equal(total, _plain(inputs, inputs))
+        assert victim in server.blamed and victim not in server.dropped
+    else:
+        assert np.array_equal(total, _plain(inputs, [c for c in inputs if c != victim]))
+        assert victim in server.dropped and server.dropped[victim]
+
+
+def test_a_tampered_share_stops_its_receiver_not_the_round():
+    setup, inputs, clients, server = _round()
+    sender, receiver = 5, S.neighbours  # the receiver is one of the sender's neighbours
+    receiver = setup.graph[sender][0]
+
+    def tamper(st, c, msg):
+        if st == 2 and c == sender:
+            blobs, commitment = msg
+            bad = bytearray(blobs[receiver])
+            bad[-1] ^= 1
+            return ({**blobs, receiver: bytes(bad)}, commitment)
+        return msg
+
+    total = _run(setup, inputs, clients, server, tamper=tamper)
+    assert np.array_equal(total, _plain(inputs, [c for c in inputs if c != receiver]))
+
+
+def test_a_client_never_reveals_both_secrets_of_a_neighbour():
+    setup, inputs, clients, server = _round()
+    keys = server.advertised({c: x.advertise() for c, x in clients.items()})
+    routed = server.shared({c: clients[c].share_keys(k) for c, k in keys.items()})
+    c = 3
+    clients[c].masked_input(inputs[c], routed[c])
+    v = clients[c].partners[0]
+    others = [p for p in clients[c].partners if p != v]
+    clients[c].unmask([c, v, *others], [])
+    with pytest.raises(S.SecAggError, match="both secrets"):
+        clients[c].unmask([c, *others], [v])
+    with pytest.raises(S.SecAggError, match="disjoint"):
+        clients[c].unmask([c, v], [v])
+
+
+def test_a_masked_input_looks_uniform_and_uncorrelated_with_the_update():
+    """What the coordinator's broker login captures of one client: its masked input. A chi-square
+    test of its bytes against uniform (fixed seed; it fails where the masks are not uniform,
+    e.g. with no masks at all), and its correlation with the true update."""
+    setup, inputs, clients, server = _round(m=10, n=65_536)
+    c = 3
+    ramp = S.encode(np.linspace(-0.001, 0.001, setup.length), setup.scale)  # a structured update
+    keys = server.advertised({k: x.advertise() for k, x in clients.items()})
+    routed = server.shared({k: clients[k].share_keys(v) for k, v in keys.items()})
+    y = clients[c].masked_input(ramp, routed[c])
+    for data, uniform in ((y, True), (ramp, False)):
+        counts = np.bincount(data.view(np.uint8), minlength=256)
+        expected = data.size * 4 / 256
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        # 255 degrees of freedom: the 0.999 quantile is about 330
+        assert (chi2 < 330) == uniform, chi2
+    signed = S.decode(y, setup.scale)
+    assert abs(np.corrcoef(signed, S.decode(ramp, setup.scale))[0, 1]) < 0.03

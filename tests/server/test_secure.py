@@ -1,0 +1,180 @@
+"""[secagg] in a round (server/secure.py): the unmasked sum against the plain aggregate, a client
+that never counted, junk that would corrupt the model, what cannot combine with it, and secure
+runs bitwise whatever the keys, across --workers and resume."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import quick_config, resumed_after, same_run
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum
+from fedseq.common.config import load_config
+from fedseq.common.errors import AggregationError, ConfigError
+from fedseq.common.secagg import scale_for
+from fedseq.server.privacy import NoisedSum
+from fedseq.server.secure import SecureSum, layout_of, round_setup
+from fedseq.server.simulation import run_simulation
+
+pytest.importorskip("cryptography")
+
+
+def _weights(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"conv1.weight": torch.randn(8, 1, 3, 3, generator=g),
+            "conv1.bias": torch.randn(8, generator=g),
+            "fc1.weight": torch.randn(10, 32, generator=g)}
+
+
+def _updates(clients, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for c in clients:
+        deltas = {k: torch.randn(v.shape, generator=g) * 0.05 for k, v in _weights().items()}
+        if c % 4 == 3:  # a client that trained only some blocks
+            deltas.pop("fc1.weight")
+        out[c] = (deltas, {"conv1": float(20 + 7 * c), "fc1": float(20 + 7 * c)})
+    return out
+
+
+def _secure(inner, clients, heaviest, **over):
+    cfg = load_config(None, ["secagg.enabled=true", *[f"{k}={v}" for k, v in over.items()]])
+    layout = layout_of(_weights())
+    return SecureSum(inner, round_setup(cfg, 4, clients, layout, heaviest), layout)
+
+
+def test_the_unmasked_mean_is_the_plain_mean_within_the_encoding_error():
+    clients = list(range(10))
+    updates = _updates(clients)
+    plain, secure = WeightedDeltaSum(), _secure(WeightedDeltaSum(), clients, 20 + 7 * 9)
+    for c, (d, w) in updates.items():
+        plain.add(d, w, c)
+        secure.add(d, w, c)
+    g = _weights()
+    a, b = plain.apply(g), secure.apply(g)
+    assert secure.moved() == plain.moved() and secure.count() == 10
+    # the mean delta's error: m updates' rounding, 0.5 / S each, over the tensor's weight sum
+    scale = scale_for(10, 20 + 7 * 9, 1.0)
+    for k in g:
+        weight = plain.weights[k]
+        assert abs(secure.inner.weights[k] - weight) <= 10 * 0.5 / scale
+        mean, got = plain.sums[k] / weight, secure.inner.sums[k] / secure.inner.weights[k]
+        assert 0 < (mean - got).abs().max() <= 10 * 0.5 / scale / weight * 1.01, k
+        assert torch.allclose(a[k], b[k], rtol=0, atol=4e-7)  # float32: an ulp or two
+    assert secure.recovered == [] and secure.bytes_up() > 4 * sum(v.numel() for v in g.values())
+
+
+def test_a_client_that_never_counted_is_recovered_and_left_out():
+    clients = list(range(8))
+    updates = _updates(clients)
+    plain, secure = WeightedDeltaSum(), _secure(WeightedDeltaSum(), clients, 80)
+    for c, (d, w) in updates.items():
+        if c in (2, 5):  # refused by the round contract, or never came
+            continue
+        plain.add(d, w, c)
+        secure.add(d, w, c)
+    a, b = plain.apply(_weights()), secure.apply(_weights())
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert secure.recovered == [2, 5] and secure.clients_added() == [0, 1, 3, 4, 6, 7]
+
+
+def test_dp_noise_goes_on_the_unmasked_sum_as_on_the_plain_one():
+    clients = list(range(6))
+    updates = {c: ({k: v * 0.5 for k, v in d.items()}, w)  # within C, as the contract checked
+               for c, (d, w) in _updates(clients).items()}
+
+    def noised():
+        return NoisedSum(clip=1.0, noise=0.5, expected=6.0, seed=3, round=4)
+
+    plain, secure = noised(), _secure(noised(), clients, 1)
+    for c, (d, w) in updates.items():
+        plain.add(d, w, c)
+        secure.add(d, w, c)
+    a, b = plain.apply(_weights()), secure.apply(_weights())
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_a_junk_masked_input_refuses_the_round_and_leaves_the_model():
+    clients = list(range(6))
+    updates = _updates(clients)
+    secure = _secure(WeightedDeltaSum(), clients, 60)
+    junk = secure.clients[3]
+    honest = junk.masked_input
+    junk.masked_input = lambda x, shares: honest(  # type: ignore[method-assign]
+        np.random.default_rng(0).integers(0, 2**32, x.size, dtype=np.uint32), shares)
+    for c, (d, w) in updates.items():
+        secure.add(d, w, c)
+    g = _weights()
+    with pytest.raises(AggregationError, match="outside what clamped updates"):
+        secure.apply(g)
+    assert all(torch.equal(g[k], v) for k, v in _weights().items())
+
+
+def test_too_few_shares_fail_the_round_cleanly():
+    clients = list(range(6))
+    updates = _updates(clients)
+    secure = _secure(WeightedDeltaSum(), clients, 60)
+    for c, (d, w) in updates.items():
+        if c < 3:
+            secure.add(d, w, c)
+    for c in (0, 1):  # two of the three survivors' devices go silent in the unmasking stage
+        secure.clients[c].unmask = lambda alive, gone: None  # type: ignore[method-assign]
+    with pytest.raises(AggregationError, match="cannot be unmasked"):
+        secure.apply(_weights())
+
+
+@pytest.mark.parametrize("over, words", [
+    ("aggregation.rule=median", "needs every update on its own"),
+    ("train.mode=async", "one by one"),
+    ("wire.up=int8", "cannot code"),
+])
+def test_what_cannot_combine_with_it_is_refused_in_one_line(over, words):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["secagg.enabled=true", over])
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+SECURE = ("algorithm.name=fedavg", "rounds=2", "train.threads=1", "secagg.enabled=true",
+          "train.join_ratio=0.8")
+
+
+def test_a_secure_run_is_bitwise_whatever_the_keys_across_workers_and_resume(
+        data_root, tmp_path, one_thread):
+    """Every round draws fresh keys and masks, yet the unmasked sum, decoded, is the same
+    arithmetic: two runs, a --workers run and a resumed one are bitwise one run."""
+    cfg = quick_config(data_root, *SECURE)
+    alone = run_simulation(cfg, tmp_path / "full")
+    same_run(run_simulation(cfg, None), alone)
+    same_run(run_simulation(cfg, None, workers=2), alone)
+
+    resumed = resumed_after(cfg, tmp_path / "part", 0)
+    assert all(torch.equal(resumed.global_weights[k], v) for k, v in alone.global_weights.items())
+    rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("secure_recovered") for r in rows if r["phase"] == "train"] == [[], []]
+    # close to the plain run: the same rounds, sums within the encoding's error
+    plain = run_simulation(quick_config(data_root, *SECURE[:-2], "train.join_ratio=0.8"), None)
+    for k, v in plain.global_weights.items():
+        if v.is_floating_point():
+            assert torch.allclose(alone.global_weights[k], v, atol=1e-4), k
+
+
+def test_a_deployment_refuses_it_until_its_stages_travel_over_mqtt(data_root):
+    """Masking on the coordinator would protect nothing: refused before a broker starts."""
+    from fedseq.server.deployment import run_deployment
+
+    with pytest.raises(ConfigError, match="in the clear"):
+        run_deployment(quick_config(data_root, "secagg.enabled=true"), None, local_clients=1,
+                       announce=lambda *a, **k: None)
+
+
+def test_the_example_is_the_testbed_plus_its_section():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "examples"
+    secure = load_config(root / "secagg-testbed.toml")
+    plain = load_config(root / "fmnist-testbed.toml")
+    assert secure.secagg.enabled and not plain.secagg.enabled
+    assert secure.model_copy(update={"secagg": plain.secagg}) == plain
