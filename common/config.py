@@ -583,7 +583,7 @@ class SecAggConfig(_Section):
     enabled: bool = Field(False, description=(
         "Mask every update on its device so that only the round's sum can be unmasked; needs "
         "aggregation.rule = \"mean\", train.mode = \"sync\", wire.up = \"none\"."))
-    clip_range: float = Field(1.0, gt=0, description=(
+    clip_range: float = Field(4.0, gt=0, description=(
         "B: every coordinate of an update is clamped to [-B, B] on its device before it is "
         "encoded in fixed point (the sum then cannot wrap around the 32-bit ring); the mean's "
         "encoding error is at most (clients x B) / 2^32 per coordinate (times the largest "

@@ -168,8 +168,9 @@ class Setup:
 
 def scale_for(clients: int, max_weight: float, clip_range: float) -> float:
     """S such that `clients` updates, each a weight <= max_weight times coordinates in [-B, B],
-    sum to at most 2^31 - 1 in absolute value: the signed sum cannot wrap around the ring."""
-    return (HALF - 1) / (clients * max_weight * clip_range)
+    sum to at most 2^31 - 1 in absolute value, each value's rounding (half a step) included:
+    the signed sum cannot wrap around the ring."""
+    return (HALF - 1 - clients) / (clients * max_weight * clip_range)
 
 
 # -- fixed point in Z_2^32 -----------------------------------------------------------------------
@@ -195,13 +196,14 @@ def vector_length(layout: Layout) -> int:
 
 
 def client_vector(deltas: Mapping[str, torch.Tensor], weight_of: Mapping[str, float],
-                  layout: Layout, clip_range: float, scale: float) -> np.ndarray:
-    """A client's update as ring elements (what it masks): per tensor of the layout, its
-    weight times its delta clamped to [-B, B], then each tensor's weight times B (0 for a
-    tensor it did not send), all in fixed point at `scale`. `weight_of`: tensor -> weight."""
+                  layout: Layout, clip_range: float, scale: float) -> Tuple[np.ndarray, int]:
+    """A client's update as ring elements (what it masks), and how many of its coordinates
+    were clamped: per tensor of the layout, its weight times its delta clamped to [-B, B], then
+    each tensor's weight times B (0 for a tensor it did not send), all in fixed point at
+    `scale`. `weight_of`: tensor -> weight."""
     import torch
 
-    parts, weights = [], []
+    parts, weights, clamped = [], [], 0
     for name, n in layout:
         d = deltas.get(name)
         if d is None:
@@ -209,11 +211,12 @@ def client_vector(deltas: Mapping[str, torch.Tensor], weight_of: Mapping[str, fl
             weights.append(0.0)
             continue
         w = float(weight_of[name])
-        values = d.detach().to("cpu", torch.float64).clamp(-clip_range, clip_range).mul(w)
-        parts.append(values.reshape(-1).numpy())
+        values = d.detach().to("cpu", torch.float64)
+        clamped += int((values.abs() > clip_range).sum())
+        parts.append(values.clamp(-clip_range, clip_range).mul(w).reshape(-1).numpy())
         weights.append(w * clip_range)
     parts.append(np.asarray(weights, dtype=np.float64))
-    return encode(np.concatenate(parts), scale)
+    return encode(np.concatenate(parts), scale), clamped
 
 
 def split_sum(total: np.ndarray, layout: Layout, scale: float, clip_range: float

@@ -97,8 +97,12 @@ class SecureSum:
         if max(per_tensor.values(), default=0.0) > bound:
             raise AggregationError(f"client {client}'s weight exceeds the round's bound "
                                    f"{bound:.6g}: the secure sum could wrap")
-        x = client_vector(deltas, per_tensor, self.layout, self.setup.clip_range,
-                          self.setup.scale)
+        x, clamped = client_vector(deltas, per_tensor, self.layout, self.setup.clip_range,
+                                   self.setup.scale)
+        if clamped:  # what the device would log: its own update, not the coordinator's view
+            log.warning("secure round %d: client %d clamped %d coordinates to +-%g before "
+                        "masking; raise secagg.clip_range above its updates' largest value",
+                        self.setup.round, client, clamped, self.setup.clip_range)
         try:
             y = self.clients[client].masked_input(x, self.routed.get(client, {}))
         except SecAggError as exc:

@@ -54,11 +54,14 @@ def test_the_encoding_error_is_within_half_a_step_and_the_sum_cannot_wrap():
     values = rng.uniform(-1, 1, 10_000) * weight
     back = S.decode(S.encode(values, scale), scale)
     assert np.abs(back - values).max() <= 0.5 / scale + 1e-12
-    # m clients at the extremes: +B x the largest weight each, and -B
-    for sign in (1, -1):
-        one = S.encode(np.full(4, sign * weight * clip), scale)
-        total = sum((one for _ in range(m)), np.zeros(4, dtype=np.uint32))
-        assert np.allclose(S.decode(total, scale), sign * m * weight * clip, rtol=1e-6)
+    # m clients at the extremes, +B x the largest weight each and -B: no wrap, whatever the
+    # rounding (2 clients of weight 10 once rounded to exactly 2^31, read back as -2^31)
+    for m, weight in ((100, 1324.0), (2, 10.0), (1, 1.0), (7, 3.0)):
+        scale = S.scale_for(m, weight, clip)
+        for sign in (1, -1):
+            one = S.encode(np.full(4, sign * weight * clip), scale)
+            total = sum((one for _ in range(m)), np.zeros(4, dtype=np.uint32))
+            assert np.allclose(S.decode(total, scale), sign * m * weight * clip, rtol=1e-6)
 
 
 def _round(m=12, n=5000, degree=None, fraction=0.5, seed=0):

@@ -57,7 +57,7 @@ def test_the_unmasked_mean_is_the_plain_mean_within_the_encoding_error():
     a, b = plain.apply(g), secure.apply(g)
     assert secure.moved() == plain.moved() and secure.count() == 10
     # the mean delta's error: m updates' rounding, 0.5 / S each, over the tensor's weight sum
-    scale = scale_for(10, 20 + 7 * 9, 1.0)
+    scale = scale_for(10, 20 + 7 * 9, 4.0)  # secagg.clip_range's default
     for k in g:
         weight = plain.weights[k]
         assert abs(secure.inner.weights[k] - weight) <= 10 * 0.5 / scale
@@ -178,3 +178,17 @@ def test_the_example_is_the_testbed_plus_its_section():
     plain = load_config(root / "fmnist-testbed.toml")
     assert secure.secagg.enabled and not plain.secagg.enabled
     assert secure.model_copy(update={"secagg": plain.secagg}) == plain
+
+
+def test_a_coordinate_beyond_the_clip_range_is_clamped_and_said(caplog):
+    clients = [0, 1]
+    secure = _secure(WeightedDeltaSum(), clients, 10, **{"secagg.clip_range": 1})
+    big = {k: torch.zeros_like(v) for k, v in _weights().items()}
+    big["conv1.bias"][0] = 3.0
+    with caplog.at_level("WARNING"):
+        secure.add(big, {"conv1": 10.0, "fc1": 10.0}, 0)
+        secure.add({k: torch.zeros_like(v) for k, v in _weights().items()},
+                   {"conv1": 10.0, "fc1": 10.0}, 1)
+    assert "client 0 clamped 1 coordinates to +-1" in caplog.text
+    new = secure.apply(_weights())
+    assert abs(float(new["conv1.bias"][0] - _weights()["conv1.bias"][0]) - 0.5) < 1e-6
