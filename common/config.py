@@ -549,8 +549,10 @@ class PrivacyConfig(_Section):
     delta: float = Field(1e-5, gt=0, lt=1, description=(
         "The delta epsilon is reported at; well below 1 / num_clients."))
     target_epsilon: Optional[float] = Field(None, gt=0, description=(
-        "Refuse a run whose epsilon after its last round would exceed it, saying how many "
-        "rounds fit."))
+        "Client level: refuse a run whose epsilon after its last round would exceed it, saying "
+        "how many rounds fit. Record level (sync): end the federated rounds before the first "
+        "round that would take a client past it (the last round run is evaluated, the "
+        "fine-tuning follows, the row says why)."))
     adaptive: bool = Field(False, description=(
         "Adaptive clipping (Andrew et al., NeurIPS 2021): clip_norm is the first round's, then "
         "it follows target_quantile of the updates' norms, learned from a noised count of the "
@@ -639,12 +641,15 @@ class ExperimentConfig(_Section):
     def _check_privacy(self) -> ExperimentConfig:
         if self.privacy.record_level:
             p = self.privacy
-            for key, value, default in (("adaptive", p.adaptive, False),
-                                        ("target_epsilon", p.target_epsilon, None)):
-                if value != default:
-                    raise ValueError(f"privacy.{key} is for privacy.level = \"client\"; "
-                                     "record-level DP-SGD keeps a fixed clip norm and reports "
-                                     "each client's epsilon in the rows")
+            if p.adaptive:
+                raise ValueError("privacy.adaptive is for privacy.level = \"client\"; "
+                                 "record-level DP-SGD keeps a fixed clip norm and reports "
+                                 "each client's epsilon in the rows")
+            if p.target_epsilon is not None and self.train.mode == "async":
+                raise ValueError("privacy.target_epsilon at privacy.level = \"record\" stops "
+                                 "a synchronous run before the round that would pass it; an "
+                                 "async run's steps are not known ahead: use train.mode = "
+                                 "\"sync\" or leave target_epsilon out")
             return self
         if not self.privacy.enabled:
             return self

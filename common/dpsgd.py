@@ -47,8 +47,9 @@ def batch_norm_in(model: torch.nn.Module) -> Optional[str]:
 
 
 class DpSgd:
-    """DP-SGD's step for one client's training: `open` before the first batch (Opacus's hooks
-    on the model's layers), `privatize` after every backward pass, `close` at the end."""
+    """DP-SGD's step for one client's training: `follow` before every step's forward pass
+    (Opacus's hooks on the layers that train), `privatize` after its backward pass, `close` at
+    the end."""
 
     def __init__(self, model: BlockModel, clip: float, noise: float, batch_size: int,
                  generator: torch.Generator):
@@ -61,23 +62,29 @@ class DpSgd:
                              "mixes a batch's examples; use a model without it")
         import warnings
 
-        from opacus import GradSampleModule
-
         # the first layer's input needs no gradient: torch says its backward hook fires anyway
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
 
         self.clip, self.noise, self.batch_size, self.generator = clip, noise, batch_size, generator
-        # Opacus hooks the layers with a trainable parameter when it wraps: every layer, since
-        # the phases choose what trains later
-        frozen = [p for p in model.parameters() if not p.requires_grad]
-        for p in frozen:
-            p.requires_grad_(True)
-        try:
-            self.wrapped = GradSampleModule(model, batch_first=True, loss_reduction="mean",
-                                            strict=False)
-        finally:
-            for p in frozen:
-                p.requires_grad_(False)
+        self.model = model
+        self.wrapped = None
+        self._trainable: Optional[tuple] = None
+
+    def follow(self) -> None:
+        """Hook exactly the layers that train now, before a step's forward pass: Opacus hooks
+        the layers with a trainable parameter when it wraps, and the hook of a frozen layer
+        whose output needs a gradient (FedSeq's and FedBABU's head behind a trained base)
+        would find no activations. Wraps again only where the trainable set changed."""
+        now = tuple(p.requires_grad for p in self.model.parameters())
+        if now == self._trainable:
+            return
+        from opacus import GradSampleModule
+
+        if self.wrapped is not None:
+            self.wrapped._close()
+        self.wrapped = GradSampleModule(self.model, batch_first=True, loss_reduction="mean",
+                                        strict=False)
+        self._trainable = now
 
     @torch.no_grad()
     def privatize(self, params: List[torch.nn.Parameter]) -> None:
@@ -101,4 +108,6 @@ class DpSgd:
 
     def close(self) -> None:
         """Take Opacus's hooks off the model (it trains on without them)."""
-        self.wrapped._close()
+        if self.wrapped is not None:
+            self.wrapped._close()
+            self.wrapped = None

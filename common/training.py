@@ -293,6 +293,8 @@ def train_step(model, obj: Objective, opt, x, y, cache, log_prior, side: ClientS
     `fixes`: (parameter, what is added to its gradient before the step, where its raw
     gradients are summed); `dp`: DP-SGD's clipping and noise of the gradients (record-level
     privacy)."""
+    if dp is not None:
+        dp.follow()
     if obj.reuse_features and "features" in cache:
         feats = cache["features"].detach()
     else:

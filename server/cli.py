@@ -158,9 +158,28 @@ def _fmt(v: Any) -> str:
     return "-" if v is None else f"{100 * v:.2f}%"
 
 
+#: the documentation site's pages the help names, by their titles in mkdocs.yml's nav (a test
+#: keeps the two equal); `page` writes one into a help text
+PAGES = {
+    "explanation/reproducibility.md": "Seeds and reproducibility",
+    "how-to/campaigns.md": "Run a campaign",
+    "how-to/scale-out.md": "Scale out",
+    "rehearsal.md": "Rehearse a Wi-Fi testbed",
+}
+EPILOG = ("Documentation: the site built from docs/ (install the docs extra, run mkdocs serve, "
+          "open http://127.0.0.1:8000): getting started, tutorials, how-to guides, every "
+          "configuration key.")
+
+
+def page(path: str) -> str:
+    """How a help text names a page of the site: its title and its address there."""
+    return f'docs: "{PAGES[path]}", {path.removesuffix(".md")}/'
+
+
 SeedsOpt = Annotated[str | None, typer.Option(
     help="Run the config under several seeds, e.g. 0,1,2 or 0-4: one run directory per seed, "
-         "OUT/seed-<s>; the same command again continues the sweep (docs/explanation/reproducibility.md)")]
+         f"OUT/seed-<s>; the same command again continues the sweep "
+         f"({page('explanation/reproducibility.md')})")]
 VaryOpt = Annotated[str, typer.Option(
     help="With --seeds: the random streams the seed changes, 'all' or some of data (partition, "
          "splits), init (initial weights), selection (clients per round), training (batches, "
@@ -170,7 +189,8 @@ VaryOpt = Annotated[str, typer.Option(
 CampaignOpt = Annotated[Path | None, typer.Option(
     help="Run every run of this campaign file (a grid of algorithms, seeds and settings over a "
          "base config) one after another into --out, OUT/<setting>/<algorithm>/seed-<s>; --set "
-         "applies to every run; the same command again continues it (docs/how-to/campaigns.md)")]
+         f"applies to every run; the same command again continues it "
+         f"({page('how-to/campaigns.md')})")]
 
 
 def sim(
@@ -194,7 +214,7 @@ def sim(
         help="Train the clients in N worker processes (torch.distributed, Gloo), train.threads "
              "each (default 1): the numbers of an in-process run with as many threads; N = "
              "the cores is the fast setting. Under torchrun the group is torchrun's "
-             "(docs/how-to/scale-out.md)", min=0)] = 0,
+             f"({page('how-to/scale-out.md')})", min=0)] = 0,
     workers_per_gpu: Annotated[int, typer.Option(
         help="With train.device on GPUs: K workers share each GPU (without --workers: K per GPU "
              "of this machine). Workers fill a machine's GPUs in turn, K to a GPU", min=0)] = 0,
@@ -466,10 +486,12 @@ def _summary(out: Path) -> None:
 
 
 def sim_main() -> None:
-    typer.run(sim)
+    app = typer.Typer(add_completion=False)  # typer.run's, with the documentation's epilog
+    app.command(epilog=EPILOG)(sim)
+    app()
 
 
-server_app = typer.Typer(add_completion=False, help="fedseq coordinator.")
+server_app = typer.Typer(add_completion=False, help="fedseq coordinator.", epilog=EPILOG)
 
 
 ClientThreadsOpt = Annotated[
@@ -478,11 +500,11 @@ LinkOpt = Annotated[list[str] | None, typer.Option(
     help="rehearse a testbed (root): put each local client in a network namespace behind "
          "an emulated link: wifi-good, wifi-poor, lte, 3g-fast or "
          "custom:down=MBIT,up=MBIT,delay=MS,jitter=MS,loss=PCT; DEVICE=PROFILE for one "
-         "device (repeatable; docs/rehearsal.md)")]
+         f"device (repeatable; {page('rehearsal.md')})")]
 CpuQuotaOpt = Annotated[list[str] | None, typer.Option(
     help="rehearsal (root): CPU cores per local client, e.g. 0.5; DEVICE=CORES for one")]
 MetricsPortOpt = Annotated[int | None, typer.Option(
-    help="serve Prometheus metrics on this port (0: a free one; docs/how-to/campaigns.md)",
+    help=f"serve Prometheus metrics on this port (0: a free one; {page('how-to/campaigns.md')})",
     min=0, max=65535)]
 MetricsHostOpt = Annotated[str, typer.Option(
     help="the metrics' address: loopback unless a Prometheus elsewhere must scrape it")]
@@ -562,7 +584,7 @@ def campaign(
 ) -> None:
     """Run every run of a campaign file on the fleet, one after another, unattended: the broker
     and the devices stay up between runs. The same command again continues the campaign
-    (docs/how-to/campaigns.md)."""
+    (docs: "Run a campaign", how-to/campaigns/)."""
     from fedseq.server.campaign import Progress as CampaignProgress
     from fedseq.server.deployment import run_deployment, standing_fleet
 

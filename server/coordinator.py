@@ -295,14 +295,28 @@ class Coordinator:
             save_checkpoint(self.run_dir.path, self._checkpoint(first, resume.loop.last_row))
         self.pool.open(book.sent(book.offered(), self.alg.personal_blocks()),
                        self.alg.personal_blocks())
+        p = self.cfg.privacy
+        if (reached := book.over_budget(first)) is not None:
+            raise ConfigError(f"privacy.target_epsilon = {p.target_epsilon:g}: round {first} "
+                              f"would take a client to epsilon {reached:.3g} at delta "
+                              f"{p.delta:g}; raise the budget or privacy.noise_multiplier")
+        rounds = self.cfg.rounds
         for t in range(first, self.cfg.rounds):
             rec = self.driver.run_round(t)
             records.append(rec)
+            if (reached := book.over_budget(t + 1)) is not None:  # t was evaluated as the last
+                rec.stopped = (f"privacy.target_epsilon = {p.target_epsilon:g}: round {t + 1} "
+                               f"would take a client to epsilon {reached:.3g} at delta "
+                               f"{p.delta:g}; the federated rounds end here")
+                log.warning("%s", rec.stopped)
+                rounds = t + 1
             # checkpoint first, then the row: a row in metrics.jsonl always has its checkpoint,
             # and a stop in between is healed on resume (the checkpoint holds the row)
             if self.run_dir is not None:
                 save_checkpoint(self.run_dir.path, self._checkpoint(t + 1, rec))
             self._emit(rec)
+            if rec.stopped is not None:
+                break
             if self.pause_after is not None and t + 1 >= self.pause_after and t + 1 < self.cfg.rounds:
                 raise RunPaused(f"paused after round {t} (resume to continue)")
         self.driver.rounds_done()
@@ -310,16 +324,18 @@ class Coordinator:
         assert final is not None
         plan = self.alg.finetune_plan()
         if plan is not None:
-            final, rec = self._finetune(plan, final)
+            final, rec = self._finetune(plan, final, rounds)
             records.append(rec)
             self._emit(rec)
         if self.run_dir is not None:
             self.run_dir.write_outputs(self.data, final.per_client, book.global_weights, self.cfg)
         return RunResult(book.global_weights, final, records)
 
-    def _finetune(self, plan: ClientPlan, last: EvalReport) -> tuple[EvalReport, RoundRecord]:
-        """The algorithm's final fine-tuning on every client: the final evaluation (the last
-        global score, the fine-tuned personalized ones) and its row."""
+    def _finetune(self, plan: ClientPlan, last: EvalReport, rounds: int
+                  ) -> tuple[EvalReport, RoundRecord]:
+        """The algorithm's final fine-tuning on every client after `rounds` federated rounds:
+        the final evaluation (the last global score, the fine-tuned personalized ones) and its
+        row."""
         book = self.book
         start = time.perf_counter()
         ft = self.pool.finetune(plan, book.sent(book.global_weights, self.alg.personal_blocks()),
@@ -327,7 +343,7 @@ class Coordinator:
         final = EvalReport(last.global_correct, last.global_total, ft.scores)
         tuned = sorted(ft.scores)
         rec = RoundRecord(
-            round=self.cfg.rounds, phase="finetune",
+            round=rounds, phase="finetune",
             global_acc=final.global_acc, personal_acc=final.personal_acc,
             local_acc=final.personal_acc,  # the fine-tuned models are the local ones
             clients=tuned,

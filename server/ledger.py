@@ -163,6 +163,7 @@ class Ledger:
         self.clock = 0.0
         #: [privacy] level = "record": each client's DP-SGD steps so far
         self.record_steps: dict[int, int] = {}
+        self._budget: dict[int, float | None] = {}  # over_budget's answer for one round
 
     # -- a round's plan and what it sends ---------------------------------------------------
     def select(self, t: int) -> list[int]:
@@ -372,7 +373,8 @@ class Ledger:
         """Evaluate after round t when it is due (train.eval_every, and the last round): the
         report is kept for the round's row; returns the step's wire bytes."""
         self.last_report, wire = None, None
-        if (t + 1) % self.cfg.train.eval_every == 0 or t == self.cfg.rounds - 1:
+        last = t == self.cfg.rounds - 1 or self.over_budget(t + 1) is not None
+        if (t + 1) % self.cfg.train.eval_every == 0 or last:
             self.last_report, wire = self.evaluate()
         return wire
 
@@ -390,6 +392,25 @@ class Ledger:
                                   {c.client: len(c.train) for c in self.data.clients})
         return (epsilon(sampling_rate(self.cfg), p.noise_multiplier, rounds, p.delta)
                 if p.enabled else None)
+
+    def over_budget(self, t: int) -> float | None:
+        """[privacy] level = "record" with privacy.target_epsilon: the epsilon round t would take
+        a client to where that passes the budget (the round must not run), None where it may
+        run (and past the last round). Only the selected clients' epsilons move, so only
+        theirs are computed."""
+        p = self.cfg.privacy
+        if not p.record_level or p.target_epsilon is None or t >= self.cfg.rounds:
+            return None
+        if t not in self._budget:
+            plan, _ = self.plan(t)
+            clients = self.select(t)
+            steps = {c: self.record_steps.get(c, 0) + plan_steps(plan, self.data,
+                                                                 self.data.clients[c])
+                     for c in clients}
+            reached = record_epsilon(self.cfg, steps,
+                                     {c: len(self.data.clients[c].train) for c in clients})
+            self._budget = {t: reached if reached > p.target_epsilon else None}
+        return self._budget[t]
 
     def spent(self, client: int, plan: ClientPlan) -> None:
         """[privacy] level = "record": `client` trained `plan` (its steps count in its epsilon,

@@ -217,6 +217,8 @@ class RoundRecord(_Record):
     epsilon: float | None = Field(None, json_schema_extra=summary("max"))
     #: the round's clip norm under adaptive clipping (privacy.adaptive)
     clip_norm: float | None = None
+    #: why the federated rounds end with this one, before `rounds` (privacy.target_epsilon)
+    stopped: str | None = None
     # -- secure aggregation ([secagg]) --
     #: clients that dropped after sharing their keys, whose masks the coordinator removed with
     #: their neighbours' shares

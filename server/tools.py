@@ -18,9 +18,9 @@ from rich.progress import (
 )
 
 from fedseq.common.errors import FedseqError
-from fedseq.server.cli import VersionOpt
+from fedseq.server.cli import EPILOG, VersionOpt
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, epilog=EPILOG)
 data_app = typer.Typer(add_completion=False, no_args_is_help=True,
                        help="Datasets: download (or copy from a folder with --from), verify, where "
                             "they live.")

@@ -52,6 +52,7 @@ def _step(model, x, y, clip, noise, seed=0):
     try:
         for p in params:
             p.grad = None
+        dp.follow()  # hooks on the layers that train (before every forward pass)
         loss = torch.nn.functional.cross_entropy(model.head(model.features(x)), y)
         loss.backward()
         dp.privatize(params)

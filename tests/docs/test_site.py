@@ -158,3 +158,24 @@ def test_generated_reference_text_is_not_read_as_html():
                 prose.append(re.sub(r"`[^`]*`", "", line))
         tags = re.findall(r"<[A-Za-z/][^>]*>", "\n".join(prose))
         assert not tags, tags[:5]
+
+
+def test_the_pages_the_help_names_are_the_sites_with_their_titles():
+    """The commands' help names site pages by title and address (not repository paths); each
+    is a page of mkdocs.yml's nav under that title, and every command ends its help with where
+    the documentation is."""
+    from typer.testing import CliRunner
+
+    from fedseq.server.cli import PAGES, server_app
+    from fedseq.server.tools import app as tools_app
+
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for path, title in PAGES.items():
+        assert f"- {title}: {path}" in nav, (path, title)
+    runner = CliRunner()
+    for app in (server_app, tools_app):
+        text = " ".join(runner.invoke(app, ["--help"], terminal_width=200).output.split())
+        assert "Documentation: the site built from docs/" in text
+    started = runner.invoke(server_app, ["start", "--help"], terminal_width=200).output
+    assert 'docs: "Rehearse a Wi-Fi testbed", rehearsal/' in " ".join(
+        started.replace("│", " ").split())

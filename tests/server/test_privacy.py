@@ -309,12 +309,46 @@ def test_a_record_level_run_reports_its_clients_largest_epsilon(data_root, one_t
     (("algorithm.name=fedprox",), "Proximal"),
     (("algorithm.name=fedavg", "model.name=4convnet"), "batch normalization"),
     (("algorithm.name=fedreg",), "rebalanced"),
-    (("algorithm.name=fedavg", "privacy.target_epsilon=4"), "target_epsilon"),
+    (("algorithm.name=fedavg", "privacy.target_epsilon=4", "train.mode=async"), "ahead"),
+    (("algorithm.name=fedavg", "privacy.target_epsilon=0.01"), "round 0 would take a client"),
 ])
 def test_what_dp_sgd_cannot_account_is_refused_in_one_line(data_root, over, words):
     with pytest.raises(ConfigError) as err:
         run_simulation(quick_config(data_root, "data.fraction=0.03", *RECORD, *over), out=None)
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_record_level_run_stops_before_the_round_that_would_pass_its_budget(data_root, tmp_path,
+                                                                           one_thread):
+    """target_epsilon between round 1's epsilon and round 3's: the rounds end with the last
+    round within it, which is evaluated; the fine-tuning follows; the row says why."""
+    pytest.importorskip("opacus")
+    from fedseq.common.flops import plan_steps
+    from fedseq.server.experiment import load_experiment
+    from fedseq.server.ledger import select_clients
+    from fedseq.server.privacy import record_epsilon
+
+    base = ("algorithm.name=fedbabu", "rounds=4", "data.fraction=0.03", "train.join_ratio=0.6",
+            "train.threads=1", "train.eval_every=10", "algorithm.finetune_epochs=1", *RECORD)
+    cfg = quick_config(data_root, *base)
+    exp = load_experiment(cfg)
+    plan, steps, eps = exp.algorithm.plan(0), {}, []
+    for t in range(3):  # each round's largest client epsilon, as the ledger accounts it
+        for c in select_clients(cfg.seed_for("selection"), t, 5, cfg.selected_per_round()):
+            steps[c] = steps.get(c, 0) + plan_steps(plan, exp.data, exp.data.clients[c])
+        eps.append(record_epsilon(cfg, steps, {c.client: len(c.train) for c in exp.data.clients}))
+    budget = (eps[1] + eps[2]) / 2
+    cfg = quick_config(data_root, *base, f"privacy.target_epsilon={budget}")
+    cut = run_simulation(cfg, tmp_path / "run")
+    train = [r for r in cut.rows if r["phase"] == "train"]
+    assert [r["epsilon"] for r in train] == pytest.approx(eps[:2])
+    assert max(eps[:2]) <= budget < eps[2]
+    assert "round 2 would take a client" in train[-1]["stopped"]
+    assert train[-1]["global_acc"] is not None  # evaluated as the last round
+    assert cut.rows[-1]["phase"] == "finetune" and cut.rows[-1]["round"] == 2
+    import json
+
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["state"] == "finished"
 
 
 def test_a_checkpoint_keeps_each_clients_dp_sgd_steps():
