@@ -8,7 +8,7 @@ the machine's load average is printed with every step.
 The installed fedseq (this interpreter's environment) runs the commands: installing torch and
 the project is not timed. Each command runs in the fresh clone with its own data root.
 
-    python bench/newcomer.py --data-from ../shared/data/FashionMNIST/raw [--busy 2]
+    python bench/newcomer.py --data-from ../shared/data/FashionMNIST/raw [--busy 2] [--threads 1]
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ def main() -> None:
                     help="a folder with Fashion-MNIST's four original .gz files")
     ap.add_argument("--busy", type=int, default=2, help="CPU-spinning neighbour processes")
     ap.add_argument("--keep", action="store_true", help="keep the clone (printed)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="add --set train.threads=N to the simulation, as its warning advises "
+                         "on a busy machine (default: the README's command as it is)")
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="fedseq-newcomer-"))
     bin_dir = Path(sys.executable).parent
@@ -69,6 +72,7 @@ def main() -> None:
     print(f"{os.cpu_count()} cores, {args.busy} busy neighbour processes; waiting 30 s for the "
           "load average to show them", flush=True)
     time.sleep(30)
+    threads = [] if args.threads is None else ["--set", f"train.threads={args.threads}"]
     total = 0.0
     try:
         clone = home / "fedseq"
@@ -77,7 +81,7 @@ def main() -> None:
             ("fedseq data download fmnist", ["fedseq", "data", "download", "fmnist", "--from",
                                              str(args.data_from.resolve()), "-q"]),
             ("fedseq-sim quickstart", ["fedseq-sim", "--config", "examples/quickstart.toml",
-                                       "--out", "runs/first"]),
+                                       "--out", "runs/first", *threads]),
             ("fedseq-server start --local-clients 3",
              ["fedseq-server", "start", "--config", "examples/quickstart.toml",
               "--local-clients", "3", "--out", "runs/first-fleet"]),

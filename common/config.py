@@ -316,10 +316,10 @@ class TrainConfig(_Section):
         "fedseq-sim: where the model, batches and images live: cpu, cuda, cuda:N, or auto (cuda "
         "when available). Results differ from CPU runs in the last bits (kernels)."))
     threads: Union[int, str, None] = Field(None, description=(
-        "fedseq-sim's torch threads: a number; default torch's count (this machine's physical "
-        "cores, or OMP_NUM_THREADS: fixed, so a seed gives the same run whatever the load); `auto` "
-        "= the cores not busy at start (faster beside other work, but the result then depends on "
-        "the load). Recorded in the run directory."))
+        "fedseq-sim's torch threads: a number; default 1 (the same run from a seed on every "
+        "machine and under any load, bitwise what --workers gives; --workers N is the fast way "
+        "to use N cores); `auto` = the cores not busy at start (faster on an idle machine, but "
+        "the result then depends on the load). Recorded in the run directory."))
     mode: Literal["sync", "async"] = Field("sync", json_schema_extra=COORDINATOR, description=(
         "How the run advances (server/asynchronous.py): sync rounds, each waiting for its selected "
         "clients (or its deadline), or async: buffered asynchronous aggregation (FedBuff): "

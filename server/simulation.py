@@ -48,36 +48,16 @@ def load_average() -> float | None:
         return None
 
 
-def busy_machine(threads: int, setting: int | str | None, cores: int | None = None,
-                 load: float | None = None) -> str | None:
-    """A one-line warning where `threads` torch threads (train.threads left unset) meet a busy
-    machine, whose other work makes more threads slower, not faster; None where they fit."""
-    if setting is not None or threads <= 1:
-        return None
-    cores = cores or os.cpu_count() or 1
-    load = load_average() if load is None else load
-    if load is None:
-        return None
-    free = default_threads(cores, load)
-    if free >= threads:
-        return None
-    return (f"this machine is busy (load {load:.1f} on {cores} cores): {threads} torch threads "
-            f"may be several times slower than {free} (measured on 2 cores beside other work: "
-            f"60.9 s a round with 2 threads, 22.5 s with 1); --set train.threads={free} (its "
-            f"results differ bitwise from {threads} threads'), or wait")
-
-
 def sim_threads(setting: int | str | None) -> int:
-    """train.threads as a thread count: a number as given; None = torch's thread count in this
-    process (in a fresh fedseq-sim: this machine's physical cores, or OMP_NUM_THREADS), a fixed
-    choice, so the same config and seed give the same run whatever else runs (and a program or
-    test that set torch's threads keeps them); "auto" = the cores not busy now (default_threads;
-    faster beside other work, load-dependent results)."""
+    """train.threads as a thread count: a number as given; None = 1, the same on every machine
+    whatever its cores or its load, and bitwise what `--workers` gives (a newcomer's first run on
+    2 busy cores took 545 s with 2 threads and 155 s with 1, bench/newcomer.py); "auto" = the
+    cores not busy now (default_threads; faster on an idle machine, load-dependent results)."""
     if setting == "auto":
         return default_threads()
     if isinstance(setting, int):
         return setting
-    return torch.get_num_threads()
+    return 1
 
 
 def run_simulation(
@@ -168,18 +148,17 @@ class InProcess:
     def __init__(self, cfg: ExperimentConfig):
         self.cfg = cfg
         self.threads = sim_threads(cfg.train.threads)
+        self.before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
         self.device = torch_device(cfg.train.device)
 
     def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
-        """Nothing to reach."""
+        """Nothing to reach; the process's torch threads are given back when the run ends (a
+        program or test that runs a simulation keeps its own count)."""
+        stack.callback(torch.set_num_threads, self.before)
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> InProcessPool:
-        # warned once the data loaded: a run that cannot start says only why
-        said = busy_machine(self.threads, self.cfg.train.threads)
-        if said is not None:
-            log.warning("%s", said)
         return stack.enter_context(InProcessPool(
             exp.data, exp.model, exp.algorithm.personal_blocks(), self.cfg.seed_for("training"),
             self.cfg.train.eval_batch_size, self.device, algorithm=exp.algorithm.name))

@@ -120,17 +120,3 @@ def test_a_fleet_pool_ended_by_an_error_tells_its_devices_why():
             watcher.disconnect()
     controls = [Control.decode(p) for topic, p in got if topic == t.control]
     assert [(c.command, c.reason, c.run_id) for c in controls] == [("abort", "boom", "run-1")]
-
-
-def test_a_busy_machine_is_named_before_a_run_with_more_threads_than_free_cores():
-    """Newcomer II, finding 1: train.threads unset (the machine's cores) on a loaded machine
-    runs several times slower; the run says so in one line and how to avoid it. Set threads,
-    or one thread, or a quiet machine: nothing to say."""
-    from fedseq.server.simulation import busy_machine
-
-    said = busy_machine(2, None, cores=2, load=3.5)
-    assert said is not None and "load 3.5 on 2 cores" in said and "train.threads=1" in said
-    assert "\n" not in said
-    assert busy_machine(2, None, cores=2, load=0.2) is None
-    assert busy_machine(2, 2, cores=2, load=3.5) is None  # asked for: as asked
-    assert busy_machine(1, None, cores=2, load=3.5) is None
