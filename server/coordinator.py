@@ -295,19 +295,15 @@ class Coordinator:
             save_checkpoint(self.run_dir.path, self._checkpoint(first, resume.loop.last_row))
         self.pool.open(book.sent(book.offered(), self.alg.personal_blocks()),
                        self.alg.personal_blocks())
-        p = self.cfg.privacy
         if (reached := book.over_budget(first)) is not None:
-            raise ConfigError(f"privacy.target_epsilon = {p.target_epsilon:g}: round {first} "
-                              f"would take a client to epsilon {reached:.3g} at delta "
-                              f"{p.delta:g}; raise the budget or privacy.noise_multiplier")
+            raise ConfigError(self._over_budget(first, reached) + "; raise the budget or "
+                              "privacy.noise_multiplier")
         rounds = self.cfg.rounds
         for t in range(first, self.cfg.rounds):
             rec = self.driver.run_round(t)
             records.append(rec)
             if (reached := book.over_budget(t + 1)) is not None:  # t was evaluated as the last
-                rec.stopped = (f"privacy.target_epsilon = {p.target_epsilon:g}: round {t + 1} "
-                               f"would take a client to epsilon {reached:.3g} at delta "
-                               f"{p.delta:g}; the federated rounds end here")
+                rec.stopped = self._over_budget(t + 1, reached) + "; the federated rounds end here"
                 log.warning("%s", rec.stopped)
                 rounds = t + 1
             # checkpoint first, then the row: a row in metrics.jsonl always has its checkpoint,
@@ -330,6 +326,12 @@ class Coordinator:
         if self.run_dir is not None:
             self.run_dir.write_outputs(self.data, final.per_client, book.global_weights, self.cfg)
         return RunResult(book.global_weights, final, records)
+
+    def _over_budget(self, t: int, reached: float) -> str:
+        """What privacy.target_epsilon says of round t, which would take a client to `reached`."""
+        p = self.cfg.privacy
+        return (f"privacy.target_epsilon = {p.target_epsilon:g}: round {t} would take a client "
+                f"to epsilon {reached:.3g} at delta {p.delta:g}")
 
     def _finetune(self, plan: ClientPlan, last: EvalReport, rounds: int
                   ) -> tuple[EvalReport, RoundRecord]:
