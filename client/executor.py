@@ -13,13 +13,15 @@ import functools
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from fedseq.client.power import EnergyMeter, Mark, health
+from fedseq.client.secure import MASKED, SecureRound
 from fedseq.client.session import DeviceSession, RunState
 from fedseq.client.state import StateStore
-from fedseq.common.algorithms import model_layout
-from fedseq.common.algorithms.aggregate import DeviceCost
+from fedseq.common.algorithms import make_algorithm, model_layout
+from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
 from fedseq.common.algorithms.hooks import UnknownAlgorithm, client_side
 from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict
 from fedseq.common.data.federated import FederatedData, load_federated
@@ -80,10 +82,13 @@ class StepExecutor:
         clients = self.clients(run)
         plan = _plan(step)
         shared = self.session.weights(run, step)
+        secure = None
+        if step.secagg is not None:  # [secagg]: keys first, each update masked
+            secure = self.session.start_secure(run, step, mine)
         for c in mine:
             if self.abort(step):
                 return
-            self._train_client(run, step, clients, plan, shared, c, step.seq)
+            self._train_client(run, step, clients, plan, shared, c, step.seq, secure)
 
     def _async(self, run: RunState, step: Step, mine: List[int]) -> None:
         """One dispatch of an async step: the oldest of this device's clients' dispatches not
@@ -103,9 +108,10 @@ class StepExecutor:
         self.store.answer(run.run_id, run.answered)
 
     def _train_client(self, run: RunState, step: Step, clients: ClientExecutor, plan: ClientPlan,
-                      shared: Weights, c: int, seq: int) -> None:
+                      shared: Weights, c: int, seq: int, secure: Optional[SecureRound] = None
+                      ) -> None:
         """Train client `c` on round `step.round`'s model and send its update as an answer to
-        step `seq`."""
+        step `seq` (masked, in a secure round)."""
         mark = self.meter.mark()
         update = clients.train(c, step.round, plan, shared)
         cost = self._cost(mark)
@@ -120,8 +126,29 @@ class StepExecutor:
                     local_total=update.local_score[1] if update.local_score else None,
                     diverged_at=update.diverged_at, under_clip=update.under_clip,
                     **dataclasses.asdict(cost))
-        frame = encode_tensors(update.deltas)
+        deltas = update.deltas
+        if secure is not None:
+            deltas = self._masked(run, step, secure, update)
+            if deltas is None:
+                return  # the client dropped out of the secure round (logged)
+        frame = encode_tensors(deltas)
         self.session.send(f"update/{c}", seq, functools.partial(self._publish_update, meta, frame))
+
+    def _masked(self, run: RunState, step: Step, secure: SecureRound, update: ClientUpdate
+                ) -> Optional[Weights]:
+        """A secure round's upload: the update masked once the shares addressed to its client
+        came (None: the client dropped out, or the step ended first)."""
+        with self.session.cond:
+            while not secure.ready(update.client) and not self.abort(step):
+                self.session.cond.wait(timeout=1.0)
+        if update.diverged_at is not None:
+            return None
+        assert run.model is not None
+        weights = make_algorithm(run.cfg, run.model.spec).aggregation_weights(update)
+        y = secure.masked(update.client, update.deltas, weights)
+        if y is None:
+            return None
+        return {MASKED: torch.from_numpy(y.view(np.int32).copy())}
 
     def _evaluate(self, run: RunState, step: Step, mine: List[int]) -> None:
         clients = self.clients(run)

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 from pydantic import ValidationError
 
@@ -37,6 +37,7 @@ from fedseq.common.protocol.messages import (
     DeviceInfo,
     DeviceStatus,
     RunConfig,
+    SecAggMessage,
     ServerStatus,
     Step,
     WeightsHeader,
@@ -44,6 +45,9 @@ from fedseq.common.protocol.messages import (
 )
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
 from fedseq.common.protocol.topics import Topics
+
+if TYPE_CHECKING:
+    from fedseq.client.secure import SecureRound
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +128,8 @@ class DeviceSession:
         # update takes longer than the coordinator's silence before it asks; sending it again
         # then only queued more behind it)
         self.sending: Dict[str, object] = {}
+        # the secure round of the current train step ([secagg]; client/secure.py), if any
+        self.secure: Optional[SecureRound] = None
         # when a weights chunk last arrived (or the current step, or the last resync), and the
         # silence after which a step still lacking blocks resyncs them (weights_stalled)
         self.weights_heard = time.monotonic()
@@ -131,7 +137,8 @@ class DeviceSession:
         offline = DeviceStatus(device=device, state="offline").encode()
         self.link = Link(
             session_id(f"fedseq-device-{device}"), broker,
-            [t.run_config, t.assignment(device), t.step, t.weights(), t.control, t.server_status],
+            [t.run_config, t.assignment(device), t.step, t.weights(), t.control, t.server_status,
+             t.secagg_relay(device)],
             self.on_message, will=(t.device_status(device), offline),
             username=username, password=password, tls=tls,
         )
@@ -213,6 +220,8 @@ class DeviceSession:
                 self._on_weights_chunk(payload)
             elif kind == "control":
                 self._on_control(Control.decode(payload))
+            elif kind == "secagg_relay" and ref is not None and ref.device == self.device:
+                self._on_secagg(SecAggMessage.decode(payload))
             elif kind == "server_status":
                 status = ServerStatus.decode(payload)
                 run = self.run
@@ -271,6 +280,46 @@ class DeviceSession:
             self.outbox.clear()
             self.sending.clear()
             self.cond.notify_all()
+
+    def _on_secagg(self, msg: SecAggMessage) -> None:
+        """A secure round's stage relayed to this device's clients: answered at once (stage 2,
+        stage 4) or kept for the worker's masking (the shares addressed to them)."""
+        run = self._current_run(msg.run_id, f"secure stage {msg.stage}")
+        r = self.secure
+        if r is None or r.seq != msg.seq:
+            log.info("ignored a %s stage of step %d: no secure round of it here", msg.stage,
+                     msg.seq)
+            return
+        if msg.stage == "shares":
+            with self.cond:
+                r.take_shares(msg.items)
+                self.cond.notify_all()
+            return
+        answer = r.share(msg.items) if msg.stage == "keys" else r.unmask(msg.items)
+        if answer:
+            self.send_secure("shares" if msg.stage == "keys" else "unmask", run, msg.seq, answer)
+
+    def start_secure(self, run: RunState, step: Step, mine: List[int]) -> SecureRound:
+        """Worker: the secure round of train step `step` for this device's clients `mine`, its
+        first stage (their public keys) sent."""
+        from fedseq.client.secure import SecureRound
+
+        try:
+            r = SecureRound(step.seq, step.secagg, mine)
+        except ImportError:
+            raise FedseqError("secure aggregation needs the cryptography package on this device: "
+                              "pip install 'fedseq[secagg]'") from None
+        with self.cond:
+            self.secure = r
+        self.send_secure("keys", run, step.seq, r.keys())
+        return r
+
+    def send_secure(self, stage: str, run: RunState, seq: int, items: Dict[int, Any]) -> None:
+        """Publish this device's answer to a secure stage (again on every reconnect)."""
+        msg = SecAggMessage(run_id=run.run_id, seq=seq, stage=stage, device=self.device,
+                            items=items)
+        self.send(f"secagg/{stage}", seq,
+                  lambda: self.link.publish(self.topics.secagg(self.device), msg))
 
     def _on_run_config(self, rc: RunConfig) -> None:
         try:

@@ -27,6 +27,7 @@ prime field is written here.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import itertools
 import math
@@ -54,6 +55,9 @@ _PLAIN = struct.Struct(f">II{SHARE_BYTES}s{SHARE_BYTES}s")
 NONCE_BYTES = 12
 TAG_BYTES = 16
 CIPHER_BYTES = NONCE_BYTES + _PLAIN.size + TAG_BYTES
+#: a masked input's name in a device's update frame (the one tensor a secure update carries:
+#: the ring elements as int32)
+MASKED = "~masked"
 
 
 class SecAggError(ProtocolError):
@@ -568,3 +572,91 @@ class SecAggServer:
     def _blame(self, xs: Sequence[int], why: str) -> None:
         for x in xs:
             self.blamed.setdefault(x - 1, why)
+
+
+# -- on the wire (protocol v8: Step.secagg and SecAggMessage) ------------------------------------
+def setup_to_dict(setup: Setup, layout: Layout, unweighted: bool) -> Dict[str, Any]:
+    """A round's setup as the train step carries it to the devices (JSON)."""
+    return {"round": setup.round, "graph": {str(c): list(v) for c, v in setup.graph.items()},
+            "threshold": setup.threshold, "length": setup.length, "scale": setup.scale,
+            "clip_range": setup.clip_range, "layout": [[k, n] for k, n in layout],
+            "unweighted": unweighted}
+
+
+def setup_from_dict(raw: object) -> Tuple[Setup, Layout, bool]:
+    """A step's secure setup back (Setup, layout, whether every update weighs 1); SecAggError in
+    one line where it is malformed."""
+    try:
+        assert isinstance(raw, dict)
+        graph = {int(c): [int(v) for v in vs] for c, vs in raw["graph"].items()}
+        layout = [(str(k), int(n)) for k, n in raw["layout"]]
+        setup = Setup(round=int(raw["round"]), graph=graph, threshold=int(raw["threshold"]),
+                      length=int(raw["length"]), scale=float(raw["scale"]),
+                      clip_range=float(raw["clip_range"]))
+        unweighted = raw["unweighted"]
+        assert isinstance(unweighted, bool)
+        assert all(c not in vs and all(v in graph and c in graph[v] for v in vs)
+                   for c, vs in graph.items()), "the graph is not symmetric"
+        assert setup.threshold >= 1 and setup.scale > 0 and setup.clip_range > 0
+        assert setup.length == vector_length(layout) and all(n > 0 for _, n in layout)
+    except (AssertionError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise SecAggError(f"a malformed secure-aggregation setup ({exc or 'a wrong field'})"
+                          ) from None
+    return setup, layout, unweighted
+
+
+def to_text(blob: bytes) -> str:
+    """Bytes as the stage messages carry them (base64)."""
+    return base64.b64encode(blob).decode("ascii")
+
+
+def from_text(text: object, size: int) -> bytes:
+    """Base64 text back to exactly `size` bytes; SecAggError otherwise."""
+    try:
+        if not isinstance(text, str) or len(text) > 4 * size:
+            raise ValueError
+        blob = base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError):
+        raise SecAggError(f"expected {size} bytes in base64") from None
+    if len(blob) != size:
+        raise SecAggError(f"expected {size} bytes in base64, got {len(blob)}")
+    return blob
+
+
+def keys_from_wire(entry: object) -> Tuple[bytes, bytes]:
+    """Stage 1's (c, s) public keys from their wire form."""
+    if not isinstance(entry, list) or len(entry) != 2:
+        raise SecAggError("public keys: expected two base64 keys")
+    return from_text(entry[0], KEY_BYTES), from_text(entry[1], KEY_BYTES)
+
+
+def shares_from_wire(entry: object) -> Tuple[Dict[int, bytes], bytes]:
+    """Stage 2's (receiver -> encrypted share, commitment) from its wire form."""
+    if not isinstance(entry, dict) or set(entry) != {"to", "commit"} or not isinstance(
+            entry["to"], dict):
+        raise SecAggError("shares: expected {\"to\": {receiver: share}, \"commit\": ...}")
+    try:
+        return ({int(v): from_text(b, CIPHER_BYTES) for v, b in entry["to"].items()},
+                from_text(entry["commit"], 32))
+    except ValueError:
+        raise SecAggError("shares: a receiver that is not a client") from None
+
+
+def answer_from_wire(entry: object) -> Dict[int, Tuple[str, int]]:
+    """Stage 4's (neighbour -> (kind, share)) from its wire form."""
+    if not isinstance(entry, dict):
+        raise SecAggError("unmask: expected {neighbour: [kind, share]}")
+    out = {}
+    try:
+        for v, pair in entry.items():
+            kind, value = pair
+            if kind not in ("b", "s"):
+                raise ValueError
+            out[int(v)] = (kind, int.from_bytes(from_text(value, SHARE_BYTES), "big"))
+    except (TypeError, ValueError):
+        raise SecAggError("unmask: expected {neighbour: [\"b\" or \"s\", share]}") from None
+    return out
+
+
+def answer_to_wire(answer: Mapping[int, Tuple[str, int]]) -> Dict[str, List[str]]:
+    return {str(v): [kind, to_text(_bytes(value))] for v, (kind, value) in answer.items()}

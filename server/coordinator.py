@@ -18,6 +18,7 @@ transports, and the RunDir only writes.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from fedseq.server.pool import ClientPool, PoolState, RoundOutcome
 from fedseq.server.privacy import check_budget, check_record_level, statement
 from fedseq.server.records import ClientEnergy, Rejection, RoundRecord
 from fedseq.server.rundir import RunDir
+from fedseq.server.secure import SecureSum
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,9 @@ class Rounds:
         got = book.updates(t, selected, contract.reference)
         if not selected:  # Poisson sampling ([privacy]) drew nobody: nothing to dispatch
             return got
+        secure = got.aggregate if isinstance(got.aggregate, SecureSum) else None
+        if secure is not None and not secure.local:  # devices send masked inputs
+            contract = dataclasses.replace(contract, masked=secure.setup.length)
 
         def check(update: ClientUpdate) -> Rejection | None:
             reason = contract.check(update)
@@ -190,7 +195,7 @@ class Rounds:
         with torch_threads(book.collect_threads):
             dispatch = book.pool.train(t, selected, plan,
                                        book.sent(in_blocks(book.offered(), needed)), check,
-                                       enough)
+                                       enough, secure)
             for update in dispatch:
                 book.fold(got, update, plan)
                 got.costs[update.client] = (update.device, update.cost)

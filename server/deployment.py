@@ -104,10 +104,6 @@ def run_deployment(
 ) -> RunResult:
     """mode "resume" continues `out` after its checkpoint's last complete round, under the same
     run id (devices keep their personal state) and the same assignment."""
-    if cfg.secagg.enabled:  # masking on the coordinator would protect nothing: refused
-        raise ConfigError("secagg.enabled: secure aggregation runs in simulation (fedseq-sim, "
-                          "--workers) in this version; its four stages over MQTT are not built "
-                          "yet, and devices would send their updates in the clear: remove [secagg]")
     _own_broker(rehearsal, broker or cfg.deploy.broker)
     if cfg.fleet:
         announce("note: [fleet] models a simulation's time; a deployment's devices are real, "

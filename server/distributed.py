@@ -369,7 +369,7 @@ class DistributedPool:
         """Nothing to announce: every step carries what its clients need."""
 
     def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
-              check: UpdateCheck, enough: int | None = None) -> TrainRound:
+              check: UpdateCheck, enough: int | None = None, secure: Any = None) -> TrainRound:
         return TrainRound(self._train(round, clients, plan, weights, check))
 
     def _train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,

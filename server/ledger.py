@@ -297,8 +297,10 @@ class Ledger:
             assert offered is not None and isinstance(inner, WeightedDeltaSum)
             layout = layout_of(offered)
             heaviest = max(1, *(len(self.data.clients[c].train) for c in clients))
+            # a pool of devices (MQTT) masks there; others play the clients' side here
+            local = not getattr(self.pool, "masks_on_devices", False)
             return RoundUpdates(SecureSum(inner, round_setup(self.cfg, t, clients, layout,
-                                                             heaviest), layout))
+                                                             heaviest), layout, local))
         return RoundUpdates(inner)
 
     def fold(self, got: RoundUpdates, update: ClientUpdate, plan: ClientPlan,

@@ -127,11 +127,13 @@ class ClientPool(Protocol):
         ...
 
     def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
-              check: UpdateCheck, enough: int | None = None) -> TrainRound:
+              check: UpdateCheck, enough: int | None = None, secure: Any = None) -> TrainRound:
         """Have the selected clients train `plan` from `weights` (plus their personal blocks);
         `enough` (over-selection on a fleet): stop waiting once that many valid updates came. A
         simulation's pools train every client they are given (the round loop gives them only
-        the first to arrive on its simulated fleet) and ignore it."""
+        the first to arrive on its simulated fleet) and ignore it. `secure`: the round's
+        SecureSum under [secagg]; a pool of devices (`masks_on_devices`) relays its stages,
+        others ignore it (its clients' side is played in this process)."""
         ...
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
@@ -276,7 +278,7 @@ class InProcessPool:
         """Nothing to announce: the clients live in this process."""
 
     def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
-              check: UpdateCheck, enough: int | None = None) -> TrainRound:
+              check: UpdateCheck, enough: int | None = None, secure: Any = None) -> TrainRound:
         return TrainRound(self._train(round, clients, plan, weights, check))
 
     def _train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,

@@ -13,6 +13,7 @@ as it would read a plain round's.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from fedseq.common.models import Weights, block_of
 from fedseq.common.secagg import (
     CIPHER_BYTES,
     KEY_BYTES,
+    MASKED,
     SHARE_BYTES,
     Layout,
     SecAggClient,
@@ -66,15 +68,31 @@ def layout_of(reference: Weights) -> Layout:
 
 class SecureSum:
     """A secure round's aggregate (module docstring): `inner`, the rule the unmasked sum feeds
-    (its `sums`, `weights` and `clients` are set from it)."""
+    (its `sums`, `weights` and `clients` are set from it). `local`: the clients' side is played
+    here (a simulation); else the clients are devices, whose stages the MQTT pool relays
+    (server/mqtt/secure.py): their updates arrive masked, and `ask_unmask` (set by the pool)
+    asks them for stage 4's shares."""
 
-    def __init__(self, inner: WeightedDeltaSum, setup: Setup, layout: Layout):
-        self.inner, self.setup, self.layout = inner, setup, layout
+    def __init__(self, inner: WeightedDeltaSum, setup: Setup, layout: Layout,
+                 local: bool = True):
+        self.inner, self.setup, self.layout, self.local = inner, setup, layout, local
         self.unweighted = isinstance(inner, NoisedSum)
         self.server = SecAggServer(setup)
+        self.recovered: list[int] = []
+        self.wire = {c: 0 for c in setup.clients}  # each client's bytes up
+        self.clients: dict[int, SecAggClient] = {}
+        self.ask_unmask: Callable[[dict[int, tuple[list[int], list[int]]]], dict[int, Any]] = \
+            lambda requests: {}
+        self.routed: dict[int, dict[int, bytes]] = {}
+        if local:
+            self._key_stages()
+
+    def _key_stages(self) -> None:
+        """Stages 1 and 2 with every client, in this process."""
+        setup = self.setup
         self.clients = {c: SecAggClient(c, setup) for c in setup.clients}
         advertised = {c: x.advertise() for c, x in self.clients.items()}
-        self.wire = {c: 2 * KEY_BYTES for c in self.clients}  # each client's bytes up
+        self.wire = {c: 2 * KEY_BYTES for c in self.clients}
         keys = self.server.advertised(advertised)
         sent = {}
         for c, theirs in keys.items():
@@ -85,12 +103,17 @@ class SecureSum:
                 continue
             self.wire[c] += len(sent[c][0]) * CIPHER_BYTES + 32
         self.routed = self.server.shared(sent)
-        self.recovered: list[int] = []
 
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
             device: str | None = None) -> None:
         """Client `client`'s masked input, made from its update as its device would, joins the
-        sum (the coordinator's side sees only the masked vector)."""
+        sum (the coordinator's side sees only the masked vector). From a device, `deltas` is
+        that masked input (MASKED, checked by the round contract)."""
+        if not self.local:
+            y = deltas[MASKED].numpy().view(np.uint32)
+            self.server.add_masked(client, y)
+            self.wire[client] = self.wire.get(client, 0) + 4 * y.size
+            return
         # DP-FedAvg's noised sum weighs every update 1 (NoisedSum.add)
         per_tensor = {k: 1.0 if self.unweighted else weight_of[block_of(k)] for k in deltas}
         bound = (1 << 31) / (self.setup.clip_range * self.setup.scale * len(self.setup.graph))
@@ -122,7 +145,10 @@ class SecureSum:
         hand it to the inner rule. AggregationError where it cannot be unmasked (too few shares:
         the round fails, its sum unknown) or decodes outside what clamped updates can sum to."""
         shares: dict[int, Any] = {}
-        for c, (alive, gone) in self.server.unmask_requests().items():
+        requests = self.server.unmask_requests()
+        if not self.local:
+            shares = self.ask_unmask(requests)
+        for c, (alive, gone) in requests.items() if self.local else ():
             answer = self.clients[c].unmask(alive, gone)
             if answer is not None:  # None: the device went silent
                 shares[c] = answer

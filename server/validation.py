@@ -56,6 +56,21 @@ def statistic_problem(key: str, ref: torch.Tensor, delta: torch.Tensor) -> Rejec
     return None
 
 
+def _masked_problem(update: ClientUpdate, length: int) -> Rejection | None:
+    """A secure round's update: exactly one int32 vector of `length` ring elements."""
+    from fedseq.common.secagg import MASKED
+
+    if set(update.deltas) != {MASKED}:
+        return Rejection("wrong-tensors", f"a secure round's update is one tensor {MASKED}, not "
+                                          f"{_names(set(update.deltas))}")
+    d = update.deltas[MASKED]
+    if d.dtype != torch.int32 or d.shape != (length,):
+        return Rejection("wrong-shape", f"tensor {MASKED} is "
+                         f"{str(d.dtype).removeprefix('torch.')}{list(d.shape)}, expected "
+                         f"int32[{length}]")
+    return None
+
+
 @dataclass(frozen=True)
 class RoundContract:
     """What a valid update of one round looks like (built by round_contract from what the
@@ -73,6 +88,9 @@ class RoundContract:
     clip: float | None = None  # [privacy]: the largest L2 norm of a decoded update
     #: the wire form's tensors an update must have: name -> (dtype, shape)
     form: dict[str, tuple[torch.dtype, torch.Size]] = field(default_factory=dict)
+    #: [secagg] on devices: the update is a masked input of this many ring elements (its
+    #: values are the secure sum's to check, once unmasked)
+    masked: int | None = None
 
     def __post_init__(self) -> None:
         if not self.form:
@@ -103,6 +121,8 @@ class RoundContract:
             if total != self.test_samples.get(c) or not 0 <= correct <= total:
                 return Rejection("wrong-score", f"local score {correct}/{total}, but client {c} "
                                                 f"has {self.test_samples.get(c)} test rows")
+        if self.masked is not None:
+            return _masked_problem(update, self.masked)
         got, want = set(update.deltas), set(self.form)
         if got != want:
             extra, missing = _names(got - want), _names(want - got)

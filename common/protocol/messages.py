@@ -20,7 +20,9 @@ from fedseq.common.errors import ProtocolError, validation_problem
 # step that dispatched its client, its round the model version it trained on.
 # 7: a plan names its algorithm and carries that algorithm's parameters (`algorithm`, `params`)
 # in place of a field per algorithm (prox_mu, control_variates, dyn_alpha, personal_epochs, ...)
-PROTOCOL_VERSION = 7
+# 8: secure aggregation over MQTT ([secagg]): Step.secagg (the round's setup), SecAggMessage on
+# fedseq/secagg/<device> (up) and fedseq/device/<device>/secagg (down)
+PROTOCOL_VERSION = 8
 #: seconds between an online device's status messages (its heartbeat)
 HEARTBEAT_S = 15.0
 
@@ -56,7 +58,7 @@ class Message(BaseModel):
     protocol version (a peer of another version is rejected loudly, see version_mismatch)."""
 
     model_config = ConfigDict(extra="forbid")
-    v: Literal[7] = 7  # PROTOCOL_VERSION
+    v: Literal[8] = 8  # PROTOCOL_VERSION
 
     def encode(self) -> bytes:
         """The message as compact JSON bytes."""
@@ -177,6 +179,10 @@ class Step(Message):
     eval_heads: List[str] = Field(default_factory=list, description="The heads an evaluation scores.")
     personal: List[str] = Field(default_factory=list, description=(
         "The algorithm's personal blocks: what a client's stored state overrides (evaluate, finetune)."))
+    secagg: Optional[Dict[str, Any]] = Field(None, description=(
+        "train under [secagg]: the round's secure-aggregation setup (common/secagg.py "
+        "setup_to_dict): who masks with whom, the threshold, the masked vector's layout and "
+        "fixed-point scale; the clients then answer its stages on `fedseq/secagg/<device>`."))
 
 
 class EvalResult(Message):
@@ -212,6 +218,21 @@ class Control(Message):
     seq: Optional[int] = Field(None, description="resend: the step.")
     clients: List[int] = Field(default_factory=list, max_length=100_000, description=(
         "resend: whose answers."))
+
+
+class SecAggMessage(Message):
+    """One stage of a secure round (common/secagg.py) for one device's clients. Up (a device on
+    `fedseq/secagg/<device>`): keys (client -> its two public keys), shares (client -> receiver
+    -> an encrypted share), unmask (client -> neighbour -> ["b" or "s", a share]). Down (the
+    coordinator on `fedseq/device/<device>/secagg`): keys (client -> neighbour -> its keys),
+    shares (client -> sender -> the share addressed to it), unmask (client -> [survivors,
+    dropped]). Bytes travel base64-encoded; every item is validated by the stage that takes it."""
+
+    run_id: str
+    seq: int = Field(ge=0, description="The train step of the secure round.")
+    stage: Literal["keys", "shares", "unmask"]
+    device: str = Field(max_length=64, description="The device whose clients the items are.")
+    items: Dict[int, Any] = Field(description="Client -> that client's part of the stage.")
 
 
 class WeightsHeader(Message):

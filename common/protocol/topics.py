@@ -16,8 +16,8 @@ class TopicRef:
     """A parsed topic: its kind and the names its levels carry (empty where it has none).
 
     kind: server_status, campaign, device_status, device_info, assignment, run_config, step,
-    weights, update, eval, control. Levels are kept as text: a chunk level that is not a number is the message
-    handler's to refuse, with its reason."""
+    weights, update, eval, secagg, secagg_relay, control. Levels are kept as text: a chunk level
+    that is not a number is the message handler's to refuse, with its reason."""
 
     kind: str
     device: str = ""
@@ -65,6 +65,14 @@ class Topics:
         at most one message per device here whatever a device login publishes."""
         return f"{self.root}/update/{device}"
 
+    def secagg(self, device: str = "+") -> str:
+        """A device's answers in a secure round's stages (up)."""
+        return f"{self.root}/secagg/{device}"
+
+    def secagg_relay(self, device: str = "+") -> str:
+        """What the coordinator relays to a device's clients in a secure round (down)."""
+        return f"{self.root}/device/{device}/secagg"
+
     def evaluation(self, device: str = "+") -> str:
         return f"{self.root}/eval/{device}"
 
@@ -78,12 +86,13 @@ class Topics:
             return None
         p = topic[len(self.root) + 1:].split("/")
         shape = (p[0], len(p))
-        if p[0] in ("device", "update", "eval") and len(p) > 1 and not DEVICE_NAME.fullmatch(p[1]):
+        if p[0] in ("device", "update", "eval", "secagg") and len(p) > 1 and not DEVICE_NAME.fullmatch(p[1]):
             return None  # not a device's name (fedseq-client's --device): nobody's topic
         if shape == ("server", 2) and p[1] in ("status", "campaign"):
             return TopicRef("server_status" if p[1] == "status" else "campaign")
-        if shape == ("device", 3) and p[2] in ("status", "info", "assign"):
-            kind = {"status": "device_status", "info": "device_info", "assign": "assignment"}[p[2]]
+        if shape == ("device", 3) and p[2] in ("status", "info", "assign", "secagg"):
+            kind = {"status": "device_status", "info": "device_info", "assign": "assignment",
+                    "secagg": "secagg_relay"}[p[2]]
             return TopicRef(kind, device=p[1])
         if shape == ("run", 2) and p[1] == "config":
             return TopicRef("run_config")
@@ -93,6 +102,8 @@ class Topics:
             return TopicRef("weights", block=p[1], chunk=p[2])
         if shape == ("update", 2):
             return TopicRef("update", device=p[1])
+        if shape == ("secagg", 2):
+            return TopicRef("secagg", device=p[1])
         if shape == ("eval", 2):
             return TopicRef("eval", device=p[1])
         return None

@@ -11,6 +11,7 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import DeployConfig
 from fedseq.common.protocol.messages import HEARTBEAT_S, Control, EvalResult
 from fedseq.server.mqtt.inbox import HELD_IN_MEMORY, EvalArrived, UpdateArrived, plausible
+from fedseq.server.mqtt.secure import SecureStages
 from fedseq.server.mqtt.session import DeviceOffline, ServerSession, StepFailed
 from fedseq.server.pool import FinetuneOutcome, Progress, RoundOutcome, ScoreCheck, UpdateCheck
 
@@ -129,14 +130,23 @@ class DeadlinePolicy:
 
 def collect_updates(session: ServerSession, seq: int, round: int, clients: list[int],
                     owner: dict[int, str], check: UpdateCheck, policy: DeadlinePolicy,
-                    chunks: int = 1, enough: int | None = None
+                    chunks: int = 1, enough: int | None = None, stages: SecureStages | None = None
                     ) -> Generator[ClientUpdate, None, RoundOutcome]:
     """The valid updates of step `seq`, in client order as soon as they can be folded in (the
     same order as the simulation: bitwise parity), until every selected client answered, failed
     or went offline with its device, or the deadline passed, or (over-selection) `enough` valid
     updates came: the clients still owing one are then cancelled (their updates will be late).
-    `chunks`: messages per update (what one client's resend costs the broker's queue)."""
+    `chunks`: messages per update (what one client's resend costs the broker's queue).
+    `stages`: a secure round's, whose key stages run first (within the round's deadline)."""
+    if stages is not None:
+        load: dict[str, int] = {}
+        for c in clients:
+            if c in owner:
+                load[owner[c]] = load.get(owner[c], 0) + 1
+        stages.share_keys(policy.deadline(load))
     step = _TrainStep(session, seq, round, clients, owner, check, policy)
+    for ev in stages.held if stages is not None else ():  # a device that failed meanwhile
+        step.take(ev)
     again = Resender(session, seq, chunks)
     while step.owing and time.monotonic() < step.deadline and \
             (enough is None or len(step.arrived) < enough):

@@ -31,6 +31,7 @@ from fedseq.common.protocol.messages import (
     DeviceStatus,
     EvalResult,
     PeerVersion,
+    SecAggMessage,
     UpdateHeader,
 )
 from fedseq.common.protocol.tensors import decode_tensors
@@ -69,6 +70,10 @@ MAX_STRANGERS = 256
 #: devices whose statuses are kept before a run opens (its fleet is not known yet): a fleet of
 #: 1,000 devices is measured (docs/deploy.md), so room for four times that
 MAX_PRESENT = 4096
+#: bytes a secure round's stage message may carry per client its device holds and per neighbour
+#: of it (an encrypted share is 168 bytes, 224 in base64, with its receiver's number), plus a
+#: fixed allowance for the envelope
+SECAGG_BYTES_PER_PAIR, SECAGG_BYTES_BASE = 320, 4096
 #: warnings about one device's invalid or dropped messages logged per minute; the rest are counted
 #: and summed up in one line (journald's own rate limit would otherwise drop the operator's lines)
 WARNINGS_PER_MINUTE = 10
@@ -206,7 +211,16 @@ class EvalArrived:
     result: EvalResult
 
 
-Event: TypeAlias = StatusArrived | UpdateArrived | EvalArrived
+@dataclass(frozen=True)
+class SecAggArrived:
+    """A device's answer to one stage of a secure round ([secagg]), with its size in bytes."""
+
+    device: str
+    message: SecAggMessage
+    size: int
+
+
+Event: TypeAlias = StatusArrived | UpdateArrived | EvalArrived | SecAggArrived
 
 
 def plausible(v: float | None, lo: float, hi: float) -> float | None:
@@ -294,6 +308,8 @@ class Inbox:
         self.on_junk = on_junk
         #: told of every message dropped unread for its login's spent budget (guard.py)
         self.on_flood: Callable[[str], None] = lambda device: None
+        #: the train step whose secure stages are taken, and its graph's largest degree
+        self.secure_seq, self.secure_degree = -1, 0
         self.open({}, 0)
 
     def open(self, owner: dict[int, str], update_bytes: int, update_tensors: int | None = None
@@ -339,7 +355,12 @@ class Inbox:
 
     def subscriptions(self) -> list[str]:
         t = self.topics
-        return [t.device_status(), t.device_info(), t.update(), t.evaluation()]
+        return [t.device_status(), t.device_info(), t.update(), t.evaluation(), t.secagg()]
+
+    def secure(self, seq: int, degree: int = 0) -> None:
+        """Take the stages of step `seq`'s secure round (-1: none), whose clients have at most
+        `degree` neighbours (what bounds a stage message's size)."""
+        self.secure_seq, self.secure_degree = seq, degree
 
     def takes_update(self, seq: int) -> bool:
         """Whether an update answering step `seq` is taken now."""
@@ -522,7 +543,7 @@ class Inbox:
         try:
             self._read(ref, topic, payload)
         except FedseqError as exc:
-            if ref is not None and ref.kind in ("update", "eval"):
+            if ref is not None and ref.kind in ("update", "eval", "secagg"):
                 self.on_junk(topic)
             hint = (f" (it speaks protocol v{exc.version}, this coordinator v{PROTOCOL_VERSION}: "
                     "install the same fedseq version on both sides)"
@@ -575,6 +596,15 @@ class Inbox:
                       EVALS_PER_CLIENT * (self._clients[ref.device] + 1))
         elif ref.kind == "update":
             self._on_update_chunk(ref.device, payload)
+        elif ref.kind == "secagg":
+            msg = SecAggMessage.decode(payload)
+            _same_device(msg.device, ref.device)
+            if msg.run_id != self.run_id:
+                raise ProtocolError(f"secure stage for run {msg.run_id}, this is {self.run_id}")
+            if msg.seq != self.secure_seq:
+                return  # a secure round that is over (or never was): nothing waits for it
+            self._put(SecAggArrived(ref.device, msg, len(payload)),
+                      ("secagg", msg.seq, (ref.device, msg.stage)), 2)
         else:
             raise ProtocolError("not a topic the coordinator reads")
         if ref.kind != "device_info":  # a retained description says nothing of presence
@@ -589,6 +619,11 @@ class Inbox:
             return CHUNK_MESSAGE_BYTES
         if kind == "eval":
             return EVAL_BYTES_BASE + EVAL_BYTES_PER_CLIENT * self._clients[device]
+        if kind == "secagg":
+            if self.secure_seq < 0 or not self._clients[device]:
+                raise ProtocolError(f"no secure round is under way for {device}")
+            return SECAGG_BYTES_BASE + SECAGG_BYTES_PER_PAIR * self._clients[device] * (
+                self.secure_degree + 1)
         return STATUS_BYTES
 
     def _on_update_chunk(self, device: str, payload: bytes) -> None:

@@ -24,6 +24,7 @@ from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.protocol.topics import Topics
+from fedseq.common.secagg import MASKED, setup_to_dict
 from fedseq.common.text import printable
 from fedseq.server.mqtt.blocks import BlockPublisher
 from fedseq.server.mqtt.collect import (
@@ -34,6 +35,7 @@ from fedseq.server.mqtt.collect import (
 )
 from fedseq.server.mqtt.guard import FloodGuard
 from fedseq.server.mqtt.inbox import UpdateArrived
+from fedseq.server.mqtt.secure import SecureStages
 from fedseq.server.mqtt.session import ServerSession, SessionEvent
 from fedseq.server.pool import (
     EvalOutcome,
@@ -44,6 +46,7 @@ from fedseq.server.pool import (
     TrainRound,
     UpdateCheck,
 )
+from fedseq.server.secure import SecureSum
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +76,9 @@ class MqttPool:
 
     Set-up order (fedseq-server start): `start` (connect), `wait_for_devices`, then the round
     loop calls `restore` (resuming) and `open`; `close` says goodbye."""
+
+    #: [secagg]: the devices mask their updates; this pool relays their stages (mqtt/secure.py)
+    masks_on_devices = True
 
     def __init__(self, cfg: ExperimentConfig, url: str, run_id: str,
                  username: str | None = None, password: str | None = None,
@@ -142,6 +148,10 @@ class MqttPool:
         coded = {k: torch.empty(shape, dtype=dtype)  # sized, never filled
                  for k, (dtype, shape) in expected(shared, self.cfg.wire.codec("up")).items()}
         biggest = max(frame_size(shared), frame_size(coded)) + 4096
+        if self.cfg.secagg.enabled:  # a masked input: a ring element per value and per tensor,
+            # twice over (SCAFFOLD's control variates beside the deltas)
+            n = 2 * sum(v.numel() + 1 for v in shared.values())
+            biggest = max(biggest, frame_size({MASKED: torch.empty(n, dtype=torch.int32)}) + 4096)
         per_device = max(len(cs) for cs in self.assignment.values()) + 1
         # at most every shared tensor, coded, twice (SCAFFOLD's control variates beside them)
         self.inbox.open(self.owner, biggest, 2 * max(len(shared), len(coded)))
@@ -193,18 +203,32 @@ class MqttPool:
 
     def _publish_step(self, **fields: Any) -> Step:
         self.inbox.collect(self.seq + 1)  # before the step goes out: its answers may come fast
+        if "secagg" not in fields:
+            self.inbox.secure(-1)  # a secure round's stages end with its step
         self.seq += 1
         step = Step(run_id=self.run_id, seq=self.seq, **fields)
         self.session.retain(self.topics.step, step.encode())
         return step
 
     def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
-              check: UpdateCheck, enough: int | None = None) -> TrainRound:
+              check: UpdateCheck, enough: int | None = None,
+              secure: SecureSum | None = None) -> TrainRound:
         versions = self._prepare_step(weights)
+        extra: dict[str, Any] = {}
+        if secure is not None:  # the devices mask; the coordinator relays their stages
+            extra["secagg"] = setup_to_dict(secure.setup, secure.layout, secure.unweighted)
+            self.inbox.secure(self.seq + 1, max(map(len, secure.setup.graph.values()),
+                                                default=0))
         step = self._publish_step(kind="train", round=round, clients=clients,
-                                  plan=plan_to_dict(plan), versions=versions)
+                                  plan=plan_to_dict(plan), versions=versions, **extra)
+        stages = None
+        if secure is not None:
+            stages = SecureStages(self.session, step.seq, secure, self.owner,
+                                  self.cfg.deploy.round_timeout_min_s)
+            secure.ask_unmask = stages.unmask
         return TrainRound(collect_updates(self.session, step.seq, round, clients, self.owner,
-                                          check, self.deadlines, self.update_chunks, enough))
+                                          check, self.deadlines, self.update_chunks, enough,
+                                          stages))
 
     # -- an asynchronous run (server/mqtt/asynchronous.py; pool.AsyncPool) -------------------
     def device_of(self, client: int) -> str | None:

@@ -21,7 +21,13 @@ from fedseq.common.protocol.link import Link, TlsOptions, session_id
 from fedseq.common.protocol.messages import DeviceStatus, ServerStatus
 from fedseq.common.protocol.topics import Topics
 from fedseq.common.text import printable
-from fedseq.server.mqtt.inbox import EvalArrived, Inbox, StatusArrived, UpdateArrived
+from fedseq.server.mqtt.inbox import (
+    EvalArrived,
+    Inbox,
+    SecAggArrived,
+    StatusArrived,
+    UpdateArrived,
+)
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +48,8 @@ class StepFailed:
     reason: str
 
 
-SessionEvent: TypeAlias = UpdateArrived | EvalArrived | DeviceOffline | StepFailed
+SessionEvent: TypeAlias = (UpdateArrived | EvalArrived | SecAggArrived | DeviceOffline
+                            | StepFailed)
 
 
 class ServerSession:
@@ -104,7 +111,7 @@ class ServerSession:
         """Network thread: devices never publish updates or evaluations retained; one that did
         (junk the broker would keep, persist and replay on every subscribe) is removed."""
         ref = self.topics.parse(topic)
-        if ref is not None and ref.kind in ("update", "eval"):
+        if ref is not None and ref.kind in ("update", "eval", "secagg"):
             self._clear(topic)
 
     def _clear(self, topic: str) -> None:

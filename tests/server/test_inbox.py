@@ -139,7 +139,7 @@ def test_warnings_about_one_device_are_rate_limited_and_plain_text(caplog):
     """Hardening III, finding 6: a device's junk is logged at most WARNINGS_PER_MINUTE times a
     minute, each line one line of plain text whatever the device put in it."""
     box = _inbox()
-    forged = '{"v": 7, "device": "dev01", "state": "online", "x\\nERROR round 7 failed\\u001b[2J": 1}'
+    forged = '{"v": 8, "device": "dev01", "state": "online", "x\\nERROR round 7 failed\\u001b[2J": 1}'
     with caplog.at_level("WARNING", logger="fedseq.server.mqtt.inbox"):
         for _ in range(500):
             box.on_message(T.device_status("dev01"), forged.encode())

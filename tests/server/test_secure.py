@@ -161,13 +161,31 @@ def test_a_secure_run_is_bitwise_whatever_the_keys_across_workers_and_resume(
             assert torch.allclose(alone.global_weights[k], v, atol=1e-4), k
 
 
-def test_a_deployment_refuses_it_until_its_stages_travel_over_mqtt(data_root):
-    """Masking on the coordinator would protect nothing: refused before a broker starts."""
+@pytest.mark.slow
+@pytest.mark.parametrize("more", [(), ("privacy.enabled=true", "privacy.clip_norm=2",
+                                       "privacy.noise_multiplier=0.5")])
+def test_a_secure_deployment_gives_the_simulations_run(data_root, tmp_path, one_thread, more):
+    """The four stages over MQTT (an embedded broker, two local devices): the devices mask (with
+    DP: clip, then mask with weight 1), the coordinator relays and unmasks (and adds the noise);
+    bitwise the simulation's weights and rows (the unmasked sum does not depend on the keys)."""
     from fedseq.server.deployment import run_deployment
 
-    with pytest.raises(ConfigError, match="in the clear"):
-        run_deployment(quick_config(data_root, "secagg.enabled=true"), None, local_clients=1,
-                       announce=lambda *a, **k: None)
+    cfg = quick_config(data_root, *SECURE, "deploy.port=0", *more)
+    assert "secagg" not in cfg.for_devices()
+    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+                         announce=lambda *a, **k: None)
+    sim = run_simulation(cfg, out=None)
+    for d, s in zip(dep.rows, sim.rows, strict=True):
+        assert d["clients"] == s["clients"] and d["reported"] == s["reported"]
+        assert d["global_acc"] == s["global_acc"]
+        assert d.get("secure_recovered") == s.get("secure_recovered")
+    assert all(torch.equal(dep.global_weights[k], v) for k, v in sim.global_weights.items())
+    # what the coordinator received of each client: its masked input and the stages, a little
+    # more than the plain update
+    if not more:
+        plain = run_simulation(quick_config(data_root, *SECURE[:-2], "train.join_ratio=0.8"),
+                               None)
+        assert 1.0 < dep.rows[0]["bytes_up"] / plain.rows[0]["bytes_up"] < 1.3
 
 
 def test_the_example_is_the_testbed_plus_its_section():

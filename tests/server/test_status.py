@@ -13,7 +13,7 @@ def test_out_of_range_times_and_raw_strings_print_as_plain_lines():
         f"dev0{i}": DeviceStatus.model_construct(
             device=f"dev0{i}", state="online", since=since, package_version="1.0\x1b[2J\nFAKE LINE",
             torch_device="cuda" * 500, memory_mb=1, error="oops\r\nERROR round 7 failed",
-            error_seq=3, error_run_id="r", heartbeat_s=15.0, v=7, temp_c=None, throttled=None,
+            error_seq=3, error_run_id="r", heartbeat_s=15.0, v=8, temp_c=None, throttled=None,
             gpu_load=None, mem_available_mb=None, energy_source="\x1b]8;;http://x\x07link",
             last_round_j=None)
         for i, since in enumerate([float("inf"), float("nan"), 1e300, -1e300, 1.7e9])}
@@ -28,11 +28,11 @@ def test_out_of_range_times_and_raw_strings_print_as_plain_lines():
 
 @pytest.mark.parametrize("since", ["Infinity", "NaN", "1e300", "-5"])
 def test_a_status_claiming_an_impossible_time_is_refused(since):
-    raw = f'{{"v": 7, "device": "d", "state": "online", "since": {since}}}'.encode()
+    raw = f'{{"v": 8, "device": "d", "state": "online", "since": {since}}}'.encode()
     with pytest.raises(ProtocolError):
         DeviceStatus.decode(raw)
     with pytest.raises(ProtocolError):
-        DeviceStatus.decode(b'{"v": 7, "device": "d", "state": "online", "package_version": "'
+        DeviceStatus.decode(b'{"v": 8, "device": "d", "state": "online", "package_version": "'
                             + b"x" * 500 + b'"}')
 
 

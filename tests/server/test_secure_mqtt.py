@@ -1,0 +1,178 @@
+"""A secure round over Mosquitto with the project's broker.conf and ACL, where device local02 is a
+script holding local02's login: it answers the stages for its clients with junk keys (client 1),
+shares its keys and then drops (client 3), and sends a masked input that is junk (client 5)
+before going offline. The round completes on local01's clients, the masks of the clients that
+shared are removed with their neighbours' shares, and the captured masked inputs look uniform."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+
+import numpy as np
+import paho.mqtt.client as mqtt
+import pytest
+import torch
+
+from conftest import device_process, quick_config
+from fedseq.common.protocol.frames import pack_chunk, split_frame
+from fedseq.common.protocol.messages import (
+    DeviceStatus,
+    RunConfig,
+    SecAggMessage,
+    Step,
+    UpdateHeader,
+)
+from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
+from fedseq.common.protocol.topics import Topics
+from fedseq.common.secagg import (
+    MASKED,
+    SecAggClient,
+    keys_from_wire,
+    setup_from_dict,
+    to_text,
+)
+from fedseq.server.deployment import run_deployment, stop_children
+
+pytest.importorskip("cryptography")
+T = Topics()
+
+
+class FaultyDevice:
+    """local02 as a script (module docstring); its clients are the odd ones (1, 3, 5)."""
+
+    def __init__(self, port: int, password: str):
+        self.run_id: str | None = None
+        self.parties: dict[int, SecAggClient] = {}
+        self.seq = -1
+        self.done = threading.Event()
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="faulty-local02")
+        c.username_pw_set("local02", password)
+        c.on_connect = lambda cl, u, f, rc, p: cl.subscribe(
+            [(T.step, 1), (T.run_config, 1), (T.secagg_relay("local02"), 1)])
+        c.on_message = self._message
+        c.connect("127.0.0.1", port)
+        c.loop_start()
+        self.client = c
+        self._status("online")
+
+    def _status(self, state: str) -> None:
+        self.client.publish(T.device_status("local02"), DeviceStatus(
+            device="local02", state=state, since=time.time()).encode(), qos=1, retain=True)
+
+    def _send(self, stage: str, items: dict) -> None:
+        self.client.publish(T.secagg("local02"), SecAggMessage(
+            run_id=self.run_id, seq=self.seq, stage=stage, device="local02",
+            items=items).encode(), qos=1)
+
+    def _message(self, client, userdata, msg):
+        if not msg.payload:
+            return
+        if msg.topic == T.run_config:
+            self.run_id = RunConfig.decode(msg.payload).run_id
+        elif msg.topic == T.step:
+            step = Step.decode(msg.payload)
+            if step.kind == "train" and step.secagg and step.seq != self.seq:
+                self.seq, self.round = step.seq, step.round
+                setup, self.layout, _ = setup_from_dict(step.secagg)
+                self.parties = {c: SecAggClient(c, setup) for c in (3, 5)}
+                keys = {c: [to_text(k) for k in p.advertise()] for c, p in self.parties.items()}
+                keys[1] = ["junk", "junk"]
+                self._send("keys", keys)
+        else:
+            relay = SecAggMessage.decode(msg.payload)
+            if relay.stage == "keys":  # clients 3 and 5 share; 3 then never sends an input
+                shares = {}
+                for c, p in self.parties.items():
+                    blobs, commitment = p.share_keys(
+                        {int(v): keys_from_wire(k) for v, k in relay.items[c].items()})
+                    shares[c] = {"to": {str(v): to_text(b) for v, b in blobs.items()},
+                                 "commit": to_text(commitment)}
+                self._send("shares", shares)
+            elif relay.stage == "shares":  # client 5's masked input is junk, then it is gone
+                frame = encode_tensors({MASKED: torch.zeros(7, dtype=torch.int32)})
+                for i, part in enumerate(split_frame(frame)):
+                    head = UpdateHeader(run_id=self.run_id, seq=self.seq, round=self.round,
+                                        client=5, device="local02", num_samples=1, chunk=i,
+                                        chunks=1, size=len(frame),
+                                        sha256=hashlib.sha256(frame).hexdigest())
+                    self.client.publish(T.update("local02"), pack_chunk(head, part), qos=1)
+                time.sleep(0.5)
+                self._status("offline")
+                self.done.set()
+
+    def stop(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+class Capture:
+    """A listener with the coordinator's login: every masked input that crosses the broker."""
+
+    def __init__(self, port: int, password: str):
+        self.inputs: list[np.ndarray] = []
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="capture")
+        c.username_pw_set("coordinator", password)
+        c.on_connect = lambda cl, u, f, rc, p: cl.subscribe(T.update("local01"), 1)
+        c.on_message = self._message
+        c.connect("127.0.0.1", port)
+        c.loop_start()
+        self.client = c
+        self.chunks: dict[tuple[int, int], dict[int, bytes]] = {}
+
+    def _message(self, client, userdata, msg):
+        from fedseq.common.protocol.frames import unpack_chunk
+
+        head, data = unpack_chunk(msg.payload, UpdateHeader)
+        parts = self.chunks.setdefault((head.seq, head.client), {})
+        parts[head.chunk] = bytes(data)
+        if len(parts) == head.chunks:
+            frame = b"".join(parts[i] for i in range(head.chunks))
+            self.inputs.append(decode_tensors(frame)[MASKED].numpy().view(np.uint32))
+
+    def stop(self) -> None:
+        self.client.loop_stop()
+        self.client.disconnect()
+
+
+@pytest.mark.slow
+def test_faulty_stages_drop_their_clients_and_the_round_still_counts(
+        data_root, tmp_path, mosquitto, one_thread, caplog):
+    port, home, _ = mosquitto
+    pw = {n: (home / f"{n}.pw").read_text().strip() for n in ("coordinator", "local02")}
+    cfg = quick_config(data_root, "rounds=1", "data.num_clients=6", "algorithm.name=fedavg",
+                       # t = 2 of k = 5: the three survivors hold two shares of each other
+                       "secagg.enabled=true", "secagg.threshold=0.3", "deploy.min_devices=2",
+                       "deploy.wait_devices_s=2",
+                       "deploy.round_timeout_s=120", "deploy.eval_timeout_s=20",
+                       "deploy.round_timeout_min_s=30", "deploy.username=coordinator",
+                       f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+    daemon = device_process("local01", port, home, data_root)
+    faulty, capture = FaultyDevice(port, pw["local02"]), Capture(port, pw["coordinator"])
+    try:
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=lambda s: None)
+    finally:
+        faulty.stop()
+        capture.stop()
+        stop_children([daemon])
+    assert faulty.done.is_set()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first = rows[0]
+    assert first["status"] == "ok" and first["reported"] == [0, 2, 4], first
+    assert first["secure_recovered"] == [3, 5]  # shared, then no valid masked input
+    assert first["rejected"].keys() == {"5"}
+    log = caplog.text
+    assert "client 1's advertise stage is junk" in log or "client 1 dropped out (advertise" in log
+    assert all(torch.isfinite(v).all() for v in res.global_weights.values()
+               if v.is_floating_point())
+    # Each masked input the coordinator's login could read looks uniform on Z_2^32 and says
+    # nothing of the update: a chi-squared test of its top byte (256 cells; fails at p < 1e-4)
+    assert len(capture.inputs) == 3
+    for y in capture.inputs:
+        counts = np.bincount((y >> 24).astype(np.int64), minlength=256)
+        expected = y.size / 256
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < 370, chi2  # 255 degrees of freedom: p ~ 1e-5 at 370
