@@ -145,8 +145,10 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
                 load[owner[c]] = load.get(owner[c], 0) + 1
         stages.share_keys(policy.deadline(load))
     step = _TrainStep(session, seq, round, clients, owner, check, policy)
-    for ev in stages.held if stages is not None else ():  # a device that failed meanwhile
-        step.take(ev)
+    if stages is not None:
+        for ev in stages.held:  # a device that failed meanwhile
+            step.take(ev)
+        step.owing &= stages.sharing()  # a client out of the secure round sends no input
     again = Resender(session, seq, chunks)
     while step.owing and time.monotonic() < step.deadline and \
             (enough is None or len(step.arrived) < enough):

@@ -131,6 +131,10 @@ class SecureStages:
         for c, why in sorted(server.dropped.items()):
             log.warning("secure round %d: client %d dropped out (%s)", setup.round, c, why)
 
+    def sharing(self) -> set[int]:
+        """The clients that shared their keys: the only ones whose masked input can count."""
+        return set(self.secure.server.commitments) - set(self.secure.server.dropped)
+
     def unmask(self, requests: dict[int, tuple[list[int], list[int]]]) -> dict[int, Any]:
         """Stage 4: ask each device for its surviving clients' shares; client -> its answer."""
         down = {c: [alive, gone] for c, (alive, gone) in requests.items()}

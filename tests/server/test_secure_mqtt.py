@@ -1,8 +1,9 @@
 """A secure round over Mosquitto with the project's broker.conf and ACL, where device local02 is a
-script holding local02's login: it answers the stages for its clients with junk keys (client 1),
-shares its keys and then drops (client 3), and sends a masked input that is junk (client 5)
-before going offline. The round completes on local01's clients, the masks of the clients that
-shared are removed with their neighbours' shares, and the captured masked inputs look uniform."""
+script holding local02's login: for its clients it answers the stages with junk keys (client 1),
+with keys and then silence (client 3: it drops before sharing, and nobody waits for its input),
+with keys and shares and then a masked input that is junk (client 5: it dropped after sharing).
+The round completes on local01's clients, client 5's masks are removed with its neighbours'
+shares, and the masked inputs the coordinator's login captured look uniform."""
 
 from __future__ import annotations
 
@@ -74,6 +75,8 @@ class FaultyDevice:
             self.run_id = RunConfig.decode(msg.payload).run_id
         elif msg.topic == T.step:
             step = Step.decode(msg.payload)
+            if step.kind == "evaluate" and self.done.is_set():
+                self._status("offline")  # nothing to score: gone before the evaluation
             if step.kind == "train" and step.secagg and step.seq != self.seq:
                 self.seq, self.round = step.seq, step.round
                 setup, self.layout, _ = setup_from_dict(step.secagg)
@@ -83,9 +86,11 @@ class FaultyDevice:
                 self._send("keys", keys)
         else:
             relay = SecAggMessage.decode(msg.payload)
-            if relay.stage == "keys":  # clients 3 and 5 share; 3 then never sends an input
+            if relay.stage == "keys":  # client 5 shares; 3 is silent from now on
                 shares = {}
                 for c, p in self.parties.items():
+                    if c == 3:
+                        continue
                     blobs, commitment = p.share_keys(
                         {int(v): keys_from_wire(k) for v, k in relay.items[c].items()})
                     shares[c] = {"to": {str(v): to_text(b) for v, b in blobs.items()},
@@ -99,9 +104,7 @@ class FaultyDevice:
                                         chunks=1, size=len(frame),
                                         sha256=hashlib.sha256(frame).hexdigest())
                     self.client.publish(T.update("local02"), pack_chunk(head, part), qos=1)
-                time.sleep(0.5)
-                self._status("offline")
-                self.done.set()
+                self.done.set()  # online and silent: the round waits for 5 until its deadline
 
     def stop(self) -> None:
         self.client.loop_stop()
@@ -146,7 +149,8 @@ def test_faulty_stages_drop_their_clients_and_the_round_still_counts(
                        # t = 2 of k = 5: the three survivors hold two shares of each other
                        "secagg.enabled=true", "secagg.threshold=0.3", "deploy.min_devices=2",
                        "deploy.wait_devices_s=2",
-                       "deploy.round_timeout_s=120", "deploy.eval_timeout_s=20",
+                       "deploy.round_timeout_s=20", "deploy.eval_timeout_s=20",
+                       "algorithm.finetune_epochs=0",
                        "deploy.round_timeout_min_s=30", "deploy.username=coordinator",
                        f"deploy.password_file={str(home / 'coordinator.pw')!r}")
     daemon = device_process("local01", port, home, data_root)
@@ -162,10 +166,12 @@ def test_faulty_stages_drop_their_clients_and_the_round_still_counts(
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     first = rows[0]
     assert first["status"] == "ok" and first["reported"] == [0, 2, 4], first
-    assert first["secure_recovered"] == [3, 5]  # shared, then no valid masked input
+    assert first["secure_recovered"] == [5]  # shared, then no valid masked input
     assert first["rejected"].keys() == {"5"}
     log = caplog.text
-    assert "client 1's advertise stage is junk" in log or "client 1 dropped out (advertise" in log
+    assert "client 1 dropped out (advertise: expected 32 bytes" in log
+    assert "client 3 dropped out (share keys: no shares)" in log
+    assert "no update from 1 clients before the deadline: 5" in log  # not 3: it never shared
     assert all(torch.isfinite(v).all() for v in res.global_weights.values()
                if v.is_floating_point())
     # Each masked input the coordinator's login could read looks uniform on Z_2^32 and says
