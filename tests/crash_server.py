@@ -8,6 +8,8 @@ POINT is where the coordinator dies, as `kill -9` or a power cut would leave it:
   mid-checkpoint       while round 1's checkpoint is written (half its temporary file on disk)
   mid-finetune         once the first device result of the fine-tuning step has arrived
   first-resumed-round  2 s after a resumed run published its first training step
+  mid-secure-unmask    in round 1 of a run with [secagg], once the devices have answered the
+                       unmasking stage (the round's shares revealed, its aggregate not applied)
   none                 nowhere (the plain command)
 """
 
@@ -83,6 +85,18 @@ def arm(point: str) -> None:
             return step
 
         MqttPool._publish_step = publish_step_then_die
+    elif point == "mid-secure-unmask":
+        from fedseq.server.mqtt.secure import SecureStages
+
+        unmask = SecureStages.unmask
+
+        def unmask_then_die(self, requests):
+            answers = unmask(self, requests)
+            if self.secure.setup.round == 1:
+                die()
+            return answers
+
+        SecureStages.unmask = unmask_then_die
     elif point != "none":
         raise SystemExit(f"unknown crash point {point!r}")
 

@@ -140,23 +140,26 @@ def _server_sets(cfg, over: list[str]) -> list[str]:
 CRASH = [str(Path(__file__).resolve().parents[1] / "crash_server.py")]
 
 
-@pytest.mark.parametrize("points, algorithm", [
-    (["after-aggregate"], "fedavg"),
-    (["mid-checkpoint"], "fedper"),
-    (["mid-finetune"], "fedbabu"),
-    (["after-aggregate", "first-resumed-round"], "fedavg"),
+@pytest.mark.parametrize("points, algorithm, more", [
+    (["after-aggregate"], "fedavg", []),
+    (["mid-checkpoint"], "fedper", []),
+    (["mid-finetune"], "fedbabu", []),
+    (["after-aggregate", "first-resumed-round"], "fedavg", []),
+    (["mid-secure-unmask"], "fedavg", ["secagg.enabled=true"]),
 ])
 def test_resume_after_a_crash_at_the_worst_points(data_root, tmp_path, mosquitto, one_thread,
-                                                  points, algorithm):
+                                                  points, algorithm, more):
     """The coordinator is SIGKILLed at each worst point (tests/crash_server.py says where), the
     devices stay up, and `--resume` (once per crash) ends with the uninterrupted run's weights and
-    scores, every round with every update, and without waiting for a single 120 s deadline."""
+    scores, every round with every update, and without waiting for a single 120 s deadline. A
+    secure round interrupted after its unmasking shares were revealed starts again with fresh
+    keys (a new step: the devices draw new ones) and ends as the uninterrupted run."""
     port, home, _ = mosquitto
     devices = [device_process(n, port, home, data_root) for n in ("local01", "local02")]
     out = tmp_path / "run"
     over = [f"algorithm.name={algorithm}", "rounds=3", "train.join_ratio=0.6",
             "deploy.min_devices=2", "deploy.round_timeout_s=120", "deploy.eval_timeout_s=120",
-            "deploy.finetune_timeout_s=120"]
+            "deploy.finetune_timeout_s=120", *more]
     cfg = quick_config(data_root, *over)
     url = f"mqtt://127.0.0.1:{port}"
     cred = ["--set", "deploy.username=coordinator",
