@@ -4,15 +4,15 @@ the real coordinator (run_deployment) in this process; the testbed's ConvNet and
 Fashion-MNIST, every client in every round, the same config with and without [secagg].
 
     python bench/secagg_fleet.py [--clients 10 30 100] [--devices 5] [--rounds 2] [--drop 0 1]
-                                 [--data-root ../shared/data]
+                                 [--partition dirichlet|iid] [--data-root ../shared/data]
 
 `--drop 1`: in round 0 the last device is killed (SIGKILL) as soon as it has sent its clients'
 encrypted shares (plain: as soon as it has the round's step): its clients drop after sharing
 their keys (1/devices of them), and the coordinator learns it from the device's last will (the
 broker sends it as soon as it sees the connection closed: at once for a killed process on
 loopback, 45 s after the link went quiet for a device that vanishes from Wi-Fi, keepalive 30 s);
-the round then recovers their masks from their neighbours' shares. Printed per (clients, drop, plain or secure), over the
-training rounds:
+the round then recovers their masks from their neighbours' shares. Printed per (clients, drop,
+plain or secure), over the training rounds:
 
 - round_s: wall seconds of each training round (step out to the model updated, unmasking
   included; after a drop, the next round first waits up to a minute for the killed device)
@@ -78,7 +78,8 @@ def killer(port: int, secret: str, victim: str, secure: bool, pid: int) -> threa
     return th
 
 
-def one(n: int, devices: int, rounds: int, drop: bool, secure: bool, data_root: str) -> dict:
+def one(n: int, devices: int, rounds: int, drop: bool, secure: bool, data_root: str,
+        partition: str) -> dict:
     from fedseq.common.config import load_config
     from fedseq.server.deployment import run_deployment, stop_children
 
@@ -97,7 +98,8 @@ def one(n: int, devices: int, rounds: int, drop: bool, secure: bool, data_root: 
              "--threads", "1", "--log-level", "ERROR"], env=env) for d in names]
         cfg = load_config(ROOT / "examples" / "fmnist-testbed.toml", [
             f"data.root={data_root!r}", f"data.num_clients={n}", "data.fraction=0.2",
-            "data.min_samples=20", f"rounds={rounds}", "train.join_ratio=1.0",
+            "data.min_samples=20", f"data.partition={partition!r}", f"rounds={rounds}",
+            "train.join_ratio=1.0",
             "train.local_epochs=1", "train.threads=1", "train.eval_every=1000",
             "algorithm.name=fedavg", "algorithm.finetune_epochs=0",
             f"secagg.enabled={'true' if secure else 'false'}",
@@ -112,13 +114,13 @@ def one(n: int, devices: int, rounds: int, drop: bool, secure: bool, data_root: 
             res = run_deployment(cfg, None, broker=f"mqtt://127.0.0.1:{port}",
                                  announce=lambda s: None,
                                  on_round=lambda row: cpu.append(time.process_time()))
-            dev = sum(cpu_s(p.pid) - b for p, b in zip(daemons, before) if p.poll() is None)
+            dev = sum(cpu_s(p.pid) - b for p, b in zip(daemons, before, strict=True) if p.poll() is None)
         finally:
             stop_children(daemons)
             broker.terminate()
             broker.wait(10)
     train = [r for r in res.rows if r["phase"] == "train"]
-    steps = [b - a for a, b in zip(cpu, cpu[1:])]
+    steps = [b - a for a, b in zip(cpu, cpu[1:], strict=False)]
     client_rounds = sum(len(r["clients"]) for r in train)
     return {"round_s": [r["seconds"] for r in train],
             "up_kb_client": sum(r["bytes_up"] for r in train) / client_rounds / 1024,
@@ -136,13 +138,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--drop", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data"))
+    ap.add_argument("--partition", default="dirichlet",
+                    help="the testbed's Dirichlet(0.1), or iid (100 clients of 20%% of the "
+                         "data cannot all get 20 rows under Dirichlet(0.1))")
     args = ap.parse_args()
     print(f"# load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores",
           flush=True)
     for n in args.clients:
         for drop in args.drop:
-            plain = one(n, args.devices, args.rounds, bool(drop), False, args.data_root)
-            secure = one(n, args.devices, args.rounds, bool(drop), True, args.data_root)
+            plain = one(n, args.devices, args.rounds, bool(drop), False, args.data_root,
+                        args.partition)
+            secure = one(n, args.devices, args.rounds, bool(drop), True, args.data_root,
+                         args.partition)
             for name, r in (("plain", plain), ("secure", secure)):
                 print(json.dumps({"clients": n, "drop": drop, "run": name,
                                   **{k: round(v, 3) if isinstance(v, float) else v
