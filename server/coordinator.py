@@ -179,8 +179,11 @@ class Rounds:
         got = book.updates(t, selected, contract.reference)
         if not selected:  # Poisson sampling ([privacy]) drew nobody: nothing to dispatch
             return got
+        # a secure round on devices: they send masked inputs, and the pool relays the stages
         secure = got.aggregate if isinstance(got.aggregate, SecureSum) else None
-        if secure is not None and not secure.local:  # devices send masked inputs
+        relay: dict[str, SecureSum] = {}
+        if secure is not None and not secure.local:
+            relay["secure"] = secure
             contract = dataclasses.replace(contract, masked=secure.setup.length)
 
         def check(update: ClientUpdate) -> Rejection | None:
@@ -195,7 +198,7 @@ class Rounds:
         with torch_threads(book.collect_threads):
             dispatch = book.pool.train(t, selected, plan,
                                        book.sent(in_blocks(book.offered(), needed)), check,
-                                       enough, secure)
+                                       enough, **relay)
             for update in dispatch:
                 book.fold(got, update, plan)
                 got.costs[update.client] = (update.device, update.cost)
