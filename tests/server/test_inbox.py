@@ -393,3 +393,36 @@ def test_names_that_say_online_are_bounded_before_and_during_a_run(monkeypatch):
         box.on_message(T.device_status(name), DeviceStatus(device=name, state="online").encode())
     box.on_message(T.device_status("x1"), DeviceStatus(device="x1", state="online").encode())
     assert [s.device for s in box.take_statuses()] == ["x1"]
+
+
+def test_secure_stages_are_taken_only_for_the_round_under_way_and_within_their_size(
+        unlimited, caplog):
+    """A stage message before a secure round, for another round, over its size (per client and
+    neighbour), naming another device, or of another run is dropped unread or with its reason;
+    one of the round under way is one event, and the same stage again is capped."""
+    from fedseq.common.protocol.messages import SecAggMessage
+    from fedseq.server.mqtt.inbox import SECAGG_BYTES_BASE, SECAGG_BYTES_PER_PAIR, SecAggArrived
+
+    box = _inbox()
+
+    def stage(device="dev01", seq=6, run="r1", items=None):
+        return SecAggMessage(run_id=run, seq=seq, stage="keys", device=device,
+                             items=items or {0: ["a", "b"]}).encode()
+
+    box.on_message(T.secagg("dev01"), stage())
+    assert box.queue.empty() and "no secure round is under way" in caplog.text
+    box.secure(6, degree=4)
+    box.on_message(T.secagg("dev01"), stage(seq=5))  # a round that is over
+    box.on_message(T.secagg("dev01"), stage(device="dev02"))  # a body naming another device
+    box.on_message(T.secagg("dev01"), stage(run="r0"))
+    limit = SECAGG_BYTES_BASE + SECAGG_BYTES_PER_PAIR * 2 * 5
+    box.on_message(T.secagg("dev01"), stage(items={0: ["x" * limit]}))
+    assert box.queue.empty() and f"may send at most {limit}" in caplog.text
+    for _ in range(5):
+        box.on_message(T.secagg("dev01"), stage())
+    events = [box.next_event(0) for _ in range(box.queue.qsize())]
+    assert len(events) == 2 and all(isinstance(e, SecAggArrived) for e in events)
+    assert events[0].device == "dev01" and events[0].message.items == {0: ["a", "b"]}
+    box.secure(-1)
+    box.on_message(T.secagg("dev01"), stage())
+    assert box.queue.empty()
