@@ -1,4 +1,4 @@
-"""What secure aggregation costs a device, measured on the emulated aarch64 device
+"""What secure aggregation and DP clipping cost a device, measured on the emulated aarch64 device
 (deploy/emulated_device.py: Debian 11 arm64 under qemu-user-static, Python 3.9, torch 1.12.1):
 bench/secagg_cost.py (a client's SecAgg+ stages: key agreement and sharing, masking, unmasking)
 runs inside it, with the fedseq wheel and `cryptography` installed there. Needs root (chroot,
@@ -48,6 +48,7 @@ def main() -> None:
                   "cryptography.__version__)")
         in_device(rootfs, "python3", "/tmp/bench/secagg_cost.py", "--clients",
                   *map(str, a.clients), "--dropout", "0")
+        in_device(rootfs, "python3", "/tmp/bench/clip_probe.py")
 
 
 if __name__ == "__main__":
