@@ -138,11 +138,11 @@ class StepExecutor:
                 ) -> Optional[Weights]:
         """A secure round's upload: the update masked once the shares addressed to its client
         came (None: the client dropped out, or the step ended first)."""
+        if update.diverged_at is not None:  # refused in any case: nothing to wait for
+            return None
         with self.session.cond:
             while not secure.ready(update.client) and not self.abort(step):
                 self.session.cond.wait(timeout=1.0)
-        if update.diverged_at is not None:
-            return None
         assert run.model is not None
         weights = make_algorithm(run.cfg, run.model.spec).aggregation_weights(update)
         y = secure.masked(update.client, update.deltas, weights)

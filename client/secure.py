@@ -102,7 +102,7 @@ class SecureRound:
             return None
         per_tensor = {k: 1.0 if self.unweighted else float(weights[block_of(k)]) for k in deltas}
         s = self.setup
-        bound = (1 << 31) / (s.clip_range * s.scale * len(s.graph))
+        bound = s.weight_bound
         if max(per_tensor.values(), default=0.0) > bound:
             self._stop(c, f"its weight exceeds the round's bound {bound:.6g}")
             return None

@@ -169,6 +169,12 @@ class Setup:
     def clients(self) -> List[int]:
         return sorted(self.graph)
 
+    @property
+    def weight_bound(self) -> float:
+        """The largest weight a client may give its update: every client at it, times B, stays
+        inside the ring's half at the round's scale (the sum cannot wrap)."""
+        return (1 << 31) / (self.clip_range * self.scale * len(self.graph))
+
 
 def scale_for(clients: int, max_weight: float, clip_range: float) -> float:
     """S such that `clients` updates, each a weight <= max_weight times coordinates in [-B, B],

@@ -92,7 +92,8 @@ class SecureSum:
         setup = self.setup
         self.clients = {c: SecAggClient(c, setup) for c in setup.clients}
         advertised = {c: x.advertise() for c, x in self.clients.items()}
-        self.wire = {c: 2 * KEY_BYTES for c in self.clients}
+        for c in self.clients:
+            self.wire[c] += 2 * KEY_BYTES
         keys = self.server.advertised(advertised)
         sent = {}
         for c, theirs in keys.items():
@@ -116,7 +117,7 @@ class SecureSum:
             return
         # DP-FedAvg's noised sum weighs every update 1 (NoisedSum.add)
         per_tensor = {k: 1.0 if self.unweighted else weight_of[block_of(k)] for k in deltas}
-        bound = (1 << 31) / (self.setup.clip_range * self.setup.scale * len(self.setup.graph))
+        bound = self.setup.weight_bound
         if max(per_tensor.values(), default=0.0) > bound:
             raise AggregationError(f"client {client}'s weight exceeds the round's bound "
                                    f"{bound:.6g}: the secure sum could wrap")
@@ -144,15 +145,14 @@ class SecureSum:
         """Unmask the sum (stage 4 with every client whose masked input counted), decode it and
         hand it to the inner rule. AggregationError where it cannot be unmasked (too few shares:
         the round fails, its sum unknown) or decodes outside what clamped updates can sum to."""
-        shares: dict[int, Any] = {}
         requests = self.server.unmask_requests()
-        if not self.local:
-            shares = self.ask_unmask(requests)
-        for c, (alive, gone) in requests.items() if self.local else ():
-            answer = self.clients[c].unmask(alive, gone)
-            if answer is not None:  # None: the device went silent
-                shares[c] = answer
-                self.wire[c] += len(answer) * (SHARE_BYTES + 5)
+        shares: dict[int, Any] = {} if self.local else self.ask_unmask(requests)
+        if self.local:
+            for c, (alive, gone) in requests.items():
+                answer = self.clients[c].unmask(alive, gone)
+                if answer is not None:  # None: the device went silent
+                    shares[c] = answer
+                    self.wire[c] += len(answer) * (SHARE_BYTES + 5)
         try:
             total = self.server.unmasked(shares)
         except SecAggError as exc:

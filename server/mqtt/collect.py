@@ -128,6 +128,15 @@ class DeadlinePolicy:
         self.pace[device] = max(self.pace.get(device, 0.0), deadline / (delivered + 1))
 
 
+def device_load(clients: list[int], owner: dict[int, str]) -> dict[str, int]:
+    """Device -> how many of `clients` it holds (what its deadline is measured against)."""
+    load: dict[str, int] = {}
+    for c in clients:
+        if c in owner:
+            load[owner[c]] = load.get(owner[c], 0) + 1
+    return load
+
+
 def collect_updates(session: ServerSession, seq: int, round: int, clients: list[int],
                     owner: dict[int, str], check: UpdateCheck, policy: DeadlinePolicy,
                     chunks: int = 1, enough: int | None = None, stages: SecureStages | None = None
@@ -139,11 +148,7 @@ def collect_updates(session: ServerSession, seq: int, round: int, clients: list[
     `chunks`: messages per update (what one client's resend costs the broker's queue).
     `stages`: a secure round's, whose key stages run first (within the round's deadline)."""
     if stages is not None:
-        load: dict[str, int] = {}
-        for c in clients:
-            if c in owner:
-                load[owner[c]] = load.get(owner[c], 0) + 1
-        stages.share_keys(policy.deadline(load))
+        stages.share_keys(policy.deadline(device_load(clients, owner)))
     step = _TrainStep(session, seq, round, clients, owner, check, policy)
     if stages is not None:
         for ev in stages.held:  # a device that failed meanwhile
@@ -184,10 +189,7 @@ class _TrainStep:
         self.got: dict[int, tuple[ClientUpdate, UpdateArrived]] = {}
         self.spilled_before = session.inbox.spool.spilled
         #: device -> its clients in this step
-        self.load: dict[str, int] = {}
-        for c in clients:
-            if c in owner:
-                self.load[owner[c]] = self.load.get(owner[c], 0) + 1
+        self.load = device_load(clients, owner)
         self.outcome.deadline_s = self.timeout = policy.deadline(self.load)
         self.late_before = session.inbox.late
         self.started = time.monotonic()
