@@ -26,10 +26,11 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ["fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedper", "fedrep", "lg-fedavg",
            "fedbabu", "fedrod", "fedreg", "fedseq-anti", "feddyn", "ditto", "gpfl", "moon",
            "fednova", "fedavg+fleet", "fedavg+over", "fedavg+async", "fedavgm+async",
-           "fedper+async", "fedavg+dp"]
+           "fedper+async", "fedavg+dp", "fedavg+secagg"]
 
 #: NAME+VARIANT runs the algorithm under another driver or setting: a simulated fleet's clock
-#: (sync), over-selection on it, buffered asynchronous aggregation, client-level DP
+#: (sync), over-selection on it, buffered asynchronous aggregation, client-level DP, secure
+#: aggregation (its sum, decoded, does not depend on the keys)
 FLEET = "fleet.devices=[{profile='nano',count=2},{profile='orin-nano',count=2}]"
 VARIANTS = {
     "fleet": [FLEET],
@@ -37,6 +38,7 @@ VARIANTS = {
     "async": [FLEET, "train.mode='async'", "train.concurrency=3", "train.buffer=2"],
     "dp": ["privacy.enabled=true", "privacy.clip_norm=1.0", "privacy.noise_multiplier=0.5",
            "privacy.delta=1e-3", "train.join_ratio=0.8"],
+    "secagg": ["secagg.enabled=true"],
 }
 
 

@@ -10,7 +10,9 @@ its values a random update in [-0.01, 0.01]. One process, one thread, every clie
 per-client figures are each client's own; the plain round's client CPU is what it costs to train
 (bench/dp_cost.py), not measured here.
 
-    python bench/secagg_cost.py [--clients 10 30 100 300] [--dropout 0 0.1]
+    python bench/secagg_cost.py [--clients 10 30 100 300] [--dropout 0 0.1] [--bits 32 16]
+
+`--bits 16`: the 16-bit ring that wire.up = "int8" masks in (2 bytes a value).
 """
 
 from __future__ import annotations
@@ -26,15 +28,15 @@ from fedseq.common.models import build_model
 from fedseq.common.protocol.tensors import frame_size
 
 
-def measure(n: int, dropout: float, layout: S.Layout, plain_bytes: int) -> str:
+def measure(n: int, dropout: float, layout: S.Layout, plain_bytes: int, bits: int) -> str:
     clients = list(range(n))
     k = S.degree_for(n)
     t = S.threshold_for(k, 0.5)
     setup = S.Setup(round=0, graph=S.neighbours(clients, k, 0), threshold=t,
-                    length=S.vector_length(layout), scale=S.scale_for(n, 1324.0, 1.0),
-                    clip_range=1.0)
+                    length=S.vector_length(layout), scale=S.scale_for(n, 1324.0, 1.0, bits),
+                    clip_range=1.0, ring_bits=bits)
     rng = np.random.default_rng(0)
-    x = S.encode(rng.uniform(-0.01, 0.01, setup.length) * 1324.0, setup.scale)
+    x = S.encode(rng.uniform(-0.01, 0.01, setup.length) * 1324.0, setup.scale, bits)
     cpu = {"keys": 0.0, "mask": 0.0, "unmask": 0.0}
     sent = {c: 0 for c in clients}
     server_s = 0.0
@@ -67,7 +69,7 @@ def measure(n: int, dropout: float, layout: S.Layout, plain_bytes: int) -> str:
         if c in gone:
             continue
         y = timed("mask", devices[c].masked_input, x, routed[c])
-        sent[c] += 4 * y.size
+        sent[c] += y.nbytes
         s0 = time.process_time()
         server.add_masked(c, y)
         server_s += time.process_time() - s0
@@ -82,8 +84,9 @@ def measure(n: int, dropout: float, layout: S.Layout, plain_bytes: int) -> str:
     assert np.array_equal(total, expected), "the unmasked sum is not the plain sum"
     survivors = [c for c in clients if c not in gone]
     per_client = np.mean([sent[c] for c in survivors])
-    return (f"n={n:4d} k={k:2d} t={t:2d} dropout={dropout:.0%}: bytes/client {per_client / 1e6:.3f}"
-            f" MB = {per_client / plain_bytes:.4f} x plain ({plain_bytes / 1e6:.3f} MB); client "
+    return (f"ring {bits} bits n={n:4d} k={k:2d} t={t:2d} dropout={dropout:.0%}: bytes/client "
+            f"{per_client / 1e6:.3f} MB = {per_client / plain_bytes:.4f} x plain "
+            f"({plain_bytes / 1e6:.3f} MB); client "
             f"CPU s (mean) keys {cpu['keys'] / n:.4f} mask {cpu['mask'] / len(survivors):.4f} "
             f"unmask {cpu['unmask'] / len(survivors):.4f}; coordinator CPU s {server_s:.3f}")
 
@@ -93,6 +96,7 @@ def main() -> None:
     ap.add_argument("--clients", type=int, nargs="+", default=[10, 30, 100, 300])
     ap.add_argument("--dropout", type=float, nargs="+", default=[0.0, 0.1])
     ap.add_argument("--model", default="convnet")
+    ap.add_argument("--bits", type=int, nargs="+", default=[32], choices=sorted(S.RINGS))
     args = ap.parse_args()
     torch.set_num_threads(1)
     model = build_model(args.model, (1, 28, 28), 10, generator_seed=0)
@@ -100,9 +104,10 @@ def main() -> None:
     layout = [(k, v.numel()) for k, v in weights.items()]
     plain = frame_size(weights)  # the plain upload's frame: every tensor, float32
     print(f"{args.model}: {sum(n for _, n in layout):,} values in {len(layout)} tensors")
-    for n in args.clients:
-        for d in args.dropout:
-            print(measure(n, d, layout, plain), flush=True)
+    for bits in args.bits:
+        for n in args.clients:
+            for d in args.dropout:
+                print(measure(n, d, layout, plain, bits), flush=True)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,10 @@ import functools
 import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy as np
 import torch
 
 from fedseq.client.power import EnergyMeter, Mark, health
-from fedseq.client.secure import MASKED, SecureRound
+from fedseq.client.secure import MASKED, SecureRound, to_signed
 from fedseq.client.session import DeviceSession, RunState
 from fedseq.client.state import StateStore
 from fedseq.common.algorithms import make_algorithm, model_layout
@@ -148,7 +147,7 @@ class StepExecutor:
         y = secure.masked(update.client, update.deltas, weights)
         if y is None:
             return None
-        return {MASKED: torch.from_numpy(y.view(np.int32).copy())}
+        return {MASKED: torch.from_numpy(to_signed(y).copy())}
 
     def _evaluate(self, run: RunState, step: Step, mine: List[int]) -> None:
         clients = self.clients(run)

@@ -27,12 +27,13 @@ from fedseq.common.secagg import (
     from_text,
     keys_from_wire,
     setup_from_dict,
+    to_signed,
     to_text,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MASKED", "SecureRound"]
+__all__ = ["MASKED", "SecureRound", "to_signed"]
 
 
 class SecureRound:
@@ -107,7 +108,7 @@ class SecureRound:
             self._stop(c, f"its weight exceeds the round's bound {bound:.6g}")
             return None
         try:
-            x, clamped = client_vector(deltas, per_tensor, self.layout, s.clip_range, s.scale)
+            x, clamped = client_vector(deltas, per_tensor, self.layout, s)
             if clamped:
                 log.warning("secure round %d: client %d clamped %d coordinates to +-%g before "
                             "masking; raise secagg.clip_range above its updates' largest value",

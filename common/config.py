@@ -584,12 +584,14 @@ class SecAggConfig(_Section):
 
     enabled: bool = Field(False, description=(
         "Mask every update on its device so that only the round's sum can be unmasked; needs "
-        "aggregation.rule = \"mean\", train.mode = \"sync\", wire.up = \"none\"."))
+        "aggregation.rule = \"mean\", train.mode = \"sync\", wire.up = \"none\" (a 32-bit ring, 4 "
+        "bytes a value) or \"int8\" (a 16-bit ring, 2 bytes a value)."))
     clip_range: float = Field(4.0, gt=0, description=(
         "B: every coordinate of an update is clamped to [-B, B] on its device before it is "
-        "encoded in fixed point (the sum then cannot wrap around the 32-bit ring); the mean's "
-        "encoding error is at most (clients x B) / 2^32 per coordinate (times the largest "
-        "client's weight over the mean weight)."))
+        "encoded in fixed point (the sum then cannot wrap around the ring); the mean's "
+        "encoding error is at most (clients x B) / 2^32 per coordinate in the 32-bit ring, "
+        "(clients x B) / 2^16 in the 16-bit one (wire.up = \"int8\"), times the largest "
+        "client's weight over the mean weight."))
     neighbours: Optional[int] = Field(None, ge=1, description=(
         "k: each client masks with k others (a random regular graph); default 2 ceil(log2 n) "
         "for n clients in the round, every other client where that is more."))
@@ -685,9 +687,10 @@ class ExperimentConfig(_Section):
             raise ValueError(f"{why} needs a round's clients to share keys before any sends its "
                              "update; train.mode = \"async\" folds updates one by one as they "
                              "arrive: use \"sync\"")
-        if self.wire.up != "none":
-            raise ValueError(f"{why}: the masked input is the upload (32-bit ring elements), "
-                             f"which wire.up = {self.wire.up!r} cannot code: leave it \"none\"")
+        if self.wire.up not in ("none", "int8"):
+            raise ValueError(f"{why}: the masked input is the upload, ring elements that "
+                             f"wire.up = {self.wire.up!r} cannot code: use \"none\" (a 32-bit "
+                             "ring) or \"int8\" (a 16-bit ring, 2 bytes a value)")
         if self.privacy.client_level and self.privacy.adaptive:
             raise ValueError(f"{why}: privacy.adaptive counts every client's bit in the clear; "
                              "use a fixed privacy.clip_norm")

@@ -13,7 +13,8 @@ reconstruct a secret and fewer say nothing. The stages, each a message each way:
    key s to them (each share encrypted with ChaCha20-Poly1305 under the channel key of that pair,
    so the coordinator relays what it cannot read), and commits to b (SHA-256).
 3. masked input: it receives the shares addressed to it and sends its update, in fixed point in
-   the ring Z_2^32, plus its self-mask and +/- one mask per neighbour that shared.
+   the ring Z_2^32 (Z_2^16 under wire.up = "int8": 2 bytes a value), plus its self-mask and
+   +/- one mask per neighbour that shared.
 4. unmasking: told who sent a masked input and who dropped after sharing, it sends, per
    neighbour, the share of b (a survivor) or of s (dropped), never both.
 
@@ -44,8 +45,9 @@ from fedseq.common.errors import ProtocolError
 if TYPE_CHECKING:
     import torch
 
-RING_BITS = 32
-HALF = 1 << (RING_BITS - 1)
+#: the rings a masked input may live in: Z_2^32 (4 bytes a value, as float32) or, under
+#: wire.up = "int8", Z_2^16 (2 bytes a value); an element travels as the signed integer type
+RINGS = {32: (np.uint32, np.int32), 16: (np.uint16, np.int16)}
 #: Shamir's field: the Mersenne prime 2^521 - 1, above every 256-bit secret (a key or a seed)
 PRIME = (1 << 521) - 1
 SHARE_BYTES = 66  # a field element, big-endian
@@ -58,6 +60,13 @@ CIPHER_BYTES = NONCE_BYTES + _PLAIN.size + TAG_BYTES
 #: a masked input's name in a device's update frame (the one tensor a secure update carries:
 #: the ring elements as int32)
 MASKED = "~masked"
+
+
+def ring_bits_for(up: str) -> int:
+    """The ring of a secure round whose updates would travel in wire codec `up`: 16 bits for
+    "int8" (the levels of a client's value widened so that the round's sum cannot wrap), else
+    32."""
+    return 16 if up == "int8" else 32
 
 
 class SecAggError(ProtocolError):
@@ -162,39 +171,62 @@ class Setup:
     graph: Dict[int, List[int]]  # client -> its neighbours
     threshold: int
     length: int  # ring elements in a masked input
-    scale: float  # S: a value v travels as round(v S) mod 2^32
+    scale: float  # S: a value v travels as round(v S) mod 2^ring_bits
     clip_range: float  # B: every coordinate is clamped to [-B, B] before it is scaled
+    ring_bits: int = 32  # the ring Z_2^ring_bits (RINGS)
 
     @property
     def clients(self) -> List[int]:
         return sorted(self.graph)
 
     @property
+    def dtype(self) -> Any:
+        """The ring's elements as numpy holds them (unsigned: they wrap as the ring does)."""
+        return RINGS[self.ring_bits][0]
+
+    @property
     def weight_bound(self) -> float:
         """The largest weight a client may give its update: every client at it, times B, stays
         inside the ring's half at the round's scale (the sum cannot wrap)."""
-        return (1 << 31) / (self.clip_range * self.scale * len(self.graph))
+        return (1 << (self.ring_bits - 1)) / (self.clip_range * self.scale * len(self.graph))
 
 
-def scale_for(clients: int, max_weight: float, clip_range: float) -> float:
+def scale_for(clients: int, max_weight: float, clip_range: float, ring_bits: int = 32) -> float:
     """S such that `clients` updates, each a weight <= max_weight times coordinates in [-B, B],
-    sum to at most 2^31 - 1 in absolute value, each value's rounding (half a step) included:
-    the signed sum cannot wrap around the ring."""
-    return (HALF - 1 - clients) / (clients * max_weight * clip_range)
+    sum to at most 2^(ring_bits - 1) - 1 in absolute value, each value's rounding (half a step)
+    included: the signed sum cannot wrap around the ring."""
+    room = (1 << (ring_bits - 1)) - 1 - clients
+    if room <= 0:
+        raise SecAggError(f"{clients} clients a round leave no room in a {ring_bits}-bit ring")
+    return room / (clients * max_weight * clip_range)
 
 
-# -- fixed point in Z_2^32 -----------------------------------------------------------------------
-def encode(values: np.ndarray, scale: float) -> np.ndarray:
-    """float64 values (already clamped and weighted) -> ring elements: round(v S) mod 2^32."""
+# -- fixed point in Z_2^ring_bits ----------------------------------------------------------------
+def encode(values: np.ndarray, scale: float, ring_bits: int = 32) -> np.ndarray:
+    """float64 values (already clamped and weighted) -> ring elements: round(v S) mod
+    2^ring_bits."""
     ints = np.rint(np.asarray(values, dtype=np.float64) * scale).astype(np.int64)
-    return (ints & 0xFFFFFFFF).astype(np.uint32)
+    return (ints & ((1 << ring_bits) - 1)).astype(RINGS[ring_bits][0])
 
 
 def decode(elements: np.ndarray, scale: float) -> np.ndarray:
-    """Ring elements -> float64, read as signed 32-bit integers over S."""
-    signed = elements.astype(np.int64)
-    signed[signed >= HALF] -= 1 << RING_BITS
-    return signed.astype(np.float64) / scale
+    """Ring elements -> float64, read as signed integers of the ring's width over S."""
+    signed = elements.view(RINGS[8 * elements.dtype.itemsize][1]).astype(np.float64)
+    return signed / scale
+
+
+def to_signed(elements: np.ndarray) -> np.ndarray:
+    """Ring elements as the signed integers a frame carries (the same bits)."""
+    return elements.view(RINGS[8 * elements.dtype.itemsize][1])
+
+
+def from_signed(values: np.ndarray, setup: Setup) -> np.ndarray:
+    """A frame's signed integers back to `setup`'s ring elements; SecAggError where they are
+    not of the ring's width."""
+    if values.dtype != RINGS[setup.ring_bits][1]:
+        raise SecAggError(f"a masked input is {values.dtype}, the round's ring is "
+                          f"{setup.ring_bits}-bit")
+    return values.view(setup.dtype)
 
 
 Layout = List[Tuple[str, int]]  # (tensor name, elements), in the round's order
@@ -206,12 +238,14 @@ def vector_length(layout: Layout) -> int:
 
 
 def client_vector(deltas: Mapping[str, torch.Tensor], weight_of: Mapping[str, float],
-                  layout: Layout, clip_range: float, scale: float) -> Tuple[np.ndarray, int]:
+                  layout: Layout, setup: Setup) -> Tuple[np.ndarray, int]:
     """A client's update as ring elements (what it masks), and how many of its coordinates
     were clamped: per tensor of the layout, its weight times its delta clamped to [-B, B], then
-    each tensor's weight times B (0 for a tensor it did not send), all in fixed point at
-    `scale`. `weight_of`: tensor -> weight."""
+    each tensor's weight times B (0 for a tensor it did not send), all in fixed point at the
+    setup's scale, in its ring. `weight_of`: tensor -> weight."""
     import torch
+
+    clip_range = setup.clip_range
 
     parts, weights, clamped = [], [], 0
     for name, n in layout:
@@ -226,7 +260,7 @@ def client_vector(deltas: Mapping[str, torch.Tensor], weight_of: Mapping[str, fl
         parts.append(values.clamp(-clip_range, clip_range).mul(w).reshape(-1).numpy())
         weights.append(w * clip_range)
     parts.append(np.asarray(weights, dtype=np.float64))
-    return encode(np.concatenate(parts), scale), clamped
+    return encode(np.concatenate(parts), setup.scale, setup.ring_bits), clamped
 
 
 def split_sum(total: np.ndarray, layout: Layout, scale: float, clip_range: float
@@ -241,12 +275,15 @@ def split_sum(total: np.ndarray, layout: Layout, scale: float, clip_range: float
     return sums, weights
 
 
-def prg(seed: bytes, length: int) -> np.ndarray:
-    """`length` pseudorandom ring elements from a 32-byte seed (ChaCha20's keystream)."""
+def prg(seed: bytes, length: int, ring_bits: int = 32) -> np.ndarray:
+    """`length` pseudorandom elements of Z_2^ring_bits from a 32-byte seed (ChaCha20's
+    keystream)."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
+    width = ring_bits // 8
     stream = Cipher(algorithms.ChaCha20(seed, b"\0" * 16), mode=None).encryptor()
-    return np.frombuffer(stream.update(b"\0" * (4 * length)), dtype="<u4").astype(np.uint32)
+    return np.frombuffer(stream.update(b"\0" * (width * length)),
+                         dtype=f"<u{width}").astype(RINGS[ring_bits][0])
 
 
 def _kdf(shared: bytes, purpose: bytes) -> bytes:
@@ -287,9 +324,10 @@ def public_of(private_raw: bytes) -> bytes:
         ser.Encoding.Raw, ser.PublicFormat.Raw)
 
 
-def pair_mask(private_raw: bytes, public_raw: bytes, length: int) -> np.ndarray:
+def pair_mask(private_raw: bytes, public_raw: bytes, length: int, ring_bits: int = 32
+              ) -> np.ndarray:
     """The mask two neighbours share: the PRG of their agreed key."""
-    return prg(_agree(private_raw, public_raw, b"mask"), length)
+    return prg(_agree(private_raw, public_raw, b"mask"), length, ring_bits)
 
 
 def _aad(round: int, sender: int, receiver: int) -> bytes:
@@ -377,8 +415,10 @@ class SecAggClient:
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
-        if elements.shape != (self.setup.length,) or elements.dtype != np.uint32:
-            raise SecAggError(f"an encoded update must be {self.setup.length} uint32 elements")
+        s = self.setup
+        if elements.shape != (s.length,) or elements.dtype != s.dtype:
+            raise SecAggError(f"an encoded update must be {s.length} elements of the "
+                              f"{s.ring_bits}-bit ring")
         for v, blob in sorted(shares.items()):
             if v not in self.keys or not isinstance(blob, bytes) or len(blob) != CIPHER_BYTES:
                 raise SecAggError(f"a share from {v}, not a neighbour that advertised keys, or "
@@ -398,9 +438,9 @@ class SecAggClient:
             raise SecAggError(f"shares from {len(self.held)} neighbours, below the threshold "
                               f"{self.setup.threshold}")
         self.partners = sorted(self.held)
-        y = elements + prg(self.seed, self.setup.length)
+        y = elements + prg(self.seed, s.length, s.ring_bits)
         for v in self.partners:
-            mask = pair_mask(self.s_private, self.keys[v][1], self.setup.length)
+            mask = pair_mask(self.s_private, self.keys[v][1], s.length, s.ring_bits)
             y = y + mask if self.me < v else y - mask
         return y
 
@@ -502,9 +542,10 @@ class SecAggServer:
         if client not in self.commitments or client in self.dropped or client in self.masked:
             self.drop(client, "masked input: not expected from it")
             return
-        if (not isinstance(y, np.ndarray) or y.dtype != np.uint32
+        if (not isinstance(y, np.ndarray) or y.dtype != self.setup.dtype
                 or y.shape != (self.setup.length,)):
-            self.drop(client, f"masked input: not {self.setup.length} uint32 elements")
+            self.drop(client, f"masked input: not {self.setup.length} elements of the "
+                              f"{self.setup.ring_bits}-bit ring")
             return
         self.total = y.copy() if self.total is None else self.total + y
         self.masked.append(client)
@@ -548,7 +589,7 @@ class SecAggServer:
             for v, (kind, value) in got.items():
                 (b_points if kind == "b" else s_points).setdefault(v, {})[_x(c)] = value
         total = self.total.copy()
-        t, n = self.setup.threshold, self.setup.length
+        t, n, bits = self.setup.threshold, self.setup.length, self.setup.ring_bits
         for c in self.masked:
             b, wrong = robust_reconstruct(
                 b_points.get(c, {}), t, _opens(self.commitments[c]))
@@ -556,7 +597,7 @@ class SecAggServer:
             if b is None:
                 raise SecAggError(f"client {c}'s self-mask: {len(b_points.get(c, {}))} valid "
                                   f"shares, {t} needed; the round's sum cannot be unmasked")
-            total = total - prg(b.to_bytes(32, "big"), n)
+            total = total - prg(b.to_bytes(32, "big"), n, bits)
         survived = set(self.masked)
         for v in sorted(set(self.commitments) - survived):
             self.drop(v, "masked input: none came (its masks are removed with its neighbours' "
@@ -570,7 +611,7 @@ class SecAggServer:
                                   f"{t} needed; the round's sum cannot be unmasked")
             for u in self.setup.graph[v]:
                 if u in survived:  # u masked with v: both shared, and the graph is symmetric
-                    mask = pair_mask(s.to_bytes(32, "big"), self.keys[u][1], n)
+                    mask = pair_mask(s.to_bytes(32, "big"), self.keys[u][1], n, bits)
                     # u added +mask where u < v, -mask otherwise: take it back out
                     total = total - mask if u < v else total + mask
         return total
@@ -580,13 +621,13 @@ class SecAggServer:
             self.blamed.setdefault(x - 1, why)
 
 
-# -- on the wire (protocol v8: Step.secagg and SecAggMessage) ------------------------------------
+# -- on the wire (protocol v9: Step.secagg and SecAggMessage) ------------------------------------
 def setup_to_dict(setup: Setup, layout: Layout, unweighted: bool) -> Dict[str, Any]:
     """A round's setup as the train step carries it to the devices (JSON)."""
     return {"round": setup.round, "graph": {str(c): list(v) for c, v in setup.graph.items()},
             "threshold": setup.threshold, "length": setup.length, "scale": setup.scale,
-            "clip_range": setup.clip_range, "layout": [[k, n] for k, n in layout],
-            "unweighted": unweighted}
+            "clip_range": setup.clip_range, "ring_bits": setup.ring_bits,
+            "layout": [[k, n] for k, n in layout], "unweighted": unweighted}
 
 
 def setup_from_dict(raw: object) -> Tuple[Setup, Layout, bool]:
@@ -598,12 +639,13 @@ def setup_from_dict(raw: object) -> Tuple[Setup, Layout, bool]:
         layout = [(str(k), int(n)) for k, n in raw["layout"]]
         setup = Setup(round=int(raw["round"]), graph=graph, threshold=int(raw["threshold"]),
                       length=int(raw["length"]), scale=float(raw["scale"]),
-                      clip_range=float(raw["clip_range"]))
+                      clip_range=float(raw["clip_range"]), ring_bits=int(raw["ring_bits"]))
         unweighted = raw["unweighted"]
         assert isinstance(unweighted, bool)
         assert all(c not in vs and all(v in graph and c in graph[v] for v in vs)
                    for c, vs in graph.items()), "the graph is not symmetric"
         assert setup.threshold >= 1 and setup.scale > 0 and setup.clip_range > 0
+        assert setup.ring_bits in RINGS, f"a {setup.ring_bits}-bit ring"
         assert setup.length == vector_length(layout) and all(n > 0 for _, n in layout)
     except (AssertionError, KeyError, TypeError, ValueError, AttributeError) as exc:
         raise SecAggError(f"a malformed secure-aggregation setup ({exc or 'a wrong field'})"

@@ -184,7 +184,8 @@ class Rounds:
         relay: dict[str, SecureSum] = {}
         if secure is not None and not secure.local:
             relay["secure"] = secure
-            contract = dataclasses.replace(contract, masked=secure.setup.length)
+            contract = dataclasses.replace(contract, masked=secure.setup.length,
+                                           ring_bits=secure.setup.ring_bits)
 
         def check(update: ClientUpdate) -> Rejection | None:
             reason = contract.check(update)

@@ -26,7 +26,7 @@ from fedseq.common.algorithms import Algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost, WeightedDeltaSum
 from fedseq.common.algorithms.plan import ClientPlan, ordered_union
 from fedseq.common.algorithms.robust import Aggregator, make_aggregator, update_norm
-from fedseq.common.codecs import encode, expected
+from fedseq.common.codecs import Codec, encode, expected
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.errors import AggregationError
@@ -148,6 +148,8 @@ class Ledger:
         # the wire codecs (common/codecs.py): the updates' and the global blocks' (the clients
         # get `sent`, the downlink's form of the current version; this master copy stays float32)
         self.up, self.down = cfg.wire.codec("up"), cfg.wire.codec("down")
+        if cfg.secagg.enabled:  # the masked input's ring codes the upload (wire.up picks it)
+            self.up = Codec()
         self._down_cache: dict[str, tuple[int, Weights]] = {}  # block -> (version, its wire form)
         self._frame_sizes: dict[tuple[str, int], int] = {}
         self._update_sizes: dict[tuple, int] = {}  # tensors' (name, dtype, shape) -> frame bytes

@@ -35,7 +35,9 @@ from fedseq.common.secagg import (
     Setup,
     client_vector,
     degree_for,
+    from_signed,
     neighbours,
+    ring_bits_for,
     scale_for,
     split_sum,
     threshold_for,
@@ -50,14 +52,15 @@ log = logging.getLogger(__name__)
 def round_setup(cfg: ExperimentConfig, t: int, clients: list[int], layout: Layout,
                 max_weight: float) -> Setup:
     """Round t's [secagg] setup for `clients`: its graph (seeded by the selection's seed and t),
-    threshold, vector length and fixed-point scale."""
+    threshold, vector length, ring (wire.up) and fixed-point scale."""
     s = cfg.secagg
     k = degree_for(len(clients), s.neighbours)
     graph = neighbours(clients, k, derive_seed(cfg.seed_for("selection"), "secagg-graph", t))
+    bits = ring_bits_for(cfg.wire.up)
     return Setup(round=t, graph=graph, threshold=threshold_for(k, s.threshold),
-                 length=vector_length(layout), scale=scale_for(len(clients), max_weight,
-                                                               s.clip_range),
-                 clip_range=s.clip_range)
+                 length=vector_length(layout),
+                 scale=scale_for(len(clients), max_weight, s.clip_range, bits),
+                 clip_range=s.clip_range, ring_bits=bits)
 
 
 def layout_of(reference: Weights) -> Layout:
@@ -111,9 +114,9 @@ class SecureSum:
         sum (the coordinator's side sees only the masked vector). From a device, `deltas` is
         that masked input (MASKED, checked by the round contract)."""
         if not self.local:
-            y = deltas[MASKED].numpy().view(np.uint32)
+            y = from_signed(deltas[MASKED].numpy(), self.setup)  # the contract checked its type
             self.server.add_masked(client, y)
-            self.wire[client] = self.wire.get(client, 0) + 4 * y.size
+            self.wire[client] = self.wire.get(client, 0) + y.nbytes
             return
         # DP-FedAvg's noised sum weighs every update 1 (NoisedSum.add)
         per_tensor = {k: 1.0 if self.unweighted else weight_of[block_of(k)] for k in deltas}
@@ -121,8 +124,7 @@ class SecureSum:
         if max(per_tensor.values(), default=0.0) > bound:
             raise AggregationError(f"client {client}'s weight exceeds the round's bound "
                                    f"{bound:.6g}: the secure sum could wrap")
-        x, clamped = client_vector(deltas, per_tensor, self.layout, self.setup.clip_range,
-                                   self.setup.scale)
+        x, clamped = client_vector(deltas, per_tensor, self.layout, self.setup)
         if clamped:  # what the device would log: its own update, not the coordinator's view
             log.warning("secure round %d: client %d clamped %d coordinates to +-%g before "
                         "masking; raise secagg.clip_range above its updates' largest value",
@@ -133,7 +135,7 @@ class SecureSum:
             log.warning("secure round %d: client %d stops: %s", self.setup.round, client, exc)
             return
         self.server.add_masked(client, y)
-        self.wire[client] += 4 * y.size
+        self.wire[client] += y.nbytes
 
     def count(self) -> int:
         return len(self.server.masked)

@@ -56,18 +56,21 @@ def statistic_problem(key: str, ref: torch.Tensor, delta: torch.Tensor) -> Rejec
     return None
 
 
-def _masked_problem(update: ClientUpdate, length: int) -> Rejection | None:
-    """A secure round's update: exactly one int32 vector of `length` ring elements."""
+def _masked_problem(update: ClientUpdate, length: int, ring_bits: int) -> Rejection | None:
+    """A secure round's update: exactly one vector of `length` ring elements, as the signed
+    integers of the ring's width."""
     from fedseq.common.secagg import MASKED
+
+    want = {16: torch.int16, 32: torch.int32}[ring_bits]
 
     if set(update.deltas) != {MASKED}:
         return Rejection("wrong-tensors", f"a secure round's update is one tensor {MASKED}, not "
                                           f"{_names(set(update.deltas))}")
     d = update.deltas[MASKED]
-    if d.dtype != torch.int32 or d.shape != (length,):
+    if d.dtype != want or d.shape != (length,):
         return Rejection("wrong-shape", f"tensor {MASKED} is "
                          f"{str(d.dtype).removeprefix('torch.')}{list(d.shape)}, expected "
-                         f"int32[{length}]")
+                         f"{str(want).removeprefix('torch.')}[{length}]")
     return None
 
 
@@ -89,8 +92,9 @@ class RoundContract:
     #: the wire form's tensors an update must have: name -> (dtype, shape)
     form: dict[str, tuple[torch.dtype, torch.Size]] = field(default_factory=dict)
     #: [secagg] on devices: the update is a masked input of this many ring elements (its
-    #: values are the secure sum's to check, once unmasked)
+    #: values are the secure sum's to check, once unmasked), in a ring of `ring_bits`
     masked: int | None = None
+    ring_bits: int = 32
 
     def __post_init__(self) -> None:
         if not self.form:
@@ -122,7 +126,7 @@ class RoundContract:
                 return Rejection("wrong-score", f"local score {correct}/{total}, but client {c} "
                                                 f"has {self.test_samples.get(c)} test rows")
         if self.masked is not None:
-            return _masked_problem(update, self.masked)
+            return _masked_problem(update, self.masked, self.ring_bits)
         got, want = set(update.deltas), set(self.form)
         if got != want:
             extra, missing = _names(got - want), _names(want - got)

@@ -22,7 +22,8 @@ from fedseq.common.errors import ProtocolError, validation_problem
 # in place of a field per algorithm (prox_mu, control_variates, dyn_alpha, personal_epochs, ...)
 # 8: secure aggregation over MQTT ([secagg]): Step.secagg (the round's setup), SecAggMessage on
 # fedseq/secagg/<device> (up) and fedseq/device/<device>/secagg (down)
-PROTOCOL_VERSION = 8
+# 9: a secure round's setup names its ring (`ring_bits`: 32, or 16 under wire.up = "int8")
+PROTOCOL_VERSION = 9
 #: seconds between an online device's status messages (its heartbeat)
 HEARTBEAT_S = 15.0
 
@@ -58,7 +59,7 @@ class Message(BaseModel):
     protocol version (a peer of another version is rejected loudly, see version_mismatch)."""
 
     model_config = ConfigDict(extra="forbid")
-    v: Literal[8] = 8  # PROTOCOL_VERSION
+    v: Literal[9] = 9  # PROTOCOL_VERSION
 
     def encode(self) -> bytes:
         """The message as compact JSON bytes."""
