@@ -5,6 +5,10 @@ Fashion-MNIST, every client in every round, the same config with and without [se
 
     python bench/secagg_fleet.py [--clients 10 30 100] [--devices 5] [--rounds 2] [--drop 0 1]
                                  [--partition dirichlet|iid] [--data-root ../shared/data]
+                                 [--secure-up none|int8]
+
+`--secure-up int8`: the secure run masks in the 16-bit ring (wire.up = "int8"), against the
+same plain float32 run.
 
 `--drop 1`: in round 0 the last device is killed (SIGKILL) as soon as it has sent its clients'
 encrypted shares (plain: as soon as it has the round's step): its clients drop after sharing
@@ -79,7 +83,7 @@ def killer(port: int, secret: str, victim: str, secure: bool, pid: int) -> threa
 
 
 def one(n: int, devices: int, rounds: int, drop: bool, secure: bool, data_root: str,
-        partition: str) -> dict:
+        partition: str, up: str = "none") -> dict:
     from fedseq.common.config import load_config
     from fedseq.server.deployment import run_deployment, stop_children
 
@@ -102,7 +106,7 @@ def one(n: int, devices: int, rounds: int, drop: bool, secure: bool, data_root: 
             "train.join_ratio=1.0",
             "train.local_epochs=1", "train.threads=1", "train.eval_every=1000",
             "algorithm.name=fedavg", "algorithm.finetune_epochs=0",
-            f"secagg.enabled={'true' if secure else 'false'}",
+            f"secagg.enabled={'true' if secure else 'false'}", f"wire.up={up!r}",
             f"deploy.min_devices={devices}", "deploy.wait_devices_s=60",
             "deploy.round_timeout_s=600", "deploy.round_timeout_min_s=60",
             "deploy.username='coordinator'", f"deploy.password_file={str(tmp / 'coordinator.pw')!r}"])
@@ -141,6 +145,8 @@ def main() -> None:
     ap.add_argument("--partition", default="dirichlet",
                     help="the testbed's Dirichlet(0.1), or iid (100 clients of 20%% of the "
                          "data cannot all get 20 rows under Dirichlet(0.1))")
+    ap.add_argument("--secure-up", default="none", choices=["none", "int8"],
+                    help="the secure run's wire.up: int8 masks in the 16-bit ring")
     args = ap.parse_args()
     print(f"# load average at start: {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores",
           flush=True)
@@ -149,12 +155,13 @@ def main() -> None:
             plain = one(n, args.devices, args.rounds, bool(drop), False, args.data_root,
                         args.partition)
             secure = one(n, args.devices, args.rounds, bool(drop), True, args.data_root,
-                         args.partition)
+                         args.partition, args.secure_up)
             for name, r in (("plain", plain), ("secure", secure)):
                 print(json.dumps({"clients": n, "drop": drop, "run": name,
                                   **{k: round(v, 3) if isinstance(v, float) else v
                                      for k, v in r.items()}}, default=lambda x: x), flush=True)
-            print(json.dumps({"clients": n, "drop": drop, "bytes_x": round(
+            print(json.dumps({"clients": n, "drop": drop, "secure_up": args.secure_up,
+                              "bytes_x": round(
                 secure["up_kb_client"] / plain["up_kb_client"], 4), "round_x": round(
                 secure["round_s"][0] / plain["round_s"][0], 3)}), flush=True)
     print(f"# load average at end: {os.getloadavg()[0]:.2f}")
