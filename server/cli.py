@@ -468,9 +468,12 @@ def _summary(out: Path) -> None:
     star = " (not a trained whole model: see the global_model note)" if s.init_global else ""
     eps = next((s.metrics.pop(k) for k in list(s.metrics) if k.split()[0] == "epsilon"), None)
     privacy = run.config.get("privacy", {})
-    dp = (f"  privacy: epsilon {eps:.3g} at delta {privacy.get('delta', 1e-5):g} (client-level "
-          f"DP-FedAvg; q = {run.config.get('train', {}).get('join_ratio', 0.2):g}, z = "
-          f"{privacy.get('noise_multiplier', 1.0):g}, C = {privacy.get('clip_norm', 1.0):g})\n"
+    z, c = privacy.get("noise_multiplier", 1.0), privacy.get("clip_norm", 1.0)
+    how = (f"record-level DP-SGD, the most exposed client's; z = {z:g} a step, C = {c:g} an "
+           "example" if privacy.get("level") == "record" else
+           f"client-level DP-FedAvg; q = {run.config.get('train', {}).get('join_ratio', 0.2):g}, "
+           f"z = {z:g}, C = {c:g}")
+    dp = (f"  privacy: epsilon {eps:.3g} at delta {privacy.get('delta', 1e-5):g} ({how})\n"
           if eps is not None else "")
     print(f"run finished: {s.algorithm} on {s.dataset} ({s.model}), {s.rounds} rounds"
           f"{ft}, {s.wall_s:.0f} s\n"

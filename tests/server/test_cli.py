@@ -216,3 +216,21 @@ def test_a_fleet_runs_lines_say_the_time_left(capsys, monkeypatch):
     assert err[3] == "fine-tuning: 1/4 clients"  # its first: no pace yet
     assert err[4] == "fine-tuning: 2/4 clients, ~60 s left"
     assert err[5] == "fine-tuning: 4/4 clients"
+
+
+def test_the_summary_names_the_privacy_level_its_epsilon_is_for(capsys):
+    """A run's closing summary, from the committed testbed DP runs (docs/results/dp-testbed):
+    client-level DP-FedAvg's epsilon with its q, record-level DP-SGD's as the most exposed
+    client's."""
+    from fedseq.server.cli import _summary
+
+    runs = ROOT / "docs" / "results" / "dp-testbed"
+    _summary(runs / "client" / "fedavg" / "seed-0")
+    client = capsys.readouterr().err
+    assert "privacy: epsilon 7.52 at delta 1e-05 (client-level DP-FedAvg; q = 0.2, z = 1, C = 1)" \
+        in client
+    _summary(runs / "record" / "fedavg" / "seed-0")
+    record = capsys.readouterr().err
+    assert ("privacy: epsilon 21.5 at delta 1e-05 (record-level DP-SGD, the most exposed "
+            "client's; z = 1.1 a step, C = 1 an example)") in record
+    assert "client-level" not in record
