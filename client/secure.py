@@ -108,7 +108,9 @@ class SecureRound:
             self._stop(c, f"its weight exceeds the round's bound {bound:.6g}")
             return None
         try:
-            x, clamped = client_vector(deltas, per_tensor, self.layout, s)
+            # DP's updates (each weighs 1) truncated: encoding keeps them within C
+            x, clamped = client_vector(deltas, per_tensor, self.layout, s,
+                                       toward_zero=self.unweighted)
             if clamped:
                 log.warning("secure round %d: client %d clamped %d coordinates to +-%g before "
                             "masking; raise secagg.clip_range above its updates' largest value",

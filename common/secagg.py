@@ -202,10 +202,13 @@ def scale_for(clients: int, max_weight: float, clip_range: float, ring_bits: int
 
 
 # -- fixed point in Z_2^ring_bits ----------------------------------------------------------------
-def encode(values: np.ndarray, scale: float, ring_bits: int = 32) -> np.ndarray:
+def encode(values: np.ndarray, scale: float, ring_bits: int = 32, toward_zero: bool = False
+           ) -> np.ndarray:
     """float64 values (already clamped and weighted) -> ring elements: round(v S) mod
-    2^ring_bits."""
-    ints = np.rint(np.asarray(values, dtype=np.float64) * scale).astype(np.int64)
+    2^ring_bits, to nearest or (`toward_zero`) truncated, which never grows a value's
+    magnitude, so an encoded update's L2 norm stays within the norm it was clipped to."""
+    scaled = np.asarray(values, dtype=np.float64) * scale
+    ints = (np.trunc(scaled) if toward_zero else np.rint(scaled)).astype(np.int64)
     return (ints & ((1 << ring_bits) - 1)).astype(RINGS[ring_bits][0])
 
 
@@ -238,11 +241,13 @@ def vector_length(layout: Layout) -> int:
 
 
 def client_vector(deltas: Mapping[str, torch.Tensor], weight_of: Mapping[str, float],
-                  layout: Layout, setup: Setup) -> Tuple[np.ndarray, int]:
+                  layout: Layout, setup: Setup, toward_zero: bool = False
+                  ) -> Tuple[np.ndarray, int]:
     """A client's update as ring elements (what it masks), and how many of its coordinates
     were clamped: per tensor of the layout, its weight times its delta clamped to [-B, B], then
     each tensor's weight times B (0 for a tensor it did not send), all in fixed point at the
-    setup's scale, in its ring. `weight_of`: tensor -> weight."""
+    setup's scale, in its ring, rounded to nearest or (`toward_zero`: differential privacy's
+    clipped updates) truncated. `weight_of`: tensor -> weight."""
     import torch
 
     clip_range = setup.clip_range
@@ -260,7 +265,7 @@ def client_vector(deltas: Mapping[str, torch.Tensor], weight_of: Mapping[str, fl
         parts.append(values.clamp(-clip_range, clip_range).mul(w).reshape(-1).numpy())
         weights.append(w * clip_range)
     parts.append(np.asarray(weights, dtype=np.float64))
-    return encode(np.concatenate(parts), setup.scale, setup.ring_bits), clamped
+    return encode(np.concatenate(parts), setup.scale, setup.ring_bits, toward_zero), clamped
 
 
 def split_sum(total: np.ndarray, layout: Layout, scale: float, clip_range: float

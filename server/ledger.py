@@ -298,7 +298,9 @@ class Ledger:
         if self.cfg.secagg.enabled and clients:
             assert offered is not None and isinstance(inner, WeightedDeltaSum)
             layout = layout_of(offered)
-            heaviest = max(1, *(len(self.data.clients[c].train) for c in clients))
+            # DP-FedAvg's sum weighs every update 1 (NoisedSum); else the largest sample count
+            heaviest = 1 if isinstance(inner, NoisedSum) else max(
+                1, *(len(self.data.clients[c].train) for c in clients))
             # a pool of devices (MQTT) masks there; others play the clients' side here
             local = not getattr(self.pool, "masks_on_devices", False)
             return RoundUpdates(SecureSum(inner, round_setup(self.cfg, t, clients, layout,

@@ -57,10 +57,12 @@ def round_setup(cfg: ExperimentConfig, t: int, clients: list[int], layout: Layou
     k = degree_for(len(clients), s.neighbours)
     graph = neighbours(clients, k, derive_seed(cfg.seed_for("selection"), "secagg-graph", t))
     bits = ring_bits_for(cfg.wire.up)
+    # a client-level DP update is clipped to L2 norm C: no coordinate of it exceeds C
+    b = min(s.clip_range, cfg.privacy.clip_norm) if cfg.privacy.client_level else s.clip_range
     return Setup(round=t, graph=graph, threshold=threshold_for(k, s.threshold),
                  length=vector_length(layout),
-                 scale=scale_for(len(clients), max_weight, s.clip_range, bits),
-                 clip_range=s.clip_range, ring_bits=bits)
+                 scale=scale_for(len(clients), max_weight, b, bits),
+                 clip_range=b, ring_bits=bits)
 
 
 def layout_of(reference: Weights) -> Layout:
@@ -124,7 +126,8 @@ class SecureSum:
         if max(per_tensor.values(), default=0.0) > bound:
             raise AggregationError(f"client {client}'s weight exceeds the round's bound "
                                    f"{bound:.6g}: the secure sum could wrap")
-        x, clamped = client_vector(deltas, per_tensor, self.layout, self.setup)
+        x, clamped = client_vector(deltas, per_tensor, self.layout, self.setup,
+                                   toward_zero=self.unweighted)
         if clamped:  # what the device would log: its own update, not the coordinator's view
             log.warning("secure round %d: client %d clamped %d coordinates to +-%g before "
                         "masking; raise secagg.clip_range above its updates' largest value",

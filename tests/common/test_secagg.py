@@ -241,3 +241,26 @@ def test_a_masked_input_looks_uniform_and_uncorrelated_with_the_update(bits):
         assert (chi2 < 400) == uniform, chi2
     signed = S.decode(y, setup.scale)
     assert abs(np.corrcoef(signed, S.decode(ramp, setup.scale))[0, 1]) < 0.03
+
+
+@pytest.mark.parametrize("bits", [32, 16])
+def test_truncation_keeps_a_clipped_update_within_its_norm_where_rounding_does_not(bits):
+    """DP's sensitivity is the clip norm C: an update clipped to C must not leave the device
+    longer. Rounding to nearest can lengthen it (each coordinate by up to half a step);
+    truncation toward zero, what a DP round encodes with, never does."""
+    import torch
+
+    n, clip = 20_000, 1.0
+    layout = [("w", n)]
+    # every coordinate +-C / sqrt(n) (norm exactly C), 3.6 steps of the ring's scale: rounding
+    # to nearest takes each to 4 steps
+    c = clip / np.sqrt(n)
+    setup = S.Setup(round=0, graph=S.neighbours(list(range(6)), 5, 0), threshold=3,
+                    length=S.vector_length(layout), scale=3.6 / c, clip_range=clip,
+                    ring_bits=bits)
+    x = np.where(np.random.default_rng(2).random(n) < 0.5, -c, c)
+    update = {"w": torch.from_numpy(x)}
+    for toward_zero, longer in ((False, True), (True, False)):
+        coded, _ = S.client_vector(update, {"w": 1.0}, layout, setup, toward_zero)
+        back = S.decode(coded, setup.scale)[:n]
+        assert (np.linalg.norm(back) > clip) == longer

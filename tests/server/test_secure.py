@@ -240,3 +240,16 @@ def test_a_coordinate_beyond_the_clip_range_is_clamped_and_said(caplog):
     assert "client 0 clamped 1 coordinates to +-1" in caplog.text
     new = secure.apply(_weights())
     assert abs(float(new["conv1.bias"][0] - _weights()["conv1.bias"][0]) - 0.5) < 1e-6
+
+
+def test_a_dp_round_encodes_at_weight_one_within_c():
+    """Client-level DP weighs every update 1 and clips it to C: the round's scale is set for
+    weight 1 and coordinates within C (no coordinate of a clipped update exceeds it), the finest
+    the ring allows, and the values are truncated so that no update grows past C."""
+    cfg = load_config(None, ["secagg.enabled=true", "privacy.enabled=true",
+                             "privacy.clip_norm=0.5", "secagg.clip_range=4"])
+    layout = layout_of(_weights())
+    setup = round_setup(cfg, 4, list(range(6)), layout, 1.0)
+    assert setup.clip_range == 0.5 and setup.scale == scale_for(6, 1.0, 0.5)
+    plain = load_config(None, ["secagg.enabled=true", "secagg.clip_range=4"])
+    assert round_setup(plain, 4, list(range(6)), layout, 80.0).clip_range == 4.0
