@@ -214,8 +214,7 @@ def encode(values: np.ndarray, scale: float, ring_bits: int = 32, toward_zero: b
 
 def decode(elements: np.ndarray, scale: float) -> np.ndarray:
     """Ring elements -> float64, read as signed integers of the ring's width over S."""
-    signed = elements.view(RINGS[8 * elements.dtype.itemsize][1]).astype(np.float64)
-    return signed / scale
+    return to_signed(elements).astype(np.float64) / scale
 
 
 def to_signed(elements: np.ndarray) -> np.ndarray:
@@ -251,7 +250,6 @@ def client_vector(deltas: Mapping[str, torch.Tensor], weight_of: Mapping[str, fl
     import torch
 
     clip_range = setup.clip_range
-
     parts, weights, clamped = [], [], 0
     for name, n in layout:
         d = deltas.get(name)

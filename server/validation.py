@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
@@ -59,9 +60,9 @@ def statistic_problem(key: str, ref: torch.Tensor, delta: torch.Tensor) -> Rejec
 def _masked_problem(update: ClientUpdate, length: int, ring_bits: int) -> Rejection | None:
     """A secure round's update: exactly one vector of `length` ring elements, as the signed
     integers of the ring's width."""
-    from fedseq.common.secagg import MASKED
+    from fedseq.common.secagg import MASKED, RINGS
 
-    want = {16: torch.int16, 32: torch.int32}[ring_bits]
+    want = getattr(torch, np.dtype(RINGS[ring_bits][1]).name)  # the ring's signed type
 
     if set(update.deltas) != {MASKED}:
         return Rejection("wrong-tensors", f"a secure round's update is one tensor {MASKED}, not "
