@@ -59,7 +59,7 @@ def main() -> None:
 
     training.train_step = logged
     shard = exp.data.clients[args.client]
-    start = {**ckpt.global_weights, **ckpt.personal.get(args.client, {})}
+    start = {**ckpt.global_weights, **ckpt.pool.personal.get(args.client, {})}
     (correct, total), diverged = training.finetune_and_score(
         exp.model, start, plan, exp.data, shard, cfg.seed_for("training"), (exp.model.spec.head,))
     how = f"diverged at batch {diverged}" if diverged else "finite throughout"
