@@ -224,6 +224,34 @@ def device_process(name, port, tmp_path, data_root, *extra, python=sys.executabl
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def wait_online(port: int, home: Path, device: str, timeout: float = 120.0) -> None:
+    """Block until `device`'s retained status on the broker says online (generous: a daemon
+    imports torch, which takes many seconds on a loaded machine)."""
+    import threading
+
+    import paho.mqtt.client as mqtt
+
+    from fedseq.common.protocol.messages import DeviceStatus
+
+    online = threading.Event()
+
+    def on_status(client, userdata, msg):
+        if msg.payload and DeviceStatus.decode(msg.payload).state == "online":
+            online.set()
+
+    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"wait-online-{device}")
+    watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
+    watcher.on_message = on_status
+    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe(f"fedseq/device/{device}/status", qos=1)
+    watcher.connect("127.0.0.1", port)
+    watcher.loop_start()
+    try:
+        assert online.wait(timeout), f"{device} did not come online within {timeout} s"
+    finally:
+        watcher.loop_stop()
+        watcher.disconnect()
+
+
 @pytest.fixture
 def one_thread():
     """Devices run one torch thread each; the simulation must too, for bitwise parity."""

@@ -591,11 +591,12 @@ def test_a_flapping_device_costs_at_most_one_wait(data_root, tmp_path, mosquitto
     before every step, with deploy.min_devices = the fleet. Over the whole run the coordinator
     waits for it at most deploy.wait_devices_s in all (before: that long before every step), and
     local01's clients report in every round."""
-    from conftest import device_process
+    from conftest import device_process, wait_online
 
     port, home, _ = mosquitto
     wait_s = 8.0
     d1 = device_process("local01", port, home, data_root)
+    wait_online(port, home, "local01")  # the run's own wait is short: not a daemon's start-up
     flapper = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="flapper")
     flapper.username_pw_set("local02", (home / "local02.pw").read_text().strip())
     flapper.connect("127.0.0.1", port)

@@ -13,6 +13,7 @@ import torch
 
 from conftest import coordinator_run, quick_config
 from conftest import device_process as _device
+from conftest import wait_online as _wait_online
 from fedseq.common.models import build_run_model
 from fedseq.server.broker import free_port
 from fedseq.server.deployment import run_deployment, stop_children
@@ -35,26 +36,6 @@ def _watcher(port, home, on_step, topic="fedseq/step"):
     watcher.connect("127.0.0.1", port)
     watcher.loop_start()
     return watcher
-
-
-def _wait_online(port, home, device, timeout=120.0):
-    """Block until `device`'s retained status says online (generous: a daemon imports torch)."""
-    import threading
-
-    from fedseq.common.protocol.messages import DeviceStatus
-
-    online = threading.Event()
-
-    def on_status(client, userdata, msg):
-        if msg.payload and DeviceStatus.decode(msg.payload).state == "online":
-            online.set()
-
-    watcher = _watcher(port, home, on_status, f"fedseq/device/{device}/status")
-    try:
-        assert online.wait(timeout), f"{device} did not come online within {timeout} s"
-    finally:
-        watcher.loop_stop()
-        watcher.disconnect()
 
 
 FAITHFUL = ("algorithm.final_finetune=true", "train.lr_milestones=[0.5]",
