@@ -35,6 +35,8 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 
+from fedseq.common.protocol.messages import PROTOCOL_VERSION
+
 CHUNK = 1 << 20
 BIG = 2_000_000  # under broker.conf's max_packet_size (2 MiB) with the topic and header
 
@@ -116,7 +118,8 @@ def main() -> None:
         sent[1] += len(payload)
 
     def chunk(client: int, seq: int, i: int, chunks: int, size: int, sha: str, part: bytes) -> bytes:
-        head = json.dumps({"v": 5, "run_id": state["run"], "seq": seq, "round": 0, "client": client,
+        head = json.dumps({"v": PROTOCOL_VERSION, "run_id": state["run"], "seq": seq,
+                           "round": (state["step"] or {}).get("round", 0), "client": client,
                            "device": me, "num_samples": 1, "chunk": i, "chunks": chunks,
                            "size": size, "sha256": sha}, separators=(",", ":")).encode()
         return len(head).to_bytes(4, "big") + head + part
