@@ -710,7 +710,8 @@ def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_
     """Hardening IV, severe finding 2. In a MobileNet run (12.9 MB updates) local03's login
     floods its update topic with whole valid tensor frames of the current protocol that are no
     update of the round (they reach the round's contract, which refuses them), again and again,
-    for the whole run, while
+    for the whole run (its daemon is stopped then: its clients fail, so a round's time is the
+    honest devices'), while
     the coordinator's memory budgets are taken (as by a big fleet's updates waiting their turn:
     here set to nothing, so every frame and partial chunk past the first goes to the spool
     file): the spool file never holds more than the devices' shares (partial frames and
@@ -744,6 +745,7 @@ def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_
 
     def attack(att, step):
         if step.kind == "train" and not flood:
+            daemons[2].terminate()  # local03's clients fail from now on: a round is the honest ones'
             flood.append(_flooder(port, home, "local03", 150.0, "updates", "--frame-mb", "12"))
 
     def sample():
@@ -755,7 +757,7 @@ def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_
     # the deadline leaves room for three daemons training MobileNet beside the flood on a busy
     # machine; the flood outlasts it, so an honest update held back by the flood still misses it
     cfg = _three_devices(data_root, home, "rounds=2", "model.name=mobilenet",
-                         "data.fraction=0.05", "data.min_samples=10",
+                         "data.fraction=0.05", "data.min_samples=10", "deploy.min_updates=1",
                          "deploy.round_timeout_s=100", "deploy.wait_devices_s=60")
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
