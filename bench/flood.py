@@ -38,7 +38,7 @@ import paho.mqtt.client as mqtt
 
 from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
 from fedseq.common.models import build_model, get_blocks
-from fedseq.common.protocol.messages import DeviceStatus, RunConfig, Step
+from fedseq.common.protocol.messages import Assignment, DeviceStatus, RunConfig, Step
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.protocol.topics import Topics
 from fedseq.server.broker import write_local_mosquitto
@@ -140,8 +140,8 @@ def main() -> None:
     inbox.collect(1)
     session.retain(T.step, Step(run_id=RUN, seq=1, kind="train", round=0,
                                 clients=list(range(2 * k))).encode())
-    session.retain(T.assignment("dev03"), json.dumps(
-        {"v": 5, "run_id": RUN, "device": "dev03", "clients": list(range(k, 2 * k))}).encode())
+    session.retain(T.assignment("dev03"), Assignment(run_id=RUN, device="dev03",
+                                                    clients=list(range(k, 2 * k))).encode())
     honest = Honest(port, "d1-secret", began)
     a = inbox.allowance("dev03")
     print(f"{args.model}: update frame {update / 1e6:.1f} MB; dev01 and dev03 hold {k} clients "
