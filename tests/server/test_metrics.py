@@ -44,11 +44,16 @@ def test_a_real_prometheus_scrapes_the_round_advancing(data_root, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sets = [f"data.root={str(data_root)!r}", "data.fraction=0.1", "data.num_clients=4", "rounds=12",
             "train.local_epochs=1", "train.join_ratio=1.0", "algorithm.name=fedavg", "deploy.port=0"]
-    server = subprocess.Popen(["fedseq-server", "start", "-q", "--local-clients", "2",
-                               "--client-threads", "1", "--out", str(tmp_path / "run"),
-                               "--metrics-port", str(metrics),
-                               *[a for s in sets for a in ("--set", s)]],
-                              stderr=subprocess.PIPE, text=True)
+    try:
+        server = subprocess.Popen(["fedseq-server", "start", "-q", "--local-clients", "2",
+                                   "--client-threads", "1", "--out", str(tmp_path / "run"),
+                                   "--metrics-port", str(metrics),
+                                   *[a for s in sets for a in ("--set", s)]],
+                                  stderr=subprocess.PIPE, text=True)
+    except BaseException:  # e.g. fedseq-server not on PATH: leave no Prometheus running
+        prom.terminate()
+        prom.wait(30)
+        raise
     seen: list[float] = []
     try:
         deadline = time.monotonic() + 300
