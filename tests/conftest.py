@@ -110,12 +110,16 @@ def coordinator_run(data_root: Path, out: Path | None, mosquitto, *overrides: st
     return cfg, run_deployment(cfg, out, broker=f"mqtt://127.0.0.1:{port}", announce=lambda m: None)
 
 
+def without_seconds(rows: list[dict]) -> list[dict]:
+    """Rows as two runs of the same bits share them: every field but the wall time."""
+    return [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+
+
 def same_run(a, b):
     """Bitwise the same run (two RunResults): weights, every row but its seconds, every client's
     final score."""
     assert all(torch.equal(a.global_weights[k], v) for k, v in b.global_weights.items())
-    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]  # noqa: E731
-    assert strip(a.rows) == strip(b.rows)
+    assert without_seconds(a.rows) == without_seconds(b.rows)
     assert a.final.per_client == b.final.per_client
 
 
@@ -224,12 +228,24 @@ def device_process(name, port, tmp_path, data_root, *extra, python=sys.executabl
         env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+def coordinator_watcher(port: int, home: Path, on_message, topic: str = "fedseq/step"):
+    """A started paho client on the coordinator's login that calls on_message for every message
+    on `topic` (the step, unless told otherwise); the caller stops and disconnects it."""
+    import paho.mqtt.client as mqtt
+
+    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"watcher-{topic}")
+    watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
+    watcher.on_message = on_message
+    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, qos=1)
+    watcher.connect("127.0.0.1", port)
+    watcher.loop_start()
+    return watcher
+
+
 def wait_online(port: int, home: Path, device: str, timeout: float = 120.0) -> None:
     """Block until `device`'s retained status on the broker says online (generous: a daemon
     imports torch, which takes many seconds on a loaded machine)."""
     import threading
-
-    import paho.mqtt.client as mqtt
 
     from fedseq.common.protocol.messages import DeviceStatus
 
@@ -239,12 +255,7 @@ def wait_online(port: int, home: Path, device: str, timeout: float = 120.0) -> N
         if msg.payload and DeviceStatus.decode(msg.payload).state == "online":
             online.set()
 
-    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"wait-online-{device}")
-    watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
-    watcher.on_message = on_status
-    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe(f"fedseq/device/{device}/status", qos=1)
-    watcher.connect("127.0.0.1", port)
-    watcher.loop_start()
+    watcher = coordinator_watcher(port, home, on_status, f"fedseq/device/{device}/status")
     try:
         assert online.wait(timeout), f"{device} did not come online within {timeout} s"
     finally:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import coordinator_run, quick_config
+from conftest import coordinator_watcher as _watcher
 from conftest import device_process as _device
 from conftest import wait_online as _wait_online
 from fedseq.common.models import build_run_model
@@ -22,20 +23,6 @@ from fedseq.server.simulation import run_simulation
 
 def _quiet(_msg: str) -> None:
     pass
-
-
-def _watcher(port, home, on_step, topic="fedseq/step"):
-    """A paho client on the coordinator's login that calls on_step for every message on `topic`
-    (the step, unless told otherwise)."""
-    import paho.mqtt.client as mqtt
-
-    watcher = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"watcher-{topic}")
-    watcher.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
-    watcher.on_message = on_step
-    watcher.on_connect = lambda c, u, f, rc, p: c.subscribe(topic, qos=1)
-    watcher.connect("127.0.0.1", port)
-    watcher.loop_start()
-    return watcher
 
 
 FAITHFUL = ("algorithm.final_finetune=true", "train.lr_milestones=[0.5]",

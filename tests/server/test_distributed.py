@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import Planted, quick_config, same_run
+from conftest import Planted, quick_config, same_run, without_seconds
 from fedseq.common.errors import ConfigError, TransportError
 from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.distributed import adopt_slurm_env, balance, pack, placement, unpack
@@ -192,8 +192,7 @@ def test_a_run_resumes_with_another_number_of_workers(data_root, tmp_path, one_t
     assert all(torch.equal(resumed.global_weights[k], v) for k, v in whole.global_weights.items())
     assert resumed.final.per_client == whole.final.per_client
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    strip = lambda rs: [{k: v for k, v in r.items() if k != "seconds"} for r in rs]  # noqa: E731
-    assert strip(rows) == strip(whole.rows)
+    assert without_seconds(rows) == without_seconds(whole.rows)
 
 
 def _workers_of_this_process() -> list[int]:

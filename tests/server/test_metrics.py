@@ -44,18 +44,14 @@ def test_a_real_prometheus_scrapes_the_round_advancing(data_root, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sets = [f"data.root={str(data_root)!r}", "data.fraction=0.1", "data.num_clients=4", "rounds=12",
             "train.local_epochs=1", "train.join_ratio=1.0", "algorithm.name=fedavg", "deploy.port=0"]
-    try:
+    seen: list[float] = []
+    server = None
+    try:  # Prometheus is stopped whatever happens from here (fedseq-server missing included)
         server = subprocess.Popen(["fedseq-server", "start", "-q", "--local-clients", "2",
                                    "--client-threads", "1", "--out", str(tmp_path / "run"),
                                    "--metrics-port", str(metrics),
                                    *[a for s in sets for a in ("--set", s)]],
                                   stderr=subprocess.PIPE, text=True)
-    except BaseException:  # e.g. fedseq-server not on PATH: leave no Prometheus running
-        prom.terminate()
-        prom.wait(30)
-        raise
-    seen: list[float] = []
-    try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and server.poll() is None:
             try:
@@ -76,8 +72,9 @@ def test_a_real_prometheus_scrapes_the_round_advancing(data_root, tmp_path):
         assert info and info[0]["metric"]["algorithm"] == "fedavg"
         assert float(_query(web, "fedseq_updates_total")[0]["value"][1]) > 0
     finally:
-        server.terminate()
-        server.wait(60)
+        if server is not None:
+            server.terminate()
+            server.wait(60)
         prom.terminate()
         prom.wait(30)
 
