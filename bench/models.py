@@ -16,8 +16,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from fedseq.common.models import MODELS, build_model, get_blocks
+from fedseq.common.models import build_model, get_blocks
 from fedseq.common.protocol.tensors import frame_size
+from fedseq.common.registry import REGISTRY
 from fedseq.common.training import Sgd, set_trainable
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--models", nargs="*", default=list(MODELS))
+    ap.add_argument("--models", nargs="*", default=[e.name for e in REGISTRY.entries("models") if e.builtin])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s), {os.cpu_count()} cores, "

@@ -45,14 +45,13 @@ from pathlib import Path
 import torch
 
 from fedseq.common import __version__
-from fedseq.common.algorithms import model_layout
+from fedseq.common.algorithms import run_model
 from fedseq.common.codecs import Codec, encode
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.data.catalog import INPUT_SHAPES
 from fedseq.common.data.federated import load_federated
 from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.errors import FedseqError
-from fedseq.common.models import Weights, block_of, build_model, shared_tensors
+from fedseq.common.models import Weights, block_of, shared_tensors
 from fedseq.common.protocol.frames import CHUNK_BYTES, pack_chunk, split_frame, unpack_chunk
 from fedseq.common.protocol.link import Link, session_id
 from fedseq.common.protocol.messages import (
@@ -144,9 +143,7 @@ class Fleet:
             if run_id not in self._facts:
                 cfg.data.root = self.data_dir
                 data = load_federated(cfg.data, cfg.seed_for("data"), only=[])  # labels only
-                model = build_model(cfg.model.name, INPUT_SHAPES[cfg.data.dataset],
-                                    data.num_classes, norm=cfg.model.norm,
-                                    **model_layout(cfg.algorithm.name))
+                model = run_model(cfg, data.input_shape, data.num_classes)
                 ref = {k: torch.zeros_like(v) for k, v in
                        shared_tensors(model, model.spec.blocks).items()}
                 self._facts = {run_id: RunFacts(

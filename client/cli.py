@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-verify-hostname", dest="verify_hostname", action="store_false",
                    default=None, help="accept a broker certificate that does not name its host")
     p.add_argument("--log-level", help="DEBUG, INFO (default), WARNING or ERROR")
+    p.add_argument("--allow-plugin", action="append", metavar="NAME",
+                   help="let runs use this installed plugin (a registered model, dataset, algorithm "
+                        "or aggregation rule; repeatable); fedseq's built-ins are always allowed")
     return p
 
 
@@ -59,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except FedseqError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    from fedseq.common.registry import REGISTRY
+
+    REGISTRY.restrict(s.plugins.allow)  # a device imports only what its operator allowed
     if args.command == "doctor":
         from fedseq.client.doctor import run_doctor
 

@@ -190,8 +190,37 @@ def check_broker(s: ClientSettings) -> list[Check]:
     return checks
 
 
+def check_plugins(s: ClientSettings) -> list[Check]:
+    """The installed plugins (not fedseq's built-ins), whether each is allowed here, and every
+    allowed name that nothing installed provides."""
+    from fedseq.common.errors import FedseqError
+    from fedseq.common.registry import GROUPS, KINDS, REGISTRY
+
+    try:
+        entries = [e for g in GROUPS for e in REGISTRY.entries(g) if not e.builtin]
+    except FedseqError as exc:
+        return [(False, f"plugins: {exc}")]
+    allowed = set(s.plugins.allow)
+    checks: list[Check] = []
+    for e in entries:
+        if e.name in allowed:
+            checks.append((True, f"plugin {KINDS[e.group]} {e.name!r} ({e.distribution} {e.version}) "
+                                 "installed and allowed"))
+        else:
+            checks.append((None, f"plugin {KINDS[e.group]} {e.name!r} ({e.distribution} {e.version}) "
+                                 f"installed, not allowed: runs that use it are refused here "
+                                 f"(--allow-plugin {e.name} allows it)"))
+    for name in sorted(allowed - {e.name for e in entries}):
+        checks.append((False, f"plugin {name!r} is allowed but no installed package registers it: "
+                              "install the lab's package in this device's environment"))
+    if not checks:
+        checks.append((True, "plugins: none installed (fedseq's built-ins only)"))
+    return checks
+
+
 def run_doctor(s: ClientSettings, out: Callable[[str], None] = print) -> int:
-    checks = [*check_stack(), check_torch(s), check_data(s), check_state_dir(s), *check_sensors(),
+    checks = [*check_stack(), check_torch(s), check_data(s), check_state_dir(s), *check_plugins(s),
+              *check_sensors(),
               *check_own_certificate(s), *check_broker(s)]
     for ok, line in checks:
         out(f"{'ok  ' if ok else 'warn' if ok is None else 'FAIL'} {line}")

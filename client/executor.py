@@ -19,14 +19,14 @@ from fedseq.client.power import EnergyMeter, Mark, health
 from fedseq.client.secure import MASKED, SecureRound, to_signed
 from fedseq.client.session import DeviceSession, RunState
 from fedseq.client.state import StateStore
-from fedseq.common.algorithms import make_algorithm, model_layout
+from fedseq.common.algorithms import make_algorithm, run_model
 from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
 from fedseq.common.algorithms.hooks import UnknownAlgorithm, client_side
 from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict
 from fedseq.common.data.federated import FederatedData, load_federated
 from fedseq.common.errors import ProtocolError
 from fedseq.common.execution import ClientExecutor
-from fedseq.common.models import BlockModel, Weights, build_run_model
+from fedseq.common.models import BlockModel, Weights
 from fedseq.common.protocol.messages import EvalResult, Step, UpdateHeader
 from fedseq.common.protocol.tensors import encode_tensors
 
@@ -63,10 +63,8 @@ class StepExecutor:
             run.data = load_federated(cfg.data, cfg.seed_for("data"), only=run.clients)
             run.data_clients = list(run.clients)
         if run.model is None:
-            run.model = build_run_model(
-                cfg.model.name, run.data.input_shape, run.data.num_classes,
-                seed=cfg.seed_for("init"), head_init=cfg.model.head_init, norm=cfg.model.norm,
-                **model_layout(cfg.algorithm.name)).to(self.torch_device)
+            run.model = run_model(cfg, run.data.input_shape,
+                                  run.data.num_classes).to(self.torch_device)
         return run.data, run.model
 
     def clients(self, run: RunState) -> ClientExecutor:

@@ -21,13 +21,12 @@ from pydantic import ValidationError
 
 from fedseq.client.power import EnergyMeter, health
 from fedseq.common import __version__
-from fedseq.common.algorithms import model_layout
+from fedseq.common.algorithms import run_model
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.data.catalog import INPUT_SHAPES, NUM_CLASSES
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import FedseqError, ProtocolError, validation_problem
-from fedseq.common.models import BlockModel, Weights, build_model, get_blocks
+from fedseq.common.models import BlockModel, Weights, get_blocks
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
 from fedseq.common.protocol.link import Link, TlsOptions, on_the_way, session_id
 from fedseq.common.protocol.messages import (
@@ -83,9 +82,7 @@ class RunState:
 def weights_frame_pool(cfg: ExperimentConfig) -> FramePool:
     """A weights frame holds one block of the run's model: anything larger is refused before it is
     allocated; partial frames of at most two whole models are kept."""
-    model = build_model(cfg.model.name, INPUT_SHAPES[cfg.data.dataset],
-                        NUM_CLASSES[cfg.data.dataset], norm=cfg.model.norm,
-                        **model_layout(cfg.algorithm.name))
+    model = run_model(cfg)
     sizes = [len(encode_tensors(get_blocks(model, [b]))) + 4096 for b in model.spec.blocks]
     return FramePool(max_frame=max(sizes), per_sender=2 * sum(sizes))
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, List, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError, validation_problem
@@ -18,6 +18,27 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+class PluginSettings(BaseModel):
+    """[plugins]: which installed plugins this device may import (common/registry.py)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allow: List[str] = Field(default_factory=list, description=(
+        "Plugin names (entry points of packages installed in this device's environment) this "
+        "device may resolve; fedseq's built-ins are always allowed. --allow-plugin NAME adds one."))
+
+    @field_validator("allow")
+    @classmethod
+    def _names(cls, v: List[str]) -> List[str]:
+        from fedseq.common.registry import NAME
+
+        for name in v:
+            if not NAME.match(name):
+                raise ValueError(f"{name[:60]!r} is not a plugin name (an entry point's name: "
+                                 "letters, digits, - and _), never a module path")
+        return v
 
 
 class ClientSettings(BaseModel):
@@ -47,6 +68,8 @@ class ClientSettings(BaseModel):
     topic_root: str = Field("fedseq", description="The MQTT topic root (deploy.topic_root).")
     threads: Optional[int] = Field(None, ge=1, description="torch CPU threads (default: torch's).")
     log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
+    plugins: PluginSettings = Field(default_factory=PluginSettings, description=(
+        "[plugins]: `allow`, the installed plugins this device may use."))
 
 
 def load_settings(config: Path | None, flags: dict[str, Any],
@@ -62,12 +85,20 @@ def load_settings(config: Path | None, flags: dict[str, Any],
             raise ConfigError(f"{config}: invalid TOML ({exc}); fix the file") from exc
     env = os.environ if environ is None else environ
     for name in ClientSettings.model_fields:
+        if name == "plugins":  # a table: the file and --allow-plugin set it
+            continue
         key = f"FEDSEQ_{name.upper()}"
         if env.get(key):
             values[name] = env[key]
     if "verify_hostname" in values and isinstance(values["verify_hostname"], str):
         values["verify_hostname"] = values["verify_hostname"].lower() not in ("0", "false", "no")
+    flags = dict(flags)
+    allow = flags.pop("allow_plugin", None)
     values.update({k: v for k, v in flags.items() if v is not None})
+    if allow:  # --allow-plugin adds to the file's [plugins] allow
+        table = dict(values.get("plugins") or {}) if isinstance(values.get("plugins"), dict) else {}
+        table["allow"] = list(table.get("allow") or []) + list(allow)
+        values["plugins"] = table
     try:
         return ClientSettings.model_validate(values)
     except ValidationError as exc:

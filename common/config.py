@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, List, Literal, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, TypeVar, Union
 
 from pydantic import (
     BaseModel,
@@ -17,9 +17,10 @@ from pydantic import (
     model_validator,
 )
 
-from fedseq.common.data.catalog import CHANNEL_STATS, NUM_CLASSES
+from fedseq.common.data.catalog import CHANNEL_STATS
 from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError, validation_problem
+from fedseq.common.registry import REGISTRY, RegistryError
 from fedseq.common.text import printable
 
 if TYPE_CHECKING:
@@ -75,11 +76,13 @@ def _read_by(field: Any) -> int | str | None:
     return since if isinstance(since, int) else None
 
 
-def _one_of(kind: str, name: str, names: Iterable[str]) -> str:
-    """`name` if `names` (a registry's keys) holds it; else a ValueError that lists them."""
-    names = list(names)
-    if name not in names:
-        raise ValueError(f"unknown {kind} {printable(name, 60)!r}; use one of {', '.join(names)}")
+def _registered_name(group: str, name: str) -> str:
+    """`name` if the registry (common/registry.py) has it in `group`: a ValueError in one line
+    otherwise (unknown, a module path, or a plugin this device does not allow). Imports nothing."""
+    try:
+        REGISTRY.entry(group, name)
+    except RegistryError as exc:
+        raise ValueError(str(exc)) from None
     return name
 
 
@@ -98,8 +101,12 @@ class DataConfig(_Section):
     """[data]: dataset, where its files are, and how it is split over clients."""
 
     dataset: str = Field("fmnist", description=(
-        "A dataset of the catalog (common/data/catalog.py): mnist, fmnist, cifar10, cifar100, the six "
-        "emnist-<split>s (emnist-letters, -digits, -balanced, -byclass, -bymerge, -mnist), tiny-imagenet."))
+        "A registered dataset (`fedseq plugins`): the catalog's mnist, fmnist, cifar10, cifar100, the "
+        "six emnist-<split>s (emnist-letters, -digits, -balanced, -byclass, -bymerge, -mnist), "
+        "tiny-imagenet, or one an installed package registers (entry point group fedseq.datasets)."))
+    options: Dict[str, Any] = Field(default_factory=dict, json_schema_extra=since(9), description=(
+        "[data.options]: the dataset's own options, validated by its schema (a catalog dataset "
+        "takes none)."))
     root: Path = Field(default_factory=default_data_root, json_schema_extra=COORDINATOR, description=(
         "The folder holding MNIST/raw, FashionMNIST/raw, EMNIST/raw, cifar-10-batches-py, "
         "cifar-100-python or tiny-imagenet-200. Default: the one data root of every command "
@@ -129,7 +136,7 @@ class DataConfig(_Section):
     @field_validator("dataset")
     @classmethod
     def _catalogued(cls, v: str) -> str:
-        return _one_of("dataset", v, NUM_CLASSES)
+        return _registered_name("datasets", v)
 
     @model_validator(mode="after")
     def _has_channel_stats(self) -> DataConfig:
@@ -143,9 +150,12 @@ class ModelConfig(_Section):
     """[model]: which model of the zoo (common/models.py)."""
 
     name: str = Field("cnn", description=(
-        "A model of common/models.py's MODELS (the limits column lists them): cnn is the FedSeq "
-        "paper's FedAvg/PFLlib CNN, convnet FedReG's FedDyn/FedRoD ConvNet; docs/models.md gives "
-        "every model's source, blocks and parameters."))
+        "A registered model (`fedseq plugins`; the limits column lists the built-ins): cnn is the "
+        "FedSeq paper's FedAvg/PFLlib CNN, convnet FedReG's FedDyn/FedRoD ConvNet; docs/models.md "
+        "gives every model's source, blocks and parameters. An installed package adds its own "
+        "(entry point group fedseq.models)."))
+    options: Dict[str, Any] = Field(default_factory=dict, json_schema_extra=since(9), description=(
+        "[model.options]: keyword arguments of a plugin model's factory (a built-in takes none)."))
     head_init: Literal["default", "orthogonal"] = Field("default", description=(
         "The heads' initial weights: default (PyTorch's, the same for every algorithm) or "
         "orthogonal (nn.init.orthogonal_ on each head's weight, as FedBABU section 3 describes its "
@@ -161,9 +171,7 @@ class ModelConfig(_Section):
     def _modelled(cls, v: str, info: ValidationInfo) -> str:
         if not _check_registries(info):
             return v
-        from fedseq.common.models import MODELS  # torch: read when a config is built, not before
-
-        return _one_of("model", v, MODELS)
+        return _registered_name("models", v)
 
 
 class AlgorithmParams(BaseModel):
@@ -182,8 +190,9 @@ class AlgorithmConfig(_Section):
     model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     name: str = Field("fedseq-anti", description=(
-        "An algorithm of common/algorithms' REGISTRY (the limits column lists them; `local` is "
-        "the control: every client alone on the same schedule)."))
+        "A registered algorithm (`fedseq plugins`; the limits column lists the built-ins; `local` "
+        "is the control: every client alone on the same schedule). An installed package adds its "
+        "own (entry point group fedseq.algorithms)."))
     unfreeze_rounds: List[int] = Field(default_factory=list, description=(
         "FedSeq: the round (from 0) at which each base block starts training, t_1..t_K in the "
         "schedule's order; empty: evenly spaced over the rounds. A t_k >= rounds keeps that block "
@@ -210,9 +219,7 @@ class AlgorithmConfig(_Section):
     def _registered(cls, v: str, info: ValidationInfo) -> str:
         if not _check_registries(info):
             return v
-        from fedseq.common.algorithms import REGISTRY  # imports this module: read at run time
-
-        return _one_of("algorithm", v, REGISTRY)
+        return _registered_name("algorithms", v)
 
     @model_validator(mode="before")
     @classmethod
@@ -249,16 +256,19 @@ class AlgorithmConfig(_Section):
         parameters."""
         if not _check_registries(info):
             return self
-        from fedseq.common.algorithms import REGISTRY  # imports this module: read at run time
+
+        def params_of(name: str) -> Any:
+            return REGISTRY.load("algorithms", name).params_model
 
         extra = self.__pydantic_extra__ if self.__pydantic_extra__ is not None else {}
-        tables = [n for n, c in REGISTRY.items() if c.params_model is not None]
         for name, raw in list(extra.items()):
-            model = REGISTRY[name].params_model if name in REGISTRY else None
+            known = REGISTRY.has("algorithms", name)
+            model = params_of(name) if known else None
             if model is None:
+                tables = [n for n in REGISTRY.names("algorithms") if params_of(n) is not None]
                 raise ValueError(f"[algorithm.{printable(str(name), 60)}]: "
-                                 + ("this algorithm has no parameters of its own" if name in
-                                    REGISTRY else "no such algorithm")
+                                 + ("this algorithm has no parameters of its own" if known
+                                    else "no such algorithm")
                                  + f"; the tables are {', '.join(tables)}")
             if not isinstance(raw, model):
                 try:
@@ -268,7 +278,7 @@ class AlgorithmConfig(_Section):
                     where = ".".join(str(x) for x in err["loc"])
                     given = f" = {printable(repr(err['input']), 40)}" if err["loc"] else ""
                     raise ValueError(f"{name}.{where}{given}: {err['msg']}") from None
-        own = REGISTRY[self.name].params_model if self.name in REGISTRY else None
+        own = params_of(self.name) if REGISTRY.has("algorithms", self.name) else None
         if own is not None and self.name not in extra:
             extra[self.name] = own()
         return self
@@ -349,8 +359,10 @@ class TrainConfig(_Section):
 class AggregationConfig(_Section):
     """[aggregation]: how validated updates become the new global model (docs/security.md)."""
 
-    rule: Literal["mean", "clipped-mean", "trimmed-mean", "median"] = Field("mean", description=(
-        "mean: exact FedAvg; clipped-mean, trimmed-mean, median: robust rules (docs/security.md)."))
+    rule: str = Field("mean", description=(
+        "A registered aggregation rule (`fedseq plugins`): mean, exact FedAvg; clipped-mean, "
+        "trimmed-mean, median, krum: robust rules (docs/security.md); or one an installed package "
+        "registers (entry point group fedseq.aggregators)."))
     clip_norm: Optional[float] = Field(None, gt=0, description="clipped-mean: an absolute L2 bound.")
     clip_factor: float = Field(2.0, gt=0, description="clipped-mean: bound = factor x median norm.")
     trim_ratio: float = Field(0.1, gt=0, lt=0.5, description="trimmed-mean: ceil(ratio x n) cut per end.")
@@ -363,12 +375,17 @@ class AggregationConfig(_Section):
         "f, the Byzantine devices (logins) a robust rule must withstand; default 1 for the robust "
         "rules (rounds then need 2f+1 reporting devices), 0 for the mean, which withstands none."))
 
+    @field_validator("rule")
+    @classmethod
+    def _rule_registered(cls, v: str, info: ValidationInfo) -> str:
+        return _registered_name("aggregators", v) if _check_registries(info) else v
+
     @model_validator(mode="after")
     def _mean_bounds_nothing(self) -> AggregationConfig:
         if self.rule == "mean" and self.byzantine_devices:
             raise ValueError(f"aggregation.byzantine_devices={self.byzantine_devices} needs a robust "
                              "rule: the mean is moved arbitrarily by one device; set aggregation.rule "
-                             "to clipped-mean, trimmed-mean or median")
+                             "to clipped-mean, trimmed-mean, median or krum")
         return self
 
     @field_validator("max_abs_delta")
@@ -620,6 +637,17 @@ class ExperimentConfig(_Section):
                                    description="[privacy]")
     secagg: SecAggConfig = Field(default_factory=lambda: SecAggConfig(), json_schema_extra=COORDINATOR,
                                  description="[secagg]")
+
+    def registered_names(self) -> Dict[str, str]:
+        """The registry names the run uses, by group (common/registry.py): its model, dataset,
+        algorithm and aggregation rule."""
+        return {"models": self.model.name, "datasets": self.data.dataset,
+                "algorithms": self.algorithm.name, "aggregators": self.aggregation.rule}
+
+    def plugins(self) -> List[str]:
+        """The names the run uses that are not fedseq's built-ins (what a device must allow)."""
+        return sorted({name for group, name in self.registered_names().items()
+                       if not REGISTRY.entry(group, name).builtin})
 
     def seed_for(self, stream: str) -> int:
         """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`."""

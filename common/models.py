@@ -4,8 +4,9 @@ model.norm "running" or "fedbn" its BatchNorm layers' running_mean and running_v
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
-from typing import Callable, Dict
+from typing import Any, Callable, Dict
 
 import torch
 import torch.nn.functional as F
@@ -353,46 +354,118 @@ def add_valve(model: BlockModel, num_classes: int) -> None:
     model.spec = replace(model.spec, valve=VALVE)
 
 
-MODELS: dict[str, type[BlockModel]] = {"cnn": CNN, "convnet": ConvNet, "4convnet": FourConvNet,
-                                       "mobilenet": MobileNet, "resnet18": ResNet18,
-                                       "resnet34": ResNet34}
-
-
 def _pool(x: torch.Tensor) -> torch.Tensor:
     return F.max_pool2d(x.contiguous(memory_format=torch.channels_last), 2)
 
 
-def _model_class(name: str, norm: str) -> type[BlockModel]:
-    """The zoo's class of `name`, where model.norm suits it (a ConfigError says why not)."""
-    if name not in MODELS:
-        raise ConfigError(f"model.name {name!r} is unknown; use one of {', '.join(MODELS)}")
+class _Features(BaseException):
+    """Raised at a plain module's head to hand its input (the base features) back."""
+
+    def __init__(self, value: torch.Tensor):
+        super().__init__()
+        self.value = value
+
+
+class ModuleBlocks(BlockModel):
+    """A plain `nn.Module` (a plugin model's factory may return one) as a BlockModel: its top-level
+    children that hold parameters are its blocks in order, the last one the head, whose input is
+    the base features and whose output the logits. The children are the module's own (shared,
+    not copied), so state_dict keys are `<child>.<...>` as the blocks need; the module's forward
+    runs up to the head (a pre-hook hands the head's input back), so any forward works.
+
+    Parameters directly on the module, or normalization layers with running statistics, have no
+    block: a model with those declares its blocks as a BlockModel subclass."""
+
+    _net: nn.Module  # the wrapped module, not a submodule (its tensors are the blocks')
+
+    def __init__(self, net: nn.Module, two_heads: bool, what: str = "the model"):
+        super().__init__()
+        blocks = [(n, m) for n, m in net.named_children() if next(m.parameters(), None) is not None]
+        loose = [n for n, _ in net.named_parameters(recurse=False)]
+        if loose:
+            raise ConfigError(f"{what}: parameter(s) {', '.join(loose)} sit on the module itself, "
+                              "outside any child: put them in a child module (a block), or declare "
+                              "the blocks as a fedseq BlockModel subclass")
+        if len(blocks) < 2:
+            raise ConfigError(f"{what} has {len(blocks)} top-level child module(s) with parameters; "
+                              "it needs at least two (base blocks, then the head)")
+        running = [n for n, m in net.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                   and m.track_running_stats]
+        if running:
+            raise ConfigError(f"{what}: normalization layer(s) {', '.join(running[:3])} keep running "
+                              "statistics, which a plain module gives no rule for: build them with "
+                              "track_running_stats=False, or declare a fedseq BlockModel subclass")
+        for name, module in blocks:
+            self.add_module(name, module)
+        object.__setattr__(self, "_net", net)  # not a submodule: its tensors are the blocks'
+        self.HEAD = blocks[-1][0]
+        self.BASE = tuple(n for n, _ in blocks[:-1])
+        if two_heads:  # the personal head: the head's architecture, freshly initialized
+            personal = copy.deepcopy(blocks[-1][1])
+            for m in personal.modules():
+                reset = getattr(m, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+            self.add_module(self.HEAD + "_p", personal)
+        self.spec = ModelSpec(self.BASE, self.HEAD, self.HEAD + "_p" if two_heads else None)
+
+    def train(self, mode: bool = True) -> ModuleBlocks:
+        self._net.train(mode)  # a forward may read its own `training` flag
+        return super().train(mode)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        def stop(module: nn.Module, args: tuple) -> None:
+            raise _Features(args[0])
+
+        hook = getattr(self, self.HEAD).register_forward_pre_hook(stop)
+        try:
+            self._net(x)
+        except _Features as got:
+            return got.value
+        finally:
+            hook.remove()
+        raise ConfigError(f"the model's forward never called its head {self.HEAD!r} (its last "
+                          "child with parameters): make the head the last module it calls")
+
+
+def _model_factory(name: str, norm: str) -> Any:
+    """The registered model `name` (common/registry.py), where model.norm suits it (a ConfigError
+    says why not)."""
+    from fedseq.common.registry import REGISTRY
+
+    factory = REGISTRY.load("models", name)
     if norm not in NORMS:
         raise ConfigError(f"model.norm {norm!r} is unknown; use one of {', '.join(NORMS)}")
-    cls = MODELS[name]
-    if norm != "batch" and not cls.HAS_NORM:
-        with_norm = ", ".join(n for n, c in MODELS.items() if c.HAS_NORM)
+    if norm != "batch" and not (_is_block_class(factory) and factory.HAS_NORM):
+        with_norm = ", ".join(n for n in REGISTRY.names("models")
+                              if _is_block_class(m := REGISTRY.load("models", n)) and m.HAS_NORM)
         raise ConfigError(f"model.norm = {norm!r} needs normalization layers, and {name} has "
                           f"none; use one of {with_norm}, or model.norm = \"batch\"")
-    return cls
+    return factory
+
+
+def _is_block_class(factory: Any) -> bool:
+    return isinstance(factory, type) and issubclass(factory, BlockModel)
 
 
 def build_model(
     name: str, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool = False,
     generator_seed: int | None = None, head_init: str = "default", norm: str = "batch",
-    valve: bool = False,
+    valve: bool = False, options: dict[str, Any] | None = None,
 ) -> BlockModel:
-    """Build a model; with generator_seed the initial weights are a pure function of that seed.
-    head_init "orthogonal" then re-draws each head's weight orthogonally (model.head_init);
-    norm is model.norm (what the normalization layers keep, `_bn`); valve adds GPFL's modules
-    (`add_valve`), drawn last, so the rest is the model without them."""
-    cls = _model_class(name, norm)
+    """Build a registered model; with generator_seed the initial weights are a pure function of
+    that seed. head_init "orthogonal" then re-draws each head's weight orthogonally
+    (model.head_init); norm is model.norm (what the normalization layers keep, `_bn`); valve adds
+    GPFL's modules (`add_valve`), drawn last, so the rest is the model without them. A
+    BlockModel subclass is called as (in_shape, num_classes, two_heads[, norm], **options); any
+    other factory as (in_shape, num_classes, **options), a plain nn.Module it returns adapted by
+    ModuleBlocks."""
+    factory = _model_factory(name, norm)
+    options = dict(options or {})
     with torch.random.fork_rng(devices=[]):
         if generator_seed is not None:
             torch.manual_seed(generator_seed)
-        if cls.HAS_NORM:
-            model = cls(in_shape, num_classes, two_heads, norm)  # type: ignore[call-arg]
-        else:
-            model = cls(in_shape, num_classes, two_heads)  # type: ignore[call-arg]
+        model = _construct(name, factory, in_shape, num_classes, two_heads, norm, options)
         if head_init == "orthogonal":
             with torch.no_grad():
                 for head in model.spec.heads:
@@ -402,9 +475,41 @@ def build_model(
     return model
 
 
-def model_spec(name: str, two_heads: bool, norm: str = "batch", valve: bool = False) -> ModelSpec:
-    """The block layout of model `name`, without building it (config checks before any data)."""
-    return _model_class(name, norm).block_spec(two_heads, valve)
+def _construct(name: str, factory: Any, in_shape: tuple[int, int, int], num_classes: int,
+               two_heads: bool, norm: str, options: dict[str, Any]) -> BlockModel:
+    what = f"model {name!r}"
+    if _is_block_class(factory):
+        if factory.HAS_NORM:
+            return factory(in_shape, num_classes, two_heads, norm, **options)
+        return factory(in_shape, num_classes, two_heads, **options)
+    try:
+        net = factory(tuple(in_shape), num_classes, **options)
+    except TypeError as exc:
+        raise ConfigError(f"{what} cannot be built with [model.options] {options} ({exc}); "
+                          "check the option names against its factory") from exc
+    if isinstance(net, BlockModel):
+        if two_heads and net.spec.personal_head is None:
+            raise ConfigError(f"{what} is a BlockModel without a personal head, which this "
+                              "algorithm needs (a two-head algorithm: FedRoD, FedReG)")
+        return net
+    if not isinstance(net, nn.Module):
+        raise ConfigError(f"{what}'s factory returned {type(net).__name__}, not a torch.nn.Module")
+    return ModuleBlocks(net, two_heads, what)
+
+
+def model_spec(name: str, two_heads: bool, norm: str = "batch", valve: bool = False,
+               in_shape: tuple[int, int, int] | None = None, num_classes: int | None = None,
+               options: dict[str, Any] | None = None) -> ModelSpec:
+    """The block layout of model `name` (config checks before any data): a BlockModel subclass
+    declares it; another factory's model is built once (on the CPU) to read it."""
+    factory = _model_factory(name, norm)
+    if _is_block_class(factory) and not options:
+        return factory.block_spec(two_heads, valve)
+    if in_shape is None or num_classes is None:
+        raise ConfigError(f"model {name!r}'s blocks are known only once it is built: give the "
+                          "dataset's input shape and classes")
+    return build_model(name, in_shape, num_classes, two_heads, norm=norm, valve=valve,
+                       options=options).spec
 
 
 def is_statistic(key: str) -> bool:
@@ -458,12 +563,12 @@ def in_blocks(weights: Weights, blocks: str | tuple[str, ...] | list[str] | set[
 
 def build_run_model(name: str, in_shape: tuple[int, int, int], num_classes: int, two_heads: bool,
                     seed: int, head_init: str = "default", norm: str = "batch",
-                    valve: bool = False) -> BlockModel:
+                    valve: bool = False, options: dict[str, Any] | None = None) -> BlockModel:
     """The run's initial model, a pure function of the run seed: the coordinator, the in-process
     clients and every device build the same weights, so version 0 of every block never travels."""
     return build_model(name, in_shape, num_classes, two_heads,
                        generator_seed=derive_seed(seed, "init"), head_init=head_init, norm=norm,
-                       valve=valve)
+                       valve=valve, options=options)
 
 
 def block_keys(model: BlockModel, block: str) -> list[str]:

@@ -66,6 +66,8 @@ def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
                 cmd += [flag, str(value)]
         if not d.tls_verify_hostname:
             cmd.append("--no-verify-hostname")
+        for plugin in cfg.plugins():  # this machine's own environment, the operator's own run
+            cmd += ["--allow-plugin", plugin]
         if rehearsal is not None:
             cmd = rehearsal.command(name, cmd)
         procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedseq.common.algorithms import Algorithm, make_algorithm, model_layout
+from fedseq.common.algorithms import Algorithm, make_algorithm, run_model, run_model_spec
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData, load_federated
-from fedseq.common.models import BlockModel, build_run_model, model_spec
+from fedseq.common.models import BlockModel
 
 
 @dataclass
@@ -25,12 +25,9 @@ def load_experiment(cfg: ExperimentConfig, test_images_only: bool = False) -> Ex
     """Load and partition the dataset, build the model and the algorithm. `test_images_only`:
     the coordinator of a deployment needs the test rows' images (its global evaluation) and the
     partition's sizes, never a training image."""
-    layout = model_layout(cfg.algorithm.name)
     # the algorithm first: its checks against the model's blocks fail before the data loads
-    algorithm = make_algorithm(cfg, model_spec(cfg.model.name, norm=cfg.model.norm, **layout))
+    algorithm = make_algorithm(cfg, run_model_spec(cfg))
     data = load_federated(cfg.data, cfg.seed_for("data"), test_images_only=test_images_only)
-    model = build_run_model(cfg.model.name, data.input_shape, data.num_classes,
-                            seed=cfg.seed_for("init"), head_init=cfg.model.head_init,
-                            norm=cfg.model.norm, **layout)
+    model = run_model(cfg, data.input_shape, data.num_classes)
     assert model.spec == algorithm.spec
     return Experiment(data, model, algorithm)

@@ -113,17 +113,19 @@ def field_rows(model: type[BaseModel], prefix: str = "") -> list[tuple[str, Fiel
     return rows
 
 
+#: the keys whose values are registered names, and their registry group
+REGISTERED_KEYS = {"algorithm.name": "algorithms", "model.name": "models", "data.dataset": "datasets",
+                   "aggregation.rule": "aggregators"}
+
+
 def _registered(key: str) -> str:
-    """The names a registry-checked key takes, from the registry itself (never a copied list)."""
-    if key == "algorithm.name":
-        from fedseq.common.algorithms import REGISTRY
+    """The names a registry-checked key takes, from the registry itself (never a copied list):
+    here, fedseq's built-ins and whatever plugins the machine that builds the site has."""
+    if key not in REGISTERED_KEYS:
+        return ""
+    from fedseq.common.registry import REGISTRY
 
-        return "one of " + ", ".join(f"`{n}`" for n in REGISTRY)
-    if key == "model.name":
-        from fedseq.common.models import MODELS
-
-        return "one of " + ", ".join(f"`{n}`" for n in MODELS)
-    return ""
+    return "one of " + ", ".join(f"`{n}`" for n in REGISTRY.names(REGISTERED_KEYS[key]))
 
 
 def _table(rows: list[tuple[str, FieldInfo]]) -> list[str]:
@@ -175,11 +177,11 @@ def config_page() -> str:
 def _algorithm_tables() -> list[str]:
     """Every [algorithm.<name>] table, from the registry's parameter models, and the former flat
     keys that still map to them."""
-    from fedseq.common.algorithms import REGISTRY
+    from fedseq.common.algorithms import ALGORITHMS
     from fedseq.common.config import FORMER_KEYS
 
     out = []
-    for name, cls in REGISTRY.items():
+    for name, cls in ALGORITHMS.items():
         if cls.params_model is not None:
             out += [f"#### [algorithm.{name}]", "",
                     *_table(field_rows(cls.params_model, f"algorithm.{name}.")), ""]

@@ -62,6 +62,16 @@ def write_config(path: Path, cfg: ExperimentConfig, info: dict[str, Any]) -> Non
     """config.toml: the resolved config under a comment header of the run's facts."""
     header = "".join(f"# {k}: {v}\n" for k, v in info.items())
     (path / "config.toml").write_text(header + dump_config(resolved_paths(cfg)))
+    atomic_write(path / "plugins.json", (json.dumps(used_code(cfg), indent=1) + "\n").encode(),
+                 mode=0o640)
+
+
+def used_code(cfg: ExperimentConfig) -> list[dict[str, str]]:
+    """The registered names the run uses (model, dataset, algorithm, aggregation rule) with the
+    installed distribution and version each came from, as plugins.json records them."""
+    from fedseq.common.registry import REGISTRY
+
+    return REGISTRY.used(cfg.registered_names())
 
 
 #: what `fedseq-sim --finetune-from` may change: the final fine-tuning alone

@@ -159,6 +159,36 @@ def fleet_cmd(
         _fail(exc)
 
 
+@app.command("plugins")
+def plugins_cmd(
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON list instead of a table")] = False,
+) -> None:
+    """Every registered name (models, datasets, algorithms, aggregation rules) with the installed
+    distribution and version that provides it: fedseq's built-ins and every plugin package's
+    entry points (groups fedseq.models, fedseq.datasets, fedseq.algorithms, fedseq.aggregators)."""
+    import json
+
+    from fedseq.common.registry import plugin_table
+
+    try:
+        rows = plugin_table()
+    except FedseqError as exc:
+        _fail(exc)
+    if as_json:
+        print(json.dumps(rows, indent=1))
+        return
+    from fedseq.common.text import printable
+
+    width = max(len(r["name"]) for r in rows)
+    group = None
+    for r in rows:
+        if r["group"] != group:
+            group = r["group"]
+            print(f"{group}:")
+        print(f"  {printable(r['name'], 64):<{width}}  {printable(r['distribution'], 64)} "
+              f"{printable(r['version'], 32)}  {printable(r['value'], 120)}")
+
+
 export_app = typer.Typer(add_completion=False, no_args_is_help=True,
                          help="Export run directories to an experiment tracker.")
 app.add_typer(export_app, name="export")

@@ -1,53 +1,81 @@
-"""One module per algorithm; `make_algorithm` maps config names to them."""
+"""Algorithms by name: each is an entry point of the group `fedseq.algorithms` (common/registry.py),
+fedseq's own twenty included, found in the installed metadata; `make_algorithm` builds the
+configured one. `ALGORITHMS` reads the registry as a mapping (name -> class, loaded on use)."""
 
 from __future__ import annotations
 
-from fedseq.common.algorithms.base import Algorithm
-from fedseq.common.algorithms.ditto import Ditto
-from fedseq.common.algorithms.fedadam import FedAdam
-from fedseq.common.algorithms.fedavg import FedAvg
-from fedseq.common.algorithms.fedavgm import FedAvgM
-from fedseq.common.algorithms.fedbabu import FedBABU
-from fedseq.common.algorithms.feddyn import FedDyn
-from fedseq.common.algorithms.fednova import FedNova
-from fedseq.common.algorithms.fedper import FedPer
-from fedseq.common.algorithms.fedprox import FedProx
-from fedseq.common.algorithms.fedreg import FedReG
-from fedseq.common.algorithms.fedrep import FedRep
-from fedseq.common.algorithms.fedrod import FedRoD
-from fedseq.common.algorithms.fedseq import FedSeq, FedSeqAnti
-from fedseq.common.algorithms.fedyogi import FedYogi
-from fedseq.common.algorithms.gpfl import GPFL
-from fedseq.common.algorithms.lgfedavg import LGFedAvg
-from fedseq.common.algorithms.local import Local
-from fedseq.common.algorithms.moon import Moon
-from fedseq.common.algorithms.scaffold import Scaffold
-from fedseq.common.config import ExperimentConfig
-from fedseq.common.models import ModelSpec
+from typing import Any, Iterator, Mapping, cast
 
-REGISTRY: dict[str, type[Algorithm]] = {
-    cls.name: cls
-    for cls in (FedAvg, FedAvgM, FedAdam, FedYogi, Scaffold, FedProx, FedDyn, Ditto, FedPer,
-                FedRep, LGFedAvg, FedBABU, GPFL, FedRoD, FedReG, FedSeq, FedSeqAnti, Local, Moon,
-                FedNova)
-}
+from fedseq.common.algorithms.base import Algorithm
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.datasets import describe
+from fedseq.common.models import BlockModel, ModelSpec, build_run_model, model_spec
+from fedseq.common.registry import REGISTRY, RegistryError
+
+
+class _Algorithms(Mapping):
+    """The registered algorithms as a read-only mapping, each class imported when first read."""
+
+    def __getitem__(self, name: str) -> type[Algorithm]:
+        if not REGISTRY.has("algorithms", name):
+            raise KeyError(name)
+        return algorithm_class(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(REGISTRY.names("algorithms"))
+
+    def __len__(self) -> int:
+        return len(REGISTRY.names("algorithms"))
+
+
+ALGORITHMS: Mapping[str, type[Algorithm]] = _Algorithms()
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
-    """The class registered under a config name (algorithm.name)."""
-    return REGISTRY[name]
+    """The class registered under a config name (algorithm.name); a RegistryError (a
+    ConfigError) in one line where there is none, or where it is not an Algorithm."""
+    loaded: Any = REGISTRY.load("algorithms", name)
+    if isinstance(loaded, type) and issubclass(loaded, Algorithm):
+        cls = cast("type[Algorithm]", loaded)
+        if cls.name == name:
+            return cls
+        why = f"names itself {cls.name!r}: its class attribute `name` must be its entry point's name"
+    else:
+        why = "is not a fedseq Algorithm subclass"
+    entry = REGISTRY.entry("algorithms", name)
+    raise RegistryError(f"algorithm {name!r} of {entry.distribution} ({entry.value}) {why}")
 
 
 def model_layout(name: str) -> dict[str, bool]:
     """What algorithm `name` adds to any model, as build_model's and model_spec's keywords:
     a personal second head (two_heads: FedRoD, FedReG), GPFL's CoV and GCE (valve)."""
-    cls = REGISTRY[name]
+    cls = algorithm_class(name)
     return {"two_heads": cls.two_heads, "valve": cls.valve}
+
+
+def run_model(cfg: ExperimentConfig, in_shape: tuple[int, int, int] | None = None,
+              num_classes: int | None = None) -> BlockModel:
+    """The run's initial model (a pure function of its init seed) with the layout its algorithm
+    needs; the input shape and classes are the dataset's own unless given."""
+    if in_shape is None or num_classes is None:
+        in_shape, num_classes = describe(cfg.data.dataset, cfg.data.options)
+    return build_run_model(cfg.model.name, in_shape, num_classes, seed=cfg.seed_for("init"),
+                           head_init=cfg.model.head_init, norm=cfg.model.norm,
+                           options=cfg.model.options, **model_layout(cfg.algorithm.name))
+
+
+def run_model_spec(cfg: ExperimentConfig) -> ModelSpec:
+    """The block layout of the run's model, before any data is read."""
+    in_shape, num_classes = describe(cfg.data.dataset, cfg.data.options)
+    return model_spec(cfg.model.name, norm=cfg.model.norm, in_shape=in_shape,
+                      num_classes=num_classes, options=cfg.model.options,
+                      **model_layout(cfg.algorithm.name))
 
 
 def make_algorithm(cfg: ExperimentConfig, spec: ModelSpec) -> Algorithm:
     """The configured algorithm for a model's block layout."""
-    return REGISTRY[cfg.algorithm.name](cfg, spec)
+    return algorithm_class(cfg.algorithm.name)(cfg, spec)
 
 
-__all__ = ["Algorithm", "REGISTRY", "algorithm_class", "make_algorithm", "model_layout"]
+__all__ = ["ALGORITHMS", "Algorithm", "algorithm_class", "make_algorithm", "model_layout",
+           "run_model", "run_model_spec"]

@@ -140,14 +140,14 @@ def client_side(plan: ClientPlan) -> ClientSide:
 
 
 def client_side_of(algorithm: str, params: Optional[Mapping[str, Any]] = None) -> ClientSide:
-    """Algorithm `algorithm`'s client side; UnknownAlgorithm where this fedseq lacks it."""
-    from fedseq.common.algorithms import REGISTRY  # the registry imports every algorithm
+    """Algorithm `algorithm`'s client side; UnknownAlgorithm where this device cannot resolve it
+    (not installed here, or a plugin its settings do not allow: the registry's message says
+    which, and how to fix it)."""
+    from fedseq.common.algorithms import algorithm_class
+    from fedseq.common.registry import RegistryError
 
-    cls = REGISTRY.get(algorithm)
-    if cls is None:
-        from fedseq.common import __version__
-
-        raise UnknownAlgorithm(
-            f"algorithm {algorithm!r} is not in this fedseq {__version__} (it has "
-            f"{', '.join(sorted(REGISTRY))}): install the coordinator's fedseq on this device")
+    try:
+        cls = algorithm_class(algorithm)
+    except RegistryError as exc:
+        raise UnknownAlgorithm(str(exc)) from None
     return cls.client_side(params)

@@ -18,11 +18,14 @@ simulation every client is its own device. With n devices reporting, f of them B
 - `trimmed-mean` (k = max(ceil(trim_ratio x n), f) votes dropped per end of every coordinate) and
   `median`: coordinate-wise, unweighted (Yin et al., ICML 2018). Every coordinate stays within the
   range of the honest devices' votes when n >= 2f+1 (median) or n > 2k (trimmed mean).
+- `krum` (Blanchard et al., NeurIPS 2017): the vote closest to its n - f - 2 nearest others is
+  applied whole; it needs n >= 2f+3 devices.
 - Quorum: a round counts only when at least 2f+1 devices reported (and deploy.min_updates
   updates): a round where only the attacker's device reported is refused, not applied.
 
 They keep the round's updates in memory (per-device votes and coordinate-wise statistics need
-them all); `mean` streams.
+them all); `mean` streams. Each rule is an entry point of the group fedseq.aggregators
+(pyproject.toml), a callable (AggregationConfig) -> Aggregator, as a plugin's rule is.
 """
 
 from __future__ import annotations
@@ -128,8 +131,24 @@ def _combined(ups: list[Vote]) -> Vote:
     return deltas, weights
 
 
+class _PerDeviceVotes:
+    """What every rule over per-device votes shares: it holds the round's updates (`_held`)."""
+
+    _held: DeviceVotes
+
+    def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
+            device: str | None = None) -> None:
+        self._held.add(deltas, weight_of, client, device)
+
+    def count(self) -> int:
+        return self._held.count()
+
+    def clients_added(self) -> list[int]:
+        return list(self._held.clients)
+
+
 @dataclass
-class ClippedMean:
+class ClippedMean(_PerDeviceVotes):
     """Weighted mean of per-device votes clipped to `clip_norm`, or to `clip_factor` x the
     median vote norm."""
 
@@ -142,16 +161,6 @@ class ClippedMean:
 
     def __post_init__(self) -> None:
         self._held = DeviceVotes(self.byzantine)
-
-    def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
-            device: str | None = None) -> None:
-        self._held.add(deltas, weight_of, client, device)
-
-    def count(self) -> int:
-        return self._held.count()
-
-    def clients_added(self) -> list[int]:
-        return list(self._held.clients)
 
     def apply(self, global_weights: Weights) -> Weights:
         votes = self._held.votes("clipped-mean")
@@ -169,7 +178,7 @@ class ClippedMean:
 
 
 @dataclass
-class CoordinateWise:
+class CoordinateWise(_PerDeviceVotes):
     """Coordinate-wise trimmed mean (trim_ratio > 0) or median (trim_ratio None) over the
     per-device votes, unweighted."""
 
@@ -180,16 +189,6 @@ class CoordinateWise:
 
     def __post_init__(self) -> None:
         self._held = DeviceVotes(self.byzantine)
-
-    def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
-            device: str | None = None) -> None:
-        self._held.add(deltas, weight_of, client, device)
-
-    def count(self) -> int:
-        return self._held.count()
-
-    def clients_added(self) -> list[int]:
-        return list(self._held.clients)
 
     def trimmed(self, n: int) -> int:
         """Votes dropped from each end of every coordinate (0 for the median rule)."""
@@ -219,17 +218,77 @@ class CoordinateWise:
         return set(self._moved)
 
 
-def make_aggregator(cfg: AggregationConfig) -> Aggregator:
-    """The configured rule; `mean` is exact weighted FedAvg (the parity-tested default)."""
-    f = cfg.byzantine()
-    if cfg.rule == "clipped-mean":
-        return ClippedMean(cfg.clip_norm, cfg.clip_factor, f)
-    if cfg.rule == "trimmed-mean":
-        return CoordinateWise(cfg.trim_ratio, f)
-    if cfg.rule == "median":
-        return CoordinateWise(None, f)
+@dataclass
+class Krum(_PerDeviceVotes):
+    """Krum (Blanchard et al., NeurIPS 2017) over the per-device votes: the vote whose n - f - 2
+    nearest other votes are closest to it (sum of squared L2 distances) is applied as it is;
+    it needs n >= 2f + 3 devices. One vote's deltas move the model, so an attacker's vote is
+    applied only where it lies among honest ones."""
+
+    byzantine: int = 1
+    _held: DeviceVotes = field(init=False)
+    chosen: int | None = None  # the index (arrival order) of the vote applied, after apply()
+    _moved: set = field(init=False, default_factory=set)
+
+    def __post_init__(self) -> None:
+        self._held = DeviceVotes(self.byzantine)
+
+    def apply(self, global_weights: Weights) -> Weights:
+        votes = self._held.votes("krum")
+        n, f = len(votes), self.byzantine
+        if n < 2 * f + 3:
+            raise AggregationError(f"{n} devices reported; the krum rule with "
+                                   f"aggregation.byzantine_devices={f} needs at least {2 * f + 3}")
+        flat = torch.stack([torch.cat([d[k].to(torch.float64).flatten() for k in votes[0][0]])
+                            for d, _ in votes])
+        dist = torch.cdist(flat, flat).pow(2)
+        scores = [float(dist[i][torch.arange(n) != i].sort().values[: n - f - 2].sum())
+                  for i in range(n)]
+        self.chosen = min(range(n), key=lambda i: (scores[i], i))
+        out = dict(global_weights)
+        for k, d in votes[self.chosen][0].items():
+            g = global_weights[k]
+            out[k] = in_dtype(k, g.to(torch.float64) + d.to(torch.float64), g.dtype)
+        self._moved = set(votes[self.chosen][0])
+        return out
+
+    def moved(self) -> set[str]:
+        return set(self._moved)
+
+
+# The built-in rules as entry points of the group fedseq.aggregators (common/registry.py): a
+# rule is a callable (AggregationConfig) -> Aggregator, registered as a plugin's rule is.
+def mean(cfg: AggregationConfig) -> Aggregator:
+    """Exact weighted FedAvg, streamed (the parity-tested default; no bound at all)."""
     return WeightedDeltaSum()
 
 
-__all__ = ["Aggregator", "ClippedMean", "CoordinateWise", "DeviceVotes", "make_aggregator",
+def clipped_mean(cfg: AggregationConfig) -> Aggregator:
+    """Per-device votes clipped to a bound, then their weighted mean."""
+    return ClippedMean(cfg.clip_norm, cfg.clip_factor, cfg.byzantine())
+
+
+def trimmed_mean(cfg: AggregationConfig) -> Aggregator:
+    """Coordinate-wise trimmed mean of the per-device votes."""
+    return CoordinateWise(cfg.trim_ratio, cfg.byzantine())
+
+
+def median(cfg: AggregationConfig) -> Aggregator:
+    """Coordinate-wise median of the per-device votes."""
+    return CoordinateWise(None, cfg.byzantine())
+
+
+def krum(cfg: AggregationConfig) -> Aggregator:
+    """The Krum-selected per-device vote."""
+    return Krum(cfg.byzantine())
+
+
+def make_aggregator(cfg: AggregationConfig) -> Aggregator:
+    """The configured rule (aggregation.rule), from the registry."""
+    from fedseq.common.registry import REGISTRY
+
+    return REGISTRY.load("aggregators", cfg.rule)(cfg)
+
+
+__all__ = ["Aggregator", "ClippedMean", "CoordinateWise", "DeviceVotes", "Krum", "make_aggregator",
            "update_norm"]

@@ -11,6 +11,7 @@ import torch
 
 from fedseq.common.config import DataConfig
 from fedseq.common.data.catalog import CHANNEL_STATS
+from fedseq.common.data.datasets import dataset as registered_dataset
 from fedseq.common.data.partition import (
     classes_partition,
     dirichlet_partition,
@@ -18,7 +19,7 @@ from fedseq.common.data.partition import (
     shard_partition,
     train_test_split,
 )
-from fedseq.common.data.readers import RawDataset, read_dataset
+from fedseq.common.data.readers import RawDataset
 from fedseq.common.errors import DatasetError
 from fedseq.common.seeding import numpy_rng
 
@@ -92,7 +93,15 @@ class FederatedData:
 
 @functools.lru_cache(maxsize=2)
 def _load_raw(root: str, dataset: str) -> RawDataset:
-    return read_dataset(Path(root), dataset)
+    return registered_dataset(dataset).load(Path(root), {})
+
+
+def _read(cfg: DataConfig, rows: np.ndarray | None = None) -> RawDataset:
+    """The configured dataset's rows (every row, or the images of `rows` alone), from its
+    registered entry (common/data/datasets.py); a catalog dataset read whole is cached."""
+    if rows is None and not cfg.options:
+        return _load_raw(str(cfg.root), cfg.dataset)
+    return registered_dataset(cfg.dataset).load(Path(cfg.root), dict(cfg.options), rows)
 
 
 def _images_tensor(images: np.ndarray) -> torch.Tensor:
@@ -123,12 +132,9 @@ def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None,
     (a device); `test_images_only`: keep only the test rows' images (the coordinator, whose global
     evaluation reads nothing else). Rows not kept are never materialized: the files are read one
     at a time and only the wanted rows copied out."""
-    root = str(cfg.root)
     lean = only is not None or test_images_only
-    if not lean:
-        raw = _load_raw(root, cfg.dataset)
-    else:  # labels first (small); images after the partition says which rows are needed
-        raw = read_dataset(Path(root), cfg.dataset, rows=np.empty(0, np.int64))
+    # lean: labels first (small); images after the partition says which rows are needed
+    raw = _read(cfg, rows=np.empty(0, np.int64) if lean else None)
     labels, num_classes = raw.labels, raw.num_classes
     keep = None
     if cfg.fraction < 1.0:
@@ -146,7 +152,7 @@ def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None,
     wanted = [te for _, te in splits] if only is None else [
         r for c in sorted(set(only)) for r in splits[c]]
     rows = np.unique(np.concatenate(wanted)) if wanted else np.empty(0, np.int64)
-    images = read_dataset(Path(root), cfg.dataset, rows=rows if keep is None else keep[rows]).images
+    images = _read(cfg, rows=rows if keep is None else keep[rows]).images
     pos = torch.full((len(labels),), -1, dtype=torch.int64)
     pos[torch.from_numpy(rows)] = torch.arange(len(rows))
     return FederatedData(_images_tensor(images), y, num_classes, shards, pos, stats)

@@ -3,7 +3,7 @@ former flat keys mapped, none of them broadcast to devices."""
 
 import pytest
 
-from fedseq.common.algorithms import REGISTRY, make_algorithm
+from fedseq.common.algorithms import ALGORITHMS, make_algorithm
 from fedseq.common.config import FORMER_KEYS, AlgorithmParams, ExperimentConfig, load_config
 from fedseq.common.errors import ConfigError
 from fedseq.common.models import ModelSpec
@@ -39,7 +39,7 @@ def test_every_former_flat_key_still_works_and_moves_to_its_table(old):
     """A config file or --set of before the tables keeps working: the value lands in every
     table the former key names, and the run's config records it there."""
     table, field = FORMER_KEYS[old][0].split(".")
-    default = REGISTRY[table].params_model.model_fields[field].default
+    default = ALGORITHMS[table].params_model.model_fields[field].default
     value = default if isinstance(default, str) else (
         default + 1 if isinstance(default, int) else default / 2)
     given = f"algorithm.{old}={value!r}" if isinstance(value, str) else f"algorithm.{old}={value}"
@@ -57,12 +57,12 @@ def test_a_former_key_and_its_table_disagreeing_is_refused_in_one_line():
 
 
 def test_every_parameter_model_is_declared_in_its_algorithms_module():
-    for name, cls in REGISTRY.items():
+    for name, cls in ALGORITHMS.items():
         if cls.params_model is not None:
             assert issubclass(cls.params_model, AlgorithmParams)
             assert cls.params_model.__module__.startswith("fedseq.common.algorithms."), name
     assert {t.split(".")[0] for ts in FORMER_KEYS.values() for t in ts} <= {
-        n for n, c in REGISTRY.items() if c.params_model is not None}
+        n for n, c in ALGORITHMS.items() if c.params_model is not None}
 
 
 def test_devices_get_no_parameter_table_nor_a_coordinator_only_key():

@@ -106,26 +106,29 @@ def test_max_abs_delta_auto_follows_the_models_scale():
 
 def test_algorithm_names_are_the_registrys():
     """algorithm.name takes every registered algorithm and nothing else, and says which exist."""
-    from fedseq.common.algorithms import REGISTRY
+    from fedseq.common.algorithms import ALGORITHMS
 
-    for name in REGISTRY:
+    for name in ALGORITHMS:
         assert load_config(None, [f"algorithm.name={name}"]).algorithm.name == name
-    with pytest.raises(ConfigError, match="unknown algorithm 'fedfoo'; use one of fedavg, ") as e:
+    with pytest.raises(ConfigError,
+                       match="unknown algorithm 'fedfoo'; use one of ditto, fedadam, fedavg, ") as e:
         load_config(None, ["algorithm.name=fedfoo"])
     assert "\n" not in str(e.value)
 
 
 def test_model_and_dataset_names_are_the_registries():
     from fedseq.common.data.catalog import NUM_CLASSES
-    from fedseq.common.models import MODELS
+    from fedseq.common.registry import REGISTRY
 
-    for name in MODELS:
+    # every catalogued dataset is registered, and nothing the catalog lacks is built in
+    assert sorted(NUM_CLASSES) == [e.name for e in REGISTRY.entries("datasets") if e.builtin]
+    for name in REGISTRY.names("models"):
         assert load_config(None, [f"model.name={name}"]).model.name == name
-    for name in NUM_CLASSES:
+    for name in REGISTRY.names("datasets"):
         assert load_config(None, [f"data.dataset={name}"]).data.dataset == name
-    with pytest.raises(ConfigError, match="model.name: .*unknown model 'vgg'; use one of cnn, "):
+    with pytest.raises(ConfigError, match="model.name: .*unknown model 'vgg'; use one of 4convnet, cnn, "):
         load_config(None, ["model.name=vgg"])
-    with pytest.raises(ConfigError, match="data.dataset: .*unknown dataset 'svhn'; use one of mnist"):
+    with pytest.raises(ConfigError, match="data.dataset: .*unknown dataset 'svhn'; use one of cifar10, "):
         load_config(None, ["data.dataset=svhn"])
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import server_only, synthetic_data
-from fedseq.common.algorithms import REGISTRY, make_algorithm, model_layout
+from fedseq.common.algorithms import ALGORITHMS, make_algorithm, model_layout
 from fedseq.common.config import load_config
 from fedseq.common.models import build_model, get_blocks, split_state
 from fedseq.common.training import run_client_round, train_plan
@@ -23,7 +23,7 @@ def _setup(name, *over):
     return cfg, model, alg, data
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
 @pytest.mark.parametrize("round", [0, 2, 5])
 def test_frozen_blocks_bit_identical_and_trained_blocks_move(name, round):
     cfg, model, alg, data = _setup(name)
@@ -59,7 +59,7 @@ def test_frozen_base_block_gets_no_gradient():
     assert seen == []  # conv1 frozen in round 0 of Anti: no gradient is ever computed
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_client_round_reproducible_and_uploads_only_shared(name):
     cfg, model, alg, data = _setup(name)
     start = get_blocks(model, model.spec.blocks)

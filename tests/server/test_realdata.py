@@ -3,14 +3,14 @@
 import pytest
 
 from conftest import quick_config
-from fedseq.common.algorithms import REGISTRY
+from fedseq.common.algorithms import ALGORITHMS
 from fedseq.server.simulation import run_simulation
 
 TRAINED_GLOBAL = {"fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedprox", "fedrod",
                   "fedreg", "moon", "fednova"}
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_beats_chance(name, data_root):
     cfg = quick_config(data_root, f"algorithm.name={name}")
     result = run_simulation(cfg, out=None)

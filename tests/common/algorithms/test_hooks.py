@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedseq.common.algorithms import REGISTRY, make_algorithm
+from fedseq.common.algorithms import ALGORITHMS, make_algorithm
 from fedseq.common.algorithms.base import Algorithm
 from fedseq.common.algorithms.hooks import ClientSide, UnknownAlgorithm, client_side
 from fedseq.common.algorithms.plan import plan_from_dict, plan_to_dict
@@ -42,7 +42,7 @@ def test_the_generic_client_code_imports_no_algorithm(path):
     assert used <= SEAM, sorted(used - SEAM)
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_every_plan_names_its_algorithm_and_crosses_the_wire(name):
     cfg = load_config(None, [f"algorithm.name={name}"])
     from fedseq.common.algorithms import model_layout
@@ -54,14 +54,14 @@ def test_every_plan_names_its_algorithm_and_crosses_the_wire(name):
     assert plan.algorithm == name
     assert plan_from_dict(plan_to_dict(plan)) == plan
     side = client_side(plan)
-    assert isinstance(side, REGISTRY[name].client_class) and side.params == plan.params
+    assert isinstance(side, ALGORITHMS[name].client_class) and side.params == plan.params
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_an_algorithm_with_its_own_server_step_says_so(name):
     """The buffered-asynchronous loop scales FedAvg's step by algorithm.server_lr; an algorithm
     that steps the model itself declares it (`own_server_step`), it is not guessed."""
-    cls = REGISTRY[name]
+    cls = ALGORITHMS[name]
     overrides = cls.server_update is not Algorithm.server_update
     assert cls.own_server_step == overrides
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fedseq.common.algorithms import REGISTRY, algorithm_class, make_algorithm, model_layout
+from fedseq.common.algorithms import ALGORITHMS, algorithm_class, make_algorithm, model_layout
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import load_config
 from fedseq.common.models import build_model
@@ -16,7 +16,7 @@ def _alg(name):
     return alg
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_personal_blocks_never_uploaded(name):
     alg = _alg(name)
     for t in range(9):
@@ -75,7 +75,7 @@ def test_fedrod_balanced_generic_and_detached_personal():
     assert plan.class_counts_needed
 
 
-@pytest.mark.parametrize("name", sorted(REGISTRY))
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_fine_tuning_is_declared_and_off_with_zero_epochs(name):
     """`finetunes(cfg)` (what the CLI shows before any model exists) agrees with the plan the
     round loop runs, also with algorithm.finetune_epochs = 0."""

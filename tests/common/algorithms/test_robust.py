@@ -178,3 +178,26 @@ def test_byzantine_devices_needs_a_robust_rule():
         AggregationConfig(rule="mean", byzantine_devices=1)
     assert AggregationConfig(rule="median").byzantine() == 1
     assert AggregationConfig().byzantine() == 0
+
+
+def test_krum_applies_an_honest_vote_whole_and_ignores_the_attacker():
+    """Krum (Blanchard et al. 2017): with n = 5 >= 2f + 3 votes, the one whose n - f - 2 nearest
+    are closest is applied unchanged; the attacker's far-away vote is never it."""
+    agg = make_aggregator(AggregationConfig(rule="krum"))
+    out = _run(agg, HONEST + [EVIL])
+    assert agg.chosen in range(len(HONEST))
+    assert all(torch.equal(out[k], G[k] + HONEST[agg.chosen][k]) for k in G)
+    # by hand: scores are the sums of squared distances to the n - f - 2 = 3 nearest other votes
+    votes = HONEST + [EVIL]
+    flat = [torch.cat([v[k].double().flatten() for k in G]) for v in votes]
+    scores = [sorted(float((flat[i] - flat[j]).pow(2).sum()) for j in range(5) if j != i)[:3]
+              for i in range(5)]
+    assert agg.chosen == min(range(5), key=lambda i: sum(scores[i]))
+
+
+def test_krum_needs_2f_plus_3_devices():
+    from fedseq.common.errors import AggregationError
+
+    agg = make_aggregator(AggregationConfig(rule="krum"))  # f = 1: five devices
+    with pytest.raises(AggregationError, match="4 devices reported; the krum rule .* at least 5"):
+        _run(agg, HONEST)
