@@ -139,6 +139,19 @@ class DataConfig(_Section):
         return _registered_name("datasets", v)
 
     @model_validator(mode="after")
+    def _options_fit(self, info: ValidationInfo) -> DataConfig:
+        """[data.options] as the dataset's own schema reads them (its `describe`), so a bad option
+        fails with the config, before any file is read."""
+        if _check_registries(info):
+            from fedseq.common.data.datasets import describe
+
+            try:
+                describe(self.dataset, self.options)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+    @model_validator(mode="after")
     def _has_channel_stats(self) -> DataConfig:
         if self.normalize == "channel" and self.dataset not in CHANNEL_STATS:
             raise ValueError(f"data.normalize = \"channel\" has no statistics for {self.dataset} "

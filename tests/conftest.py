@@ -23,6 +23,15 @@ from fedseq.server.launch import SERVER_PACKAGES
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# the two tiers (the README's two test commands): --full, the slow marker, the fast tier's limit
+from tiers import (  # noqa: E402, F401  (pytest finds hooks by name in this module)
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_runtest_makereport,
+    pytest_terminal_summary,
+)
+
+
 def _data_root() -> Path:
     """$FEDSEQ_DATA; else the commands' default root when it holds Fashion-MNIST; else the
     project's ../shared/data when that does; else the commands' default (the tests that need the
