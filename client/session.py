@@ -322,8 +322,13 @@ class DeviceSession:
         try:
             cfg = ExperimentConfig.model_validate(rc.config)
         except ValidationError as exc:
+            # A config of this protocol that this device cannot follow (a model, dataset,
+            # algorithm or rule not installed or not allowed here, an option it refuses): said to
+            # the coordinator, which excludes this device from the run at once, with the reason.
             p = validation_problem(exc)
-            raise ProtocolError(f"run config {rc.run_id}: {p.where}: {p.msg}") from exc
+            reason = f"{self.device} cannot follow run {rc.run_id}: {p.where}: {p.msg}"
+            self.report_failure(rc.run_id, -1, reason)  # -1: no step of this run can run here
+            raise ProtocolError(reason) from exc
         cfg.data.root = self.data_dir  # this device's files, never the coordinator's path
         with self.cond:
             if self.run is None or self.run.run_id != rc.run_id:

@@ -182,7 +182,8 @@ def format_fleet(view: FleetView, url: str, every: bool = False) -> list[str]:
         error = "-"
         if d.error:
             error = d.error if len(d.error) <= 80 else d.error[:77] + "..."
-            error = f"step {d.error_seq}: {error}"
+            if d.error_seq != -1:  # -1: the whole run (the device cannot follow it): it says so
+                error = f"step {d.error_seq}: {error}"
         temp = "-" if d.temp_c is None else f"{d.temp_c:.0f} C" + (" THROTTLED" if d.throttled else "")
         source = d.energy_source or "-"
         info = view.stacks.get(name)  # its torch build, where the device described itself

@@ -158,3 +158,36 @@ def test_a_labs_own_image_folder_runs_with_no_code_of_its_own(tmp_path, monkeypa
     res = run_simulation(cfg, None)
     assert res.rows[-1]["global_acc"] > 0.9  # two levels of grey
     same_run(run_simulation(cfg, None, workers=2), res)
+
+
+def test_a_device_that_cannot_follow_the_run_says_why_and_is_excluded_at_once(
+        lab_package, tmp_path, mosquitto, one_thread):
+    """On Mosquitto with the project's ACL: local01 allows the lab's plugins, local02 has them
+    installed but not allowed. local02 publishes why it cannot follow the run; the coordinator
+    fails its clients at once, with that reason, instead of waiting out the round's deadline."""
+    import time
+
+    from conftest import device_process
+    from fedseq.server.deployment import run_deployment
+    from fedseq.server.processes import stop_children
+
+    port, home, _ = mosquitto
+    cfg = lab_config("rounds=2", "deploy.min_devices=2", "deploy.round_timeout_s=120",
+                     "deploy.eval_timeout_s=120", "deploy.username=coordinator",
+                     f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+    allow = [a for p in cfg.plugins() for a in ("--allow-plugin", p)]
+    daemons = [device_process("local01", port, home, home, *allow),
+               device_process("local02", port, home, home)]
+    started = time.monotonic()
+    try:
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=lambda s: None)
+    finally:
+        stop_children(daemons)
+    assert time.monotonic() - started < 100  # no round waited out its 120 s deadline
+    train = [r for r in res.rows if r["phase"] == "train"]
+    assert len(train) == 2
+    for row in train:
+        why = row["device_failures"]["local02"]
+        assert "local02 cannot follow run" in why and "--allow-plugin" in why, why
+        assert row["reported"] and set(row["reporters"].values()) == {"local01"}
