@@ -4,6 +4,7 @@ a temporary prefix (systemd off), twice; the installed fedseq-client then comple
 from __future__ import annotations
 
 import getpass
+import json
 import os
 import re
 import shutil
@@ -31,7 +32,7 @@ def test_lint_and_syntax():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-def _play(prefix, wheel, port, data_root):
+def _play(prefix, wheel, port, data_root, extra_vars=None):
     return subprocess.run(
         ["ansible-playbook", "-i", "localhost,", "-c", "local", "client-local.yml",
          "-e", f"ansible_python_interpreter={sys.executable}", "-e", f"fedseq_client_prefix={prefix}",
@@ -41,7 +42,8 @@ def _play(prefix, wheel, port, data_root):
          "-e", "fedseq_client_threads=1", "-e", "fedseq_client_torch_device=cpu",
          # torch and the other dependencies come from the environment running the tests (a venv
          # in CI), as a device's come from JetPack's system packages
-         "-e", f"fedseq_client_site_from={sys.executable}"],
+         "-e", f"fedseq_client_site_from={sys.executable}",
+         *(["-e", json.dumps(extra_vars)] if extra_vars else [])],
         cwd=ANSIBLE, capture_output=True, text=True, timeout=600,
         env={**os.environ, "ANSIBLE_NOCOLOR": "1"})
 
@@ -51,16 +53,32 @@ def test_client_role_installs_a_working_client(tmp_path, data_root):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels),
                     str(ROOT)], check=True, timeout=300, capture_output=True)
     (wheel,) = wheels.glob("fedseq-*.whl")
+    # a lab's plugin package, as its operator builds it on the controller
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(wheels), str(ROOT / "examples" / "plugin")], check=True, timeout=300,
+                   capture_output=True, cwd=tmp_path)
+    (plugin,) = wheels.glob("fedseq_labdemo-*.whl")
+    lab = {"fedseq_client_plugin_wheels": [str(plugin)],
+           "fedseq_client_allow_plugins": ["labnet", "blobs"]}
     prefix, port = tmp_path / "root", free_port()
-    first = _play(prefix, wheel, port, data_root)
+    first = _play(prefix, wheel, port, data_root, lab)
     assert first.returncode == 0, first.stdout[-3000:]
-    second = _play(prefix, wheel, port, data_root)
+    second = _play(prefix, wheel, port, data_root, lab)
     assert second.returncode == 0, second.stdout[-3000:]
     assert re.search(r"localhost\s*:\s*ok=\d+\s+changed=0\s", second.stdout), second.stdout[-1500:]
 
     client = prefix / "opt" / "fedseq" / "venv" / "bin" / "fedseq-client"
     config = prefix / "etc" / "fedseq" / "client.toml"
     assert client.exists() and 'device = "ansible01"' in config.read_text()
+    assert '[plugins]\nallow = ["labnet", "blobs"]' in config.read_text()
+    seen = subprocess.run(
+        [str(client.with_name("python")), "-c",
+         "import sys; from fedseq.client.doctor import check_plugins; "
+         "from fedseq.client.settings import load_settings; "
+         "[print(ok, line) for ok, line in check_plugins(load_settings(sys.argv[1], {}))]",
+         str(config)], capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "True plugin model 'labnet' (fedseq-labdemo 0.3.0) installed and allowed" in seen, seen
+    assert "None plugin algorithm 'fedavg-l2' (fedseq-labdemo 0.3.0) installed, not allowed" in seen
     assert (prefix / "var/lib/fedseq/data/FashionMNIST/raw/train-images-idx3-ubyte.gz").exists()
     proc = subprocess.Popen([str(client), "--config", str(config)])
     try:
