@@ -1,0 +1,50 @@
+"""`fedseq new NAME`: the package it writes installs with pip, its own tests pass inside it, and
+its config.toml runs on the data root's Fashion-MNIST."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import server_only
+from fedseq.common.errors import ConfigError
+from fedseq.server.scaffold import new_package
+
+pytestmark = server_only
+BIN = Path(sys.executable).parent
+
+
+def test_a_bad_name_or_a_used_folder_is_refused_in_one_line(tmp_path):
+    for bad in ("Lab Net", "pkg.mod:make", "-x", "a" * 41):
+        with pytest.raises(ConfigError, match="is not a package name"):
+            new_package(bad, tmp_path / "x")
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "keep.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="is not empty"):
+        new_package("labnet", tmp_path / "used")
+    assert (tmp_path / "used" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.slow("pip builds and installs the package, then its tests and a run on FMNIST: ~25 s")
+def test_fedseq_new_writes_a_package_whose_tests_pass_and_whose_config_runs(tmp_path, data_root):
+    pkg, site = tmp_path / "acme", tmp_path / "site"
+    out = subprocess.run([str(BIN / "fedseq"), "new", "acme-vision", "--dir", str(pkg)],
+                         capture_output=True, text=True, check=True, timeout=120)
+    assert "wrote 5 files" in out.stdout
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                    "--no-build-isolation", "--target", str(site), str(pkg)],
+                   check=True, timeout=300, cwd=tmp_path, capture_output=True)
+    env = {**os.environ, "PYTHONPATH": str(site), "FEDSEQ_DATA": str(data_root)}
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                           cwd=pkg, env=env, capture_output=True, text=True, timeout=600)
+    assert tests.returncode == 0 and "3 passed" in tests.stdout, tests.stdout[-2000:]
+    run = subprocess.run([str(BIN / "fedseq-sim"), "--config", "config.toml", "--set", "rounds=2",
+                          "--out", str(tmp_path / "run")], cwd=pkg, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "acme-vision-avg on fmnist (acme-vision-net)" in run.stdout + run.stderr
+    assert '"distribution": "acme-vision"' in (tmp_path / "run" / "plugins.json").read_text()
