@@ -372,10 +372,11 @@ class TrainConfig(_Section):
 class AggregationConfig(_Section):
     """[aggregation]: how validated updates become the new global model (docs/security.md)."""
 
-    rule: str = Field("mean", description=(
+    rule: str = Field("mean", json_schema_extra=COORDINATOR, description=(
         "A registered aggregation rule (`fedseq plugins`): mean, exact FedAvg; clipped-mean, "
         "trimmed-mean, median, krum: robust rules (docs/security.md); or one an installed package "
-        "registers (entry point group fedseq.aggregators)."))
+        "registers (entry point group fedseq.aggregators). Coordinator only: a device needs no "
+        "rule installed."))
     clip_norm: Optional[float] = Field(None, gt=0, description="clipped-mean: an absolute L2 bound.")
     clip_factor: float = Field(2.0, gt=0, description="clipped-mean: bound = factor x median norm.")
     trim_ratio: float = Field(0.1, gt=0, lt=0.5, description="trimmed-mean: ceil(ratio x n) cut per end.")
@@ -658,9 +659,10 @@ class ExperimentConfig(_Section):
                 "algorithms": self.algorithm.name, "aggregators": self.aggregation.rule}
 
     def plugins(self) -> List[str]:
-        """The names the run uses that are not fedseq's built-ins (what a device must allow)."""
+        """The plugins a device must allow to follow the run: its model, dataset and algorithm
+        where they are not fedseq's built-ins (the aggregation rule runs on the coordinator)."""
         return sorted({name for group, name in self.registered_names().items()
-                       if not REGISTRY.entry(group, name).builtin})
+                       if group != "aggregators" and not REGISTRY.entry(group, name).builtin})
 
     def seed_for(self, stream: str) -> int:
         """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`."""
