@@ -81,6 +81,7 @@ def test_plans_carry_augmentation_and_leave_the_crop_off_the_wire_when_unused(da
     assert cfg.for_devices()["train"]["augment"] == ["flip", "crop"]
 
 
+@pytest.mark.slow("real models trained: 5 s on 2 cores")
 @server_only
 def test_fedavg_fine_tuned_is_fedbabus_fedavg_column(data_root):
     """final_finetune = true: FedAvg ends with every client's fine-tuning, its rounds unchanged

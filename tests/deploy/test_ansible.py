@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(shutil.which("ansible-playbook") is None,
                                 reason="ansible-core not installed (pip install -e '.[dev]')")
 
 
+@pytest.mark.slow("ansible-playbook and ansible-lint on the roles: 7 s on 2 cores")
 def test_lint_and_syntax():
     r = subprocess.run(["ansible-playbook", "--syntax-check", "-i", "inventory/testbed.yml",
                         "site.yml"], cwd=ANSIBLE, capture_output=True, text=True, timeout=120)
@@ -48,6 +49,7 @@ def _play(prefix, wheel, port, data_root, extra_vars=None):
         env={**os.environ, "ANSIBLE_NOCOLOR": "1"})
 
 
+@pytest.mark.slow("ansible-playbook and ansible-lint on the roles: 45 s on 2 cores")
 def test_client_role_installs_a_working_client(tmp_path, data_root):
     wheels = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheels),
@@ -91,6 +93,7 @@ def test_client_role_installs_a_working_client(tmp_path, data_root):
     assert all(r["reported"] == r["clients"] for r in res.rows)
 
 
+@pytest.mark.slow("ansible-playbook and ansible-lint on the roles: 27 s on 2 cores")
 def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path):
     """The broker role's configuration and account tasks applied to a scratch folder, twice, with
     TLS and identity logins on; then Mosquitto runs the result: the plain listener is on loopback

@@ -63,6 +63,7 @@ def test_numpy_2_beside_torch_1_12_is_refused_in_one_line(tmp_path):
     assert "cannot use numpy 2.0.2" in stack.stdout
 
 
+@pytest.mark.slow("a device venv built by the documented route joins a round: 5 s on 2 cores")
 def test_a_device_installed_by_the_route_joins_a_round(data_root, tmp_path, mosquitto, one_thread):
     port, home, _ = mosquitto
     devices = [device_process(name, port, home, data_root, "--torch-device", "cpu",

@@ -66,6 +66,7 @@ def test_server_commands_refuse_the_device_stack_in_one_line():
         assert f"{command} needs Python >= 3.10" in r.stderr and "fedseq-client" in r.stderr
 
 
+@pytest.mark.slow("Python 3.8 / torch 1.12 device daemons join rounds: 7 s on 2 cores")
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedper"])
 def test_old_stack_device_completes_rounds(algorithm, data_root, tmp_path, mosquitto, one_thread):
     port, home, _ = mosquitto

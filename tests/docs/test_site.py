@@ -114,6 +114,7 @@ class _Recorder(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+@pytest.mark.slow("mkdocs builds the site, read by headless Chromium: 51 s on 2 cores")
 def test_every_page_renders_in_a_headless_browser_without_a_missing_asset(site):
     if _chromium() is None:
         if os.environ.get("CI"):

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
+import pytest
 import torch
 
 from conftest import device_process, quick_config
@@ -141,6 +142,8 @@ def _rejections(tmp_path) -> list[dict]:
     return [r.get("rejected", {}) for r in rows]
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "9 s on 2 cores")
 def test_poisoned_sample_counts_are_rejected(data_root, tmp_path, mosquitto, one_thread):
     """num_samples = 10**12 with delta = -w (observed to zero the model) counts for nothing."""
     def attack(att, step):
@@ -157,6 +160,8 @@ def test_poisoned_sample_counts_are_rejected(data_root, tmp_path, mosquitto, one
     assert reasons and all("num_samples=1000000000000" in r for r in reasons)
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "13 s on 2 cores")
 def test_wrong_dtypes_and_huge_values_are_rejected(data_root, tmp_path, mosquitto, one_thread):
     def attack(att, step):
         if step.kind != "train":
@@ -184,6 +189,8 @@ def test_wrong_dtypes_and_huge_values_are_rejected(data_root, tmp_path, mosquitt
     assert all("magnitude" in r or "is int" in r or "is float64" in r for r in reasons), reasons
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "11 s on 2 cores")
 def test_invalid_update_never_displaces_the_valid_one(data_root, tmp_path, mosquitto, one_thread):
     """A wrong shape and a zero count arrive first; the client's honest update still counts."""
     def attack(att, step):
@@ -206,6 +213,8 @@ def _theirs_row(row) -> list[int]:
     return [c for c in row["clients"] if c % 2 == 1]
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "10 s on 2 cores")
 def test_spoofed_device_fields_are_rejected(data_root, tmp_path, mosquitto, one_thread):
     """local02's login claims to be local01: offline status, and evaluation results."""
     def attack(att, step):
@@ -223,6 +232,8 @@ def test_spoofed_device_fields_are_rejected(data_root, tmp_path, mosquitto, one_
     assert res.final.per_client == sim.final.per_client
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "7 s on 2 cores")
 def test_truncated_and_oversized_chunks(data_root, tmp_path, mosquitto, one_thread):
     """A ~250-byte chunk on the honest frame's topic and a header declaring a 1 GiB frame: both
     refused before anything is allocated; the honest frames complete."""
@@ -301,6 +312,8 @@ def _junk(run_id: str = "r") -> list[tuple[str, bytes]]:
     ]
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "8 s on 2 cores")
 def test_retained_and_live_junk_on_every_topic(data_root, tmp_path, one_thread):
     def attack(att, step):
         if step.kind in ("train", "evaluate"):
@@ -318,6 +331,8 @@ def test_retained_and_live_junk_on_every_topic(data_root, tmp_path, one_thread):
     _assert_clean(cfg, res)
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "7 s on 2 cores")
 def test_foreign_run_ids_are_ignored(data_root, tmp_path, one_thread):
     """An abort and a step of another run, published while the devices train, change nothing."""
     fired = threading.Event()
@@ -350,6 +365,8 @@ def _forge_local03(base, data, forged: list[int]):
     return attack
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "8 s on 2 cores")
 def test_clipped_mean_bounds_a_valid_byzantine_device(data_root, tmp_path, mosquitto, one_thread):
     """A device account sends, first, *valid* updates for all its clients (right count, dtype and
     shape, within a max_abs_delta set to 10) that push the model far away: validation cannot refuse them and
@@ -378,6 +395,8 @@ def test_clipped_mean_bounds_a_valid_byzantine_device(data_root, tmp_path, mosqu
     assert 0 < moved <= allowed * (1 + 1e-6), (moved, allowed)
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "9 s on 2 cores")
 def test_trimmed_mean_votes_once_per_device(data_root, tmp_path, mosquitto, one_thread):
     """Trimmed mean at its default ratio, six clients on three devices, the attacker's device
     holding two: counted per client one forged update would survive the trim (and move every
@@ -444,6 +463,8 @@ def _flood_retained(port: int, login: tuple[str, str], tag: str, n: int) -> None
     c.disconnect()
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "15 s on 2 cores")
 def test_a_device_login_cannot_fill_the_broker_with_retained_messages(data_root, tmp_path, mosquitto,
                                                                      one_thread):
     """Severe finding 1 of hardening III. local02's login tries to leave 10,000 retained messages
@@ -543,6 +564,8 @@ c.disconnect()
 """
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "24 s on 2 cores")
 def test_a_flooding_login_does_not_silence_another_device(data_root, tmp_path, mosquitto, one_thread):
     """Severe finding 2 of hardening III. local03's login floods the coordinator from its own
     process with evaluations under every step number and with statuses (100,000 messages from the
@@ -585,6 +608,8 @@ def test_a_flooding_login_does_not_silence_another_device(data_root, tmp_path, m
     assert all(reported == selected for selected, reported in _device_rounds(res, 0, 3)), summary
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "17 s on 2 cores")
 def test_a_flapping_device_costs_at_most_one_wait(data_root, tmp_path, mosquitto, one_thread, caplog):
     """Severe finding 3 of hardening III. local02's login says offline after every step goes
     out and online again when the next one is published, so the coordinator finds it missing
@@ -670,6 +695,8 @@ def _flooder(port: int, home: Path, login: str, seconds: float, mode: str,
                             text=True)
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "37 s on 2 cores")
 def test_a_login_flooding_maximum_size_junk_costs_no_other_device_a_round(
         data_root, tmp_path, mosquitto, one_thread):
     """Hardening IV, severe finding 1. local03's login floods its own four topics with junk at
@@ -705,6 +732,8 @@ def test_a_login_flooding_maximum_size_junk_costs_no_other_device_a_round(
     assert max(r["seconds"] for r in train) < 30, summary
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "96 s on 2 cores")
 def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_caps(
         data_root, tmp_path, mosquitto, one_thread, monkeypatch, caplog):
     """Hardening IV, severe finding 2. In a MobileNet run (12.9 MB updates) local03's login
@@ -782,6 +811,8 @@ def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_
 
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "16 s on 2 cores")
 def test_forged_async_updates_are_refused_and_never_fold(data_root, tmp_path, mosquitto, one_thread):
     """An asynchronous run (protocol v6): local02's login also forges an answer to each dispatch
     of its clients, alternately naming a model version the dispatch cannot have trained on
@@ -828,6 +859,8 @@ def test_forged_async_updates_are_refused_and_never_fold(data_root, tmp_path, mo
     assert again.returncode == 0, (again.stdout[-2000:], again.stderr[-2000:])
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "19 s on 2 cores")
 def test_a_flooding_login_does_not_starve_an_asynchronous_run(data_root, tmp_path, mosquitto,
                                                              one_thread):
     """The per-login budgets hold while an asynchronous run collects: local03's login floods the
@@ -856,6 +889,8 @@ def test_a_flooding_login_does_not_starve_an_asynchronous_run(data_root, tmp_pat
     assert {c % 3 for c in folded} >= {0, 1}, [r["folds"] for r in rows]
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "41 s on 2 cores")
 def test_a_login_flooding_tiny_messages_is_disabled_at_the_broker(data_root, tmp_path, mosquitto,
                                                                    one_thread, caplog):
     """Hardening V, finding 3. local03's login publishes 7-byte statuses as fast as its connection
@@ -914,6 +949,8 @@ def test_a_login_flooding_tiny_messages_is_disabled_at_the_broker(data_root, tmp
     assert connack("127.0.0.1", port, "local03", (home / "local03.pw").read_text().strip()) == 0
 
 
+@pytest.mark.slow("an attack on a live Mosquitto fleet (the attacker's login and honest daemons): "
+                  "11 s on 2 cores")
 def test_an_async_update_cannot_choose_its_staleness(data_root, tmp_path, mosquitto, one_thread):
     """Hardening V, finding 6: local02's login answers each dispatch of its clients that the
     model has moved past with a valid update (zero deltas, the client's true sample count) that

@@ -66,6 +66,8 @@ def test_async_and_fleet_keys_stay_on_the_coordinator():
 
 
 # -- the synchronous loop on a fleet ---------------------------------------------------------
+@pytest.mark.slow("buffered asynchronous training with device daemons or many simulated rounds: "
+                  "7 s on 2 cores")
 def test_a_fleet_only_adds_time_and_energy_to_a_synchronous_run(data_root, one_thread):
     """Without over-selection the model is bitwise the run without a fleet; every row carries
     its virtual seconds, the clock and the modelled joules, the clock never goes back."""
@@ -88,6 +90,8 @@ def test_over_selection_counts_the_first_to_arrive(data_root, one_thread):
         assert set(r.reported) | set(r.cancelled) == set(r.clients)
 
 
+@pytest.mark.slow("buffered asynchronous training with device daemons or many simulated rounds: "
+                  "9 s on 2 cores")
 @pytest.mark.parametrize("over", [("train.over_select=2",),
                                   ("train.mode='async'", "train.concurrency=3"),
                                   ("train.mode='async'", "train.concurrency=4", "train.buffer=3",
@@ -173,6 +177,8 @@ def test_async_needs_a_fleet_and_refuses_what_cannot_run_asynchronously(data_roo
                                     MIXED), None)
 
 
+@pytest.mark.slow("buffered asynchronous training with device daemons or many simulated rounds: "
+                  "6 s on 2 cores")
 def test_over_selection_on_a_real_fleet_counts_the_first_to_arrive(data_root, tmp_path,
                                                                     one_thread):
     """Two daemons, 4 of 6 clients selected, the first 2 valid updates count; the pool stops
@@ -195,6 +201,8 @@ def test_over_selection_on_a_real_fleet_counts_the_first_to_arrive(data_root, tm
         run_simulation(quick_config(data_root, "train.over_select=2"), None)
 
 
+@pytest.mark.slow("buffered asynchronous training with device daemons or many simulated rounds: "
+                  "14 s on 2 cores")
 def test_an_asynchronous_deployment_is_replayed_bitwise(data_root, tmp_path, one_thread):
     """Two real daemons on amqtt, 4 clients in flight, a step every 2 arrivals: each update is
     checked against the version its device trained on (the newest it held) and folded in its
@@ -232,6 +240,8 @@ def test_an_asynchronous_deployment_is_replayed_bitwise(data_root, tmp_path, one
         measured_fleet(again.records, 5.0, 1.0, "wifi-good")
 
 
+@pytest.mark.slow("buffered asynchronous training with device daemons or many simulated rounds: "
+                  "4 s on 2 cores")
 def test_an_async_run_resumes_after_its_last_step(data_root, tmp_path, one_thread):
     """The clients in flight at the checkpoint are lost and re-selected; the clock and the
     steps go on; a synchronous run's checkpoint is not resumed asynchronously."""
@@ -254,6 +264,8 @@ def test_an_async_run_resumes_after_its_last_step(data_root, tmp_path, one_threa
 
 
 # -- replay ------------------------------------------------------------------------------------
+@pytest.mark.slow("buffered asynchronous training with device daemons or many simulated rounds: "
+                  "5 s on 2 cores")
 @pytest.mark.parametrize("over", [("algorithm.name=fedavg",),
                                   ("algorithm.name=fedper", "train.max_staleness=0")])
 def test_replay_gives_the_asynchronous_run_again_bitwise(data_root, tmp_path, one_thread, over):

@@ -6,11 +6,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, server_only
 
 RUN = ROOT / "docs" / "results" / "testbed" / "runs" / "fedseq-anti" / "seed-2"
 
 
+@pytest.mark.slow("a benchmark run end to end: 3 s on 2 cores")
 @server_only
 def test_replay_finetune_replays_a_committed_checkpoint(data_root):
     out = subprocess.run(

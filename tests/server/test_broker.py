@@ -55,6 +55,7 @@ def test_missing_password_file_is_one_line(tmp_path):
         EmbeddedBroker("127.0.0.1", 0, password_file=tmp_path / "nope")
 
 
+@pytest.mark.slow("real brokers started, loaded and stopped: 6 s on 2 cores")
 def test_daemon_with_a_wrong_password_exits_with_one_line(tmp_path):
     _passwd(tmp_path, "dev01", "d-secret")
     broker = EmbeddedBroker("127.0.0.1", 0, password_file=tmp_path / "users")
@@ -73,6 +74,7 @@ def test_daemon_with_a_wrong_password_exits_with_one_line(tmp_path):
     assert "Traceback" not in res.stderr and "lost broker" not in res.stderr
 
 
+@pytest.mark.slow("real brokers started, loaded and stopped: 5 s on 2 cores")
 def test_status_command_shows_the_fleet(tmp_path, monkeypatch):
     import paho.mqtt.client as mqtt
     import torch
@@ -194,6 +196,7 @@ def test_amqtt_s_dropped_messages_are_said_once_with_what_to_do(caplog):
     assert not handler.filters and not broker.filters  # gone with the broker
 
 
+@pytest.mark.slow("real brokers started, loaded and stopped: 5 s on 2 cores")
 def test_status_finds_a_run_directory_s_broker_and_reads_only_statuses(tmp_path):
     """Newcomer II, finding 5: `fedseq-server status --config RUN_DIR` reads the broker the run
     ran on from its status.json (a local run's embedded broker), and the broker's other retained

@@ -54,6 +54,7 @@ def _outcomes(out: Path) -> dict[str, str]:
             for r in json.loads((out / "campaign.json").read_text())["runs"]}
 
 
+@pytest.mark.slow("a campaign of several runs back to back: 31 s on 2 cores")
 def test_a_campaign_in_simulation_is_its_runs_and_continues_where_it_stopped(data_root, tmp_path,
                                                                            one_thread):
     file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg", "fedseq-anti"]\nseeds = "0-1"\n'
@@ -87,6 +88,7 @@ def test_a_campaign_in_simulation_is_its_runs_and_continues_where_it_stopped(dat
     assert len(changed.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow("a campaign of several runs back to back: 7 s on 2 cores")
 def test_a_failed_run_is_recorded_and_the_campaign_goes_on_or_stops(data_root, tmp_path):
     file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\nseeds = [0]\n'
                      'order = ["setting", "algorithm", "seed"]\n'
@@ -107,6 +109,7 @@ def test_a_failed_run_is_recorded_and_the_campaign_goes_on_or_stops(data_root, t
     assert _outcomes(stop) == {"broken/fedavg/seed-0": "failed", "fine/fedavg/seed-0": "pending"}
 
 
+@pytest.mark.slow("a campaign of several runs back to back: 4 s on 2 cores")
 def test_a_bad_campaign_file_is_one_line(tmp_path, data_root):
     file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\nseedz = [0]\n')
     done = _sim("--campaign", str(file), "--out", str(tmp_path / "out"))
@@ -117,7 +120,7 @@ def test_a_bad_campaign_file_is_one_line(tmp_path, data_root):
     assert done.returncode == 2 and "fedavgg" in done.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a campaign of four runs on Mosquitto with two daemons, the coordinator killed once")
 def test_a_campaign_on_a_fleet_keeps_its_daemons_and_survives_a_killed_coordinator(
         data_root, tmp_path, mosquitto, one_thread):
     """2 algorithms x 2 seeds on Mosquitto (broker.conf, ACL) with two real daemons started once:
@@ -157,6 +160,7 @@ def test_a_campaign_on_a_fleet_keeps_its_daemons_and_survives_a_killed_coordinat
         assert _same(out / run.folder, run_simulation(run.cfg, None).global_weights), run.folder
 
 
+@pytest.mark.slow("a campaign of several runs back to back: 7 s on 2 cores")
 def test_the_campaign_report_groups_its_runs(tmp_path, data_root):
     file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\nseeds = [0, 1]\n'
                      '[settings.a]\nset = ["rounds=1"]\n[settings.b]\nset = ["rounds=2"]\n')

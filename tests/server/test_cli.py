@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -12,6 +14,7 @@ def _run(*args, cwd=None):
     return subprocess.run(list(args), capture_output=True, text=True, timeout=300, cwd=cwd)
 
 
+@pytest.mark.slow("the commands in subprocesses, each importing torch and training: 5 s on 2 cores")
 def test_fedseq_sim_writes_run_dir(tmp_path, data_root):
     out = tmp_path / "run"
     r = _run("fedseq-sim", "-q", "--set", f"data.root={str(data_root)!r}", "--set", "data.fraction=0.03",
@@ -44,6 +47,7 @@ def test_missing_dataset_exit_2_names_file(tmp_path):
     assert len([x for x in r.stderr.splitlines() if x.strip()]) == 1
 
 
+@pytest.mark.slow("the commands in subprocesses, each importing torch and training: 8 s on 2 cores")
 def test_server_quick_start_with_local_clients(tmp_path, data_root):
     """docs/how-to/fleet.md's one-machine quick start: embedded broker + N fedseq-client child processes."""
     out = tmp_path / "dep"
@@ -74,6 +78,7 @@ def _server(*extra):
     return _run("fedseq-server", "start", "-q", "--out", str(out), *extra)
 
 
+@pytest.mark.slow("the commands in subprocesses, each importing torch and training: 5 s on 2 cores")
 def test_server_tries_the_broker_before_the_dataset(tmp_path):
     from fedseq.server.broker import free_port
 
@@ -85,6 +90,7 @@ def test_server_tries_the_broker_before_the_dataset(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow("the commands in subprocesses, each importing torch and training: 4 s on 2 cores")
 def test_server_password_file_and_port_in_use_are_one_line(tmp_path, data_root):
     import socket
 
@@ -99,6 +105,7 @@ def test_server_password_file_and_port_in_use_are_one_line(tmp_path, data_root):
     assert len([x for x in r.stderr.splitlines() if x.strip()]) == 1, r.stderr
 
 
+@pytest.mark.slow("the commands in subprocesses, each importing torch and training: 12 s on 2 cores")
 def test_fine_tuning_progress_and_global_note_in_both_clis(tmp_path, data_root):
     common = ["--set", f"data.root={str(data_root)!r}", "--set", "data.fraction=0.03",
               "--set", "data.num_clients=4", "--set", "rounds=1", "--set", "train.local_epochs=1",
@@ -156,6 +163,7 @@ def test_default_threads_are_fixed_and_auto_follows_the_load(data_root):
     assert 1 <= sim_threads("auto") <= (os.cpu_count() or 1)
 
 
+@pytest.mark.slow("the commands in subprocesses, each importing torch and training: 29 s on 2 cores")
 def test_replay_says_whether_the_model_is_the_runs(tmp_path, data_root):
     """fedseq-sim --replay RUN_DIR --out NEW: exit 0 and 'bitwise' when the re-executed order
     gives the run's model; exit 1 when the run's model is not what its order gives; exit 2
@@ -182,6 +190,7 @@ def test_replay_says_whether_the_model_is_the_runs(tmp_path, data_root):
     assert r.returncode == 2 and "needs a new --out" in r.stderr
 
 
+@pytest.mark.slow("the commands in subprocesses, each importing torch and training: 5 s on 2 cores")
 def test_a_used_out_is_refused_before_anything_starts(tmp_path):
     """Newcomer II, finding 6: `fedseq-server start` into a non-empty --out is refused in one
     line before the embedded broker or a local daemon starts (it used to start them, log three

@@ -20,6 +20,7 @@ def _rows(path):
     return [json.loads(x) for x in (path / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow("a deployment with its devices driven by control messages: 9 s on 2 cores")
 def test_local_only_never_federates(data_root, tmp_path):
     cfg = quick_config(data_root, "algorithm.name=local", "algorithm.finetune_epochs=0",
                        "train.threads=1")
@@ -37,6 +38,7 @@ def test_local_only_never_federates(data_root, tmp_path):
     assert tuned.rows[-1]["phase"] == "finetune" and tuned.rows[-1]["train_flops"] > 0
 
 
+@pytest.mark.slow("a deployment with its devices driven by control messages: 9 s on 2 cores")
 def test_head_only_finetuning_trains_the_head_alone(data_root, tmp_path):
     cfg = quick_config(data_root, "algorithm.name=fedbabu", "algorithm.finetune_blocks=head",
                        "train.threads=1")
@@ -52,6 +54,7 @@ def test_head_only_finetuning_trains_the_head_alone(data_root, tmp_path):
     assert ft_head["personal_acc"] != ft_whole["personal_acc"]
 
 
+@pytest.mark.slow("a deployment with its devices driven by control messages: 5 s on 2 cores")
 def test_finetuning_a_list_of_blocks_trains_those_alone(data_root, tmp_path):
     cfg = quick_config(data_root, "algorithm.name=fedseq-anti", "model.name=convnet",
                        'algorithm.finetune_blocks=["head", "conv1"]', "train.threads=1")
@@ -77,6 +80,7 @@ def test_a_block_the_model_lacks_fails_before_any_data_loads(tmp_path):
         quick_config(tmp_path, 'algorithm.finetune_blocks=["head", "head"]')
 
 
+@pytest.mark.slow("a deployment with its devices driven by control messages: 7 s on 2 cores")
 def test_deployed_local_control_with_pinned_seeds_matches_simulation(data_root, tmp_path, one_thread):
     cfg = quick_config(data_root, "algorithm.name=local", "rounds=2", "train.join_ratio=0.6",
                        'algorithm.finetune_blocks=["conv1", "head"]', "algorithm.finetune_epochs=1",

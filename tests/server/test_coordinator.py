@@ -351,6 +351,7 @@ def test_client_steps_count_the_local_optimizer_steps(name):
     assert all(r.client_steps for r in records if r.reported or r.phase == "finetune")
 
 
+@pytest.mark.slow("coordinator rounds with real training: 5 s on 2 cores")
 def test_a_simulation_loads_no_mqtt_code(data_root):
     """fedseq-sim's in-process run (and --workers') is the round loop over a pool: importing
     and running it loads neither the MQTT client nor the deployment's modules."""

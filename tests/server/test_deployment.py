@@ -29,6 +29,7 @@ FAITHFUL = ("algorithm.final_finetune=true", "train.lr_milestones=[0.5]",
             "train.augment=['crop', 'flip', 'jitter']", "data.normalize='channel'")
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 20 s on 2 cores")
 @pytest.mark.parametrize("algorithm, extra", [
     ("fedrod", ()), ("fedyogi", ()), ("scaffold", ()), ("feddyn", ()), ("ditto", ()),
     ("gpfl", ()), ("moon", ()), ("fednova", ()), ("fedavg", FAITHFUL)])
@@ -86,6 +87,7 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread, al
         assert only["torch_device"] == "cpu" and only["cpu"] and only["machine"]
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 15 s on 2 cores")
 @pytest.mark.parametrize("algorithm, norm, learns", [
     ("fedseq-anti", "batch", 0.4), ("fedseq-anti", "running", 0.4), ("fedavg", "fedbn", 0.3)])
 def test_batchnorm_model_under_fedseqs_freeze_schedule_matches_simulation(
@@ -114,6 +116,7 @@ def test_batchnorm_model_under_fedseqs_freeze_schedule_matches_simulation(
     assert moved == (set() if norm == "fedbn" else set(stats))  # FedBN's stay with the clients
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 34 s on 2 cores")
 def test_divergence_travels_from_the_devices(data_root, tmp_path, one_thread):
     # lr 1e4 makes every client's loss NaN within its first epoch, in training and fine-tuning
     # (a client whose update explodes without turning NaN is refused by the bound and waited
@@ -135,6 +138,7 @@ def test_divergence_travels_from_the_devices(data_root, tmp_path, one_thread):
     assert ft["diverged"] == sim.rows[1]["diverged"]  # the same batches, device and simulation
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 7 s on 2 cores")
 def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):
     port, home, restart_broker = mosquitto
     devices = [_device(n, port, home, data_root) for n in ("local01", "local02")]
@@ -164,6 +168,7 @@ def test_mosquitto_with_credentials_and_acl(data_root, tmp_path, mosquitto):
     assert all(len(v) == 1 and v[0]["torch"] == torch.__version__ for v in stacks.values())
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 29 s on 2 cores")
 @pytest.mark.parametrize("model, norm, size", [("resnet18", "batch", 44_000_000),
                                                ("mobilenet", "running", 12_800_000)])
 def test_a_big_models_round_crosses_mosquitto_bitwise(data_root, tmp_path, mosquitto, one_thread,
@@ -215,6 +220,7 @@ def test_devices_json_keeps_each_stack_across_resumes_and_lists_the_silent(data_
     assert stacks == {"jetson01": [nano, {**nano, "seen": 9.5, "torch": "1.13.0"}], "jetson02": []}
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 40 s on 2 cores")
 def test_device_lost_mid_round_fails_fast(data_root, tmp_path, mosquitto):
     """A device killed right after round 1's step is out: its last will ends the round for its
     clients at once, the other device's updates are aggregated. With deploy.min_devices = the
@@ -263,6 +269,7 @@ def test_device_lost_mid_round_fails_fast(data_root, tmp_path, mosquitto):
         assert later["seconds"] < wait_s, later["seconds"]
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 17 s on 2 cores")
 def test_a_ghost_device_is_not_waited_for(data_root, tmp_path, mosquitto):
     """A device that died while the broker was down leaves its retained 'online' status behind
     (its last will was never published). The coordinator counts it online at first and assigns it
@@ -303,6 +310,7 @@ def test_a_ghost_device_is_not_waited_for(data_root, tmp_path, mosquitto):
     assert took < 100, took  # one 120 s deadline would exceed it
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 12 s on 2 cores")
 def test_survives_broker_restart(data_root, tmp_path, mosquitto):
     """Mosquitto restarts between rounds: everyone reconnects, renews subscriptions, resyncs from
     the retained (persisted) messages, and the run completes."""
@@ -329,6 +337,7 @@ def test_survives_broker_restart(data_root, tmp_path, mosquitto):
     assert len(res.final.per_client) == 5  # every device answered the last evaluation
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 5 s on 2 cores")
 def test_doctor_reports_login_and_data(data_root, tmp_path, mosquitto):
     port, home, _ = mosquitto
     base = [sys.executable, "-m", "fedseq.client.cli", "doctor", "--device", "local01",
@@ -345,6 +354,7 @@ def test_doctor_reports_login_and_data(data_root, tmp_path, mosquitto):
     assert "Traceback" not in bad.stdout + bad.stderr
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 14 s on 2 cores")
 def test_broker_loses_everything_then_a_device_reboots(data_root, tmp_path, mosquitto):
     """Mosquitto killed -9 without its persistence file after round 0, and local02 rebooted after
     that: the coordinator re-publishes run config, assignments, weights and step on reconnect, so
@@ -374,6 +384,7 @@ def test_broker_loses_everything_then_a_device_reboots(data_root, tmp_path, mosq
     assert len(res.final.per_client) == 5
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 5 s on 2 cores")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_device_without_its_dataset_is_known_at_once(data_root, tmp_path, mode):
     """A daemon with a wrong data dir reports why; with nobody able to train the coordinator stops
@@ -400,6 +411,7 @@ def test_device_without_its_dataset_is_known_at_once(data_root, tmp_path, mode):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 12 s on 2 cores")
 def test_broker_killed_while_devices_train(data_root, tmp_path, mosquitto):
     """Mosquitto killed -9 (losing everything) right after round 1's step: the updates finished
     while the coordinator was away are sent again when it is back, so the round completes in
@@ -436,6 +448,7 @@ def test_broker_killed_while_devices_train(data_root, tmp_path, mosquitto):
     assert all(r["reported"] == r["clients"] for r in res.rows)
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 20 s on 2 cores")
 def test_revoked_login_ends_the_daemon_with_exit_2(data_root, tmp_path, mosquitto):
     """The broker stops accepting a running device (its password changed): after three refused
     reconnects the daemon exits 2 with one line, so systemd shows the unit failed."""
@@ -451,6 +464,7 @@ def test_revoked_login_ends_the_daemon_with_exit_2(data_root, tmp_path, mosquitt
     assert dev.returncode == 2
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 8 s on 2 cores")
 def test_stray_messages_on_an_open_broker_do_not_end_the_run(data_root, tmp_path, one_thread):
     """On an open broker (embedded, anonymous) a stray client overwrites the retained step with
     one of another protocol version under the current run id, then with junk, then the run config
@@ -518,6 +532,7 @@ def test_stray_messages_on_an_open_broker_do_not_end_the_run(data_root, tmp_path
         assert torch.equal(dep.global_weights[k], v), k
 
 
+@pytest.mark.slow("a deployment: coordinator, broker and device daemons: 3 s on 2 cores")
 def test_a_real_protocol_mismatch_is_reported_by_the_device(tmp_path, data_root):
     """A coordinator of another protocol version (its run config and step both in it): the device
     says in its retained status why it cannot follow that run."""

@@ -152,6 +152,7 @@ def test_srun_tasks_become_a_groups_ranks(monkeypatch):
     assert os.environ["RANK"] == "3"
 
 
+@pytest.mark.slow("torch.distributed worker processes (Gloo process groups): 14 s on 2 cores")
 @pytest.mark.parametrize("name,workers,model", [("fedavg", 2, "convnet"),
                                                 ("fedadam", 2, "convnet"),
                                                 ("scaffold", 2, "convnet"),
@@ -174,6 +175,7 @@ def test_workers_give_bitwise_the_in_process_run(data_root, one_thread, name, wo
     same_run(run_simulation(cfg, None, workers=workers), run_simulation(cfg, None))
 
 
+@pytest.mark.slow("torch.distributed worker processes (Gloo process groups): 30 s on 2 cores")
 @pytest.mark.parametrize("personal", [("algorithm.name=fedper",),
                                       ("algorithm.name=fedavg", "model.name=4convnet",
                                        "model.norm=fedbn"),
@@ -208,6 +210,7 @@ def _workers_of_this_process() -> list[int]:
     return out
 
 
+@pytest.mark.slow("torch.distributed worker processes (Gloo process groups): 9 s on 2 cores")
 def test_a_killed_worker_ends_the_run_in_one_line_and_it_resumes(data_root, tmp_path, one_thread):
     cfg = quick_config(data_root, "algorithm.name=fedavg", *OVER)
     killed = []
@@ -285,6 +288,7 @@ def test_a_worker_of_another_fedseq_is_refused_in_one_line(data_root, monkeypatc
         worker.kill()
 
 
+@pytest.mark.slow("torch.distributed worker processes (Gloo process groups): 8 s on 2 cores")
 def test_an_unreachable_rendezvous_is_one_line_not_a_hang(tmp_path):
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port()), "FEDSEQ_JOIN_TIMEOUT_S": "3"}
@@ -334,6 +338,7 @@ def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args, "--no-python"]
 
 
+@pytest.mark.slow("torch.distributed worker processes (Gloo process groups): 15 s on 2 cores")
 def test_fedseq_sim_under_torchrun_gives_the_in_process_run(data_root, tmp_path):
     """The same program under torchrun (one node, 3 ranks): rank 0 writes the run directory."""
     over = _cli_over(data_root, "algorithm.name=fedper")
@@ -348,6 +353,7 @@ def test_fedseq_sim_under_torchrun_gives_the_in_process_run(data_root, tmp_path)
     assert status["state"] == "finished" and status["workers"] == 2
 
 
+@pytest.mark.slow("torch.distributed worker processes (Gloo process groups): 13 s on 2 cores")
 def test_fedseq_sim_as_srun_tasks_gives_the_in_process_run(data_root, tmp_path):
     """Three fedseq-sim processes with the environment srun gives a step's tasks (and the
     MASTER_ADDR/MASTER_PORT a job script exports) are one group: rank 0 writes the run."""
@@ -370,7 +376,9 @@ def test_fedseq_sim_as_srun_tasks_gives_the_in_process_run(data_root, tmp_path):
     assert json.loads((tmp_path / "dist" / "status.json").read_text())["workers"] == 2
 
 
+@pytest.mark.slow("torch.distributed worker processes (Gloo process groups): 19 s on 2 cores")
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+@pytest.mark.xdist_group("netns")  # the rehearsal's bridge: one at a time
 @pytest.mark.parametrize("rendezvous", ["static", "c10d"])
 def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp_path,
                                                                   rendezvous):
@@ -431,6 +439,7 @@ def _rank_process(rank: int) -> int | None:
     return None
 
 
+@pytest.mark.slow("torch.distributed worker processes (Gloo process groups): 19 s on 2 cores")
 def test_a_worker_killed_under_torchrun_max_restarts_resumes_the_run(data_root, tmp_path):
     """torchrun starts the group again after a worker dies; rank 0 continues the run directory
     after its last complete round, and the result is the uninterrupted run's."""

@@ -30,6 +30,7 @@ def _tree(root):
     (root / "proc/meminfo").write_text("MemTotal: 4051060 kB\nMemAvailable: 1024000 kB\n")
 
 
+@pytest.mark.slow("a simulated fleet's time and energy over many rounds: 10 s on 2 cores")
 def test_devices_report_energy_and_health_per_client_round(data_root, tmp_path, monkeypatch,
                                                            one_thread):
     _tree(tmp_path / "fakesys")
@@ -68,6 +69,7 @@ def test_devices_report_energy_and_health_per_client_round(data_root, tmp_path, 
         assert (dep.global_weights[k] == v).all(), k
 
 
+@pytest.mark.slow("a simulated fleet's time and energy over many rounds: 4 s on 2 cores")
 def test_without_a_power_source_energy_is_null_never_zero(data_root, tmp_path, monkeypatch,
                                                           one_thread):
     (tmp_path / "empty").mkdir()

@@ -83,6 +83,7 @@ def test_synthetic_paces_are_spread_deterministically():
     assert paces != [device_pace(0.05, 4.0, 1, n) for n in names]  # another seed, other paces
 
 
+@pytest.mark.slow("a simulated fleet over many rounds: 10 s on 2 cores")
 def test_fifty_synthetic_devices_beside_two_real_daemons(data_root, tmp_path, fleet_broker,
                                                          one_thread):
     """Every round passes the round contract for all 52 devices' clients (nothing rejected, every
@@ -111,6 +112,7 @@ def test_fifty_synthetic_devices_beside_two_real_daemons(data_root, tmp_path, fl
     assert deployed[0][1] > 0 and deployed[0][0] > 0  # a real score of real test rows
 
 
+@pytest.mark.slow("a simulated fleet over many rounds: 30 s on 2 cores")
 def test_a_broker_dropping_the_coordinators_messages_loses_no_update(data_root, tmp_path,
                                                                      fleet_broker):
     """A broker queue far smaller than a round's burst (max_queued_messages 5, 20 messages in
@@ -156,6 +158,7 @@ def _coordinator_peak_mb(data_root: Path, tmp_path: Path, url: str, devices: int
     return usage.ru_maxrss / 1024
 
 
+@pytest.mark.slow("a simulated fleet over many rounds: 20 s on 2 cores")
 def test_a_hundred_synthetic_devices_lose_nothing_in_flat_memory(data_root, tmp_path, fleet_broker):
     """The CI-sized scale check: 100 synthetic devices (300 clients, 60 a round, the testbed's
     2.3 MB ConvNet) for 3 rounds: every update counts, and the coordinator's peak memory stays

@@ -29,6 +29,7 @@ def _query(port: int, expr: str) -> list[dict]:
         return json.loads(r.read())["data"]["result"]
 
 
+@pytest.mark.slow("a deployment scraped by a real Prometheus: 10 s on 2 cores")
 def test_a_real_prometheus_scrapes_the_round_advancing(data_root, tmp_path):
     if PROMETHEUS is None:
         if os.environ.get("CI"):

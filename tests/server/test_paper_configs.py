@@ -63,6 +63,7 @@ RUNS = [
 ]
 
 
+@pytest.mark.slow("a paper's configuration trained on real data: 21 s on 2 cores")
 @pytest.mark.parametrize("name, over", RUNS, ids=[f"{n}-{i}" for i, (n, _) in enumerate(RUNS)])
 def test_a_paper_config_runs_on_tiny_files_of_its_dataset(cifar_root, name, over):
     cfg = load_config(EXAMPLES / f"{name}.toml", [f"data.root={str(cifar_root)!r}", *SHORT, *over])

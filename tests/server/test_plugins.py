@@ -82,6 +82,7 @@ def test_the_plugins_own_parameters_and_hook_count(lab_package, one_thread):
     assert any(not torch.equal(penalized.global_weights[k], w) for k, w in zero.global_weights.items())
 
 
+@pytest.mark.slow("two torch.distributed workers beside the in-process run: ~5 s")
 def test_workers_find_the_plugins_through_installed_metadata_bitwise(lab_package, one_thread):
     from fedseq.server.simulation import run_simulation
 
@@ -132,6 +133,7 @@ def test_a_deployment_runs_the_labs_package_on_its_devices(lab_package, tmp_path
         assert d["global_acc"] == s["global_acc"] and d["personal_acc"] == s["personal_acc"]
 
 
+@pytest.mark.slow("PNGs written and decoded, then in-process and two-worker runs: ~6 s")
 def test_a_labs_own_image_folder_runs_with_no_code_of_its_own(tmp_path, monkeypatch, one_thread):
     """The built-in imagefolder dataset: class folders of PNGs under the data root, the CNN on
     them, in simulation and across workers, bitwise."""

@@ -196,6 +196,7 @@ DP_RUN = ("algorithm.name=fedavg", "rounds=3", "train.join_ratio=0.6", "train.th
 ADAPTIVE = ("privacy.adaptive=true", "privacy.clip_norm=0.05", "privacy.count_noise=1")
 
 
+@pytest.mark.slow("differentially private training with its accountant: 7 s on 2 cores")
 @pytest.mark.parametrize("more", [(), ADAPTIVE])
 def test_a_dp_run_is_bitwise_across_workers_and_resume(data_root, tmp_path, one_thread, more):
     """Fixed and adaptive clipping (the clip norm checkpointed with the run)."""
@@ -214,7 +215,7 @@ def test_a_dp_run_is_bitwise_across_workers_and_resume(data_root, tmp_path, one_
     assert [r.get("clip_norm") for r in rows] == [r.get("clip_norm") for r in alone.rows]
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a DP deployment on two daemons over amqtt beside its simulation")
 def test_a_dp_deployment_gives_the_simulations_run(data_root, tmp_path, one_thread):
     """Clipped on the devices (over MQTT, an embedded broker), noised on the coordinator from the
     noise stream: bitwise the simulation's weights, rows and epsilon; the noise seed is not in
@@ -280,6 +281,7 @@ RECORD = ("privacy.enabled=true", "privacy.level='record'", "privacy.clip_norm=1
           "privacy.noise_multiplier=0.8")
 
 
+@pytest.mark.slow("differentially private training with its accountant: 5 s on 2 cores")
 def test_a_record_level_run_reports_its_clients_largest_epsilon(data_root, one_thread):
     """DP-SGD in every client's training: the rows carry the largest epsilon of any client's
     training examples, its steps at rate batch / its rows (recomputed here from the rows)."""
@@ -319,6 +321,7 @@ def test_what_dp_sgd_cannot_account_is_refused_in_one_line(data_root, over, word
     assert words in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow("differentially private training with its accountant: 5 s on 2 cores")
 def test_a_record_level_run_stops_before_the_round_that_would_pass_its_budget(data_root, tmp_path,
                                                                            one_thread):
     """target_epsilon between round 1's epsilon and round 3's: the rounds end with the last

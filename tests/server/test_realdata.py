@@ -10,6 +10,7 @@ TRAINED_GLOBAL = {"fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedpro
                   "fedreg", "moon", "fednova"}
 
 
+@pytest.mark.slow("training on the real Fashion-MNIST: 16 s on 2 cores")
 @pytest.mark.parametrize("name", sorted(ALGORITHMS))
 def test_beats_chance(name, data_root):
     cfg = quick_config(data_root, f"algorithm.name={name}")
@@ -22,6 +23,7 @@ def test_beats_chance(name, data_root):
         assert final["phase"] == "finetune"
 
 
+@pytest.mark.slow("training on the real Fashion-MNIST: 6 s on 2 cores")
 def test_same_seed_same_result(data_root):
     a = run_simulation(quick_config(data_root, "algorithm.name=fedreg", "rounds=2"), out=None)
     b = run_simulation(quick_config(data_root, "algorithm.name=fedreg", "rounds=2"), out=None)
@@ -29,6 +31,7 @@ def test_same_seed_same_result(data_root):
     assert all((a.global_weights[k] == b.global_weights[k]).all() for k in a.global_weights)
 
 
+@pytest.mark.slow("training on the real Fashion-MNIST: 63 s on 2 cores")
 @pytest.mark.parametrize("model,over", [("4convnet", ()), ("mobilenet", ()),
                                         ("resnet18", ("rounds=1", "data.num_clients=3"))])
 def test_the_papers_models_learn(model, over, data_root):

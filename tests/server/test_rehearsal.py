@@ -15,6 +15,8 @@ from fedseq.common.errors import ConfigError, TransportError
 from fedseq.server import rehearsal as rh
 from fedseq.server.deployment import run_deployment
 
+# one rehearsal at a time: each takes the bridge address 10.77.0.1/24 (pytest-xdist's loadgroup)
+pytestmark = pytest.mark.xdist_group("netns")
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
 
 
@@ -43,6 +45,7 @@ def _rows(out):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow("a rehearsed fleet in network namespaces behind tc links: 39 s on 2 cores")
 @root_only
 def test_a_slow_link_shows_in_round_time(data_root, tmp_path, one_thread):
     """local02 behind 4 Mbit/s: round 0 cannot end before the initial model (the CNN's 2.3 MB
@@ -79,6 +82,7 @@ def test_a_slow_link_shows_in_round_time(data_root, tmp_path, one_thread):
     assert not [n for n in os.popen("ip netns list").read().split() if n.startswith(bridge)]
 
 
+@pytest.mark.slow("a rehearsed fleet in network namespaces behind tc links: 72 s on 2 cores")
 @root_only
 def test_a_wifi_poor_device_gets_every_block_through_the_run_s_mosquitto(
         data_root, tmp_path, one_thread, capfd):
@@ -106,6 +110,7 @@ def test_a_wifi_poor_device_gets_every_block_through_the_run_s_mosquitto(
     assert "amqtt" not in err
 
 
+@pytest.mark.slow("a rehearsed fleet in network namespaces behind tc links: 66 s on 2 cores")
 @root_only
 def test_a_device_that_loses_its_link_mid_round_rejoins(data_root, tmp_path, one_thread):
     """local02's link goes down for 35 s as round 1 starts: round 1 ends at its 20 s deadline

@@ -29,6 +29,7 @@ def _report(*args):
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow("figures drawn for whole runs: 10 s on 2 cores")
 def test_report_writes_figures_and_tables(two_runs, tmp_path):
     out = tmp_path / "rep"
     r = _report(str(two_runs / "fedavg"), str(two_runs / "fedbabu"), "--out", str(out),
@@ -273,6 +274,7 @@ def test_a_new_numeric_field_reaches_the_report_by_itself(monkeypatch):
     assert got["wire_bytes_in (sum)"] is None  # no row measured it: no zero made up
 
 
+@pytest.mark.slow("figures drawn for whole runs: 4 s on 2 cores")
 def test_runs_under_a_wire_codec_say_which(two_runs, tmp_path, data_root):
     """A codec column appears once a run uses one; its MB moved is the coded bytes'."""
     coded = tmp_path / "int8"

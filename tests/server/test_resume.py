@@ -29,6 +29,7 @@ def _status(run):
     return json.loads((run / "status.json").read_text())["state"]
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 4 s on 2 cores")
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedper"])
 def test_simulation_resume_is_bitwise(data_root, tmp_path, algorithm):
     cfg = quick_config(data_root, f"algorithm.name={algorithm}", "rounds=3", "train.join_ratio=0.6")
@@ -52,6 +53,7 @@ def test_simulation_resume_is_bitwise(data_root, tmp_path, algorithm):
     assert _status(part) == "finished" and _status(tmp_path / "full") == "finished"
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 17 s on 2 cores")
 def test_sigterm_leaves_a_resumable_interrupted_run(data_root, tmp_path):
     """`kill` / `systemctl stop`: status.json says interrupted, exit 130 with the resume line,
     and --resume finishes the run."""
@@ -77,6 +79,7 @@ def test_sigterm_leaves_a_resumable_interrupted_run(data_root, tmp_path):
     assert done < 40
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 14 s on 2 cores")
 def test_existing_out_is_refused_without_resume_or_overwrite(data_root, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
@@ -96,6 +99,7 @@ def test_existing_out_is_refused_without_resume_or_overwrite(data_root, tmp_path
     assert r.returncode == 2 and "config.toml" in r.stderr
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 19 s on 2 cores")
 def test_resume_refuses_a_set_that_changes_the_results(data_root, tmp_path):
     """A run directory describes one run: --resume with --set train.lr=... would continue it
     under a config its config.toml does not record, so it is refused and nothing changes;
@@ -140,6 +144,7 @@ def _server_sets(cfg, over: list[str]) -> list[str]:
 CRASH = [str(Path(__file__).resolve().parents[1] / "crash_server.py")]
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 17 s on 2 cores")
 @pytest.mark.parametrize("points, algorithm, more", [
     (["after-aggregate"], "fedavg", []),
     (["mid-checkpoint"], "fedper", []),
@@ -194,6 +199,7 @@ def test_resume_after_a_crash_at_the_worst_points(data_root, tmp_path, mosquitto
         (x["global_acc"], x["personal_acc"]) for x in sim.rows]
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 14 s on 2 cores")
 @pytest.mark.parametrize("algorithm", ["fedavg", "fedper"])
 def test_deployment_resume_after_sigkill_is_bitwise(data_root, tmp_path, mosquitto, one_thread,
                                                     algorithm):
@@ -230,6 +236,7 @@ def test_sim_cli_resume_flags_conflict(tmp_path):
     assert r.returncode == 2 and "--resume RUN_DIR takes" in r.stderr
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 9 s on 2 cores")
 def test_local_devices_die_with_a_killed_coordinator_and_keep_their_state(data_root, tmp_path):
     """kill -9 of `fedseq-server start --local-clients 2`: its device processes exit by themselves
     (no orphan joins the resumed run's devices), and their personal state is in the run
@@ -275,6 +282,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 18 s on 2 cores")
 def test_finetune_from_replays_the_fine_tuning_alone(data_root, tmp_path):
     """--finetune-from: the same settings give bitwise the original fine-tuning; other settings
     (head only) a different one under the same federated rounds, recorded in config.toml;
@@ -316,6 +324,7 @@ def test_finetune_from_replays_the_fine_tuning_alone(data_root, tmp_path):
     assert r.returncode == 2 and "1 of its 2 rounds" in r.stderr, r.stderr
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 4 s on 2 cores")
 def test_a_resume_on_other_cpu_kernels_is_warned_and_recorded(data_root, tmp_path, caplog):
     """A run carried to a machine whose torch uses other CPU kernels (measured: AVX2 against
     AVX-512, docs/results.md) goes on, but says it is no longer bitwise one run: a warning,
@@ -437,6 +446,7 @@ def _cpu_quota(pid: int, cores: float, name: str) -> Path | None:
     return group
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 24 s on 2 cores")
 def test_an_async_deployment_resumes_after_sigkill_and_replays_bitwise(
         data_root, tmp_path, mosquitto, one_thread):
     """train.mode = "async" on Mosquitto (broker.conf, ACL), two daemons of unequal speed (one
@@ -470,6 +480,7 @@ def test_an_async_deployment_resumes_after_sigkill_and_replays_bitwise(
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
 
 
+@pytest.mark.slow("a run crashed (or killed) and resumed: 39 s on 2 cores")
 def test_an_async_deployment_goes_on_when_a_device_is_killed_and_restarted(
         data_root, tmp_path, mosquitto, one_thread):
     """A daemon SIGKILLed mid-run (its last will says offline): its flights are dropped and the

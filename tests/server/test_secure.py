@@ -149,6 +149,7 @@ SECURE = ("algorithm.name=fedavg", "rounds=2", "train.threads=1", "secagg.enable
           "train.join_ratio=0.8")
 
 
+@pytest.mark.slow("secure aggregation rounds (key agreement, masks, recovery): 11 s on 2 cores")
 def test_a_secure_run_is_bitwise_whatever_the_keys_across_workers_and_resume(
         data_root, tmp_path, one_thread):
     """Every round draws fresh keys and masks, yet the unmasked sum, decoded, is the same
@@ -169,6 +170,7 @@ def test_a_secure_run_is_bitwise_whatever_the_keys_across_workers_and_resume(
             assert torch.allclose(alone.global_weights[k], v, atol=1e-4), k
 
 
+@pytest.mark.slow("secure aggregation rounds (key agreement, masks, recovery): 8 s on 2 cores")
 def test_int8_masks_in_a_16_bit_ring_half_the_bytes_and_bitwise_across_workers(
         data_root, one_thread):
     """wire.up = "int8" under [secagg]: the clients' updates go unquantized into a 16-bit ring
@@ -190,7 +192,7 @@ def test_int8_masks_in_a_16_bit_ring_half_the_bytes_and_bitwise_across_workers(
     assert 0 < diff < 5e-3  # 1.6e-3 measured (B = 4; 3.7e-8 in the 32-bit ring)
 
 
-@pytest.mark.slow
+@pytest.mark.slow("a secure deployment on two daemons over amqtt beside its simulation")
 @pytest.mark.parametrize("more", [(), ("privacy.enabled=true", "privacy.clip_norm=2",
                                        "privacy.noise_multiplier=0.5", "wire.up='int8'")])
 def test_a_secure_deployment_gives_the_simulations_run(data_root, tmp_path, one_thread, more):

@@ -140,7 +140,7 @@ class Capture:
         self.client.disconnect()
 
 
-@pytest.mark.slow
+@pytest.mark.slow("secure rounds on Mosquitto with faulty stages waited out")
 def test_faulty_stages_drop_their_clients_and_the_round_still_counts(
         data_root, tmp_path, mosquitto, one_thread, caplog):
     port, home, _ = mosquitto

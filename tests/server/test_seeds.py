@@ -84,6 +84,7 @@ QUICK = ["--set", "data.fraction=0.05", "--set", "data.num_clients=5", "--set", 
          "--set", "train.threads=1", "-q"]
 
 
+@pytest.mark.slow("whole runs compared seed by seed: 23 s on 2 cores")
 def test_a_sweep_writes_one_run_per_seed_and_continues_where_it_stopped(data_root, tmp_path):
     out = tmp_path / "sweep"
     args = ["--set", f"data.root={str(data_root)!r}", *QUICK, "--vary", "init", "--out", str(out)]
@@ -111,6 +112,7 @@ def test_a_sweep_writes_one_run_per_seed_and_continues_where_it_stopped(data_roo
     assert (out / "seed-0" / "metrics.jsonl").read_text() == first
 
 
+@pytest.mark.slow("whole runs compared seed by seed: 10 s on 2 cores")
 def test_report_groups_the_seeds_of_one_config(data_root, tmp_path):
     pytest.importorskip("matplotlib")
     from fedseq.server.report import report
@@ -143,6 +145,7 @@ def test_report_groups_the_seeds_of_one_config(data_root, tmp_path):
     assert f"{float(table[0]['G final']):.2f} ± {float(table[0]['G final sd']):.2f}" in md
 
 
+@pytest.mark.slow("whole runs compared seed by seed: 11 s on 2 cores")
 def test_report_pairs_seeds_against_the_first_group(data_root, tmp_path):
     """Two sweeps of the same seeds: the paired table holds the per-seed differences' mean, sd
     and sign count; a seed the reference lacks is left out; no pairs, no table."""

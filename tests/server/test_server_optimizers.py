@@ -10,6 +10,7 @@ from fedseq.server.checkpoint import load_checkpoint
 from fedseq.server.simulation import run_simulation
 
 
+@pytest.mark.slow("server optimizers over whole runs: 4 s on 2 cores")
 def test_fedavgm_without_momentum_is_fedavg_bitwise(data_root, one_thread):
     a = run_simulation(quick_config(data_root, "algorithm.name=fedavg", "rounds=2"), None)
     b = run_simulation(quick_config(data_root, "algorithm.name=fedavgm", "algorithm.beta1=0",
@@ -18,6 +19,7 @@ def test_fedavgm_without_momentum_is_fedavg_bitwise(data_root, one_thread):
     assert [r["global_acc"] for r in a.rows] == [r["global_acc"] for r in b.rows]
 
 
+@pytest.mark.slow("server optimizers over whole runs: 4 s on 2 cores")
 @pytest.mark.parametrize("name", ["fedadam", "fedyogi"])
 def test_a_resumed_run_continues_the_moments_bitwise(data_root, tmp_path, one_thread, name):
     cfg = quick_config(data_root, f"algorithm.name={name}", "rounds=3", "train.join_ratio=0.6")
@@ -35,6 +37,7 @@ def test_a_resumed_run_continues_the_moments_bitwise(data_root, tmp_path, one_th
     assert all(torch.equal(resumed.global_weights[k], v) for k, v in whole.global_weights.items())
 
 
+@pytest.mark.slow("server optimizers over whole runs: 4 s on 2 cores")
 def test_scaffold_resumes_both_control_variates_bitwise(data_root, tmp_path, one_thread):
     """The server's c in the checkpoint's algorithm state, each client's c_i with its personal
     state: a run stopped after round 0 and resumed is bitwise the whole run, rows included."""

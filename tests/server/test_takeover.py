@@ -10,6 +10,7 @@ import threading
 import time
 
 import paho.mqtt.client as mqtt
+import pytest
 import torch
 
 from conftest import device_process, quick_config
@@ -25,6 +26,7 @@ def test_session_ids_are_unguessable():
     assert len(ids) == 100 and all(i.startswith("fedseq-device-dev01-") for i in ids)
 
 
+@pytest.mark.slow("session takeovers on a live Mosquitto: 7 s on 2 cores")
 def test_a_device_login_cannot_take_over_other_sessions(data_root, tmp_path, mosquitto, one_thread):
     port, home, _ = mosquitto
     password = (home / "local02.pw").read_text().strip()

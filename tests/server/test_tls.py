@@ -49,6 +49,7 @@ def _doctor(port, home, *tls):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow("TLS brokers, certificates and daemons: 3 s on 2 cores")
 def test_doctor_over_mutual_tls(tls_broker):
     port, home, pki = tls_broker
     good = _doctor(port, home, "--ca-file", pki["ca"], "--cert-file", pki["device"],
@@ -59,6 +60,7 @@ def test_doctor_over_mutual_tls(tls_broker):
     assert "client certificate" in good.stdout
 
 
+@pytest.mark.slow("TLS brokers, certificates and daemons: 5 s on 2 cores")
 @pytest.mark.parametrize("case, words", [
     ("wrong-ca", "not signed by ca_file"),
     ("expired", "rejected this side's certificate"),
@@ -93,6 +95,7 @@ def test_daemon_with_a_wrong_ca_exits_with_one_line(tls_broker, tmp_path):
     assert "Traceback" not in res.stderr
 
 
+@pytest.mark.slow("TLS brokers, certificates and daemons: 5 s on 2 cores")
 def test_run_over_mutual_tls(tls_broker, data_root, tmp_path, one_thread):
     port, home, pki = tls_broker
     url = f"mqtts://127.0.0.1:{port}"

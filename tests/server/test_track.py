@@ -35,6 +35,7 @@ def _scalars(folder):
     return out
 
 
+@pytest.mark.slow("runs exported to TensorBoard and MLflow: 10 s on 2 cores")
 def test_export_writes_every_round_of_each_run(data_root, tmp_path):
     base = quick_config(data_root, "algorithm.name=fedbabu", "train.threads=1", "rounds=2",
                         "algorithm.finetune_epochs=1")
@@ -63,6 +64,7 @@ def test_export_writes_every_round_of_each_run(data_root, tmp_path):
     assert len(list((tmp_path / "tb" / "sweep" / "seed-0").iterdir())) == 1
 
 
+@pytest.mark.slow("runs exported to TensorBoard and MLflow: 8 s on 2 cores")
 def test_export_from_inside_a_run_deletes_nothing_but_its_own_events(data_root, tmp_path):
     """Hardening III, finding 7: `fedseq export tensorboard .` from a run's folder (the default
     --out is a folder inside it) and `..` from a subfolder removed whole folders; now only event
@@ -83,6 +85,7 @@ def test_export_from_inside_a_run_deletes_nothing_but_its_own_events(data_root, 
     assert set(before) <= set(after), set(before) - set(after)
 
 
+@pytest.mark.slow("runs exported to TensorBoard and MLflow: 7 s on 2 cores")
 def test_mlflow_export_holds_every_round_and_replaces_itself(data_root, tmp_path):
     """Into a real MLflow store (its local file store stands in for a tracking server: the
     client calls are the same): metrics per round, params, artifact, status; again = replaced."""
@@ -120,6 +123,7 @@ def test_mlflow_export_holds_every_round_and_replaces_itself(data_root, tmp_path
     assert "config.toml" in [a.path for a in client.list_artifacts(run.info.run_id)]
 
 
+@pytest.mark.slow("runs exported to TensorBoard and MLflow: 4 s on 2 cores")
 def test_mlflow_export_to_nowhere_is_one_line(tmp_path, data_root):
     pytest.importorskip("mlflow")
     run_dir = tmp_path / "run"

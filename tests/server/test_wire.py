@@ -26,6 +26,7 @@ def _same(a, b):
     assert all(torch.equal(a.global_weights[k], v) for k, v in b.global_weights.items())
 
 
+@pytest.mark.slow("codecs over whole runs: 9 s on 2 cores")
 def test_each_codec_cuts_the_bytes_it_should_and_still_learns(data_root, one_thread):
     plain = run_simulation(quick_config(data_root, "algorithm.name=fedavg", *OVER), None)
     up, down = plain.rows[0]["bytes_up"], plain.rows[0]["bytes_down"]
@@ -40,6 +41,7 @@ def test_each_codec_cuts_the_bytes_it_should_and_still_learns(data_root, one_thr
         assert not any(r["rejected"] for r in run.rows), wire
 
 
+@pytest.mark.slow("codecs over whole runs: 10 s on 2 cores")
 @pytest.mark.parametrize("name,wire", [
     ("fedseq-anti", ("wire.up=int8", "wire.down=fp16")),
     ("fedper", ("wire.up=topk", "wire.topk=0.05", "wire.down=int8")),
@@ -50,6 +52,7 @@ def test_workers_give_bitwise_the_in_process_run_under_a_codec(data_root, one_th
     _same(run_simulation(cfg, None, workers=2), run_simulation(cfg, None))
 
 
+@pytest.mark.slow("codecs over whole runs: 4 s on 2 cores")
 def test_a_topk_run_resumes_bitwise_with_its_residuals(data_root, tmp_path, one_thread):
     cfg = quick_config(data_root, "algorithm.name=fedavg", *OVER, "wire.up=topk", "wire.topk=0.02")
     whole = run_simulation(cfg, None)
@@ -99,6 +102,7 @@ def test_the_residual_survives_a_device_restart(data_root, tmp_path, one_thread)
     assert not all(torch.equal(want[0][k], want[1][k]) for k in want[0])  # round 1 sent more
 
 
+@pytest.mark.slow("codecs over whole runs: 11 s on 2 cores")
 def test_a_compressed_fedseq_run_on_mosquitto_is_the_simulation_bitwise(
         data_root, tmp_path, mosquitto, one_thread):
     """FedSeq-Anti with int8 updates and fp16 global blocks, two real daemons behind the project's
@@ -120,6 +124,7 @@ def test_a_compressed_fedseq_run_on_mosquitto_is_the_simulation_bitwise(
     assert dep.rows[0]["wire_bytes_in"] < 0.3 * plain.rows[0]["bytes_up"] + 200_000
 
 
+@pytest.mark.slow("codecs over whole runs: 6 s on 2 cores")
 def test_personal_blocks_stay_float32_under_a_downlink_codec(data_root, tmp_path, one_thread):
     """FedPer's heads are each client's own: a device starts a client that never trained from
     the published initial head, which must be the float32 one the simulation starts from (only
