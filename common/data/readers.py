@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import pickle
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,23 +132,128 @@ def read_idx_dataset(root: Path, dataset: str, rows: np.ndarray | None = None) -
     return RawDataset(images, labels, NUM_CLASSES[dataset], len(parts[0][1]))
 
 
+#: the dtypes a CIFAR batch may hold (its images are uint8, its labels lists of ints): plain
+#: numbers only, never an object, structured or void dtype
+_PLAIN_DTYPES = frozenset(["b1", "u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f2", "f4", "f8"])
+
+
+class _Dtype:
+    """What a pickle's `numpy.dtype(spec, align, copy)` and its state build here: a fresh dtype of
+    one of _PLAIN_DTYPES. numpy's own `dtype.__setstate__` trusts the file's flags and sizes (an
+    object dtype with its flags cleared makes numpy dereference a pointer the file chose), so it
+    is never called: the state is checked and only its byte order is taken."""
+
+    def __init__(self, spec: Any = None, align: Any = False, copy: Any = False) -> None:
+        if not isinstance(spec, str) or spec not in _PLAIN_DTYPES:
+            raise pickle.UnpicklingError(f"a dtype {str(spec)[:40]!r}, which a CIFAR batch never holds")
+        self.dtype = np.dtype(spec)
+
+    def __setstate__(self, state: Any) -> None:
+        # (version, byte order, subarray, names, fields, item size, alignment, flags[, metadata])
+        if (not isinstance(state, tuple) or len(state) < 5 or state[1] not in ("|", "<", ">", "=")
+                or any(part is not None for part in state[2:5])):
+            raise pickle.UnpicklingError("a dtype with fields or a sub-array, which a CIFAR batch "
+                                         "never holds")
+        if state[1] in ("<", ">") and self.dtype.itemsize > 1:
+            self.dtype = self.dtype.newbyteorder(state[1])
+
+
+def _array(shape: Any, dtype: Any, raw: Any, fortran: bool = False) -> np.ndarray:
+    """An array of a plain dtype built from its bytes (copied), its size checked against them."""
+    if not isinstance(dtype, _Dtype):
+        raise pickle.UnpicklingError("an array without a plain dtype")
+    if isinstance(raw, str):  # a Python 2 pickle read with encoding="latin1"
+        raw = raw.encode("latin1")
+    if isinstance(raw, pickle.PickleBuffer):
+        raw = bytes(raw.raw())
+    if not isinstance(raw, (bytes, bytearray)):
+        raise pickle.UnpicklingError("an array whose data is not bytes (an object array?)")
+    if (not isinstance(shape, tuple)
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)):
+        raise pickle.UnpicklingError(f"an array of shape {str(shape)[:40]}")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if count * dtype.dtype.itemsize != len(raw):
+        raise pickle.UnpicklingError(f"an array of shape {shape} with {len(raw)} bytes of data")
+    return np.frombuffer(raw, dtype.dtype, count).reshape(shape, order="F" if fortran else "C").copy()
+
+
+class _Array:
+    """What `numpy.core.multiarray._reconstruct(ndarray, shape, typecode)` and its state build
+    here (protocols 0-4): the array itself comes from `_array`, never from numpy's own
+    `ndarray.__setstate__`; `_ArraysOnly.load` puts it in its place."""
+
+    def __init__(self, cls: Any = None, shape: Any = None, typecode: Any = None) -> None:
+        if cls is not _NDARRAY:
+            raise pickle.UnpicklingError("a reconstructed object that is not an ndarray")
+        self.array: np.ndarray | None = None
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 5:
+            state = state[1:]  # (version, shape, dtype, is_fortran, data)
+        if not isinstance(state, tuple) or len(state) != 4:
+            raise pickle.UnpicklingError("an ndarray's state of an unknown form")
+        shape, dtype, fortran, raw = state
+        self.array = _array(shape, dtype, raw, bool(fortran))
+
+
+def _from_buffer(buf: Any, dtype: Any, shape: Any, order: Any = "C") -> np.ndarray:
+    """numpy's `_frombuffer` (protocol 5), through `_array`."""
+    return _array(shape, dtype, buf, order == "F")
+
+
+def _empty_bytes(*args: Any) -> bytes:
+    """`bytes()`, as protocol 2 writes an empty bytes object (an empty array's data); no size."""
+    if args:
+        raise pickle.UnpicklingError("bytes(...) with arguments, which a CIFAR batch never holds")
+    return b""
+
+
+#: stands for numpy.ndarray in a pickle: an argument to `_reconstruct`, never callable
+_NDARRAY = type("ndarray", (), {"__init__": None})
+
+
+def _placed(obj: Any) -> Any:
+    """The loaded batch with each `_Array` replaced by its array and each `_Dtype` by its dtype."""
+    if isinstance(obj, _Array):
+        if obj.array is None:
+            raise pickle.UnpicklingError("an ndarray without its data")
+        return obj.array
+    if isinstance(obj, _Dtype):
+        return obj.dtype
+    if isinstance(obj, dict):
+        return {k: _placed(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_placed(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_placed(v) for v in obj)
+    return obj
+
+
 class _ArraysOnly(pickle.Unpickler):
     """An unpickler that can build what CIFAR's batch files hold (dicts, lists, strings, numbers
-    and numpy arrays) and nothing else: no function of any module is reachable from a file, so
-    a planted batch file (a shared run directory, a copied data folder) cannot run code."""
+    and numpy arrays of plain dtypes) and nothing else: no function of any module is reachable
+    from a file, so a planted batch file (a shared run directory, a copied data folder) cannot run
+    code, and numpy's own unpickling code (whose dtype state is trusted) never sees the file:
+    arrays are built here from their bytes."""
 
-    ALLOWED = {("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-               ("numpy", "ndarray"), ("numpy", "dtype"),
-               ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer"),
-               ("_codecs", "encode")}  # bytes in a protocol-2 pickle written by Python 3
+    ALLOWED: dict[tuple[str, str], Any] = {
+        ("numpy.core.multiarray", "_reconstruct"): _Array,
+        ("numpy._core.multiarray", "_reconstruct"): _Array,
+        ("numpy", "ndarray"): _NDARRAY, ("numpy", "dtype"): _Dtype,
+        ("numpy.core.numeric", "_frombuffer"): _from_buffer,
+        ("numpy._core.numeric", "_frombuffer"): _from_buffer,
+        # bytes in a protocol-2 pickle written by Python 3
+        ("_codecs", "encode"): codecs.encode,
+        ("__builtin__", "bytes"): _empty_bytes, ("builtins", "bytes"): _empty_bytes}
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"refers to {module}.{name}, which a CIFAR batch never "
-                                         "holds")
-        with warnings.catch_warnings():  # numpy 2 reaches numpy.core through a shim that warns
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"refers to {module[:80]}.{name[:80]}, which a CIFAR batch "
+                                         "never holds")
+        return self.ALLOWED[module, name]
+
+    def load(self) -> Any:
+        return _placed(super().load())
 
 
 def _unpickle(path: Path) -> dict:
@@ -186,6 +291,19 @@ def read_cifar(root: Path, dataset: str) -> RawDataset:
         names = ["train", "test"]
         key = "fine_labels"
     batches = [_unpickle(folder / n) for n in names]
+    for name, b in zip(names, batches):
+        labels = b.get(key)
+        try:
+            ok = (isinstance(labels, (list, np.ndarray)) and b["data"].ndim == 2
+                  and b["data"].shape == (len(labels), 3072)
+                  and all(type(c) in (int, np.int64, np.int32, np.uint8) for c in labels)
+                  and all(0 <= int(c) < NUM_CLASSES[dataset] for c in labels))
+        except TypeError:
+            ok = False
+        if not ok:
+            raise DatasetError(f"{folder / name}: not a CIFAR batch file (its '{key}' are not one "
+                               f"class id in 0..{NUM_CLASSES[dataset] - 1} per 3,072-byte image); "
+                               "re-extract the original archive (fedseq data download)")
     images = np.concatenate([np.asarray(b["data"], np.uint8) for b in batches]).reshape(-1, 3, 32, 32)
     labels = np.concatenate([np.asarray(b[key], np.int64) for b in batches])
     num_train = sum(len(b[key]) for b in batches[:-1])

@@ -101,3 +101,84 @@ def test_a_planted_cifar_batch_runs_no_code(tmp_path):
     _cifar_batch(folder / "data_batch_1", payload={b"data": np.zeros(3, np.float64), b"labels": []})
     with pytest.raises(DatasetError, match="uint8"):
         read_dataset(tmp_path, "cifar10")
+    for labels in (["a", "b"], [0, 10], [0], None, [0.5, 1]):  # not one class id per image
+        _cifar_batch(folder / "data_batch_1",
+                     payload={b"data": np.zeros((2, 3072), np.uint8), b"labels": labels})
+        with pytest.raises(DatasetError, match="class id in 0..9 per 3,072-byte image"):
+            read_dataset(tmp_path, "cifar10")
+
+
+class _Reduced:
+    """Pickles as `func(*args)` with `state` set on it: hand-made numpy pickles of any form."""
+
+    def __init__(self, func, args, state):
+        self.reduced = (func, args, state)
+
+    def __reduce__(self):
+        return self.reduced
+
+
+def _object_array_pickle(flags):
+    """A batch whose labels are an object array: with these dtype flags (0: cleared, so numpy does
+    not know it holds pointers) numpy's own reader takes the file's bytes as a pointer, and
+    reading the labels dereferences 0x4141414141414141."""
+    from numpy.core.multiarray import _reconstruct  # noqa: PLC0415 (numpy 2 shims it, warning)
+
+    dtype = _Reduced(np.dtype, ("O8", False, True), (3, "|", None, None, None, -1, -1, flags))
+    data = _Reduced(_reconstruct, (np.ndarray, (0,), b"b"), (1, (1,), dtype, False, b"A" * 8))
+    return {b"data": np.zeros((1, 3072), np.uint8), b"labels": data}
+
+
+@pytest.mark.parametrize("payload", ["object-cleared-flags", "object", "structured", "short-data"])
+def test_a_crafted_numpy_pickle_is_refused_and_cannot_crash_the_reader(tmp_path, payload):
+    """numpy's dtype state is never trusted: an object dtype (flags cleared or not), a structured
+    dtype or data shorter than its shape are refused in one line; the reader runs in its own
+    process here because, before, the first one crashed it (SIGSEGV)."""
+    import subprocess
+    import sys
+    import warnings
+
+    folder = tmp_path / "cifar-10-batches-py"
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        _cifar_batch(folder / name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        bad = {"object-cleared-flags": lambda: _object_array_pickle(0),
+               "object": lambda: _object_array_pickle(63),
+               "structured": lambda: {b"data": np.zeros(2, [("a", np.uint8), ("b", object)])},
+               "short-data": lambda: {b"data": _Reduced(
+                   np.frombuffer, (b"\x01",), None)}}[payload]()
+    if payload == "short-data":  # a uint8 dtype whose shape asks for more bytes than it has
+        from numpy.core.multiarray import _reconstruct  # noqa: PLC0415
+        dtype = _Reduced(np.dtype, ("u1", False, True), (3, "|", None, None, None, -1, -1, 0))
+        bad = {b"data": _Reduced(_reconstruct, (np.ndarray, (0,), b"b"),
+                                 (1, (1000, 3072), dtype, False, b"\x01" * 8)), b"labels": [0]}
+    _cifar_batch(folder / "data_batch_1", payload=bad)
+    code = ("import sys\nfrom fedseq.common.data.readers import read_dataset\n"
+            "from fedseq.common.errors import DatasetError\n"
+            f"try:\n    read_dataset({str(tmp_path)!r}, 'cifar10')\n"
+            "except DatasetError as exc:\n    print(exc)\n    sys.exit(3)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, (out.returncode, out.stderr[-2000:])
+    line = out.stdout.strip()
+    assert "data_batch_1: not a CIFAR batch file" in line and "\n" not in line, line
+
+
+def test_arrays_of_every_plain_dtype_and_order_read_as_numpy_wrote_them(tmp_path):
+    """The reader builds arrays itself, so it is checked against numpy's own pickles: byte
+    orders, Fortran order, empty arrays, nested in lists and dicts, protocols 2 to 5."""
+    import pickle
+
+    from fedseq.common.data.readers import _ArraysOnly
+
+    arrays = [np.arange(12, dtype=d).reshape(3, 4) for d in ("<i8", ">i4", "u1", "<f4", ">f8", "i2")]
+    arrays += [np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3)), np.zeros((0, 5)),
+               np.array([True, False])]
+    for protocol in (2, 3, 4, 5):
+        blob = pickle.dumps({"a": arrays, "b": (arrays[0], "x", b"y")}, protocol=protocol)
+        import io
+        got = _ArraysOnly(io.BytesIO(blob), encoding="latin1").load()
+        for want, have in zip(arrays + [arrays[0]], got["a"] + [got["b"][0]]):
+            assert have.dtype == want.dtype and have.shape == want.shape
+            assert np.array_equal(have, want)
+        assert got["b"][1:] == ("x", b"y")
