@@ -522,9 +522,9 @@ class Inbox:
     def on_message(self, topic: str, payload: bytes) -> None:
         """Network thread: one message in, at most one event out; anything invalid is logged
         with its reason and dropped. A message is read only within its device's budget (bytes
-        and this thread's CPU) and its topic's size; then its CPU time is charged."""
-        if not payload:
-            return
+        and this thread's CPU) and its topic's size; then its CPU time is charged. An empty
+        message (a retained one cleared) is charged like any other, then ignored: it costs the
+        thread as much as a small one, so a flood of them is dropped and counted alike."""
         ref = self.topics.parse(topic)
         device = ref.device if ref is not None else ""
         if ref is not None and device:
@@ -539,6 +539,8 @@ class Inbox:
                            "and %.0f ms/s)", device, a.burst_bytes / 1024, a.burst_cpu * 1e3,
                            a.rate_bytes / 1024, a.rate_cpu * 1e3)
                 return
+        if not payload:
+            return
         began = thread_seconds()
         try:
             self._read(ref, topic, payload)

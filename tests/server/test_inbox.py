@@ -207,6 +207,25 @@ def test_a_device_past_its_bytes_is_dropped_unread(monkeypatch):
     assert box.flooded == 500 + 3000 - int((a.burst_bytes - fits * cost + a.rate_bytes) // cost)
 
 
+def test_empty_messages_are_charged_and_a_flood_of_them_reaches_the_guard(monkeypatch):
+    """Hardening VI, finding 1: an empty message costs MESSAGE_BYTES like any other, so a flood of
+    them is dropped past the device's burst and each drop is reported to the guard (before, empty
+    payloads returned first: nothing dropped, nothing counted); another device still gets in."""
+    box = _inbox()
+    clock = [1000.0]
+    monkeypatch.setattr(box.budgets, "clock", lambda: clock[0])
+    monkeypatch.setattr(inbox, "thread_seconds", lambda: 0.0)
+    reported: list[str] = []
+    box.on_flood = reported.append
+    fits = int(box.allowance("dev01").burst_bytes // budget.MESSAGE_BYTES)
+    for _ in range(fits + 300):
+        box.on_message(T.device_status("dev01"), b"")
+    assert box.flooded == 300 and reported == ["dev01"] * 300
+    assert box.queue.qsize() == 0 and box.take_statuses() == []
+    box.on_message(T.device_status("dev02"), DeviceStatus(device="dev02", state="online").encode())
+    assert "dev02" in [st.device for st in box.take_statuses()]
+
+
 def test_big_junk_is_refused_by_its_size_and_never_parsed(monkeypatch):
     """Hardening IV, finding 1: a status, description or evaluation larger than its topic can
     carry is refused before any parsing, and a refused message is not parsed a second time to
