@@ -30,14 +30,16 @@ DEFAULT = ["fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedper", "fed
 
 #: NAME+VARIANT runs the algorithm under another driver or setting: a simulated fleet's clock
 #: (sync), over-selection on it, buffered asynchronous aggregation, client-level DP, secure
-#: aggregation (its sum, decoded, does not depend on the keys)
+#: aggregation (its sum, decoded, does not depend on the keys). DP pins its noise seed to the
+#: run's seed (0), the noise an unpinned run drew before the noise seed became each run's secret,
+#: so its fingerprint is comparable across that change
 FLEET = "fleet.devices=[{profile='nano',count=2},{profile='orin-nano',count=2}]"
 VARIANTS = {
     "fleet": [FLEET],
     "over": [FLEET, "train.join_ratio=0.6", "train.over_select=1.7"],
     "async": [FLEET, "train.mode='async'", "train.concurrency=3", "train.buffer=2"],
     "dp": ["privacy.enabled=true", "privacy.clip_norm=1.0", "privacy.noise_multiplier=0.5",
-           "privacy.delta=1e-3", "train.join_ratio=0.8"],
+           "privacy.delta=1e-3", "train.join_ratio=0.8", "seeds.noise=0"],
     "secagg": ["secagg.enabled=true"],
 }
 

@@ -539,7 +539,8 @@ class WireConfig(_Section):
 
 
 class SeedsConfig(_Section):
-    """[seeds]: pin one random stream to its own seed; a stream left unset follows `seed`.
+    """[seeds]: pin one random stream to its own seed; a stream left unset follows `seed` (the
+    noise: a secret of each run).
     `fedseq-sim --seeds 0,1,2 --vary init` uses this to vary some streams and fix the others."""
 
     data: Optional[int] = Field(None, description=(
@@ -549,8 +550,11 @@ class SeedsConfig(_Section):
     training: Optional[int] = Field(None, description=(
         "Batch order, augmentation, fine-tuning batches."))
     noise: Optional[int] = Field(None, json_schema_extra=COORDINATOR, description=(
-        "[privacy]'s Gaussian noise on the coordinator. Whoever knows it can subtract the noise: "
-        "pin it to a secret value where the guarantee matters. Never sent to devices."))
+        "[privacy]'s Gaussian noise on the coordinator. Unset (the default): a secret drawn for "
+        "each run and kept in its checkpoint alone, not the run's seed. Pinned: reproducible "
+        "noise (a simulation against --workers or a deployment), but config.toml records it and "
+        "whoever knows it can subtract the noise; never pin it where the guarantee matters. "
+        "Never sent to devices."))
 
 
 class PrivacyConfig(_Section):
@@ -665,7 +669,8 @@ class ExperimentConfig(_Section):
                        if group != "aggregators" and not REGISTRY.entry(group, name).builtin})
 
     def seed_for(self, stream: str) -> int:
-        """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`."""
+        """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`. (The
+        coordinator's noise does not use it unpinned: Ledger.noise_seed, a secret of the run.)"""
         pinned = getattr(self.seeds, stream)
         return self.seed if pinned is None else pinned
 

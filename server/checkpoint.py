@@ -6,7 +6,8 @@ Tensors: the global weights (`global/<key>`), the in-process pool's personal blo
 optimizer's moments). JSON metadata: the next round, block versions, the simulated byte
 accounting, the last evaluation, and the MQTT pool's state (run id, step sequence, published block
 versions, assignment). Randomness needs no state: every stream derives from (seed, purpose, round,
-client), so a resumed run is bitwise the uninterrupted one.
+client), so a resumed run is bitwise the uninterrupted one; the one secret among the seeds, the
+coordinator's noise seed under [privacy], is kept here (the only file that has it).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class LoopState:
     clip: float | None = None
     #: [privacy] level = "record": each client's DP-SGD steps so far (its epsilon's count)
     record_steps: dict[int, int] = field(default_factory=dict)
+    #: [privacy] level = "client": the seed of the coordinator's noise, a secret of this run
+    #: (Ledger.noise_seed); None: no such noise
+    noise_seed: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         rep = self.last_report
@@ -65,6 +69,7 @@ class LoopState:
             **({"clip": self.clip} if self.clip is not None else {}),
             **({"record_steps": {str(c): n for c, n in self.record_steps.items()}}
                if self.record_steps else {}),
+            **({"noise_seed": self.noise_seed} if self.noise_seed is not None else {}),
         }
 
     @classmethod
@@ -81,6 +86,7 @@ class LoopState:
             state.get("driver"),
             None if state.get("clip") is None else float(state["clip"]),
             {int(c): int(n) for c, n in state.get("record_steps", {}).items()},
+            None if state.get("noise_seed") is None else int(state["noise_seed"]),
         )
 
 

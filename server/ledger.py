@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import secrets
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -136,6 +137,13 @@ class Ledger:
         algorithm.prepare([len(c.train) for c in data.clients])
         #: [privacy]: the clip norm of the next round (adaptive clipping moves it)
         self.clip = cfg.privacy.clip_norm
+        #: [privacy]: the seed of the coordinator's noise (the updates' sum and adaptive
+        #: clipping's count): a secret drawn from the OS for each run and kept in its checkpoint
+        #: alone, never in a config a device gets, so that no device can regenerate the noise and
+        #: subtract it from a released model; `[seeds] noise` pins it (reproducible noise for a
+        #: simulation, known to whoever reads the config: docs/explanation/privacy.md)
+        self.noise_seed = (cfg.seeds.noise if cfg.seeds.noise is not None
+                           else secrets.randbits(63))
         # Block versions: version 0 of every block is the seed-derived initial model. bytes_down
         # counts a block for a client when the client does not hold its current version; a client
         # holds nothing before its first round (-1): a deployment does send version 0.
@@ -292,7 +300,7 @@ class Ledger:
         inner: Aggregator
         if self.cfg.privacy.client_level:
             inner = NoisedSum(self.clip, update_noise(self.cfg), expected_clients(self.cfg),
-                              self.cfg.seed_for("noise"), t)
+                              self.noise_seed, t)
         else:
             inner = make_aggregator(self.cfg.aggregation)
         if self.cfg.secagg.enabled and clients:
@@ -353,7 +361,7 @@ class Ledger:
         self.broadcast()
         self.local_scores.update(got.local_scores)
         if self.cfg.privacy.client_level and self.cfg.privacy.adaptive:
-            self.clip = next_clip(self.cfg, self.clip, got.within, t)
+            self.clip = next_clip(self.cfg, self.clip, got.within, t, self.noise_seed)
         return None
 
     # -- evaluation and the row -------------------------------------------------------------
@@ -474,7 +482,8 @@ class Ledger:
         return LoopState(self.version, self.client_version, self.local_scores, self.last_report,
                          row, self.clock, driver,
                          self.clip if self.cfg.privacy.adaptive else None,
-                         dict(self.record_steps))
+                         dict(self.record_steps),
+                         self.noise_seed if self.cfg.privacy.client_level else None)
 
     def restore(self, ckpt: Checkpoint) -> None:
         """The ledger as the checkpoint left it (versions included), the pool's and the
@@ -488,6 +497,8 @@ class Ledger:
         if loop.clip is not None:  # adaptive clipping's clip norm as it was
             self.clip = loop.clip
         self.record_steps = dict(loop.record_steps)
+        if loop.noise_seed is not None:  # the run's secret noise seed: a resume is bitwise
+            self.noise_seed = loop.noise_seed
         self.pool.restore(ckpt.pool)
         self.alg.load_server_state(ckpt.server)
         self.broadcast()  # as checkpointed: its versions are the checkpoint's

@@ -87,12 +87,13 @@ def update_noise(cfg: ExperimentConfig) -> float:
     return (z ** -2 - (2 * count_noise(cfg)) ** -2) ** -0.5
 
 
-def next_clip(cfg: ExperimentConfig, clip: float, within: int, round: int) -> float:
+def next_clip(cfg: ExperimentConfig, clip: float, within: int, round: int, seed: int) -> float:
     """Adaptive clipping's clip norm after `round`, whose counted updates were `within` times
-    at most `clip` before clipping: C exp(-eta (noised share - target quantile))."""
+    at most `clip` before clipping: C exp(-eta (noised share - target quantile)); the count's
+    noise from the run's noise seed `seed` (Ledger.noise_seed)."""
     p = cfg.privacy
     expected = expected_clients(cfg)
-    g = torch_rng(cfg.seed_for("noise"), "dp-count-noise", round)
+    g = torch_rng(seed, "dp-count-noise", round)
     noise = float(torch.randn(1, generator=g, dtype=torch.float64)) * count_noise(cfg)
     return clip * math.exp(-p.clip_lr * ((within + noise) / expected - p.target_quantile))
 

@@ -24,6 +24,7 @@ from fedseq.server.rundir import RunDir
 
 if TYPE_CHECKING:
     from fedseq.server.distributed import DistributedPool
+    from fedseq.server.ledger import Ledger
 
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,14 @@ def run_simulation(
                           driver)
 
 
+def _noise_seed(src: Path) -> int | None:
+    """The secret noise seed of the run in `src`, from its checkpoint (None: it has none, e.g. a
+    run of an older fedseq, whose noise came from its config's seeds)."""
+    from fedseq.server.checkpoint import FILE, load_checkpoint
+
+    return load_checkpoint(src).loop.noise_seed if (src / FILE).is_file() else None
+
+
 def replay(src: Path, out: Path | None, overrides: list[str] | None = None, workers: int = 0,
            on_round: Callable[[RoundRecord], None] | None = None,
            info: dict[str, Any] | None = None, mode: str = "new"
@@ -124,9 +133,14 @@ def replay(src: Path, out: Path | None, overrides: list[str] | None = None, work
     done = max(log) + 1
     if done < cfg.rounds:
         cfg = cfg.model_copy(update={"rounds": done})  # a run that stopped early: its steps
-    result = run_simulation(cfg, out, on_round, mode, info, workers=workers,
-                            driver=functools.partial(
-                                BufferedAsync, arrivals=functools.partial(LoggedArrivals, log=log)))
+    noise_seed = _noise_seed(src) if cfg.privacy.client_level else None
+
+    def driver(book: Ledger) -> BufferedAsync:
+        if noise_seed is not None:  # the run's secret noise: replayed bitwise
+            book.noise_seed = noise_seed
+        return BufferedAsync(book, functools.partial(LoggedArrivals, log=log))
+
+    result = run_simulation(cfg, out, on_round, mode, info, workers=workers, driver=driver)
     model = src / "model.safetensors"
     if not model.is_file():
         return result, False, f"{src} holds no final model (model.safetensors) to compare with"

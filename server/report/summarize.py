@@ -165,6 +165,8 @@ def _seed_of(run: Run, stream: str) -> Any:
     if stream == "noise" and not run.config.get("privacy", {}).get("enabled"):
         return None
     pinned = run.config.get("seeds", {}).get(stream)
+    if stream == "noise" and pinned is None:
+        return "secret"  # a fresh secret of each run (its checkpoint holds it)
     return run.config.get("seed") if pinned is None else pinned
 
 

@@ -177,6 +177,22 @@ def test_a_buffered_asynchronous_run_is_noised_per_step_and_accounted_without_sa
     assert expected_clients(cfg) == 3 and sampling_rate(cfg) == 1.0  # over the buffer, q = 1
 
 
+@pytest.mark.slow("an asynchronous DP run and its replay: 6 s on 2 cores")
+def test_a_replayed_asynchronous_dp_run_uses_the_runs_secret_noise(data_root, tmp_path, one_thread):
+    """--replay re-executes the arrivals with the noise seed the run's checkpoint keeps (it is
+    in no config), so the replayed model is bitwise the run's."""
+    from fedseq.server.simulation import replay
+
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.threads=1",
+                       "train.mode='async'", "train.concurrency=3", "train.buffer=2",
+                       "fleet.devices=[{profile='nano'},{profile='orin-nano',count=2}]",
+                       "privacy.enabled=true", "privacy.clip_norm=2",
+                       "privacy.noise_multiplier=0.5")
+    run_simulation(cfg, tmp_path / "run")
+    _, same, verdict = replay(tmp_path / "run", tmp_path / "again")
+    assert same, verdict
+
+
 def test_a_run_over_its_budget_is_refused_with_the_rounds_that_fit():
     from fedseq.server.privacy import check_budget
 
@@ -199,20 +215,60 @@ ADAPTIVE = ("privacy.adaptive=true", "privacy.clip_norm=0.05", "privacy.count_no
 @pytest.mark.slow("differentially private training with its accountant: 7 s on 2 cores")
 @pytest.mark.parametrize("more", [(), ADAPTIVE])
 def test_a_dp_run_is_bitwise_across_workers_and_resume(data_root, tmp_path, one_thread, more):
-    """Fixed and adaptive clipping (the clip norm checkpointed with the run)."""
+    """Fixed and adaptive clipping (the clip norm checkpointed with the run). The noise seed is
+    each run's own secret: `--workers` is compared with the noise pinned ([seeds] noise); a
+    resume, unpinned, continues with the secret its checkpoint holds, so it is bitwise the
+    uninterrupted run of that seed."""
     from conftest import resumed_after, same_run
+    from fedseq.server.checkpoint import load_checkpoint
+
+    pinned = quick_config(data_root, *DP_RUN, *more, "seeds.noise=5")
+    alone = run_simulation(pinned, tmp_path / "full")
+    same_run(run_simulation(pinned, None, workers=2), alone)
 
     cfg = quick_config(data_root, *DP_RUN, *more)
-    alone = run_simulation(cfg, tmp_path / "full")
-    same_run(run_simulation(cfg, None, workers=2), alone)
-
     resumed = resumed_after(cfg, tmp_path / "part", 1)
-    assert all(torch.equal(resumed.global_weights[k], v) for k, v in alone.global_weights.items())
+    secret = load_checkpoint(tmp_path / "part").loop.noise_seed
+    assert secret is not None and secret != cfg.seed
+    whole = run_simulation(quick_config(data_root, *DP_RUN, *more, f"seeds.noise={secret}"), None)
+    assert all(torch.equal(resumed.global_weights[k], v) for k, v in whole.global_weights.items())
     import json
 
     rows = [json.loads(x) for x in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["epsilon"] for r in rows] == [r["epsilon"] for r in alone.rows]
-    assert [r.get("clip_norm") for r in rows] == [r.get("clip_norm") for r in alone.rows]
+    assert [r["epsilon"] for r in rows] == [r["epsilon"] for r in whole.rows]
+    assert [r.get("clip_norm") for r in rows] == [r.get("clip_norm") for r in whole.rows]
+
+
+@pytest.mark.slow("four one-round DP simulations: 7 s on 2 cores")
+def test_no_device_can_regenerate_the_noise_from_what_it_is_sent(data_root, tmp_path, one_thread):
+    """Hardening VI, finding 3: the noise was drawn from the run's seed, which every device gets,
+    so a device could regenerate it from two published models and recover another client's
+    update. Unpinned, the noise seed is a secret drawn for each run and kept in its checkpoint
+    alone: the noise of the sum is not the one the run's seed gives, two runs of one config
+    differ only by their noise, and neither the config a device gets nor config.toml has it."""
+    from fedseq.server.checkpoint import load_checkpoint
+
+    cfg = quick_config(data_root, *DP_RUN, "rounds=1", "train.join_ratio=1.0")
+    a = run_simulation(cfg, tmp_path / "a")
+    b = run_simulation(cfg, tmp_path / "b")
+    quiet = run_simulation(quick_config(data_root, *DP_RUN, "rounds=1", "train.join_ratio=1.0",
+                                        "privacy.noise_multiplier=0"), None)
+    secret = load_checkpoint(tmp_path / "a").loop.noise_seed
+    assert secret not in (None, cfg.seed) and secret != load_checkpoint(tmp_path / "b").loop.noise_seed
+    for run in ("a", "b"):
+        text = (tmp_path / run / "config.toml").read_text()
+        assert str(load_checkpoint(tmp_path / run).loop.noise_seed) not in text
+    assert str(secret) not in str(cfg.for_devices())
+    # what a device would regenerate from the run's seed (the old noise stream) is not the noise
+    guessed = run_simulation(quick_config(data_root, *DP_RUN, "rounds=1", "train.join_ratio=1.0",
+                                          f"seeds.noise={cfg.seed}"), None)
+    for k, v in a.global_weights.items():
+        if v.is_floating_point() and not torch.equal(v, quiet.global_weights[k]):
+            assert not torch.equal(v, b.global_weights[k])  # another secret, other noise
+            assert not torch.equal(v, guessed.global_weights[k])
+    noise = torch.cat([(a.global_weights[k] - quiet.global_weights[k]).flatten()
+                       for k in a.global_weights if a.global_weights[k].is_floating_point()])
+    assert float(noise.abs().max()) > 0  # the noise is there
 
 
 @pytest.mark.slow("a DP deployment on two daemons over amqtt beside its simulation")
@@ -242,9 +298,9 @@ def test_adaptive_clipping_moves_the_clip_norm_to_the_quantile():
 
     cfg = load_config(None, [*DP, "privacy.adaptive=true", "privacy.noise_multiplier=0",
                              "data.num_clients=100", "train.join_ratio=0.1"])
-    assert next_clip(cfg, 2.0, 10, 0) == pytest.approx(2.0 * math.exp(-0.2 * 0.5))
-    assert next_clip(cfg, 2.0, 0, 0) == pytest.approx(2.0 * math.exp(0.2 * 0.5))
-    assert next_clip(cfg, 2.0, 5, 0) == pytest.approx(2.0)
+    assert next_clip(cfg, 2.0, 10, 0, seed=0) == pytest.approx(2.0 * math.exp(-0.2 * 0.5))
+    assert next_clip(cfg, 2.0, 0, 0, seed=0) == pytest.approx(2.0 * math.exp(0.2 * 0.5))
+    assert next_clip(cfg, 2.0, 5, 0, seed=0) == pytest.approx(2.0)
     noisy = load_config(None, [*DP, "privacy.adaptive=true", "privacy.noise_multiplier=1",
                                "privacy.count_noise=5"])
     assert update_noise(noisy) == pytest.approx((1 - 1 / 100) ** -0.5)

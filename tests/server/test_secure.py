@@ -194,11 +194,12 @@ def test_int8_masks_in_a_16_bit_ring_half_the_bytes_and_bitwise_across_workers(
 
 @pytest.mark.slow("a secure deployment on two daemons over amqtt beside its simulation")
 @pytest.mark.parametrize("more", [(), ("privacy.enabled=true", "privacy.clip_norm=2",
-                                       "privacy.noise_multiplier=0.5", "wire.up='int8'")])
+                                       "privacy.noise_multiplier=0.5", "wire.up='int8'",
+                                       "seeds.noise=3")])
 def test_a_secure_deployment_gives_the_simulations_run(data_root, tmp_path, one_thread, more):
     """The four stages over MQTT (an embedded broker, two local devices): the devices mask (with
     DP: clip, then mask with weight 1, in the 16-bit ring of wire.up = "int8"), the coordinator
-    relays and unmasks (and adds the noise);
+    relays and unmasks (and adds the noise, its seed pinned: unpinned, each run draws its own);
     bitwise the simulation's weights and rows (the unmasked sum does not depend on the keys)."""
     from fedseq.server.deployment import run_deployment
 
