@@ -54,7 +54,8 @@ def seed_config(cfg: ExperimentConfig, seed: int, vary: tuple[str, ...]) -> Expe
     """The config of one seed of a sweep: the varied streams follow `seed`, the others keep the
     value they have in `cfg` (pinned in [seeds])."""
     pins = {s: (None if s in vary else cfg.seed_for(s)) for s in SEED_STREAMS}
-    pins["noise"] = cfg.seeds.noise  # unpinned: each run's own secret (Ledger.noise_seed)
+    if cfg.privacy.client_level and "noise" not in vary:  # unpinned: each run's own secret
+        pins["noise"] = cfg.seeds.noise  # (Ledger.noise_seed); without [privacy] none is drawn
     out = cfg.model_copy(deep=True)
     out.seed = seed
     for stream, value in pins.items():

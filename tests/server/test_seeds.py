@@ -34,8 +34,7 @@ def _streams(cfg):
 def test_each_stream_follows_the_seed_only_where_varied(data_root, vary):
     base = quick_config(data_root, "seed=7")
     a, b = seed_config(base, 0, vary), seed_config(base, 1, vary)
-    assert a.seeds.noise is None and b.seeds.noise is None  # unpinned: each run's own secret
-    for stream in [s for s in SEED_STREAMS if s != "noise"]:
+    for stream in SEED_STREAMS:
         expect_differ = stream in vary
         assert (a.seed_for(stream) != b.seed_for(stream)) == expect_differ
         if not expect_differ:
@@ -44,6 +43,16 @@ def test_each_stream_follows_the_seed_only_where_varied(data_root, vary):
     assert (pa != pb) == ("data" in vary)
     assert (not torch.equal(ia, ib)) == ("init" in vary)
     assert (sa != sb) == ("selection" in vary)
+
+
+def test_a_private_sweep_leaves_the_noise_seed_each_runs_secret(data_root):
+    """Under [privacy] a sweep does not pin the noise to the config's seed (which every device
+    gets): each seed's run draws its own secret (Ledger.noise_seed); a pinned one stays pinned."""
+    base = quick_config(data_root, "seed=7", "privacy.enabled=true")
+    assert seed_config(base, 1, ("init",)).seeds.noise is None
+    pinned = quick_config(data_root, "seed=7", "privacy.enabled=true", "seeds.noise=3")
+    assert seed_config(pinned, 1, ("init",)).seeds.noise == 3
+    assert seed_config(pinned, 1, ("noise",)).seeds.noise is None
 
 
 def test_training_stream_changes_batches_alone(data_root):
