@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import getpass
 import json
+import secrets
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,9 @@ from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.protocol.topics import Topics
 from fedseq.server.broker import write_local_mosquitto
 from fedseq.server.mqtt.session import ServerSession
+
+#: the flood guard's password for this bench's broker
+GUARD_SECRET = secrets.token_hex(16)
 
 ROOT = Path(__file__).resolve().parent.parent
 T = Topics()
@@ -103,7 +107,7 @@ def main() -> None:
         (home / f"{u}.pw").write_text(pw + "\n")
     conf = write_local_mosquitto(home, port, users, ROOT / "broker.conf",
                                  ROOT / "deploy/mosquitto/fedseq.acl", getpass.getuser(),
-                                 guard="g-secret" if args.guard else None)
+                                 guard=GUARD_SECRET if args.guard else None)
     broker = subprocess.Popen(["mosquitto", "-c", str(conf)], stderr=subprocess.DEVNULL)
     time.sleep(0.5)
 
@@ -133,7 +137,7 @@ def main() -> None:
     if args.guard:
         from fedseq.server.mqtt.guard import FloodGuard
 
-        guard = FloodGuard(f"mqtt://127.0.0.1:{port}", "fedseq-guard", "g-secret", None)
+        guard = FloodGuard(f"mqtt://127.0.0.1:{port}", "fedseq-guard", GUARD_SECRET, None)
         guard.start()
         inbox.on_flood = guard.dropped
     session.retain(T.run_config, RunConfig(run_id=RUN, config={}).encode())

@@ -45,6 +45,39 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+#: a secret's least length where it guards a role an attacker may guess at online or offline
+#: (the cluster secret, the flood guard's admin password): `openssl rand -hex 32` gives 64
+MIN_SECRET_CHARS = 32
+HOW_TO_MAKE_A_SECRET = "make one with `openssl rand -hex 32`"
+
+
+def strong_secret(secret: str, where: str) -> str:
+    """`secret` when it is long and varied enough to resist guessing (MIN_SECRET_CHARS, 8
+    distinct characters); else ConfigError in one line saying how to make one."""
+    if len(secret) < MIN_SECRET_CHARS or len(set(secret)) < 8:
+        raise ConfigError(f"{where} is too weak ({len(secret)} characters, {len(set(secret))} "
+                          f"distinct; at least {MIN_SECRET_CHARS} and 8): it can be guessed; "
+                          f"{HOW_TO_MAKE_A_SECRET}")
+    return secret
+
+
+def read_private_secret(path: Path, setting: str) -> str:
+    """The first line of a secret file that must be readable by its owner alone and strong
+    (strong_secret): ConfigError in one line naming the setting otherwise."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as exc:
+        raise ConfigError(f"{setting} {path}: {exc.strerror or exc}; fix the path or its "
+                          "permissions") from exc
+    if mode & 0o077:
+        raise ConfigError(f"{setting} {path} is readable by others (mode {mode & 0o777:o}); "
+                          f"`chmod 600 {path}`, and make a new secret if anyone may have read it")
+    text = read_secret(path, setting) or ""
+    if not text:
+        raise ConfigError(f"{setting} {path} is empty; {HOW_TO_MAKE_A_SECRET} > {path}")
+    return strong_secret(text.splitlines()[0], f"the secret in {path} ({setting})")
+
+
 def read_secret(path: Path | None, setting: str = "password_file") -> str | None:
     """The first line of a secret file (a broker password), None without a file; an unreadable
     file is a one-line ConfigError naming the setting."""

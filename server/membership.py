@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from fedseq.common.errors import ConfigError, TransportError
+from fedseq.common.files import HOW_TO_MAKE_A_SECRET, strong_secret
 
 #: the largest hello a rank may store (an honest one is a few hundred bytes)
 HELLO_BYTES = 64 << 10
@@ -35,9 +36,7 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
-#: a cluster secret's least length: `openssl rand -hex 32` gives 64 characters
-MIN_SECRET_CHARS = 32
-_HOW = "make one with `openssl rand -hex 32`"
+_HOW = HOW_TO_MAKE_A_SECRET
 
 
 def cluster_secret() -> str:
@@ -72,11 +71,7 @@ def cluster_secret() -> str:
 def _strong(secret: str, where: str) -> str:
     """`secret` when it is long and varied enough to resist an offline guess from one nonce and
     hello; else ConfigError in one line saying how to make one."""
-    if len(secret) < MIN_SECRET_CHARS or len(set(secret)) < 8:
-        raise ConfigError(f"{where} is too weak ({len(secret)} characters, {len(set(secret))} "
-                          f"distinct; at least {MIN_SECRET_CHARS} and 8): anyone who sees one "
-                          f"hello can guess it offline; {_HOW}")
-    return secret
+    return strong_secret(secret, where)
 
 
 def _mac(secret: str, *parts: str) -> str:

@@ -191,6 +191,10 @@ MOSQUITTO = shutil.which("mosquitto") or "/usr/sbin/mosquitto"
 PROJECT_ACL = ROOT / "deploy" / "mosquitto" / "fedseq.acl"
 
 
+#: the flood guard's password in the tests' Mosquitto: held to the cluster secret's checks
+GUARD_SECRET = "0f6c2a9e4b7d13586e0a9c2f4b7d1358"
+
+
 @pytest.fixture
 def mosquitto(tmp_path):
     """Mosquitto from a test copy of the project's broker.conf: loopback, free port, own files."""
@@ -200,13 +204,14 @@ def mosquitto(tmp_path):
     users = {"coordinator": "c-secret", "local01": "d1-secret", "local02": "d2-secret",
              "local03": "d3-secret"}
     conf = write_local_mosquitto(tmp_path, port, users, ROOT / "broker.conf", PROJECT_ACL,
-                                 getpass.getuser(), guard="g-secret")
+                                 getpass.getuser(), guard=GUARD_SECRET)
     proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stderr=subprocess.PIPE, text=True)
     time.sleep(0.5)
     if proc.poll() is not None:
         pytest.fail(f"mosquitto did not start: {proc.stderr.read()}")
-    for user, pw in {**users, "fedseq-guard": "g-secret"}.items():  # the flood guard's too
+    for user, pw in {**users, "fedseq-guard": GUARD_SECRET}.items():  # the flood guard's too
         (tmp_path / f"{user}.pw").write_text(pw + "\n")
+        (tmp_path / f"{user}.pw").chmod(0o600)
     procs = [proc]
 
     def restart(lose_everything: bool = False):

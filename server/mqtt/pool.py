@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,8 +18,9 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.codecs import decode, expected
 from fedseq.common.config import ExperimentConfig
+from fedseq.common.errors import ConfigError
 from fedseq.common.evaluation import EvalReport
-from fedseq.common.files import read_secret
+from fedseq.common.files import read_private_secret
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
@@ -71,6 +73,16 @@ def warn_other_versions(online: dict[str, DeviceStatus]) -> None:
                         __version__)
 
 
+
+def guard_password(path: Path | None) -> str:
+    """The flood guard's password (deploy.guard_password_file): its login administers the
+    broker's logins, so its file is held to the cluster secret's checks (readable by its owner
+    alone, at least 32 characters of 8 distinct ones); a one-line ConfigError otherwise."""
+    if path is None:
+        raise ConfigError("deploy.guard_username needs deploy.guard_password_file, the file of its "
+                          "password (make one with `openssl rand -hex 32`; docs/security.md)")
+    return read_private_secret(path, "deploy.guard_password_file")
+
 class MqttPool:
     """The logical clients hosted by the devices online on one broker.
 
@@ -92,8 +104,7 @@ class MqttPool:
         self.guard: FloodGuard | None = None
         if cfg.deploy.guard_username:
             self.guard = FloodGuard(url, cfg.deploy.guard_username,
-                                    read_secret(cfg.deploy.guard_password_file,
-                                                "deploy.guard_password_file"), tls)
+                                    guard_password(cfg.deploy.guard_password_file), tls)
         self.blocks = BlockPublisher(self.session.link, self.topics, run_id)
         self.session.republish_blocks_with(self.blocks.republish)
         self.deadlines = DeadlinePolicy(cfg.deploy)

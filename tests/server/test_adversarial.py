@@ -984,3 +984,28 @@ def test_an_async_update_cannot_choose_its_staleness(data_root, tmp_path, mosqui
              for f in row.get("folds") or []]
     assert all(f["staleness"] >= t - f["version"] for t, f in folds), folds
     assert any(f["staleness"] > t - f["version"] for t, f in folds), (forged, folds)
+
+
+def test_the_guards_password_file_is_held_to_the_cluster_secrets_checks(tmp_path):
+    """Hardening VI, finding 7: the guard's login administers the broker's logins, so its
+    password file is refused, in one line, when others can read it, when it is short or
+    repetitive, empty, or missing (before: a world-readable '1' was accepted)."""
+    from fedseq.common.errors import ConfigError
+    from fedseq.server.mqtt.pool import guard_password
+
+    path = tmp_path / "guard.pw"
+    strong = "0f6c2a9e4b7d13586e0a9c2f4b7d1358"
+    for text, mode, why in [("1", 0o600, "too weak"), ("a" * 40, 0o600, "too weak"),
+                            (strong, 0o644, "readable by others"), ("", 0o600, "is empty")]:
+        path.write_text(text + "\n")
+        path.chmod(mode)
+        with pytest.raises(ConfigError, match=why) as err:
+            guard_password(path)
+        assert "\n" not in str(err.value) and "deploy.guard_password_file" in str(err.value)
+    with pytest.raises(ConfigError, match="needs deploy.guard_password_file"):
+        guard_password(None)
+    with pytest.raises(ConfigError, match="No such file"):
+        guard_password(tmp_path / "absent.pw")
+    path.write_text(strong + "\n")
+    path.chmod(0o600)
+    assert guard_password(path) == strong
