@@ -105,6 +105,12 @@ class MqttPool:
         if cfg.deploy.guard_username:
             self.guard = FloodGuard(url, cfg.deploy.guard_username,
                                     guard_password(cfg.deploy.guard_password_file), tls)
+        elif cfg.deploy.broker is not None:  # an external broker (Mosquitto) without the guard
+            log.warning("no flood guard on %s: one device login flooding tiny messages can delay "
+                        "every device's rounds by minutes; turn it on with deploy.guard_username "
+                        "= \"fedseq-guard\" and deploy.guard_password_file (broker.conf's "
+                        "dynamic-security plugin, the ansible roles' guard password; "
+                        "docs/security.md)", printable(cfg.deploy.broker, 120))
         self.blocks = BlockPublisher(self.session.link, self.topics, run_id)
         self.session.republish_blocks_with(self.blocks.republish)
         self.deadlines = DeadlinePolicy(cfg.deploy)

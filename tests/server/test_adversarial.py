@@ -1009,3 +1009,26 @@ def test_the_guards_password_file_is_held_to_the_cluster_secrets_checks(tmp_path
     path.write_text(strong + "\n")
     path.chmod(0o600)
     assert guard_password(path) == strong
+
+
+def test_a_coordinator_on_an_external_broker_without_the_guard_says_so(caplog, tmp_path):
+    """Hardening VI, finding 2 (the coordinator's part): on an external broker (Mosquitto) a
+    coordinator without the guard's login says so in one line at start, with how to turn it
+    on; the embedded broker's runs and a guarded coordinator say nothing of it."""
+    from fedseq.common.config import load_config
+    from fedseq.server.mqtt.pool import MqttPool
+
+    pw = tmp_path / "guard.pw"
+    pw.write_text("0f6c2a9e4b7d13586e0a9c2f4b7d1358\n")
+    pw.chmod(0o600)
+    said = []
+    for sets in (["deploy.broker='mqtt://10.0.0.5:1883'"], [],
+                 ["deploy.broker='mqtt://10.0.0.5:1883'", "deploy.guard_username='fedseq-guard'",
+                  f"deploy.guard_password_file={str(pw)!r}"]):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fedseq.server.mqtt.pool"):
+            MqttPool(load_config(None, sets), "mqtt://127.0.0.1:1", "run-1")
+        said.append([r.getMessage() for r in caplog.records if "flood guard" in r.getMessage()])
+    assert len(said[0]) == 1 and "no flood guard on mqtt://10.0.0.5:1883" in said[0][0]
+    assert "deploy.guard_username" in said[0][0] and "\n" not in said[0][0]
+    assert said[1] == [] and said[2] == []
