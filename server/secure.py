@@ -13,6 +13,7 @@ as it would read a plain round's.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -164,18 +165,49 @@ class SecureSum:
             raise AggregationError(f"secure aggregation: {exc}") from None
         self.recovered = sorted(set(self.server.commitments) - set(self.server.masked))
         sums, weights = split_sum(total, self.layout, self.setup.scale, self.setup.clip_range)
+        self._check_sum(sums, weights)
         inner = self.inner
         inner.clients = list(self.server.masked)
         for k, s in sums.items():
-            w = weights[k]
-            # a mean of values clamped to [-B, B]: outside it, some masked input was junk
-            if w > 0 and float(np.abs(s).max()) > w * self.setup.clip_range * (1 + 1e-6) + 1e-6:
-                raise AggregationError(f"secure aggregation: the unmasked sum of {k} lies outside "
-                                       "what clamped updates can sum to (a masked input was junk)")
-            if w > 0:
+            if weights[k] > 0:
                 inner.sums[k] = torch.from_numpy(s.reshape(global_weights[k].shape).copy())
-                inner.weights[k] = w
+                inner.weights[k] = weights[k]
         return inner.apply(global_weights)
+
+    def _check_sum(self, sums: dict[str, np.ndarray], weights: dict[str, float]) -> None:
+        """AggregationError where the unmasked sum is not what the masked clients' clamped (under
+        DP: clipped, weight 1) updates can sum to, so a junk masked input fails the round
+        instead of moving the model: a tensor's coordinates beyond its weight times B; a weight
+        below zero, or zero under a non-zero sum, or (every tensor at zero) no weight at all;
+        under DP, a tensor's weight that is not a whole count of the masked clients, or a sum
+        whose L2 norm exceeds masked clients x C (the contract cannot check a masked update's
+        clipping: this checks what the clipped updates can add up to)."""
+        n = len(self.server.masked)
+        quantum = n / self.setup.scale  # the encoding's error on a sum of n values, at most
+        junk = "secure aggregation: the unmasked sum {} (a masked input was junk)"
+        for k, s in sums.items():
+            w, top = weights[k], float(np.abs(s).max(initial=0.0))
+            wq = quantum / self.setup.clip_range  # a weight's encoding error
+            if w < -wq or (abs(w) <= wq and top > quantum):
+                raise AggregationError(junk.format(f"of {k} has weight {w:.6g}, not that of "
+                                                   "the clients that sent it"))
+            # a mean of values clamped to [-B, B]: outside it, some masked input was junk
+            if top > max(w, 0.0) * self.setup.clip_range * (1 + 1e-6) + quantum + 1e-6:
+                raise AggregationError(junk.format(f"of {k} lies outside what clamped updates "
+                                                   "can sum to"))
+            if self.unweighted and (w > n + wq or abs(w - round(w)) > wq):
+                raise AggregationError(junk.format(f"of {k} has weight {w:.6g}: under DP each of "
+                                                   f"the {n} masked clients weighs 1 or 0"))
+        if n and all(w <= quantum / self.setup.clip_range for w in weights.values()):
+            raise AggregationError(junk.format("has no weight: no masked client's update counts"))
+        if isinstance(self.inner, NoisedSum):  # (self.unweighted)
+            clip = self.inner.clip
+            norm = math.sqrt(sum(float(np.dot(s, s)) for s in sums.values()))
+            slack = quantum * math.sqrt(sum(s.size for s in sums.values()))
+            if norm > n * clip * (1 + 1e-6) + slack:
+                raise AggregationError(junk.format(
+                    f"has an L2 norm of {norm:.6g}, more than its {n} masked clients' updates "
+                    f"clipped to C = {clip:g} can sum to ({n * clip:.6g})"))
 
     def moved(self) -> set[str]:
         return self.inner.moved()

@@ -256,3 +256,55 @@ def test_a_dp_round_encodes_at_weight_one_within_c():
     assert setup.clip_range == 0.5 and setup.scale == scale_for(6, 1.0, 0.5)
     plain = load_config(None, ["secagg.enabled=true", "secagg.clip_range=4"])
     assert round_setup(plain, 4, list(range(6)), layout, 80.0).clip_range == 4.0
+
+
+def _junk_round(inner, junk_weights, junk_value, **over):
+    """A secure round of 10 clients in which client 0's masked input is made from `junk_value`
+    in every coordinate with `junk_weights` (tensor -> weight) in its weight slots, as a hostile
+    device could mask anything; the other nine add honest updates. The sum, unmasked."""
+    from fedseq.common.secagg import client_vector
+
+    clients = list(range(10))
+    secure = _secure(inner, clients, 1.0 if isinstance(inner, NoisedSum) else 90.0, **over)
+    for c, (d, w) in _updates(clients).items():
+        if c == 0:
+            bad = {k: torch.full_like(v, junk_value) for k, v in _weights().items()}
+            x, _ = client_vector(bad, junk_weights, secure.layout, secure.setup)
+            secure.server.add_masked(0, secure.clients[0].masked_input(x, secure.routed.get(0, {})))
+        else:
+            secure.add(d, w, c)
+    return secure
+
+
+def test_a_junk_masked_input_under_dp_is_refused_by_the_sums_norm_and_weights():
+    """Hardening VI, finding 6: under DP + SecAgg nothing checked a device's clipping: one of 10
+    clients masking B in every coordinate was accepted (the sum's L2 norm far above n x C), and
+    inflated weight slots that wrap the weights' sum below zero made every tensor skipped with
+    the round counted. Now the unmasked sum is refused, in one line, when its L2 norm exceeds
+    masked clients x C, when a tensor's weight is not a whole count of them, or when it has no
+    weight at all; an honest DP round still applies."""
+    dp = {"privacy.enabled": "true", "privacy.clip_norm": 0.5}
+    names = [k for k, _ in layout_of(_weights())]
+    noised = lambda: NoisedSum(0.5, 0.0, 10, 0, 4)  # noqa: E731 (no noise: the sum is exact)
+    for weights, value, why in [
+            (dict.fromkeys(names, 1.0), 0.5, "L2 norm of .* more than its 10 masked clients"),
+            (dict.fromkeys(names, -9.0), 0.0, "has weight"),
+            (dict.fromkeys(names, 0.5), 0.0, "has weight 9.5: under DP each"),
+    ]:
+        secure = _junk_round(noised(), weights, value, **dp)
+        with pytest.raises(AggregationError, match=why) as err:
+            secure.apply(_weights())
+        assert "\n" not in str(err.value) and "junk" in str(err.value)
+    honest = _secure(noised(), list(range(10)), 1.0, **dp)
+    for c, (d, w) in _updates(list(range(10))).items():
+        honest.add({k: v * 0.1 for k, v in d.items()}, w, c)  # within C = 0.5
+    assert honest.apply(_weights()).keys() == _weights().keys()
+
+
+def test_a_weightless_junk_sum_is_refused_not_skipped():
+    """A tensor whose weights sum to zero (or below) under a non-zero sum was skipped before,
+    the round counted with that tensor unmoved: now it is refused."""
+    names = [k for k, _ in layout_of(_weights())]
+    secure = _junk_round(WeightedDeltaSum(), dict.fromkeys(names, -600.0), 0.01)
+    with pytest.raises(AggregationError, match="has weight"):
+        secure.apply(_weights())
