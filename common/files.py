@@ -51,31 +51,32 @@ MIN_SECRET_CHARS = 32
 HOW_TO_MAKE_A_SECRET = "make one with `openssl rand -hex 32`"
 
 
-def strong_secret(secret: str, where: str) -> str:
+def strong_secret(secret: str, where: str, risk: str = "it can be guessed") -> str:
     """`secret` when it is long and varied enough to resist guessing (MIN_SECRET_CHARS, 8
-    distinct characters); else ConfigError in one line saying how to make one."""
+    distinct characters); else ConfigError in one line, with `risk`, saying how to make one."""
     if len(secret) < MIN_SECRET_CHARS or len(set(secret)) < 8:
         raise ConfigError(f"{where} is too weak ({len(secret)} characters, {len(set(secret))} "
-                          f"distinct; at least {MIN_SECRET_CHARS} and 8): it can be guessed; "
+                          f"distinct; at least {MIN_SECRET_CHARS} and 8): {risk}; "
                           f"{HOW_TO_MAKE_A_SECRET}")
     return secret
 
 
-def read_private_secret(path: Path, setting: str) -> str:
+def read_private_secret(path: Path | str, named: str, risk: str = "it can be guessed") -> str:
     """The first line of a secret file that must be readable by its owner alone and strong
-    (strong_secret): ConfigError in one line naming the setting otherwise."""
+    (strong_secret); ConfigError in one line otherwise, the file `named` as its setting gives it
+    ("deploy.guard_password_file /etc/fedseq/guard.pw", "FEDSEQ_SECRET_FILE=/run/s")."""
     try:
         mode = os.stat(path).st_mode
+        text = Path(path).read_text().strip()
     except OSError as exc:
-        raise ConfigError(f"{setting} {path}: {exc.strerror or exc}; fix the path or its "
+        raise ConfigError(f"{named}: cannot read it ({exc.strerror or exc}); fix the path or its "
                           "permissions") from exc
     if mode & 0o077:
-        raise ConfigError(f"{setting} {path} is readable by others (mode {mode & 0o777:o}); "
+        raise ConfigError(f"{named} is readable by others (mode {mode & 0o777:o}); "
                           f"`chmod 600 {path}`, and make a new secret if anyone may have read it")
-    text = read_secret(path, setting) or ""
     if not text:
-        raise ConfigError(f"{setting} {path} is empty; {HOW_TO_MAKE_A_SECRET} > {path}")
-    return strong_secret(text.splitlines()[0], f"the secret in {path} ({setting})")
+        raise ConfigError(f"{named} is empty; {HOW_TO_MAKE_A_SECRET} > {path}")
+    return strong_secret(text.splitlines()[0], f"the secret in {named}", risk)
 
 
 def read_secret(path: Path | None, setting: str = "password_file") -> str | None:

@@ -18,13 +18,12 @@ import hmac
 import json
 import os
 import secrets
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from fedseq.common.errors import ConfigError, TransportError
-from fedseq.common.files import HOW_TO_MAKE_A_SECRET, strong_secret
+from fedseq.common.files import read_private_secret, strong_secret
 
 #: the largest hello a rank may store (an honest one is a few hundred bytes)
 HELLO_BYTES = 64 << 10
@@ -36,28 +35,18 @@ def new_secret() -> str:
     return secrets.token_hex(32)
 
 
-_HOW = HOW_TO_MAKE_A_SECRET
+#: what a weak cluster secret risks (strong_secret's message)
+_OFFLINE = "anyone who sees one hello can guess it offline"
 
 
 def cluster_secret() -> str:
     """The run's secret under a launcher: FEDSEQ_SECRET, or the first line of the file
     FEDSEQ_SECRET_FILE names (readable by its owner alone); ConfigError in one line when
-    neither gives one, when it is shorter than MIN_SECRET_CHARS, or when the file is readable by
-    others."""
+    neither gives one, when it is weak (common/files.py strong_secret), or when the file is
+    readable by others."""
     path = os.environ.get(SECRET_FILE_ENV)
     if path:
-        try:
-            mode = os.stat(path).st_mode
-            text = Path(path).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"{SECRET_FILE_ENV}={path}: cannot read it ({exc.strerror})") from exc
-        if mode & 0o077:
-            raise ConfigError(f"{SECRET_FILE_ENV}={path} is readable by others (mode "
-                              f"{mode & 0o777:o}); `chmod 600 {path}`, and make a new secret if "
-                              "anyone may have read it")
-        if not text:
-            raise ConfigError(f"{SECRET_FILE_ENV}={path} is empty; {_HOW} > {path}")
-        return _strong(text.splitlines()[0], f"the secret in {path}")
+        return read_private_secret(path, f"{SECRET_FILE_ENV}={path}", _OFFLINE)
     secret = os.environ.get(SECRET_ENV, "")
     if not secret:
         raise ConfigError(
@@ -65,13 +54,7 @@ def cluster_secret() -> str:
             f"proves it knows: export {SECRET_ENV}=$(openssl rand -hex 32) (the same value on "
             f"every node, before torchrun or srun), or {SECRET_FILE_ENV}=PATH to a file only you "
             "can read")
-    return _strong(secret, SECRET_ENV)
-
-
-def _strong(secret: str, where: str) -> str:
-    """`secret` when it is long and varied enough to resist an offline guess from one nonce and
-    hello; else ConfigError in one line saying how to make one."""
-    return strong_secret(secret, where)
+    return strong_secret(secret, SECRET_ENV, _OFFLINE)
 
 
 def _mac(secret: str, *parts: str) -> str:

@@ -184,10 +184,10 @@ class SecureSum:
         clipping: this checks what the clipped updates can add up to)."""
         n = len(self.server.masked)
         quantum = n / self.setup.scale  # the encoding's error on a sum of n values, at most
+        wq = quantum / self.setup.clip_range  # that of a sum of weights (encoded times B)
         junk = "secure aggregation: the unmasked sum {} (a masked input was junk)"
         for k, s in sums.items():
             w, top = weights[k], float(np.abs(s).max(initial=0.0))
-            wq = quantum / self.setup.clip_range  # a weight's encoding error
             if w < -wq or (abs(w) <= wq and top > quantum):
                 raise AggregationError(junk.format(f"of {k} has weight {w:.6g}, not that of "
                                                    "the clients that sent it"))
@@ -198,7 +198,7 @@ class SecureSum:
             if self.unweighted and (w > n + wq or abs(w - round(w)) > wq):
                 raise AggregationError(junk.format(f"of {k} has weight {w:.6g}: under DP each of "
                                                    f"the {n} masked clients weighs 1 or 0"))
-        if n and all(w <= quantum / self.setup.clip_range for w in weights.values()):
+        if n and all(w <= wq for w in weights.values()):
             raise AggregationError(junk.format("has no weight: no masked client's update counts"))
         if isinstance(self.inner, NoisedSum):  # (self.unweighted)
             clip = self.inner.clip

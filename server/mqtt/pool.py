@@ -20,7 +20,7 @@ from fedseq.common.codecs import decode, expected
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import ConfigError
 from fedseq.common.evaluation import EvalReport
-from fedseq.common.files import read_private_secret
+from fedseq.common.files import HOW_TO_MAKE_A_SECRET, read_private_secret
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
@@ -73,15 +73,16 @@ def warn_other_versions(online: dict[str, DeviceStatus]) -> None:
                         __version__)
 
 
-
 def guard_password(path: Path | None) -> str:
     """The flood guard's password (deploy.guard_password_file): its login administers the
     broker's logins, so its file is held to the cluster secret's checks (readable by its owner
     alone, at least 32 characters of 8 distinct ones); a one-line ConfigError otherwise."""
     if path is None:
         raise ConfigError("deploy.guard_username needs deploy.guard_password_file, the file of its "
-                          "password (make one with `openssl rand -hex 32`; docs/security.md)")
-    return read_private_secret(path, "deploy.guard_password_file")
+                          f"password ({HOW_TO_MAKE_A_SECRET}; docs/security.md)")
+    return read_private_secret(path, f"deploy.guard_password_file {path}",
+                               "it can be guessed, and its login administers the broker")
+
 
 class MqttPool:
     """The logical clients hosted by the devices online on one broker.
