@@ -99,6 +99,11 @@ class DeviceDaemon:
     def _work(self) -> None:
         while not self.stopping.is_set():
             with self.session.cond:
+                unread = self.session.to_read()
+            if unread is not None:
+                self.executor.read_placed(unread)
+                continue
+            with self.session.cond:
                 ready = self.session.next_ready()
                 stalled = ready is None and self.session.weights_stalled(time.monotonic())
                 if ready is None and not stalled:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -23,11 +24,12 @@ from fedseq.common.algorithms import make_algorithm, run_model
 from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
 from fedseq.common.algorithms.hooks import UnknownAlgorithm, client_side
 from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict
-from fedseq.common.data.federated import FederatedData, load_federated
-from fedseq.common.errors import ProtocolError
+from fedseq.common.data.federated import FederatedData, load_federated, placed_data
+from fedseq.common.data.placed import announce, client_folders, read_client
+from fedseq.common.errors import FedseqError, ProtocolError
 from fedseq.common.execution import ClientExecutor
 from fedseq.common.models import BlockModel, Weights
-from fedseq.common.protocol.messages import EvalResult, Step, UpdateHeader
+from fedseq.common.protocol.messages import ClientSizes, DataReport, EvalResult, Step, UpdateHeader
 from fedseq.common.protocol.tensors import encode_tensors
 
 log = logging.getLogger(__name__)
@@ -60,12 +62,43 @@ class StepExecutor:
         cfg = run.cfg
         if run.data is None or run.data_clients != run.clients:
             run.data = None
-            run.data = load_federated(cfg.data, cfg.seed_for("data"), only=run.clients)
+            run.data = self._placed(run) if cfg.data.placement == "device" else load_federated(
+                cfg.data, cfg.seed_for("data"), only=run.clients)
             run.data_clients = list(run.clients)
         if run.model is None:
             run.model = run_model(cfg, run.data.input_shape,
                                   run.data.num_classes).to(self.torch_device)
         return run.data, run.model
+
+    def read_placed(self, run: RunState) -> None:
+        """data.placement = "device": read this device's clients (its data folder) for `run`
+        and announce them; a folder it cannot read is said to the coordinator (this device
+        then takes no part in the run)."""
+        try:
+            found = client_folders(Path(run.cfg.data.root))
+            rows = {name: read_client(run.cfg.data, folder) for name, folder in found}
+        except FedseqError as exc:
+            reason = (f"{self.session.device} cannot follow run {run.run_id}: its data folder: "
+                      f"{str(exc).splitlines()[0] if str(exc) else exc}")
+            log.error("%s", reason)
+            self.session.report_failure(run.run_id, -1, reason)
+            return
+        run.placed = rows
+        report = DataReport(run_id=run.run_id, clients=[
+            ClientSizes(**announce(raw, name).to_dict()) for name, raw in rows.items()])
+        log.info("run %s: %d clients in %s (%s training rows)", run.run_id, len(rows),
+                 run.cfg.data.root, ", ".join(str(c.train) for c in report.clients))
+        self.session.announce_data(run, report)
+
+    def _placed(self, run: RunState) -> FederatedData:
+        """This device's clients' rows, by the folders its assignment names."""
+        assert run.placed is not None
+        missing = [c for c in run.clients if run.folders.get(c) not in run.placed]
+        if missing:
+            raise FedseqError(f"the assignment names client {missing[0]}'s folder "
+                              f"{run.folders.get(missing[0])!r}, which this device did not announce")
+        parts = {c: run.placed[run.folders[c]] for c in run.clients}
+        return placed_data(run.cfg.data, parts, max(run.clients, default=-1) + 1)
 
     def clients(self, run: RunState) -> ClientExecutor:
         """The run's clients of this device, their personal blocks on this device's disk."""
@@ -151,9 +184,11 @@ class StepExecutor:
         clients = self.clients(run)
         shared = self.session.weights(run, step)
         # the stored state even without personal blocks: FedBN's normalization layers are in it
+        placed = run.cfg.data.placement == "device"  # the test rows are here only
         rep = clients.evaluate(shared, step.personal, tuple(step.eval_heads), clients=mine,
-                               with_global=False)
-        self._send_scores(run, step, rep.per_client)
+                               with_global=placed)
+        glob = (rep.global_correct, rep.global_total) if placed else None
+        self._send_scores(run, step, rep.per_client, global_score=glob)
 
     def _finetune(self, run: RunState, step: Step, mine: List[int]) -> None:
         clients = self.clients(run)
@@ -202,10 +237,11 @@ class StepExecutor:
     # -- results ---------------------------------------------------------------------------
     def _send_scores(self, run: RunState, step: Step, results: Dict[int, Tuple[int, int]],
                      energy: Optional[Dict[int, float]] = None,
-                     diverged: Optional[Dict[int, int]] = None) -> None:
+                     diverged: Optional[Dict[int, int]] = None,
+                     global_score: Optional[Tuple[Any, Any]] = None) -> None:
         s = self.session
         msg = EvalResult(run_id=run.run_id, seq=step.seq, device=s.device, results=results,
-                         energy_j=energy, diverged=diverged)
+                         energy_j=energy, diverged=diverged, global_score=global_score)
         s.send("eval", step.seq, lambda: s.link.publish(s.topics.evaluation(s.device), msg))
 
     def _publish_update(self, meta: dict, frame: bytes) -> object:

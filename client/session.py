@@ -33,6 +33,7 @@ from fedseq.common.protocol.messages import (
     PROTOCOL_VERSION,
     Assignment,
     Control,
+    DataReport,
     DeviceInfo,
     DeviceStatus,
     RunConfig,
@@ -77,6 +78,9 @@ class RunState:
     # the state folder before the first async step here: StepExecutor._async)
     answered: Dict[int, int] = field(default_factory=dict)
     answered_read: bool = False
+    # data.placement = "device": folder -> its client's rows, read once per run (None: not yet)
+    placed: Optional[Dict[str, Any]] = None
+    folders: Dict[int, str] = field(default_factory=dict)  # client -> its folder (assignment)
 
 
 def weights_frame_pool(cfg: ExperimentConfig) -> FramePool:
@@ -114,6 +118,7 @@ class DeviceSession:
         # run_id -> block -> (version, tensors)
         self.blocks: Dict[str, Dict[str, Tuple[int, Weights]]] = {}
         self.last_error: Tuple[Optional[str], Optional[int], str] = (None, None, "")
+        self.data_report: Optional[DataReport] = None  # data.placement = "device": what it holds
         self._online_since = 0.0
         # What this device sent for the current step, sent again whenever it or the coordinator
         # reconnects: a message published while the other side was away is otherwise lost, and
@@ -182,7 +187,7 @@ class DeviceSession:
                               error_seq=seq, error_run_id=run_id, since=self._online_since,
                               temp_c=h["temp_c"], throttled=h["throttled"], gpu_load=h["gpu_load"],
                               mem_available_mb=h["mem_available_mb"], energy_source=source,
-                              last_round_j=self.last_round_j)
+                              last_round_j=self.last_round_j, data=self.data_report)
         self.link.publish(self.topics.device_status(self.device), status, retain=True)
 
     def report_failure(self, run_id: str, seq: int, reason: str) -> None:
@@ -403,10 +408,24 @@ class DeviceSession:
             return None
         if a is not None and a.run_id == run.run_id:
             run.clients = sorted(a.clients)  # the latest assignment of this run applies
+            run.folders = dict(zip(a.clients, a.folders))
         verdict = self._verdict(run, step)
         if verdict == "superseded":
             run.done.add(step.seq)
         return (run, step) if verdict == "ready" else None
+
+    def to_read(self) -> Optional[RunState]:
+        """data.placement = "device": the current run, while its clients' folders are not read
+        yet (the worker reads them and announces them: `announce_data`)."""
+        run = self.run
+        if run is None or run.cfg.data.placement != "device" or run.placed is not None:
+            return None
+        return None if self.last_error[:2] == (run.run_id, -1) else run
+
+    def announce_data(self, run: RunState, report: DataReport) -> None:
+        """Worker: the run's clients are read; the coordinator hears what they hold."""
+        self.data_report = report
+        self.announce()
 
     def _verdict(self, run: RunState, step: Step) -> str:
         """ready, waiting (not this run's, done already or idle), blocks (weights still

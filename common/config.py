@@ -133,6 +133,25 @@ class DataConfig(_Section):
         "FedBABU's code normalizes; common/data/catalog.py's CHANNEL_STATS: mnist, fmnist, "
         "cifar10, cifar100, tiny-imagenet)."))
 
+    placement: Literal["shared", "device"] = Field("shared", json_schema_extra=since(9), description=(
+        "Where the rows come from: shared (every process derives the same partition of the "
+        "dataset under the data root: the papers' testbeds) or device (each device reads only "
+        "its own data folder, fedseq-client --data-dir, and announces its clients' sizes; "
+        "`data.num_clients` and the partition keys are then the devices', and fedseq-sim reads "
+        "the devices' folders from --devices-data; docs/tutorials/own-code.md)."))
+    max_rows_per_client: Optional[int] = Field(None, ge=1, json_schema_extra=since(9), description=(
+        "placement = \"device\": a client trains on at most this many of its training rows and "
+        "scores on at most this many test rows (the first ones its reader gives); None: all."))
+    validation: Optional[str] = Field(None, json_schema_extra=COORDINATOR, description=(
+        "placement = \"device\": the coordinator's validation set, a file or folder under "
+        "data.root (unless absolute) in the layout of a client's test part; the global model's "
+        "accuracy on it is each evaluation's global_acc. None: global_acc is not measured, and "
+        "the devices' scores of the global model (federated_acc) are the run's measure."))
+    devices_root: Optional[Path] = Field(None, json_schema_extra=COORDINATOR, description=(
+        "placement = \"device\": the folder holding one data folder per device, "
+        "`<devices_root>/<device>/`, read by fedseq-sim (--devices-data) and given to "
+        "fedseq-server start's --local-clients (local01, local02, ...)."))
+
     @field_validator("dataset")
     @classmethod
     def _catalogued(cls, v: str) -> str:
@@ -149,6 +168,18 @@ class DataConfig(_Section):
                 describe(self.dataset, self.options)
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
+        return self
+
+    @model_validator(mode="after")
+    def _placed(self) -> DataConfig:
+        if self.placement == "shared":
+            for key in ("max_rows_per_client", "validation", "devices_root"):
+                if getattr(self, key) is not None:
+                    raise ValueError(f"data.{key} is for data.placement = \"device\" (each device "
+                                     "reads its own folder); remove it, or set the placement")
+        elif self.fraction < 1.0:
+            raise ValueError("data.fraction subsets a shared dataset; with data.placement = "
+                             "\"device\" cap each client with data.max_rows_per_client instead")
         return self
 
     @model_validator(mode="after")

@@ -26,6 +26,13 @@ class EvalReport:
     global_correct: int | None
     global_total: int | None
     per_client: dict[int, tuple[int, int]]  # client -> (correct, total)
+    #: data.placement = "device": the global model on the clients' own test rows, pooled (the
+    #: devices' scores; global_* is then the validation set's, or None)
+    federated: tuple[int, int] | None = None
+
+    @property
+    def federated_acc(self) -> float | None:
+        return pooled_accuracy([self.federated]) if self.federated is not None else None
 
     @property
     def global_acc(self) -> float | None:
@@ -62,6 +69,20 @@ def _head_logits(feats: torch.Tensor, heads: tuple[str, ...], weights: Weights) 
         out = part if out is None else out + part
     assert out is not None
     return out
+
+
+@torch.inference_mode()
+def score_global(model: BlockModel, data: FederatedData, weights: Weights, rows: torch.Tensor,
+                 batch: int = 128, side: ClientSide | None = None) -> tuple[int, int]:
+    """(correct, total) of the global model on dataset `rows` (data.validation's)."""
+    side = ClientSide() if side is None else side
+    model.eval()
+    set_weights(model, weights)
+    feats = features(model, data.images(rows), batch)
+    pred = side.global_prediction(model, feats)
+    if pred is None:
+        pred = _head_logits(feats, (model.spec.head,), weights).argmax(1)
+    return int((pred == data.y[rows]).sum()), len(rows)
 
 
 @torch.inference_mode()

@@ -32,7 +32,7 @@ def phase_rows(plan: ClientPlan, data: FederatedData, shard: ClientShard) -> lis
             counts = shard.train_class_counts(data.y, data.num_classes)
             out.append(rebalanced_size(counts, plan.rebalance_threshold)[0])
         else:
-            out.append(len(shard.train))
+            out.append(shard.num_train)
     return out
 
 

@@ -164,6 +164,7 @@ PAGES = {
     "explanation/reproducibility.md": "Seeds and reproducibility",
     "how-to/campaigns.md": "Run a campaign",
     "how-to/scale-out.md": "Scale out",
+    "tutorials/own-code.md": "Your own model, data and algorithm",
     "rehearsal.md": "Rehearse a Wi-Fi testbed",
 }
 EPILOG = ("Documentation: the site built from docs/ (install the docs extra, run mkdocs serve, "
@@ -218,6 +219,10 @@ def sim(
     workers_per_gpu: Annotated[int, typer.Option(
         help="With train.device on GPUs: K workers share each GPU (without --workers: K per GPU "
              "of this machine). Workers fill a machine's GPUs in turn, K to a GPU", min=0)] = 0,
+    devices_data: Annotated[Path | None, typer.Option(
+        help="Data on the devices (data.placement = 'device'): DIR/<device>/ holds what that "
+             "device's fedseq-client --data-dir would, one simulated device per folder "
+             f"({page('tutorials/own-code.md')})")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     version: VersionOpt = False,
 ) -> None:
@@ -258,6 +263,9 @@ def sim(
         _finetune_again(finetune_from, set_ or [], out, quiet,
                         config is not None or resume is not None or seeds is not None or overwrite)
         return
+    if devices_data is not None:
+        set_ = [*(set_ or []), 'data.placement="device"',
+                f"data.devices_root={json.dumps(str(devices_data.expanduser().resolve()))}"]
     cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and mode == "new" \
             and (out / "checkpoint.safetensors").exists():

@@ -351,11 +351,12 @@ class Coordinator:
         start = time.perf_counter()
         ft = self.pool.finetune(plan, book.sent(book.global_weights, self.alg.personal_blocks()),
                                 (self.model.spec.head,), book.check_score, self.on_progress)
-        final = EvalReport(last.global_correct, last.global_total, ft.scores)
+        final = EvalReport(last.global_correct, last.global_total, ft.scores, last.federated)
         tuned = sorted(ft.scores)
         rec = RoundRecord(
             round=rounds, phase="finetune",
             global_acc=final.global_acc, personal_acc=final.personal_acc,
+            **({"federated_acc": final.federated_acc} if final.federated else {}),
             local_acc=final.personal_acc,  # the fine-tuned models are the local ones
             clients=tuned,
             finetune_epochs=self.cfg.algorithm.finetune_epochs,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fedseq.common.config import DeployConfig, ExperimentConfig, FleetConfig
+from fedseq.common.data.placed import ClientData
 from fedseq.common.errors import ConfigError
 from fedseq.server.asynchronous import BufferedAsync
 from fedseq.server.broker import EmbeddedBroker, LocalMosquitto, coordinator_login, one_run_login
@@ -24,6 +25,7 @@ from fedseq.server.coordinator import DriverFactory, RunResult
 from fedseq.server.experiment import Experiment
 from fedseq.server.mqtt import MqttPool
 from fedseq.server.mqtt.asynchronous import MqttArrivals
+from fedseq.server.mqtt.pool import restored_roster
 from fedseq.server.processes import die_with_parent, stop_children
 from fedseq.server.records import RoundRecord
 from fedseq.server.rehearsal import Rehearsal
@@ -51,8 +53,10 @@ def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
         env["OMP_NUM_THREADS"] = str(threads)
     procs = []
     for name in local_device_names(n):
+        # data.placement = "device": each local device's own folder under data.devices_root
+        data = cfg.data.devices_root / name if cfg.data.devices_root is not None else cfg.data.root
         cmd = [sys.executable, "-m", "fedseq.client.cli", "--device", name, "--broker", url,
-               "--data-dir", str(cfg.data.root), "--state-dir", str(state_dir / name),
+               "--data-dir", str(data), "--state-dir", str(state_dir / name),
                "--topic-root", cfg.deploy.topic_root, "--torch-device", "cpu",
                "--log-level", "WARNING"]  # their progress is the coordinator's to show
         if threads:
@@ -176,6 +180,7 @@ class MqttTransport:
         self.announce, self.rehearsal = announce, rehearsal
         self.cfg_login = cfg  # the run's login (a rehearsal's own), never written to its config
         self.run_id = ""
+        self.online = False  # the devices were started and awaited
 
     def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
         """The broker (embedded if none is given) and the pool's connection, before minutes of
@@ -204,9 +209,27 @@ class MqttTransport:
         self.pool = stack.enter_context(MqttPool(
             cfg, self.url, self.run_id, *coordinator_login(self.cfg_login.deploy)))
 
-    def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
-                  ) -> MqttPool:
-        """The local devices started, and the fleet's devices online."""
+    def announced(self, ckpt: Checkpoint | None) -> list[ClientData]:
+        """data.placement = "device": the devices online, then the clients they announce (a
+        resumed run: its checkpoint's, the devices coming online in `open_pool`)."""
+        if ckpt is not None:
+            found = restored_roster(ckpt.pool)
+        else:
+            self._devices_online(None)
+            found = self.pool.gather_clients(self.cfg.deploy.wait_devices_s)
+            self.announce(f"run {self.run_id}: {len(found)} clients on {len(self.pool.devices)} "
+                          f"devices ({', '.join(self.pool.devices)})")
+        cfg = self.cfg.model_copy(update={"data": self.cfg.data.model_copy(
+            update={"num_clients": len(found)})})
+        self.cfg = self.pool.cfg = cfg
+        self.pool.roster = found
+        return [c for _, c in found]
+
+    def _devices_online(self, ckpt: Checkpoint | None) -> None:
+        """The local devices started, and the fleet's devices online (once)."""
+        if self.online:
+            return
+        self.online = True
         if self.local_clients:
             assert self.state is not None and self.url is not None
             self.children += spawn_local_clients(self.local_clients, self.url, self.cfg_login,
@@ -217,6 +240,11 @@ class MqttTransport:
                                              self.cfg.deploy.wait_devices_s)
         self.announce(f"run {self.run_id}: {len(devices)} devices ({', '.join(devices)})"
                       + (f", resumed at round {ckpt.next_round}" if ckpt else ""))
+
+    def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
+                  ) -> MqttPool:
+        """The local devices started, and the fleet's devices online."""
+        self._devices_online(ckpt)
         return self.pool
 
     def info(self) -> dict[str, Any]:

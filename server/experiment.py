@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from fedseq.common.algorithms import Algorithm, make_algorithm, run_model, run_model_spec
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.data.federated import FederatedData, load_federated
+from fedseq.common.data.federated import FederatedData, announced_data, load_federated
+from fedseq.common.data.placed import ClientData, read_validation
 from fedseq.common.models import BlockModel
 
 
@@ -21,13 +22,19 @@ class Experiment:
     algorithm: Algorithm
 
 
-def load_experiment(cfg: ExperimentConfig, test_images_only: bool = False) -> Experiment:
+def load_experiment(cfg: ExperimentConfig, test_images_only: bool = False,
+                    announced: list[ClientData] | None = None) -> Experiment:
     """Load and partition the dataset, build the model and the algorithm. `test_images_only`:
     the coordinator of a deployment needs the test rows' images (its global evaluation) and the
-    partition's sizes, never a training image."""
+    partition's sizes, never a training image. `announced` (data.placement = "device" on a
+    fleet): the clients as their devices announced them, in client-id order; the coordinator
+    then holds data.validation's rows and nothing else."""
     # the algorithm first: its checks against the model's blocks fail before the data loads
     algorithm = make_algorithm(cfg, run_model_spec(cfg))
-    data = load_federated(cfg.data, cfg.seed_for("data"), test_images_only=test_images_only)
+    if announced is not None:
+        data = announced_data(cfg.data, announced, read_validation(cfg.data))
+    else:
+        data = load_federated(cfg.data, cfg.seed_for("data"), test_images_only=test_images_only)
     model = run_model(cfg, data.input_shape, data.num_classes)
     assert model.spec == algorithm.spec
     return Experiment(data, model, algorithm)

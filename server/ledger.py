@@ -31,7 +31,7 @@ from fedseq.common.codecs import Codec, encode, expected
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
 from fedseq.common.errors import AggregationError
-from fedseq.common.evaluation import EvalReport, evaluate, pooled_accuracy
+from fedseq.common.evaluation import EvalReport, evaluate, pooled_accuracy, score_global
 from fedseq.common.flops import FlopCache, plan_flops, plan_steps
 from fedseq.common.models import BlockModel, Weights, block_of, count_params, get_blocks, in_blocks
 from fedseq.common.protocol.tensors import frame_size
@@ -134,7 +134,7 @@ class Ledger:
         self.pool = pool
         self.collect_threads = collect_threads
         self.global_weights = get_blocks(model, model.spec.blocks)
-        algorithm.prepare([len(c.train) for c in data.clients])
+        algorithm.prepare([c.num_train for c in data.clients])
         #: [privacy]: the clip norm of the next round (adaptive clipping moves it)
         self.clip = cfg.privacy.clip_norm
         #: [privacy]: the seed of the coordinator's noise (the updates' sum and adaptive
@@ -308,7 +308,7 @@ class Ledger:
             layout = layout_of(offered)
             # DP-FedAvg's sum weighs every update 1 (NoisedSum); else the largest sample count
             heaviest = 1 if isinstance(inner, NoisedSum) else max(
-                1, *(len(self.data.clients[c].train) for c in clients))
+                1, *(self.data.clients[c].num_train for c in clients))
             # a pool of devices (MQTT) masks there; others play the clients' side here
             local = not getattr(self.pool, "masks_on_devices", False)
             return RoundUpdates(SecureSum(inner, round_setup(self.cfg, t, clients, layout,
@@ -376,12 +376,28 @@ class Ledger:
         got = self.pool.evaluate(self.sent(self.global_weights, self.alg.personal_blocks()),
                                  self.alg.eval_heads(), self.check_score)
         report = got.report
+        if self.cfg.data.placement == "device":
+            return self.placed_scores(report), got.wire
         if report.global_total is None or self.down.name != "none":  # the master's score
             glob = evaluate(self.model, self.data, self.global_weights, {}, (self.model.spec.head,),
                             batch=self.cfg.train.eval_batch_size,
                             side=self.alg.client_side(self.alg.client_params()))
             report = EvalReport(glob.global_correct, glob.global_total, report.per_client)
         return report, got.wire
+
+    def placed_scores(self, report: EvalReport) -> EvalReport:
+        """data.placement = "device": what the pool scored of the global model on the clients'
+        test rows is the federated score; the global score is data.validation's, measured
+        here (None without one)."""
+        federated = None
+        if report.global_total is not None:
+            federated = (int(report.global_correct or 0), report.global_total)
+        glob: tuple[int | None, int | None] = (None, None)
+        if self.data.validation is not None:
+            glob = score_global(self.model, self.data, self.global_weights, self.data.validation,
+                                self.cfg.train.eval_batch_size,
+                                self.alg.client_side(self.alg.client_params()))
+        return EvalReport(*glob, report.per_client, federated)
 
     def evaluate_if_due(self, t: int) -> tuple[int, int] | None:
         """Evaluate after round t when it is due (train.eval_every, and the last round): the
@@ -403,7 +419,7 @@ class Ledger:
         p = self.cfg.privacy
         if p.record_level:
             return record_epsilon(self.cfg, self.record_steps,
-                                  {c.client: len(c.train) for c in self.data.clients})
+                                  {c.client: c.num_train for c in self.data.clients})
         return (epsilon(sampling_rate(self.cfg), p.noise_multiplier, rounds, p.delta)
                 if p.enabled else None)
 
@@ -422,7 +438,7 @@ class Ledger:
                                                                  self.data.clients[c])
                      for c in clients}
             reached = record_epsilon(self.cfg, steps,
-                                     {c: len(self.data.clients[c].train) for c in clients})
+                                     {c: self.data.clients[c].num_train for c in clients})
             self._budget = {t: reached if reached > p.target_epsilon else None}
         return self._budget[t]
 
@@ -447,6 +463,7 @@ class Ledger:
             personal_acc=report.personal_acc if report else None,
             local_acc=self.local_acc(report) if report else None,
             round_local_acc=pooled_accuracy(got.local_scores.values()) if counted else None,
+            **({"federated_acc": report.federated_acc} if report and report.federated else {}),
             clients=clients,
             reported=got.reported if counted else [],
             status="ok" if counted and got.reported else "failed",

@@ -86,6 +86,8 @@ class FinetuneOutcome:
     scores: Scores
     diverged: dict[int, int] = field(default_factory=dict)
     energy: dict[int, float] | None = None
+    #: data.placement = "device", evaluate: device -> the global model on its clients' test rows
+    global_scores: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class TrainRound:

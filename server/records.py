@@ -147,8 +147,13 @@ class RoundRecord(_Record):
     v: int = VERSION
     round: int
     phase: Literal["train", "finetune"]
-    #: the global model on every client's test rows
+    #: the global model on every client's test rows (data.placement = "device": on
+    #: data.validation, None without one)
     global_acc: float | None = None
+    #: data.placement = "device": the global model on the clients' own test rows, scored where
+    #: they are (the devices) and pooled; rows of a shared placement have none (the report:
+    #: its best)
+    federated_acc: float | None = Field(None, json_schema_extra=summary("max"))
     #: every client's personalized model on its own test rows
     personal_acc: float | None = None
     #: FedReG's testbed accuracy: every client's most recent locally trained model

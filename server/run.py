@@ -7,6 +7,8 @@ one ExitStack, so whatever a step opened is closed in reverse, on success, error
 
     ckpt   = the run directory's checkpoint              (mode "resume")
     transport.connect(stack, ckpt)                       a broker, before minutes of data loading
+    transport.announced(ckpt)                            data.placement = "device" on a fleet:
+                                                         the clients its devices hold
     exp    = load_experiment(cfg)                        test images only where clients train
                                                          elsewhere (`remote`)
     pool   = transport.open_pool(stack, exp, ckpt)       a ClientPool, closed by the stack
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.placed import ClientData
 from fedseq.server.checkpoint import Checkpoint, load_checkpoint
 from fedseq.server.coordinator import Coordinator, DriverFactory, RunResult
 from fedseq.server.experiment import Experiment, load_experiment
@@ -45,6 +48,12 @@ class Transport(Protocol):
 
     def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
         """Before the experiment loads: what can fail fast (a broker's address or password)."""
+        ...
+
+    def announced(self, ckpt: Checkpoint | None) -> list[ClientData] | None:
+        """data.placement = "device": the clients its devices announced, in client-id order
+        (a resumed run's, from its checkpoint); None where the clients' rows are read in this
+        machine's processes (a simulation reads --devices-data)."""
         ...
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
@@ -79,7 +88,11 @@ def run_experiment(
     ckpt = load_checkpoint(out) if mode == "resume" and out is not None else None
     with contextlib.ExitStack() as stack:
         transport.connect(stack, ckpt)
-        exp = load_experiment(cfg, test_images_only=transport.remote)
+        announced = transport.announced(ckpt) if cfg.data.placement == "device" else None
+        if announced is not None:  # the run has the clients its devices hold
+            cfg = cfg.model_copy(update={"data": cfg.data.model_copy(
+                update={"num_clients": len(announced)})})
+        exp = load_experiment(cfg, test_images_only=transport.remote, announced=announced)
         pool = transport.open_pool(stack, exp, ckpt)
         run_dir = None
         if out is not None:

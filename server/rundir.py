@@ -201,7 +201,7 @@ class RunDir:
             for shard in data.clients:
                 correct, total = scores.get(shard.client, (0, 0))
                 classes = shard.train_class_counts(data.y, data.num_classes).count_nonzero()
-                w.writerow((shard.client, len(shard.train), len(shard.test), correct, total,
+                w.writerow((shard.client, shard.num_train, shard.num_test, correct, total,
                             round(correct / total, 6) if total else "", int(classes)))
         atomic_write(self.path / "model.safetensors", encode_tensors(weights, {
             "algorithm": cfg.algorithm.name, "rounds": str(cfg.rounds), "seed": str(cfg.seed)}))

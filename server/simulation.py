@@ -80,6 +80,7 @@ def run_simulation(
     round. `driver`: the run's driver (run_experiment; default: by train.mode)."""
     from fedseq.server.distributed import under_torchrun
 
+    cfg = placed_clients(cfg)
     if cfg.train.over_select != 1.0 and not cfg.fleet:
         raise ConfigError("train.over_select in fedseq-sim needs a [fleet]: its devices' paces "
                           "say which clients arrive first; e.g. --set "
@@ -97,6 +98,17 @@ def run_simulation(
         transport = InProcess(cfg)
     return run_experiment(cfg, out, transport, mode, info, on_round, on_progress, pause_after,
                           driver)
+
+
+def placed_clients(cfg: ExperimentConfig) -> ExperimentConfig:
+    """data.placement = "device": the run has as many clients as the simulated devices' folders
+    hold (--devices-data); otherwise `cfg` as it is."""
+    if cfg.data.placement != "device":
+        return cfg
+    from fedseq.common.data.placed import simulated_clients
+
+    n = len(simulated_clients(cfg.data))
+    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_clients": n})})
 
 
 def _noise_seed(src: Path) -> int | None:
@@ -171,6 +183,9 @@ class InProcess:
         program or test that runs a simulation keeps its own count)."""
         stack.callback(torch.set_num_threads, self.before)
 
+    def announced(self, ckpt: Checkpoint | None) -> None:
+        """The clients' rows are read here (--devices-data): nothing is announced."""
+
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> InProcessPool:
         return stack.enter_context(InProcessPool(
@@ -214,6 +229,9 @@ class Workers:
     def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
         """The group starts once the experiment is loaded (open_pool)."""
 
+    def announced(self, ckpt: Checkpoint | None) -> None:
+        """The workers read the clients' rows (--devices-data): nothing is announced."""
+
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> DistributedPool:
         import torch.distributed as dist
@@ -230,7 +248,7 @@ class Workers:
                               workers_per_gpu=self.per_gpu or None)
         # after a finished run the pool tells the workers to stop, then the group ends
         return stack.enter_context(DistributedPool(
-            {c.client: (len(c.train), len(c.test)) for c in exp.data.clients}, exp.model,
+            {c.client: (c.num_train, c.num_test) for c in exp.data.clients}, exp.model,
             exp.algorithm.personal_blocks(), self.cfg.seed_for("training"),
             self.cfg.train.eval_batch_size))
 

@@ -214,14 +214,14 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
     [privacy]'s bound on a decoded update's L2 norm (None: none)."""
     reference = {k: v for k, v in global_weights.items()
                  if block_of(k) in upload and k not in personal_keys}
-    samples = {c: len(data.clients[c].train) for c in selected}
+    samples = {c: data.clients[c].num_train for c in selected}
     effective = None
     if rebalance_threshold is not None:
         effective = {}
         for c in selected:
             counts = data.clients[c].train_class_counts(data.y, data.num_classes)
             effective[c] = rebalanced_size(counts, rebalance_threshold)[1]
-    tests = {c: len(data.clients[c].test) for c in selected}
+    tests = {c: data.clients[c].num_test for c in selected}
     bounds = {} if bound_of is None else {
         k: b for k in reference if (b := bound_of(k, max_abs_delta)) != max_abs_delta}
     return RoundContract(round, frozenset(selected), reference, samples, effective, max_abs_delta,
@@ -233,7 +233,7 @@ def score_problem(data: FederatedData, client: int, correct: int, total: int) ->
     and its total its exact test-set size."""
     if not 0 <= client < len(data.clients):
         return f"client {client} does not exist"
-    expected = len(data.clients[client].test)
+    expected = data.clients[client].num_test
     if total != expected or not 0 <= correct <= total:
         return f"client {client}: {correct}/{total} correct, its test set has {expected} rows"
     return None

@@ -357,3 +357,42 @@ def connack(host: str, port: int, user: str | None = None, password: str | None 
     c.loop_stop()
     c.disconnect()
     return codes[0] if codes else -1
+
+
+# -- data.placement = "device" (tests/server/test_device_data.py, tests/deploy) --------------------
+
+DEVICES = {"local01": ["."], "local02": ["cam-a", "cam-b"]}
+
+
+def fmnist_devices(root: Path, devices=DEVICES, rows=160) -> Path:
+    """Each device's folder with npz clients of real Fashion-MNIST rows (disjoint), and a
+    validation file beside them."""
+    import numpy as np
+
+    from fedseq.common.data.readers import read_dataset
+    from fedseq.common.data.store import default_data_root
+
+    raw = read_dataset(default_data_root(), "fmnist")
+    order = np.random.default_rng(0).permutation(len(raw.labels))
+    at = 0
+    for device, folders in devices.items():
+        for name in folders:
+            folder = root / device if name == "." else root / device / name
+            folder.mkdir(parents=True)
+            for part, n in (("train", rows), ("test", rows // 4)):
+                idx = order[at: at + n]
+                at += n
+                np.savez(folder / f"{part}.npz", x=raw.images[idx], y=raw.labels[idx])
+    val = order[at: at + 300]
+    np.savez(root / "validation.npz", x=raw.images[val], y=raw.labels[val])
+    return root
+
+
+def placed_config(root: Path, *more):
+    from fedseq.common.config import load_config
+
+    return load_config(None, [
+        'data.placement="device"', 'data.dataset="npz"', "data.options.shape=[1,28,28]",
+        "data.options.classes=10", f"data.devices_root={str(root)!r}",
+        f"data.validation={str(root / 'validation.npz')!r}", "algorithm.name=fedavg", "rounds=2",
+        "train.join_ratio=1.0", "train.local_epochs=1", "deploy.port=0", *more])

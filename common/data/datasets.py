@@ -39,6 +39,12 @@ class Dataset:
         `root`; with `rows`, only those images are materialized (labels: all)."""
         raise NotImplementedError
 
+    def load_part(self, path: Path, options: Dict[str, Any]) -> RawDataset:
+        """Every row of one part of a client's data on a device (data.placement = "device";
+        common/data/placed.py): the file or folder `path`, e.g. `<client>/train`. By default
+        the dataset's `load` with `path` as its root."""
+        return self.load(path, options)
+
 
 class CatalogDataset(Dataset):
     """One dataset of the catalog, read by common/data/readers.py."""

@@ -31,8 +31,22 @@ class ClientShard:
     client: int
     train: torch.Tensor
     test: torch.Tensor
+    #: data.placement = "device" on the coordinator: the (train, test) rows and the training
+    #: rows per class its device announced, none of them held here (train, test: empty)
+    announced: tuple[int, int] | None = None
+    counts: torch.Tensor | None = None
+
+    @property
+    def num_train(self) -> int:
+        return self.announced[0] if self.announced is not None else len(self.train)
+
+    @property
+    def num_test(self) -> int:
+        return self.announced[1] if self.announced is not None else len(self.test)
 
     def train_class_counts(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+        if self.counts is not None:
+            return self.counts
         return torch.bincount(labels[self.train], minlength=num_classes)
 
 
@@ -51,6 +65,9 @@ class FederatedData:
     # data.normalize = "channel": each channel's (mean, std) in [0, 1] pixel units; None: the
     # [-1, 1] scaling
     channel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    #: data.validation's rows (data.placement = "device"): the global model's score; None: the
+    #: union of the clients' test rows is
+    validation: torch.Tensor | None = None
 
     @functools.cached_property
     def _pixel_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,6 +141,50 @@ def client_indices(labels: np.ndarray, cfg: DataConfig, seed: int) -> list[np.nd
     return iid_partition(len(labels), cfg.num_clients, seed)
 
 
+def placed_data(cfg: DataConfig, parts: dict[int, RawDataset], num_clients: int,
+                validation: RawDataset | None = None, shape: tuple[int, int, int] | None = None
+                ) -> FederatedData:
+    """data.placement = "device": the rows of the clients in `parts` (client -> its train then
+    test rows), each client's rows together, in client order, then the validation rows; every
+    other client of the run's `num_clients` holds none here."""
+    from fedseq.common.data.datasets import describe
+
+    held = [parts[c] for c in sorted(parts)] + ([validation] if validation is not None else [])
+    in_shape, num_classes = describe(cfg.dataset, cfg.options)
+    images = [r.images for r in held if len(r.labels)]
+    x = np.concatenate(images) if images else np.empty((0, *(shape or in_shape)), np.uint8)
+    y = np.concatenate([r.labels for r in held]) if held else np.empty(0, np.int64)
+    shards, at = [], 0
+    empty = torch.empty(0, dtype=torch.int64)
+    for c in range(num_clients):
+        r = parts.get(c)
+        if r is None:
+            shards.append(ClientShard(c, empty, empty))
+            continue
+        n = len(r.labels)
+        shards.append(ClientShard(c, torch.arange(at, at + r.num_train),
+                                  torch.arange(at + r.num_train, at + n)))
+        at += n
+    rows = None if validation is None else torch.arange(at, at + len(validation.labels))
+    stats = CHANNEL_STATS[cfg.dataset] if cfg.normalize == "channel" else None
+    return FederatedData(_images_tensor(x), torch.from_numpy(y.astype(np.int64)), num_classes,
+                         tuple(shards), channel_stats=stats, validation=rows)
+
+
+def announced_data(cfg: DataConfig, clients: list, validation: RawDataset | None
+                   ) -> FederatedData:
+    """The coordinator's view of data.placement = "device": every client's announced sizes and
+    class counts (`clients`: ClientData in client-id order, common/data/placed.py) and the
+    validation rows, the only rows it holds."""
+    data = placed_data(cfg, {}, 0, validation)
+    empty = torch.empty(0, dtype=torch.int64)
+    shards = tuple(ClientShard(i, empty, empty, (c.train, c.test),
+                               torch.tensor(c.counts, dtype=torch.int64))
+                   for i, c in enumerate(clients))
+    return FederatedData(data.x, data.y, data.num_classes, shards,
+                         channel_stats=data.channel_stats, validation=data.validation)
+
+
 def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None,
                    test_images_only: bool = False) -> FederatedData:
     """Read the dataset files and split them over the clients; pure function of (cfg, seed).
@@ -132,6 +193,10 @@ def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None,
     (a device); `test_images_only`: keep only the test rows' images (the coordinator, whose global
     evaluation reads nothing else). Rows not kept are never materialized: the files are read one
     at a time and only the wanted rows copied out."""
+    if cfg.placement == "device":
+        from fedseq.common.data.placed import simulated_data
+
+        return simulated_data(cfg, only)
     lean = only is not None or test_images_only
     # lean: labels first (small); images after the partition says which rows are needed
     raw = _read(cfg, rows=np.empty(0, np.int64) if lean else None)

@@ -36,7 +36,9 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".we
 class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    path: str = Field(description="The file or folder, relative to the data root unless absolute.")
+    path: str = Field(".", description=(
+        "The file or folder, relative to the data root unless absolute (data.placement = "
+        "\"device\" reads each client's train and test parts instead)."))
     classes: Union[int, List[str]] = Field(description=(
         "The classes: their names in label order (image folder names, CSV label values), or "
         "for npz their number (labels 0..n-1)."))
@@ -127,6 +129,10 @@ class NpzDataset(Dataset):
         o = _options(NpzOptions, "npz", options)
         return _raw([self._read(f, o) for f in _parts(o.where(root), ".npz")], o.num_classes, rows)
 
+    def load_part(self, path: Path, options: Dict[str, Any]) -> RawDataset:
+        o = _options(NpzOptions, "npz", options)
+        return _raw([self._read(path, o)], o.num_classes, None)
+
     @staticmethod
     def _read(path: Path, o: NpzOptions) -> Tuple[np.ndarray, np.ndarray]:
         try:
@@ -159,6 +165,10 @@ class CsvDataset(Dataset):
              ) -> RawDataset:
         o = _options(CsvOptions, "csv", options)
         return _raw([self._read(f, o) for f in _parts(o.where(root), ".csv")], o.num_classes, rows)
+
+    def load_part(self, path: Path, options: Dict[str, Any]) -> RawDataset:
+        o = _options(CsvOptions, "csv", options)
+        return _raw([self._read(path, o)], o.num_classes, None)
 
     @staticmethod
     def _read(path: Path, o: CsvOptions) -> Tuple[np.ndarray, np.ndarray]:
@@ -212,6 +222,10 @@ class ImageFolderDataset(Dataset):
              ) -> RawDataset:
         o = _options(ImageFolderOptions, "imagefolder", options)
         return _raw([decoded_folder(f, o) for f in _parts(o.where(root), "")], o.num_classes, rows)
+
+    def load_part(self, path: Path, options: Dict[str, Any]) -> RawDataset:
+        o = _options(ImageFolderOptions, "imagefolder", options)
+        return _raw([decoded_folder(path, o)], o.num_classes, None)
 
 
 def _labels_in_range(path: Path, y: np.ndarray, classes: int) -> None:

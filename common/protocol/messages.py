@@ -87,6 +87,25 @@ class ServerStatus(Message):
     broker: Optional[str] = Field(None, description="The broker URL the coordinator connected to.")
 
 
+class ClientSizes(BaseModel):
+    """data.placement = "device": one client a device holds, as it announces it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    folder: str = Field(max_length=64, description=(
+        "Its folder in the device's data folder (\".\": the data folder is one client)."))
+    train: int = Field(ge=0, description="Its training rows (at most data.max_rows_per_client).")
+    test: int = Field(ge=0, description="Its test rows (at most data.max_rows_per_client).")
+    counts: List[int] = Field(max_length=100_000, description="Its training rows per class.")
+
+
+class DataReport(Message):
+    """data.placement = "device": the clients a device holds for a run (in its status)."""
+
+    run_id: str = Field(max_length=100)
+    clients: List[ClientSizes] = Field(max_length=10_000)
+
+
 class DeviceStatus(Message):
     """A device's presence and health (retained; its last will says offline)."""
 
@@ -115,6 +134,9 @@ class DeviceStatus(Message):
     energy_source: Optional[str] = Field(None, max_length=200, description=(
         "The power source its energy figures come from, or why there is none."))
     last_round_j: Optional[float] = Field(None, description="The energy of its last client-round.")
+    data: Optional[DataReport] = Field(None, description=(
+        "data.placement = \"device\": the run's clients in this device's data folder, which the "
+        "coordinator numbers (devices by name, then folders) and assigns back."))
 
 
 class DeviceInfo(Message):
@@ -154,6 +176,9 @@ class Assignment(Message):
     run_id: str
     device: str
     clients: List[int] = Field(description="The logical clients this device hosts in the run.")
+    folders: List[str] = Field(default_factory=list, description=(
+        "data.placement = \"device\": each client's folder in the device's data folder (as "
+        "its status announced them), in the order of `clients`."))
 
 
 class Step(Message):
@@ -200,6 +225,9 @@ class EvalResult(Message):
     diverged: Optional[Dict[int, int]] = Field(None, description=(
         "Fine-tuning: clients whose loss went NaN or Inf -> the batch (from 1) where it stopped; "
         "their scores are their diverged models'."))
+    global_score: Optional[Tuple[int, int]] = Field(None, description=(
+        "data.placement = \"device\", evaluate: the global model on these clients' test rows "
+        "together, (correct, total)."))
 
 
 class Control(Message):

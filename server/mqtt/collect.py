@@ -347,6 +347,9 @@ def collect_scores(session: ServerSession, seq: int, assignment: dict[str, list[
                     progress(sum(partial.values()) + len(out.scores), total)
                     continue
                 out.scores.update({c: (int(r[0]), int(r[1])) for c, r in res.results.items()})
+                if res.global_score is not None:
+                    out.global_scores[res.device] = (int(res.global_score[0]),
+                                                     int(res.global_score[1]))
                 joules = {c: j for c, j in (res.energy_j or {}).items()
                           if c in res.results and plausible(j, 0.0, 1e7) is not None}
                 if plausible_joules(  # informational: only plausible figures, own clients
@@ -367,6 +370,11 @@ def _score_problem(res: EvalResult, assignment: dict[str, list[int]], check: Sco
                    ) -> str | None:
     """Only the device's own clients, each with a score the round loop accepts."""
     mine = set(assignment.get(res.device, []))
+    if res.global_score is not None:  # the global model on the same test rows, together
+        correct, total = res.global_score
+        if total != sum(t for _, t in res.results.values()) or not 0 <= correct <= total:
+            return (f"a global score {correct}/{total}, but its clients' scores have "
+                    f"{sum(t for _, t in res.results.values())} test rows")
     for c, (correct, total) in res.results.items():
         if c not in mine:
             return f"client {c} is not assigned to {res.device}"

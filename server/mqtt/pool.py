@@ -7,6 +7,7 @@ Per step it publishes the blocks that changed (retained, versioned, chunked), th
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,8 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.codecs import decode, expected
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.errors import ConfigError
+from fedseq.common.data.placed import ClientData, announcement_problem, roster
+from fedseq.common.errors import ConfigError, TransportError
 from fedseq.common.evaluation import EvalReport
 from fedseq.common.files import HOW_TO_MAKE_A_SECRET, read_private_secret
 from fedseq.common.models import Weights, block_of, in_blocks
@@ -84,6 +86,12 @@ def guard_password(path: Path | None) -> str:
                                "it can be guessed, and its login administers the broker")
 
 
+def restored_roster(state: PoolState | None) -> list[tuple[str, ClientData]]:
+    """The clients a data.placement = "device" run numbered, from its checkpoint's pool state."""
+    s = (state.state if state is not None else None) or {}
+    return [(str(d), ClientData.from_dict(c)) for d, c in s.get("roster", [])]
+
+
 class MqttPool:
     """The logical clients hosted by the devices online on one broker.
 
@@ -116,6 +124,8 @@ class MqttPool:
         self.session.republish_blocks_with(self.blocks.republish)
         self.deadlines = DeadlinePolicy(cfg.deploy)
         self.devices: list[str] = []
+        #: data.placement = "device": (device, its client) in client-id order
+        self.roster: list[tuple[str, ClientData]] = []
         self.assignment: dict[str, list[int]] = {}
         self.owner: dict[int, str] = {}
         self.seq = 0
@@ -150,11 +160,55 @@ class MqttPool:
         self.devices = self.session.wait_for_devices(minimum, timeout)
         return self.devices
 
+    def gather_clients(self, timeout: float) -> list[tuple[str, ClientData]]:
+        """data.placement = "device": publish the run config, then wait (at most `timeout` s)
+        until every online device has announced the clients in its data folder or said why it
+        cannot follow the run; the clients are numbered by device name, then folder name. A
+        device that said nothing, or announced what cannot be true, is left out, in one line."""
+        rc = RunConfig(run_id=self.run_id, config=self.cfg.for_devices())
+        self.session.retain(self.topics.run_config, rc.encode())
+        online, refused = self.session.online, self.session.incompatible
+
+        def told(d: str) -> bool:
+            report = online[d].data if d in online else None
+            return d in refused or (report is not None and report.run_id == self.run_id)
+
+        deadline = time.monotonic() + timeout
+        while any(not told(d) for d in online) and time.monotonic() < deadline:
+            self.session.set_aside(self.session.drain(0.5))
+        found: dict[str, list[ClientData]] = {}
+        for d in sorted(online):
+            if d in refused:
+                log.warning("%s", refused[d])
+            elif not told(d):
+                log.warning("%s announced no clients within %.0f s (deploy.wait_devices_s): it "
+                            "takes no part in run %s", d, timeout, self.run_id)
+            else:
+                report = online[d].data
+                assert report is not None
+                clients = [ClientData(c.folder, c.train, c.test, tuple(c.counts))
+                           for c in report.clients]
+                why = announcement_problem(self.cfg.data, clients)
+                if why is None:
+                    found[d] = clients
+                else:
+                    log.warning("%s cannot follow run %s: %s", d, self.run_id, printable(why, 300))
+        if not found:
+            raise TransportError(f"no device announced clients for run {self.run_id} (data."
+                                 "placement = \"device\": each reads its fedseq-client --data-dir; "
+                                 "the lines above say why)")
+        self.roster = roster(found)
+        self.devices = sorted(found)
+        return self.roster
+
     def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
         """Publish the run config, the assignment and the current version of every block."""
         self.personal = personal
         resumed = bool(self.assignment)
-        if not resumed:
+        if not resumed and self.roster:  # data.placement = "device": where each client is
+            self.assignment = {d: [c for c, (dd, _) in enumerate(self.roster) if dd == d]
+                               for d in self.devices}
+        elif not resumed:
             self.assignment = assign_clients(self.devices, self.cfg.data.num_clients)
         self.owner = {c: d for d, cs in self.assignment.items() for c in cs}
         warn_other_versions({d: self.session.online[d] for d in self.devices
@@ -177,15 +231,19 @@ class MqttPool:
         rc = RunConfig(run_id=self.run_id, config=self.cfg.for_devices())
         self.session.retain(self.topics.run_config, rc.encode())
         for d, clients in self.assignment.items():
-            self.session.retain(self.topics.assignment(d),
-                                Assignment(run_id=self.run_id, device=d, clients=clients).encode())
+            folders = [self.roster[c][1].folder for c in clients] if self.roster else []
+            self.session.retain(self.topics.assignment(d), Assignment(
+                run_id=self.run_id, device=d, clients=clients, folders=folders).encode())
         self.blocks.sync(weights, force=resumed)
         log.info("run %s: %d devices, %d clients each at most", self.run_id, len(self.devices),
                  per_device - 1)
 
     def snapshot(self) -> PoolState:
-        return PoolState({"run_id": self.run_id, "seq": self.seq, "assignment": self.assignment,
-                          "published": self.blocks.state()})
+        state = {"run_id": self.run_id, "seq": self.seq, "assignment": self.assignment,
+                 "published": self.blocks.state()}
+        if self.roster:
+            state["roster"] = [[d, c.to_dict()] for d, c in self.roster]
+        return PoolState(state)
 
     def restore(self, state: PoolState) -> None:
         """A resumed run: the same assignment as before. Step numbers and block versions jump
@@ -195,6 +253,7 @@ class MqttPool:
         s = state.state or {}
         self.seq = int(s["seq"]) + RESUME_GAP
         self.assignment = {d: list(cs) for d, cs in s["assignment"].items()}
+        self.roster = restored_roster(state)
         self.blocks.restore(s["published"], RESUME_GAP)
 
     def close(self, abort: str | None = None) -> None:
@@ -331,7 +390,11 @@ class MqttPool:
                                   personal=list(self.personal))
         scores = collect_scores(self.session, step.seq, self.assignment, check,
                                 self.cfg.deploy.eval_timeout_s, lambda done, total: None)
-        return EvalOutcome(EvalReport(None, None, scores.scores), self.session.wire_bytes())
+        glob: tuple[int | None, int | None] = (None, None)
+        if self.roster:  # the devices scored the global model on their clients' test rows
+            g = scores.global_scores.values()
+            glob = (sum(c for c, _ in g), sum(t for _, t in g)) if g else (None, None)
+        return EvalOutcome(EvalReport(*glob, scores.scores), self.session.wire_bytes())
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
                  check: ScoreCheck, progress: Progress) -> FinetuneOutcome:

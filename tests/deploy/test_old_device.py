@@ -99,3 +99,29 @@ def test_old_stack_device_completes_rounds(algorithm, data_root, tmp_path, mosqu
     stacks = json.loads((tmp_path / "run" / "devices.json").read_text())
     assert {v[-1]["torch"].split("+")[0] for v in stacks.values()} == {"1.12.1"}
     assert all(v[-1]["python"].startswith("3.8.") for v in stacks.values())
+
+
+@pytest.mark.slow("Python 3.8 / torch 1.12 daemons read their own folders and join rounds: ~6 s")
+def test_old_stack_devices_train_on_their_own_folders(tmp_path, mosquitto, one_thread):
+    """data.placement = "device" on Mosquitto with the project's ACL: each old-stack daemon reads
+    only its --data-dir and announces its clients in its status; every update passes the round
+    contract's announced sizes, close to fedseq-sim --devices-data of the same folders."""
+    from conftest import fmnist_devices, placed_config
+    from fedseq.server.deployment import run_deployment
+
+    port, home, _ = mosquitto
+    root = fmnist_devices(tmp_path / "devices")
+    devices = [_old_device(n, port, home, root / n) for n in ("local01", "local02")]
+    cfg = placed_config(root, "deploy.username=coordinator", "deploy.min_devices=2",
+                        f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+    try:
+        dep = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=lambda m: None)
+    finally:
+        stop_children(devices)
+    sim = run_simulation(cfg, None)
+    for d, s in zip(dep.rows, sim.rows, strict=True):
+        assert d["reported"] == s["reported"] == [0, 1, 2]
+        assert abs(d["federated_acc"] - s["federated_acc"]) <= 0.03
+    assert {v[-1]["torch"].split("+")[0] for v in json.loads(
+        (tmp_path / "run" / "devices.json").read_text()).values()} == {"1.12.1"}

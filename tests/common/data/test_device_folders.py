@@ -1,0 +1,141 @@
+"""Data on the devices (common/data/placed.py): a device's folder layouts, what it announces,
+and what the coordinator refuses of an announcement."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedseq.common.config import load_config
+from fedseq.common.data.federated import announced_data, placed_data
+from fedseq.common.data.placed import (
+    ClientData,
+    announce,
+    announcement_problem,
+    client_folders,
+    device_folders,
+    read_client,
+    roster,
+)
+from fedseq.common.errors import ConfigError, DatasetError
+
+
+def npz_client(folder, n_train, n_test, seed=0, classes=3):
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for part, n in (("train", n_train), ("test", n_test)):
+        if n:
+            np.savez(folder / f"{part}.npz", x=rng.integers(0, 255, (n, 1, 4, 4), dtype=np.uint8),
+                     y=rng.integers(0, classes, n))
+
+
+def data_cfg(*more):
+    return load_config(None, ['data.placement="device"', 'data.dataset="npz"',
+                              "data.options.shape=[1,4,4]", "data.options.classes=3", *more]).data
+
+
+def test_a_data_folder_is_one_client_or_one_subfolder_per_client(tmp_path):
+    npz_client(tmp_path / "one", 5, 2)
+    assert client_folders(tmp_path / "one") == [(".", tmp_path / "one")]
+    npz_client(tmp_path / "many" / "cam-b", 5, 2)
+    npz_client(tmp_path / "many" / "cam-a", 5, 0)
+    (tmp_path / "many" / "notes").mkdir()  # no train part: not a client
+    assert [n for n, _ in client_folders(tmp_path / "many")] == ["cam-a", "cam-b"]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", "no such data folder"),
+    ("empty", "no train part"),
+    ("twice", "keep one"),
+])
+def test_a_data_folder_that_cannot_be_read_is_one_line(tmp_path, case, words):
+    root = tmp_path / "d"
+    if case != "missing":
+        root.mkdir()
+    if case == "twice":
+        npz_client(root, 3, 1)
+        (root / "train.csv").write_text("label,a\n")
+    with pytest.raises(DatasetError, match=words) as exc:
+        client_folders(root)
+    assert "\n" not in str(exc.value)
+
+
+def test_a_client_reads_its_train_then_test_rows_capped_and_announces_them(tmp_path):
+    npz_client(tmp_path / "c", 7, 4, seed=3)
+    raw = read_client(data_cfg(), tmp_path / "c")
+    assert (raw.num_train, len(raw.labels)) == (7, 11)
+    with np.load(tmp_path / "c" / "train.npz") as f:
+        assert np.array_equal(raw.images[:7], f["x"]) and np.array_equal(raw.labels[:7], f["y"])
+    capped = read_client(data_cfg("data.max_rows_per_client=5"), tmp_path / "c")
+    assert (capped.num_train, len(capped.labels)) == (5, 9)
+    said = announce(capped, "c")
+    assert (said.train, said.test, sum(said.counts), len(said.counts)) == (5, 4, 5, 3)
+    assert said.counts == tuple(np.bincount(capped.labels[:5], minlength=3))
+    assert ClientData.from_dict(said.to_dict()) == said
+
+
+def test_a_broken_file_in_a_client_folder_is_named(tmp_path):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "train.npz").write_bytes(b"not a zip")
+    with pytest.raises(DatasetError, match="train.npz: not a readable .npz file"):
+        read_client(data_cfg(), tmp_path / "c")
+
+
+def test_clients_are_numbered_by_device_then_folder():
+    def c(folder):
+        return ClientData(folder, 1, 0, (1, 0, 0))
+
+    order = roster({"dev-b": [c("y"), c("x")], "dev-a": [c(".")]})
+    assert [(d, x.folder) for d, x in order] == [("dev-a", "."), ("dev-b", "x"), ("dev-b", "y")]
+
+
+@pytest.mark.parametrize("clients, words", [
+    ([], "no client"),
+    ([ClientData("a", 3, 1, (1, 1, 1)), ClientData("a", 3, 1, (1, 1, 1))], "twice"),
+    ([ClientData("a", 3, 1, (1, 1))], "not 3 counts"),
+    ([ClientData("a", 3, 1, (1, 1, 2))], "summing to its 3"),
+    ([ClientData("a", 0, 1, (0, 0, 0))], "0 training"),
+    ([ClientData("../x", 3, 1, (1, 1, 1))], "not a plain name"),
+    ([ClientData("a", 9, 1, (3, 3, 3))], "max_rows_per_client = 5"),
+])
+def test_an_announcement_that_cannot_be_true_is_refused(clients, words):
+    why = announcement_problem(data_cfg("data.max_rows_per_client=5"), clients)
+    assert why is not None and words in why, why
+
+
+def test_the_coordinator_holds_the_validation_rows_and_no_clients_row(tmp_path):
+    npz_client(tmp_path / "val", 6, 0)
+    cfg = data_cfg(f"data.root={str(tmp_path)!r}")
+    clients = [ClientData(".", 40, 10, (20, 10, 10)), ClientData("b", 8, 2, (0, 8, 0))]
+    val = read_client(cfg, tmp_path / "val")
+    data = announced_data(cfg, clients, val)
+    assert len(data.x) == 6 and data.validation is not None and len(data.validation) == 6
+    assert [(s.num_train, s.num_test) for s in data.clients] == [(40, 10), (8, 2)]
+    assert data.clients[1].train_class_counts(data.y, 3).tolist() == [0, 8, 0]
+    assert all(len(s.train) == 0 and len(s.test) == 0 for s in data.clients)
+
+
+def test_a_device_holds_its_own_clients_rows_only(tmp_path):
+    npz_client(tmp_path / "a", 5, 2, seed=1)
+    npz_client(tmp_path / "b", 3, 1, seed=2)
+    cfg = data_cfg()
+    data = placed_data(cfg, {4: read_client(cfg, tmp_path / "b")}, 5)
+    assert len(data.x) == 4 and [s.num_train for s in data.clients] == [0, 0, 0, 0, 3]
+    with np.load(tmp_path / "b" / "train.npz") as f:
+        assert np.array_equal(data.x[data.clients[4].train].numpy(), f["x"])
+
+
+def test_devices_data_holds_one_folder_per_device(tmp_path):
+    (tmp_path / "jetson01").mkdir()
+    (tmp_path / "bad name").mkdir()
+    with pytest.raises(DatasetError, match="not a device name"):
+        device_folders(tmp_path)
+
+
+@pytest.mark.parametrize("keys, words", [
+    (['data.validation="v"'], "for data.placement"),
+    (['data.placement="device"', "data.fraction=0.5"], "max_rows_per_client instead"),
+])
+def test_placement_keys_out_of_place_are_refused(keys, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, keys)

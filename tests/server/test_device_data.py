@@ -1,0 +1,95 @@
+"""data.placement = "device": each device reads its own folder and announces its clients; the
+coordinator numbers them, checks what they announced and never holds their rows. fedseq-sim
+--devices-data simulates the same fleet, bitwise, in-process and across workers."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from conftest import fmnist_devices, placed_config, same_run
+from fedseq.common.config import load_config
+
+
+def test_a_simulation_reads_each_devices_folder_and_scores_where_the_rows_are(tmp_path, one_thread):
+    from fedseq.server.simulation import run_simulation
+
+    cfg = placed_config(fmnist_devices(tmp_path / "devices"))
+    res = run_simulation(cfg, tmp_path / "run")
+    row = res.rows[-1]
+    assert row["reported"] == [0, 1, 2]  # local01's one client, then local02's two
+    assert row["federated_acc"] == row["personal_acc"]  # FedAvg: the clients score the global model
+    assert row["global_acc"] is not None and row["global_acc"] != row["federated_acc"]
+    sizes = (tmp_path / "run" / "clients.csv").read_text().splitlines()[1:]
+    assert [line.split(",")[1:3] for line in sizes] == [["160", "40"]] * 3
+    assert "num_clients = 3" in (tmp_path / "run" / "config.toml").read_text()
+
+
+def test_without_a_validation_set_the_federated_score_is_the_measure(tmp_path, one_thread):
+    from fedseq.server.simulation import run_simulation
+
+    cfg = placed_config(fmnist_devices(tmp_path / "devices"))
+    cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"validation": None})})
+    row = run_simulation(cfg, None).rows[-1]
+    assert row["global_acc"] is None and row["federated_acc"] > 0.2
+
+
+@pytest.mark.slow("in-process, two torch.distributed workers and two daemons over amqtt: ~20 s")
+def test_the_fleet_and_the_workers_are_bitwise_the_simulation(tmp_path, one_thread, caplog):
+    """Two local daemons (local01, local02), each reading only its own folder under
+    data.devices_root, announce their clients; the run over amqtt is bitwise fedseq-sim
+    --devices-data of the same folders, which is bitwise across --workers."""
+    from fedseq.server.deployment import run_deployment
+    from fedseq.server.simulation import run_simulation
+
+    cfg = placed_config(fmnist_devices(tmp_path / "devices"), "algorithm.name=fedper",
+                        "algorithm.finetune_epochs=1")
+    sim = run_simulation(cfg, None)
+    same_run(run_simulation(cfg, None, workers=2), sim)
+    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+                         announce=lambda m: None)
+    assert all(torch.equal(dep.global_weights[k], v) for k, v in sim.global_weights.items())
+    scores = ("global_acc", "federated_acc", "personal_acc", "local_acc", "reported")
+    assert [{k: r.get(k) for k in scores} for r in dep.rows] == [
+        {k: r.get(k) for k in scores} for r in sim.rows]
+    assert dep.final.per_client == sim.final.per_client
+    assert sim.rows[-1]["federated_acc"] is not None
+
+
+def test_a_device_without_its_data_folder_says_why_and_the_run_goes_on_without_it(
+        tmp_path, one_thread, caplog):
+    """local02's folder is missing: it says so to the coordinator, which leaves it out at once
+    (in one line naming it) and runs local01's client; the round contract holds local01 to the
+    sizes it announced."""
+    from fedseq.server.deployment import run_deployment
+
+    root = fmnist_devices(tmp_path / "devices", {"local01": ["."]})
+    cfg = placed_config(root, "deploy.min_devices=2", "deploy.wait_devices_s=60")
+    with caplog.at_level(logging.WARNING, logger="fedseq"):
+        res = run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
+                             announce=lambda m: None)
+    why = [r.getMessage() for r in caplog.records if "local02 cannot follow run" in r.getMessage()]
+    assert why and "its data folder" in why[0] and "no such data folder" in why[0], why
+    assert all(r["reported"] == [0] for r in res.rows if r["phase"] == "train")
+    assert (tmp_path / "run" / "clients.csv").read_text().splitlines()[1].startswith("0,160,40,")
+
+
+def test_the_round_contract_holds_a_client_to_its_announced_sizes():
+    import torch
+
+    from fedseq.common.algorithms.aggregate import ClientUpdate
+    from fedseq.common.data.federated import announced_data
+    from fedseq.common.data.placed import ClientData
+    from fedseq.server.validation import round_contract
+
+    cfg = load_config(None, ['data.placement="device"', 'data.dataset="npz"',
+                             "data.options.shape=[1,2,2]", "data.options.classes=2"])
+    data = announced_data(cfg.data, [ClientData(".", 94, 10, (90, 4))], None)
+    w = {"fc.weight": torch.zeros(2, 4)}
+    contract = round_contract(0, [0], ("fc",), w, data, None, 1.0)
+    honest = ClientUpdate(client=0, round=0, num_samples=94, deltas={"fc.weight": torch.zeros(2, 4)})
+    assert contract.check(honest) is None
+    lying = ClientUpdate(client=0, round=0, num_samples=225, deltas={"fc.weight": torch.zeros(2, 4)})
+    assert "client 0 has 94 training rows" in contract.check(lying).text
