@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -92,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     done = threading.Event()
+    # decoded image folders (data.placement = "device") are cached beside the clients' state
+    os.environ.setdefault("FEDSEQ_CACHE", str(Path(s.state_dir) / "cache"))
     try:
         tls = TlsOptions(s.ca_file, s.cert_file, s.key_file, s.verify_hostname)
         daemon = DeviceDaemon(s.device, s.broker, s.data_dir, s.state_dir, s.torch_device,

@@ -75,6 +75,9 @@ def check_data(s: ClientSettings) -> Check:
     if not s.data_dir.is_dir():
         return False, (f"data_dir {s.data_dir} does not exist: run `fedseq data download fmnist "
                        f"--root {s.data_dir}`{WHERE_FEDSEQ}, or set data_dir")
+    placed = placed_clients(s.data_dir)
+    if placed is not None:
+        return placed
     present, broken = [], []
     for name in DATASETS:
         problems = verify(s.data_dir, name)
@@ -90,6 +93,27 @@ def check_data(s: ClientSettings) -> Check:
         return False, (f"no dataset under {s.data_dir}: run `fedseq data download fmnist --root "
                        f"{s.data_dir}`{WHERE_FEDSEQ}")
     return True, f"datasets under {s.data_dir}, md5 ok: {', '.join(present)}"
+
+
+def placed_clients(data_dir: Path) -> Optional[Check]:
+    """data.placement = "device": the clients in data_dir with their parts (their files are read
+    with the run's dataset when a run starts); None where data_dir holds no train part."""
+    from fedseq.common.data.placed import client_folders, part_names
+    from fedseq.common.errors import DatasetError
+
+    try:
+        found = client_folders(data_dir)
+    except DatasetError as exc:
+        if "no train part" in str(exc):
+            return None
+        return False, str(exc).splitlines()[0]
+    try:
+        listed = [f"{name} ({', '.join(part_names(folder))})" for name, folder in found]
+    except DatasetError as exc:
+        return False, str(exc).splitlines()[0]
+    return True, (f"{len(found)} client folder(s) for data.placement = \"device\" in {data_dir}: "
+                  f"{'; '.join(listed[:10])}{' ...' if len(listed) > 10 else ''} (read with the "
+                  "run's dataset when a run starts)")
 
 
 def check_state_dir(s: ClientSettings) -> Check:

@@ -62,6 +62,12 @@ def _part(folder: Path, name: str) -> Optional[Path]:
     return found[0] if found else None
 
 
+def part_names(folder: Path) -> List[str]:
+    """The names of a client folder's parts (`train/`, `test.npz`...)."""
+    return [p.name + ("/" if p.is_dir() else "") for name in PARTS
+            if (p := _part(folder, name)) is not None]
+
+
 def client_folders(root: Path) -> List[Tuple[str, Path]]:
     """(name, folder) of every client in a device's data folder, by name: the folder itself
     (named ".") where it holds a train part, else each sub-folder that holds one."""

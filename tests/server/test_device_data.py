@@ -93,3 +93,46 @@ def test_the_round_contract_holds_a_client_to_its_announced_sizes():
     assert contract.check(honest) is None
     lying = ClientUpdate(client=0, round=0, num_samples=225, deltas={"fc.weight": torch.zeros(2, 4)})
     assert "client 0 has 94 training rows" in contract.check(lying).text
+
+
+@pytest.mark.slow("a placed-data deployment SIGKILLed after round 1's aggregate, then resumed: ~12 s")
+def test_a_resumed_run_keeps_the_clients_it_numbered(tmp_path, mosquitto, one_thread):
+    """The coordinator dies after round 1's aggregate; `--resume` numbers no client again (its
+    checkpoint holds who is where) and ends bitwise fedseq-sim --devices-data of the folders."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import device_process
+    from fedseq.common.protocol.tensors import decode_tensors
+    from fedseq.server.processes import stop_children
+    from fedseq.server.simulation import run_simulation
+
+    port, home, _ = mosquitto
+    root = fmnist_devices(tmp_path / "devices")
+    sets = ['data.placement="device"', 'data.dataset="npz"', "data.options.shape=[1,28,28]",
+            "data.options.classes=10", f"data.validation={str(root / 'validation.npz')!r}",
+            "algorithm.name=fedper", "rounds=3", "train.join_ratio=0.7", "train.local_epochs=1",
+            "deploy.min_devices=2", "deploy.round_timeout_s=120", "deploy.eval_timeout_s=120",
+            "deploy.username=coordinator", f"deploy.password_file={str(home / 'coordinator.pw')!r}"]
+    crash = [sys.executable, str(Path(__file__).resolve().parents[1] / "crash_server.py")]
+    out = tmp_path / "run"
+    url = f"mqtt://127.0.0.1:{port}"
+    devices = [device_process(n, port, home, root / n) for n in ("local01", "local02")]
+    try:
+        r = subprocess.run([*crash, "after-aggregate", "start", "-q", "--broker", url, "--out",
+                            str(out), *[a for s in sets for a in ("--set", s)]],
+                           capture_output=True, text=True, timeout=400)
+        assert r.returncode == -9, r.stderr[-2000:]
+        r = subprocess.run([*crash, "none", "start", "-q", "--broker", url, "--resume", str(out)],
+                           capture_output=True, text=True, timeout=400)
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        stop_children(devices)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in rows if x["phase"] == "train"] == [0, 1, 2]
+    sim = run_simulation(placed_config(root, *sets), None)
+    saved = decode_tensors((out / "model.safetensors").read_bytes())
+    assert all(torch.equal(saved[k], v) for k, v in sim.global_weights.items())
+    assert [x.get("federated_acc") for x in rows] == [x.get("federated_acc") for x in sim.rows]

@@ -139,3 +139,19 @@ def test_devices_data_holds_one_folder_per_device(tmp_path):
 def test_placement_keys_out_of_place_are_refused(keys, words):
     with pytest.raises(ConfigError, match=words):
         load_config(None, keys)
+
+
+def test_the_doctor_lists_a_devices_client_folders(tmp_path):
+    from fedseq.client.doctor import check_data
+    from fedseq.client.settings import load_settings
+
+    npz_client(tmp_path / "d" / "north", 3, 1)
+    npz_client(tmp_path / "d" / "south", 3, 0)
+    ok, msg = check_data(load_settings(None, {"device": "d1", "data_dir": tmp_path / "d"},
+                                       environ={}))
+    assert ok and "2 client folder(s)" in msg and "north (train.npz, test.npz)" in msg, msg
+    assert "south (train.npz)" in msg
+    (tmp_path / "d" / "south" / "train.csv").write_text("x")
+    ok, msg = check_data(load_settings(None, {"device": "d1", "data_dir": tmp_path / "d"},
+                                       environ={}))
+    assert ok is False and "keep one" in msg, msg
