@@ -374,7 +374,7 @@ class SyntheticDevice:
         deltas = {k: torch.full_like(t, v) for k, t in facts.reference.items()
                   if block_of(k) in plan["upload"]}
         deltas = encode(deltas, Codec.parse(plan.get("codec", "none")))[0]  # wire.up
-        threshold = plan.get("rebalance_threshold")
+        threshold = (plan.get("params") or {}).get("threshold")  # FedReG's
         effective = (rebalanced_size(facts.class_counts[c], threshold)[1]
                      if threshold is not None else None)
         frame = encode_tensors(deltas)

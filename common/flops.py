@@ -16,23 +16,25 @@ import torch
 from fedseq.common.algorithms.hooks import client_side
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 from fedseq.common.data.federated import ClientShard, FederatedData
-from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.models import BlockModel
 
 FlopCache = dict[tuple[tuple[Objective, ...], int, str, str], int]
 
 
 def phase_rows(plan: ClientPlan, data: FederatedData, shard: ClientShard) -> list[int]:
-    """Rows each phase of `plan` iterates over for this client (FedReG's rebalanced set holds
+    """Rows each phase of `plan` iterates over for this client: its training rows, or as many
+    as its algorithm's own data source holds (`ClientSide.phase_size`: FedReG's rebalanced set,
     Q rows of each class the client has)."""
+    side = client_side(plan)
     out = []
     for phase in plan.phases:
-        if phase.data == "rebalanced":
-            assert plan.rebalance_threshold is not None
-            counts = shard.train_class_counts(data.y, data.num_classes)
-            out.append(rebalanced_size(counts, plan.rebalance_threshold)[0])
-        else:
+        if phase.data == "local":
             out.append(shard.num_train)
+            continue
+        n = side.phase_size(phase, shard.train_class_counts(data.y, data.num_classes))
+        if n is None:
+            raise ValueError(f"{plan.algorithm}'s client side makes no data source {phase.data!r}")
+        out.append(n)
     return out
 
 

@@ -18,12 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from fedseq.common.algorithms.aggregate import ClientUpdate, update_norm
-from fedseq.common.algorithms.hooks import ClientSide, Job, client_side
+from fedseq.common.algorithms.hooks import ClientSide, Job, UnknownAlgorithm, client_side
 from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
 from fedseq.common.augment import augment_batch
 from fedseq.common.codecs import Codec, encode
 from fedseq.common.data.federated import ClientShard, FederatedData
-from fedseq.common.data.rebalance import Rebalanced, rebalance, simple_augment
+from fedseq.common.data.rebalance import simple_augment
 from fedseq.common.models import (
     BlockModel,
     Weights,
@@ -157,7 +157,6 @@ def train_plan(
     start = time.perf_counter()
     torch.set_flush_denormal(True)  # the calling thread may not be the one that imported us
     g_batch = torch_rng(seed, purpose, round, shard.client)
-    g_aug = torch_rng(seed, "rebalance", round, shard.client)
     transform = None
     if plan.augment:  # its own stream: a run without augmentation draws exactly as before
         g_train = torch_rng(seed, f"{purpose}-augment", round, shard.client)
@@ -188,14 +187,14 @@ def train_plan(
                    torch_rng(seed, f"{purpose}-dp-sgd", round, shard.client))
     try:
         for phase in plan.phases:
-            rows = _PhaseRows.of(phase, plan, data, shard, seed, g_aug)
+            rows = phase_rows(phase, side, data, shard, seed, round)
             effective = rows.effective if rows.effective is not None else effective
             optimizers = []
             for obj in phase.objectives:
                 params = set_trainable(model, obj.trainable)
                 optimizers.append(Sgd(params, lr=plan.lr, momentum=plan.momentum)
                                   if params else None)
-            for x, y in rows.batches(phase.epochs, plan.batch_size, g_batch, g_aug, dev):
+            for x, y in rows.batches(phase.epochs, plan.batch_size, g_batch, dev):
                 if transform is not None:
                     x = transform(x)
                 cache: dict[str, torch.Tensor] = {}
@@ -226,10 +225,24 @@ def train_plan(
     )
 
 
+def phase_rows(phase: Phase, side: ClientSide, data: FederatedData, shard: ClientShard,
+               seed: int, round: int) -> PhaseRows:
+    """What `phase` trains on: the client's own rows, or the rows of a data source of the plan's
+    algorithm (`ClientSide.phase_rows`: FedReG's rebalanced set)."""
+    if phase.data == "local":
+        return PhaseRows(shard.train, data.images, data.y)
+    rows = side.phase_rows(phase, data, shard, seed, round)
+    if rows is None:
+        raise UnknownAlgorithm(f"the plan's phase trains on {phase.data!r}, a data source its "
+                               f"algorithm's client side ({type(side).__name__}) does not make")
+    return rows
+
+
 @dataclass
-class _PhaseRows:
-    """The rows one phase trains on: the client's own, or FedReG's rebalanced set (its rows,
-    which of them to augment, and its effective size)."""
+class PhaseRows:
+    """The rows one phase trains on (indices into `images` and `ys`): the client's own, or a
+    set an algorithm's client side makes (FedReG's rebalanced set: its rows, which of them to
+    augment with `g_aug`, and its effective size: `ClientSide.phase_rows`)."""
 
     rows: torch.Tensor
     images: Callable[[torch.Tensor], torch.Tensor]
@@ -237,22 +250,10 @@ class _PhaseRows:
     augment: torch.Tensor | None = None
     effective: int | None = None
     stats: tuple[torch.Tensor, torch.Tensor] | None = None  # the pixels' (mean, std)
+    g_aug: torch.Generator | None = None  # draws the augmentations of the `augment` rows
 
-    @classmethod
-    def of(cls, phase: Phase, plan: ClientPlan, data: FederatedData, shard: ClientShard,
-           seed: int, g_aug: torch.Generator) -> _PhaseRows:
-        if phase.data != "rebalanced":
-            return cls(shard.train, data.images, data.y)
-        assert plan.rebalance_threshold is not None, "rebalanced phase needs a threshold"
-        if plan.rebalance_once:
-            rb, xs = fixed_rebalanced(data, shard, plan.rebalance_threshold, seed)
-            return cls(torch.arange(len(xs)), xs.__getitem__, data.y[rb.indices],
-                       effective=rb.effective)
-        rb = rebalance(shard.train, data.y, plan.rebalance_threshold, g_aug)
-        return cls(rb.indices, data.images, data.y, rb.augment, rb.effective, data.pixel_stats())
-
-    def batches(self, epochs: int, size: int, g_batch: torch.Generator, g_aug: torch.Generator,
-                dev: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, epochs: int, size: int, g_batch: torch.Generator, dev: torch.device
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(images, labels) of every batch of every epoch, in the generator's order, on `dev`."""
         n = len(self.rows)
         for _ in range(epochs):
@@ -264,25 +265,12 @@ class _PhaseRows:
                 if self.augment is not None:
                     aug = self.augment[pick]
                     if aug.any():
-                        x[aug] = simple_augment(x[aug], g_aug, self.stats)
+                        assert self.g_aug is not None
+                        x[aug] = simple_augment(x[aug], self.g_aug, self.stats)
                 y = self.ys[idx]
                 if dev.type != "cpu":
                     x, y = x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
                 yield x, y
-
-
-def fixed_rebalanced(
-    data: FederatedData, shard: ClientShard, threshold: float, seed: int
-) -> tuple[Rebalanced, torch.Tensor]:
-    """FedReG's rebalanced set as Algorithm 3 builds it, once per client: the rows and their images,
-    augmented ones generated once. A pure function of (seed, client): recomputing it each round
-    (a few ms) is the same set, and a device needs no state for it."""
-    g = torch_rng(seed, "rebalance-once", shard.client)
-    rb = rebalance(shard.train, data.y, threshold, g)
-    xs = data.images(rb.indices)
-    if rb.augment.any():
-        xs[rb.augment] = simple_augment(xs[rb.augment], g, data.pixel_stats())
-    return rb, xs
 
 
 def train_step(model, obj: Objective, opt, x, y, cache, log_prior, side: ClientSide,

@@ -288,7 +288,7 @@ class Ledger:
         """What a valid update of round t (or model version t) looks like, for `clients` under
         `plan`, given what they were `offered` and the bound on their deltas."""
         return round_contract(t, clients, plan.upload, offered, self.data,
-                              plan.rebalance_threshold, bound, self.model.personal_keys(),
+                              self.alg.effective_samples, bound, self.model.personal_keys(),
                               self.alg.upload_bound, self.up, plan.clip)
 
     def updates(self, t: int, clients: list[int] | None = None,

@@ -193,6 +193,10 @@ def check_record_level(cfg: ExperimentConfig, algorithm: Any, model: torch.nn.Mo
     from fedseq.common.dpsgd import batch_norm_in
 
     why = "privacy.level = \"record\" (DP-SGD)"
+    if any(phase.data != "local" for phase in algorithm.plan(0).phases):
+        raise ConfigError(f"{why} accounts each client's own training rows; "
+                          f"{algorithm.name} trains on a rebalanced set too: use privacy.level = "
+                          "\"client\"")
     if algorithm.client_class is not ClientSide:
         raise ConfigError(f"{why} clips each example's gradient; {algorithm.name}'s clients add "
                           f"terms of their own ({algorithm.client_class.__name__}): use "
@@ -202,10 +206,6 @@ def check_record_level(cfg: ExperimentConfig, algorithm: Any, model: torch.nn.Mo
     if layer is not None:
         raise ConfigError(f"{why}: the model's layer {layer} is batch normalization, which mixes "
                           "a batch's examples; use a model without it (cnn, convnet)")
-    if any(phase.data != "local" for phase in algorithm.plan(0).phases):
-        raise ConfigError(f"{why} accounts each client's own training rows; "
-                          f"{algorithm.name} trains on a rebalanced set too: use privacy.level = "
-                          "\"client\"")
 
 
 def check_budget(cfg: ExperimentConfig) -> None:

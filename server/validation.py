@@ -19,7 +19,6 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.robust import update_norm
 from fedseq.common.codecs import Codec, decode, expected, wire_problem
 from fedseq.common.data.federated import FederatedData
-from fedseq.common.data.rebalance import rebalanced_size
 from fedseq.common.models import Weights, block_of, is_statistic
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.text import printable
@@ -201,7 +200,7 @@ def largest_magnitude(t: torch.Tensor) -> float:
 
 
 def round_contract(round: int, selected: list[int], upload: tuple[str, ...], global_weights: Weights,
-                   data: FederatedData, rebalance_threshold: float | None,
+                   data: FederatedData, effective_of: Callable[[torch.Tensor], int | None] | None,
                    max_abs_delta: float, personal_keys: frozenset[str] = frozenset(),
                    bound_of: Callable[[str, float], float] | None = None,
                    codec: Codec | None = None, clip: float | None = None) -> RoundContract:
@@ -211,16 +210,18 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
     normalization layers, `BlockModel.personal_keys`), so no update may carry them;
     `bound_of(tensor, max_abs_delta)`: a tensor's own bound where the algorithm gives one
     (Algorithm.upload_bound); `codec`: the updates' wire codec (None: as they are); `clip`:
-    [privacy]'s bound on a decoded update's L2 norm (None: none)."""
+    [privacy]'s bound on a decoded update's L2 norm (None: none); `effective_of(counts)`: the
+    effective_samples a client with these class counts must report (Algorithm.effective_samples:
+    FedReG's; None for every client, or no function: none is checked)."""
     reference = {k: v for k, v in global_weights.items()
                  if block_of(k) in upload and k not in personal_keys}
     samples = {c: data.clients[c].num_train for c in selected}
     effective = None
-    if rebalance_threshold is not None:
-        effective = {}
-        for c in selected:
-            counts = data.clients[c].train_class_counts(data.y, data.num_classes)
-            effective[c] = rebalanced_size(counts, rebalance_threshold)[1]
+    if effective_of is not None:  # the algorithm's own count (FedReG's rebalanced originals)
+        counted = {c: effective_of(data.clients[c].train_class_counts(data.y, data.num_classes))
+                   for c in selected}
+        if all(n is not None for n in counted.values()):
+            effective = {c: int(n) for c, n in counted.items() if n is not None}
     tests = {c: data.clients[c].num_test for c in selected}
     bounds = {} if bound_of is None else {
         k: b for k in reference if (b := bound_of(k, max_abs_delta)) != max_abs_delta}

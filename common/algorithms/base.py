@@ -12,6 +12,8 @@ from fedseq.common.errors import ConfigError
 from fedseq.common.models import ModelSpec, Weights, block_of
 
 if TYPE_CHECKING:
+    import torch
+
     from fedseq.common.algorithms.robust import Aggregator
 
 
@@ -97,7 +99,6 @@ class Algorithm:
             lr=self.cfg.lr_at(round),
             momentum=t.momentum,
             batch_size=t.batch_size,
-            rebalance_threshold=None,
             class_counts_needed=any(o.loss != "ce" for p in phases for o in p.objectives),
             score_heads=self.eval_heads(),
             augment=tuple(t.augment),
@@ -143,6 +144,12 @@ class Algorithm:
     def aggregation_weights(self, update: ClientUpdate) -> dict[str, float]:
         """Per-block weight of one client's deltas; default: its sample count."""
         return {block_of(k): float(update.num_samples) for k in update.deltas}
+
+    def effective_samples(self, counts: torch.Tensor) -> int | None:
+        """What a client's update must say as its effective_samples, from its training rows
+        per class (FedReG: the original rows of its rebalanced set); default: None, no such
+        count (the round contract then wants none)."""
+        return None
 
     def server_update(self, global_weights: Weights, aggregate: Aggregator) -> ServerStep:
         """The new global tensors from the round's aggregate (every valid update folded in by

@@ -17,18 +17,22 @@ augmentations every round (what fedseq did before 0.2).
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal, Optional
 
 import numpy as np
+import torch
 from pydantic import Field
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.base import Algorithm
-from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
+from fedseq.common.algorithms.hooks import ClientSide
+from fedseq.common.algorithms.plan import Objective, Phase
 from fedseq.common.config import AlgorithmParams
+from fedseq.common.data.federated import ClientShard, FederatedData
+from fedseq.common.data.rebalance import rebalance, rebalanced_size, simple_augment
 from fedseq.common.errors import FedseqError, ProtocolError
 from fedseq.common.models import block_of
+from fedseq.common.seeding import torch_rng
 
 
 def threshold_of(train_sizes: list[int], kind: str) -> float:
@@ -52,11 +56,58 @@ class RegParams(AlgorithmParams):
         "of Algorithm 1) or again with fresh augmentations every round."))
 
 
+#: the data source of FedReG's second phase (`Phase.data`)
+REBALANCED = "rebalanced"
+
+
+class RegSide(ClientSide):
+    """FedReG's client: the rebalanced set its second phase trains on, from the plan's `params`
+    (`threshold`: C; `rebalance`: "once" or "every-round")."""
+
+    @property
+    def threshold(self) -> float:
+        if self.params.get("threshold") is None:
+            raise ProtocolError("a FedReG plan without its rebalancing threshold (params.threshold)")
+        return float(self.params["threshold"])
+
+    def phase_rows(self, phase: Phase, data: FederatedData, shard: ClientShard, seed: int,
+                   round: int) -> Optional[Any]:
+        from fedseq.common.training import PhaseRows
+
+        if phase.data != REBALANCED:
+            return None
+        if self.params.get("rebalance", "once") == "once":
+            rb, xs = fixed_rebalanced(data, shard, self.threshold, seed)
+            return PhaseRows(torch.arange(len(xs)), xs.__getitem__, data.y[rb.indices],
+                             effective=rb.effective)
+        g = torch_rng(seed, "rebalance", round, shard.client)  # its augmentations draw on after it
+        rb = rebalance(shard.train, data.y, self.threshold, g)
+        return PhaseRows(rb.indices, data.images, data.y, rb.augment, rb.effective,
+                         data.pixel_stats(), g)
+
+    def phase_size(self, phase: Phase, counts: torch.Tensor) -> Optional[int]:
+        return rebalanced_size(counts, self.threshold)[0] if phase.data == REBALANCED else None
+
+
+def fixed_rebalanced(data: FederatedData, shard: ClientShard, threshold: float, seed: int
+                     ) -> tuple[Any, torch.Tensor]:
+    """FedReG's rebalanced set as Algorithm 3 builds it, once per client: the rows and their
+    images, augmented ones generated once. A pure function of (seed, client): recomputing it
+    each round (a few ms) is the same set, and a device needs no state for it."""
+    g = torch_rng(seed, "rebalance-once", shard.client)
+    rb = rebalance(shard.train, data.y, threshold, g)
+    xs = data.images(rb.indices)
+    if rb.augment.any():
+        xs[rb.augment] = simple_augment(xs[rb.augment], g, data.pixel_stats())
+    return rb, xs
+
+
 class FedReG(Algorithm):
     """FedReG (see the module docstring): two heads and a rebalanced local set."""
 
     name = "fedreg"
     params_model = RegParams
+    client_class = RegSide
     two_heads = True
     threshold: float | None = None  # C, from the partition's sizes (prepare)
 
@@ -81,13 +132,18 @@ class FedReG(Algorithm):
         e = self.cfg.train.local_epochs if self.params.passes == "epochs" else 1
         local = Objective(s.heads, s.base + self.personal_blocks())
         balanced = Objective((s.head,), s.base + (s.head,))
-        return (Phase(e, (local,)), Phase(e, (balanced,), data="rebalanced"))
+        return (Phase(e, (local,)), Phase(e, (balanced,), data=REBALANCED))
 
-    def plan(self, round: int) -> ClientPlan:
+    def client_params(self) -> dict[str, Any]:
         if self.threshold is None:
             raise FedseqError("FedReG plans need prepare(train_sizes) first (the round loop calls it)")
-        once = self.params.rebalance == "once"
-        return replace(super().plan(round), rebalance_threshold=self.threshold, rebalance_once=once)
+        return {"threshold": self.threshold, "rebalance": self.params.rebalance}
+
+    def effective_samples(self, counts: torch.Tensor) -> int | None:
+        """The original rows of the rebalanced set a client with these class counts builds
+        (eq. 6): what its update's effective_samples must say."""
+        assert self.threshold is not None
+        return rebalanced_size(counts, self.threshold)[1]
 
     def aggregation_weights(self, update: ClientUpdate) -> dict[str, float]:
         if update.effective_samples is None:

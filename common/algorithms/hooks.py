@@ -12,6 +12,7 @@ When the hooks run, for one client's round (`training.run_client_round`):
 
     start(job)                      the round's weights are loaded: gradient corrections, or None
     for every pass over the data (`training.train_plan`; Ditto's own model is a second pass):
+        phase_rows(phase, ...)            a phase of the algorithm's own data source: its rows
         begin(model, counts, anchor)      before the first batch
         loss(model, obj, feats, y)        the loss of an objective of the algorithm's own kind
         penalty(model, x, feats)          a term added to every step's loss
@@ -32,9 +33,9 @@ import torch
 from fedseq.common.models import BlockModel, Weights, split_state
 
 if TYPE_CHECKING:
-    from fedseq.common.algorithms.plan import ClientPlan, Objective
+    from fedseq.common.algorithms.plan import ClientPlan, Objective, Phase
     from fedseq.common.data.federated import ClientShard, FederatedData
-    from fedseq.common.training import TrainStats
+    from fedseq.common.training import PhaseRows, TrainStats
 
 
 class UnknownAlgorithm(ValueError):
@@ -85,6 +86,20 @@ class ClientSide:
         """Further trainings `finish` runs after the round's plan, as plans (the FLOP counter
         counts them): Ditto's own model."""
         return ()
+
+    # -- what a phase trains on -------------------------------------------------------------
+    def phase_rows(self, phase: Phase, data: FederatedData, shard: ClientShard, seed: int,
+                   round: int) -> Optional[PhaseRows]:
+        """The rows of a phase whose data source is this algorithm's own (`Phase.data` other
+        than "local": FedReG's "rebalanced" set), from the client's rows and its random
+        streams (seed, round, client); None: this side makes no such source."""
+        return None
+
+    def phase_size(self, phase: Phase, counts: torch.Tensor) -> Optional[int]:
+        """The rows such a phase iterates over per epoch, from the client's training rows per
+        class (what the coordinator's FLOP and step counts read); None: this side makes no
+        such source."""
+        return None
 
     # -- every pass over the data -----------------------------------------------------------
     def begin(self, model: BlockModel, counts: Optional[torch.Tensor],

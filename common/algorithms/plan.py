@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Dict, Literal, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 #: "ce", "balanced_ce" (the trainer's) or a loss of the algorithm's own (its `ClientSide.loss`)
 Loss = str
-DataSource = Literal["local", "rebalanced"]
+#: "local": the client's own training rows; any other name is a data source of the plan's
+#: algorithm, whose client side gives its rows (`hooks.ClientSide.phase_rows`: FedReG's
+#: "rebalanced" set)
+DataSource = str
 
 
 def ordered_union(groups: Iterable[Iterable[str]]) -> tuple[str, ...]:
@@ -42,7 +45,8 @@ class Objective:
 
 @dataclass(frozen=True)
 class Phase:
-    """Some epochs of one data source (local or FedReG's rebalanced set) with its objectives."""
+    """Some epochs of one data source (the client's own rows, or one its algorithm's client side
+    makes: FedReG's rebalanced set) with its objectives."""
 
     epochs: int
     objectives: tuple[Objective, ...]
@@ -66,10 +70,6 @@ class ClientPlan:
     lr: float = 0.01
     momentum: float = 0.0
     batch_size: int = 20
-    rebalance_threshold: float | None = None  # FedReG: client sample-count threshold C
-    # FedReG: the rebalanced set (augmented rows included) is built once per client, a function
-    # of (seed, client) only (its Algorithm 3); False rebuilds and re-augments it every round
-    rebalance_once: bool = True
     class_counts_needed: bool = False  # balanced softmax and GPFL need the client's label counts
     # after training, score the local model on the client's test rows with these heads summed
     # (the testbed's "locally trained model" accuracy); () = no score
@@ -137,6 +137,11 @@ def plan_from_dict(d: dict) -> ClientPlan:
     fields["score_heads"] = tuple(fields.get("score_heads", ()))
     fields["augment"] = tuple(fields.get("augment", ()))
     fields["params"] = dict(fields.get("params") or {})
+    if "rebalance_threshold" in fields:  # a coordinator of fedseq before FedReG's own client side
+        threshold, once = fields.pop("rebalance_threshold"), fields.pop("rebalance_once", True)
+        if threshold is not None:
+            fields["params"].update(threshold=threshold,
+                                    rebalance="once" if once else "every-round")
     if fields.get("record_dp") is not None:
         clip, noise = fields["record_dp"]
         fields["record_dp"] = (float(clip), float(noise))

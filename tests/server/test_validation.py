@@ -17,8 +17,13 @@ W = {"conv1.weight": torch.zeros(2, 1, 3, 3), "conv1.bias": torch.zeros(2), "fc2
 
 
 def _contract(threshold=None):
+    """The contract of round 3; with `threshold`, FedReG's effective count (its rebalanced
+    set's original rows at that C) is checked."""
+    from fedseq.common.data.rebalance import rebalanced_size
+
     data = synthetic_data()
-    return data, round_contract(3, [0, 2], ("conv1",), W, data, threshold, max_abs_delta=100.0)
+    effective = None if threshold is None else (lambda counts: rebalanced_size(counts, threshold)[1])
+    return data, round_contract(3, [0, 2], ("conv1",), W, data, effective, max_abs_delta=100.0)
 
 
 def _good(data, client=0):

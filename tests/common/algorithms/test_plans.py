@@ -61,7 +61,7 @@ def test_fedreg_phases_and_weights():
     assert p1.data == "local" and p1.objectives[0].heads == ("fc2", "fc2_p")
     assert "fc2" not in p1.trainable and "fc2_p" in p1.trainable
     assert p2.data == "rebalanced" and p2.trainable == ("conv1", "conv2", "fc1", "fc2")
-    assert plan.rebalance_threshold == 200.0  # mean of the client training sizes
+    assert plan.params["threshold"] == 200.0  # mean of the client training sizes
     up = ClientUpdate(0, 0, {"conv1.weight": None, "fc2.weight": None, "fc2.bias": None},
                       num_samples=120, effective_samples=45)
     assert alg.aggregation_weights(up) == {"conv1": 120.0, "fc2": 45.0}
@@ -96,7 +96,7 @@ def test_fedreg_plans_only_after_prepare():
     with pytest.raises(FedseqError, match="prepare"):
         alg.plan(0)
     alg.prepare([100, 300])
-    assert alg.plan(0).rebalance_threshold == 200.0
+    assert alg.plan(0).params["threshold"] == 200.0
 
 
 def test_fedper_personal_layers_count_blocks_and_leave_a_base_federated():
@@ -115,3 +115,36 @@ def test_fedper_personal_layers_count_blocks_and_leave_a_base_federated():
         assert alg.plan(0).upload == tuple(b for b in spec.blocks if b not in personal)
     with pytest.raises(ConfigError, match="personal_layers = 5: the model's 4 base blocks"):
         fedper(5)
+
+
+def test_fedregs_rebalanced_set_is_its_client_sides_data_source():
+    """FedReG is written on the plugin API: the generic plan carries its threshold in its own
+    params, its client side makes the rebalanced phase's rows (phase_rows) and says their number
+    (phase_size, which the FLOP count reads), and its algorithm says the effective count the
+    round contract checks. A phase of a data source no client side makes is refused in one line."""
+    import torch
+
+    from conftest import synthetic_data
+    from fedseq.common.algorithms.hooks import ClientSide, UnknownAlgorithm, client_side
+    from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict, plan_to_dict
+    from fedseq.common.data.rebalance import rebalanced_size
+    from fedseq.common.flops import phase_rows as flop_rows
+    from fedseq.common.training import phase_rows
+
+    alg = _alg("fedreg")
+    plan = alg.plan(0)
+    data = synthetic_data()
+    shard = data.clients[0]
+    counts = shard.train_class_counts(data.y, data.num_classes)
+    side = client_side(plan)
+    rows = phase_rows(plan.phases[1], side, data, shard, 0, 0)
+    assert len(rows.rows) == rebalanced_size(counts, 200.0)[0] == flop_rows(plan, data, shard)[1]
+    assert rows.effective == rebalanced_size(counts, 200.0)[1] == alg.effective_samples(counts)
+    assert set(plan_to_dict(plan)) >= {"params"} and "rebalance_threshold" not in plan_to_dict(plan)
+    # a plan from a coordinator of before: its threshold is read into the params
+    old = {**plan_to_dict(plan), "params": {}, "rebalance_threshold": 150.0, "rebalance_once": False}
+    assert plan_from_dict(old).params == {"threshold": 150.0, "rebalance": "every-round"}
+    fedavg = ClientPlan(phases=plan.phases, upload=("conv1",))  # FedAvg's side has no such source
+    with pytest.raises(UnknownAlgorithm, match="'rebalanced', a data source"):
+        phase_rows(fedavg.phases[1], ClientSide(), data, shard, 0, 0)
+    assert torch.equal(phase_rows(plan.phases[0], side, data, shard, 0, 0).rows, shard.train)
