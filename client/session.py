@@ -57,6 +57,18 @@ log = logging.getLogger(__name__)
 RESYNC_S, RESYNC_MAX_S = 30.0, 480.0
 
 
+def _run_of(payload: bytes) -> Optional[str]:
+    """The run id a JSON message names, or None (not JSON, or none)."""
+    import json
+
+    try:
+        raw = json.loads(payload) if len(payload) <= 1 << 20 else None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    run_id = raw.get("run_id") if isinstance(raw, dict) else None
+    return run_id if isinstance(run_id, str) else None
+
+
 class Superseded(Exception):
     """The step's blocks were replaced by newer versions before the worker read them: the step is
     left (an async dispatch stays owed and is trained on the newer step), not failed."""
@@ -238,6 +250,12 @@ class DeviceSession:
             log.warning("dropped message on %s: %s", topic, exc)
             other = version_mismatch(payload) if kind in ("run_config", "step") else None
             run = self.run
+            if kind == "assignment" and other is None and run is not None \
+                    and version_mismatch(payload) is None and _run_of(payload) == run.run_id:
+                # its clients are unknown here: said at once, or their rounds wait out deadlines
+                self.report_failure(run.run_id, -1, f"{self.device} cannot read its assignment "
+                                                    f"for run {run.run_id}: {exc}")
+                return
             if other is not None and run is not None and other[1] == run.run_id:
                 # This run's coordinator sent its config in our protocol: a message of another
                 # version under its run id is not from it (a stray client on an open broker).

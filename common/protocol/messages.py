@@ -5,7 +5,7 @@ JSON messages carry control; tensor frames (frames.py) carry a JSON header plus 
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional, Tuple
+from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -60,10 +60,17 @@ class Message(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     v: Literal[9] = 9  # PROTOCOL_VERSION
+    #: fields added while this protocol was current: left out at their default, so that a peer
+    #: of the same protocol from before them (which refuses unknown fields) still reads the
+    #: message; a field added with a protocol bump needs no entry
+    since_current: ClassVar[Tuple[str, ...]] = ()
 
     def encode(self) -> bytes:
         """The message as compact JSON bytes."""
-        return self.model_dump_json().encode()
+        fields = type(self).model_fields
+        left = {f for f in self.since_current
+                if getattr(self, f) == fields[f].get_default(call_default_factory=True)}
+        return self.model_dump_json(exclude=left or None).encode()
 
     @classmethod
     def decode(cls, payload: bytes):
@@ -108,6 +115,8 @@ class DataReport(Message):
 
 class DeviceStatus(Message):
     """A device's presence and health (retained; its last will says offline)."""
+
+    since_current = ("data",)
 
     device: str = Field(description="The device's name (its broker login).")
     state: Literal["online", "offline"]
@@ -173,6 +182,8 @@ class RunConfig(Message):
 class Assignment(Message):
     """The logical clients a device hosts in this run (retained, one topic per device)."""
 
+    since_current = ("folders",)
+
     run_id: str
     device: str
     clients: List[int] = Field(description="The logical clients this device hosts in the run.")
@@ -213,6 +224,8 @@ class Step(Message):
 
 class EvalResult(Message):
     """A device's clients' test scores for an evaluate or finetune step."""
+
+    since_current = ("global_score",)
 
     run_id: str
     seq: int

@@ -276,3 +276,18 @@ def test_a_step_whose_blocks_are_replaced_after_it_was_taken_is_left_not_trained
         run, taken = s.next_ready()
     assert taken.seq == 6 and s.owed_dispatches(run, taken) == [(1, 5)]
     assert all(t.eq(1).all() for t in s.weights(run, taken).values())
+
+
+def test_an_assignment_it_cannot_read_is_said_to_the_coordinator(tmp_path):
+    """Its clients would be unknown here and their rounds would wait out their deadlines: the
+    device says at once, as a refusal of the whole run (seq -1), that it cannot read it."""
+    s = _session(tmp_path)
+    said = []
+    s.announce = lambda: said.append(s.last_error)
+    newer = (b'{"v": %d, "run_id": "r1", "device": "dev01", "clients": [1], "shards": [7]}'
+             % PROTOCOL_VERSION)
+    s.on_message(T.assignment("dev01"), newer)
+    assert said and said[-1][:2] == ("r1", -1), said
+    assert "dev01 cannot read its assignment for run r1" in said[-1][2] and "shards" in said[-1][2]
+    s.on_message(T.assignment("dev01"), newer.replace(b'"r1"', b'"other"'))  # not its run
+    assert len(said) == 1

@@ -184,3 +184,18 @@ def test_a_frame_listing_more_tensors_than_an_update_holds_is_refused_before_par
         decode_tensors(few, max_tensors=20)
     honest = encode_tensors({"w": torch.ones(3, 4), "b": torch.zeros(4)})
     assert set(decode_tensors(honest, max_tensors=2)) == {"w", "b"}
+
+
+def test_fields_added_within_the_protocol_are_left_out_at_their_default():
+    """A device or coordinator of this protocol from before a field refuses unknown fields:
+    such a field is sent only when it says something (data.placement = "device")."""
+    from fedseq.common.protocol.messages import Assignment, DeviceStatus, EvalResult, Message
+
+    plain = [Assignment(run_id="r", device="d", clients=[1]), DeviceStatus(device="d", state="online"),
+             EvalResult(run_id="r", seq=1, device="d", results={1: (2, 3)})]
+    for m in plain:
+        assert m.since_current and not any(f'"{f}"' in m.encode().decode() for f in m.since_current)
+        assert type(m).decode(m.encode()) == m
+    placed = Assignment(run_id="r", device="d", clients=[1], folders=["cam-a"])
+    assert '"folders":["cam-a"]' in placed.encode().decode() and Assignment.decode(placed.encode()) == placed
+    assert all(f in cls.model_fields for cls in Message.__subclasses__() for f in cls.since_current)
