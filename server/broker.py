@@ -229,17 +229,25 @@ def local_mosquitto_conf(broker_conf: str, port: int, passwd: Path, acl: Path, h
     return conf
 
 
+def dynamic_security_plugin() -> str | None:
+    """This machine's Mosquitto dynamic-security plugin (Debian's mosquitto package has it), or
+    None."""
+    import glob
+
+    found = sorted(glob.glob("/usr/lib/*/mosquitto_dynamic_security.so")) + sorted(
+        glob.glob("/usr/lib/mosquitto_dynamic_security.so"))
+    return found[0] if found else None
+
+
 def with_guard(conf: str, home: Path, guard: str | None) -> str:
     """broker.conf's dynamic-security lines (the flood guard) for a local copy: with `guard` (the
     password of the guard login, GUARD_LOGIN) the plugin's file is made under `home` and the
     plugin is this machine's; without, the lines go (the password file and ACL alone)."""
-    import glob
     import re
 
     lines = re.compile(r"^(plugin|plugin_opt_config_file) .*$", re.M)
-    found = sorted(glob.glob("/usr/lib/*/mosquitto_dynamic_security.so")) + sorted(
-        glob.glob("/usr/lib/mosquitto_dynamic_security.so"))
-    if guard is None or not found:
+    plugin = dynamic_security_plugin()
+    if guard is None or plugin is None:
         if guard is not None:
             raise TransportError("the flood guard needs Mosquitto's dynamic-security plugin "
                                  "(mosquitto_dynamic_security.so, in Debian's mosquitto package)")
@@ -248,12 +256,43 @@ def with_guard(conf: str, home: Path, guard: str | None) -> str:
     if not store.exists():
         subprocess.run(["mosquitto_ctrl", "dynsec", "init", str(store), GUARD_LOGIN],
                        input=f"{guard}\n{guard}\n", text=True, check=True, capture_output=True)
-    conf = re.sub(r"^plugin /.*$", f"plugin {found[0]}", conf, flags=re.M)
+        limit_guard_role(store)
+    conf = re.sub(r"^plugin /.*$", f"plugin {plugin}", conf, flags=re.M)
     return re.sub(r"^plugin_opt_config_file .*$", f"plugin_opt_config_file {store}", conf, flags=re.M)
 
 
 #: the login broker.conf's flood guard knows (the dynamic-security plugin's admin)
 GUARD_LOGIN = "fedseq-guard"
+#: what the guard's role may touch: the plugin's control topic (list, create, disable and delete
+#: logins), nothing the fleet publishes
+GUARD_TOPICS = "$CONTROL/dynamic-security/"
+
+
+def limit_guard_role(store: Path, login: str = GUARD_LOGIN) -> bool:
+    """The guard login's roles in the dynamic-security file keep only the plugin's control topic:
+    `mosquitto_ctrl dynsec init` gives its admin '#' and $SYS/# too, which the guard never reads
+    (docs/security.md). The ansible broker role does the same with limit_guard_role.py. Returns
+    whether the file changed."""
+    import json
+
+    from fedseq.common.files import atomic_write
+
+    data = json.loads(store.read_text())
+    roles = {r.get("rolename") for c in data.get("clients", []) if c.get("username") == login
+             for r in c.get("roles", [])}
+    changed = False
+    for role in data.get("roles", []):
+        if role.get("rolename") in roles:
+            kept = [{**a, "priority": 1} for a in role.get("acls", [])
+                    if str(a.get("topic", "")).startswith(GUARD_TOPICS)]
+            # the plugin's default lets any of its logins receive what it subscribed to: denied
+            kept += [{"acltype": kind, "topic": "#", "priority": 0, "allow": False}
+                     for kind in ("publishClientSend", "publishClientReceive", "subscribePattern")]
+            changed |= kept != role.get("acls", [])
+            role["acls"] = kept
+    if changed:
+        atomic_write(store, json.dumps(data, indent=2).encode(), mode=0o600)
+    return changed
 
 
 def write_local_mosquitto(home: Path, port: int, logins: dict[str, str], broker_conf: Path,
@@ -308,10 +347,18 @@ class LocalMosquitto:
         password = secrets.token_urlsafe(24)
         self.secret = home / f"{user}.pw"
         atomic_write(self.secret, f"{password}\n".encode(), mode=0o600)
+        # the flood guard, on wherever this Mosquitto has its dynamic-security plugin: a login
+        # of its own with a password made for the run (None: no plugin here, no guard)
+        self.guard_secret: Path | None = None
+        guard = None
+        if dynamic_security_plugin() is not None and shutil.which("mosquitto_ctrl"):
+            guard = secrets.token_urlsafe(36)
+            self.guard_secret = home / f"{GUARD_LOGIN}.pw"
+            atomic_write(self.guard_secret, f"{guard}\n".encode(), mode=0o600)
         self.log_file = home / "mosquitto.log"
         self.conf = write_local_mosquitto(home, self.port, {user: password}, BROKER_CONF,
                                           PROJECT_ACL, getpass.getuser(), log_file=self.log_file,
-                                          host=host)
+                                          host=host, guard=guard)
         self.command = [exe, "-c", str(self.conf)]
         self.proc: subprocess.Popen | None = None
 

@@ -19,7 +19,13 @@ from fedseq.common.config import DeployConfig, ExperimentConfig, FleetConfig
 from fedseq.common.data.placed import ClientData
 from fedseq.common.errors import ConfigError
 from fedseq.server.asynchronous import BufferedAsync
-from fedseq.server.broker import EmbeddedBroker, LocalMosquitto, coordinator_login, one_run_login
+from fedseq.server.broker import (
+    GUARD_LOGIN,
+    EmbeddedBroker,
+    LocalMosquitto,
+    coordinator_login,
+    one_run_login,
+)
 from fedseq.server.checkpoint import Checkpoint
 from fedseq.server.coordinator import DriverFactory, RunResult
 from fedseq.server.experiment import Experiment
@@ -148,8 +154,12 @@ def embedded_broker(stack: contextlib.ExitStack, d: DeployConfig, rehearsal: Reh
         home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-mosquitto-")))
         broker = stack.enter_context(LocalMosquitto(host, d.port, home))
         announce(f"Mosquitto for this {whose} at {broker.url} (the project's broker.conf and ACL; "
-                 "one login, for the coordinator and its local devices)")
-        return broker.url, {"username": broker.user, "password_file": broker.secret}
+                 "one login, for the coordinator and its local devices"
+                 + ("; the flood guard on" if broker.guard_secret else "") + ")")
+        login: dict[str, Any] = {"username": broker.user, "password_file": broker.secret}
+        if broker.guard_secret is not None:  # the flood guard wherever the broker can have it
+            login.update(guard_username=GUARD_LOGIN, guard_password_file=broker.guard_secret)
+        return broker.url, login
     passwords, login = d.broker_password_file, {}
     if rehearsal is not None and passwords is None:
         auth = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-rehearsal-"))

@@ -147,6 +147,12 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
     assert re.search(r"^plugin /usr/lib/.*-linux-gnu/mosquitto_dynamic_security\.so$", conf, re.M)
     assert f"plugin_opt_config_file {tmp_path / 'lib'}/dynamic-security.json" in conf
     assert (tmp_path / "lib" / "dynamic-security.json").stat().st_mode & 0o077 == 0
+    # the guard's role: the plugin's control topic, and nothing else (dynsec init gives it '#')
+    dynsec = json.loads((tmp_path / "lib" / "dynamic-security.json").read_text())
+    acls = [a for r in dynsec["roles"] for a in r["acls"]]
+    assert {a["topic"] for a in acls if a["allow"]} == {"$CONTROL/dynamic-security/#"}
+    assert {(a["acltype"], a["topic"]) for a in acls if not a["allow"]} == {
+        ("publishClientSend", "#"), ("publishClientReceive", "#"), ("subscribePattern", "#")}
     assert "g-pw" not in r.stdout + r.stderr
     changed = {**extra, "fedseq_broker_passwords": {**users, "local02": "d2-new"}}
     r = subprocess.run(["ansible-playbook", "-i", "localhost,", str(play), "-e",
@@ -233,3 +239,29 @@ def _crl(ca_cert, ca_key, revoked_cert) -> bytes:
            .next_update(now + dt.timedelta(days=30)).add_revoked_certificate(entry)
            .sign(key, hashes.SHA256()))
     return crl.public_bytes(serialization.Encoding.PEM)
+
+
+def test_the_roll_out_makes_the_guard_password_once_and_strong(tmp_path):
+    """Hardening VI, finding 2: the flood guard is on by default. site.yml's group_vars make its
+    password on the controller (ansible's password lookup), the same value for the broker's and
+    the coordinator's roles on every run, strong enough for the coordinator's check, in a file
+    its owner alone reads."""
+    from fedseq.common.files import read_private_secret
+
+    def value() -> str:
+        r = subprocess.run(
+            ["ansible", "localhost", "-i", "localhost,", "-c", "local", "--playbook-dir",
+             str(ANSIBLE), "-e", f"fedseq_credentials_dir={tmp_path / 'cred'}", "-m",
+             "ansible.builtin.debug", "-a", "var=fedseq_guard_password"],
+            capture_output=True, text=True, timeout=300,
+            env={**os.environ, "ANSIBLE_NOCOLOR": "1"})
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        return json.loads(r.stdout.split("=>", 1)[1])["fedseq_guard_password"]
+
+    first = value()
+    assert value() == first and len(first) == 48
+    secret = tmp_path / "cred" / "fedseq-guard"
+    assert secret.read_text().strip() == first
+    assert secret.stat().st_mode & 0o077 == 0
+    assert read_private_secret(secret, "the guard password", "a test") == first
+

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -166,6 +167,10 @@ def test_a_run_s_mosquitto_takes_its_one_login_only_and_stops_with_the_run(tmp_p
         assert connack("127.0.0.1", broker.port) != 0
         assert connack("127.0.0.1", broker.port, "coordinator", password + "x") != 0
         assert "acl_file" in broker.conf.read_text()
+        # the flood guard is on: its own login, with a password made for the run
+        assert broker.guard_secret is not None and broker.guard_secret.stat().st_mode & 0o077 == 0
+        assert connack("127.0.0.1", broker.port, "fedseq-guard",
+                       broker.guard_secret.read_text().strip()) == 0
     assert connack("127.0.0.1", broker.port, "coordinator", password) == -1
 
 
@@ -231,3 +236,48 @@ def test_status_finds_a_run_directory_s_broker_and_reads_only_statuses(tmp_path)
     assert r.returncode == 0, r.stderr
     assert any(ln.startswith("dev02") and "online" in ln for ln in r.stdout.splitlines()), r.stdout
     assert "invalid" not in r.stdout + r.stderr, r.stdout + r.stderr
+
+
+def test_the_guard_login_administers_logins_and_reads_no_devices_topic(mosquitto):
+    """Hardening VI, finding 7: `mosquitto_ctrl dynsec init` gives the guard's admin role '#' and
+    $SYS/#; fedseq keeps only the plugin's control topic. The guard login still lists the
+    broker's logins (what it disables them with), and no longer reads a device's updates or
+    assignment; what the ACL's patterns let every login read (the coordinator's broadcasts:
+    step, weights, run config) and $SYS stay as for any device login."""
+    import json
+
+    import paho.mqtt.client as mqtt
+
+    port, home, _ = mosquitto
+    got: list[tuple[str, bytes]] = []
+
+    def login(name: str, password: str) -> mqtt.Client:
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"{name}-probe")
+        c.username_pw_set(name, password)
+        c.connect("127.0.0.1", port)
+        c.loop_start()
+        return c
+
+    guard = login("fedseq-guard", (home / "fedseq-guard.pw").read_text().strip())
+    guard.on_message = lambda c, u, m: got.append((m.topic, m.payload))
+    coordinator, device = login("coordinator", "c-secret"), login("local01", "d1-secret")
+    try:
+        for topic in ("#", "fedseq/#", "$CONTROL/dynamic-security/#"):
+            guard.subscribe(topic, qos=1)
+        time.sleep(0.5)
+        device.publish("fedseq/update/local01", b"an update", qos=1).wait_for_publish(10)
+        coordinator.publish("fedseq/device/local01/assign", b"an assignment",
+                            qos=1).wait_for_publish(10)
+        guard.publish("$CONTROL/dynamic-security/v1", json.dumps(
+            {"commands": [{"command": "listClients"}]}).encode(), qos=1).wait_for_publish(10)
+        deadline = time.monotonic() + 10
+        while not any(t.endswith("/response") for t, _ in got) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+    finally:
+        for c in (guard, coordinator, device):
+            c.loop_stop()
+            c.disconnect()
+    answers = [json.loads(p) for t, p in got if t == "$CONTROL/dynamic-security/v1/response"]
+    assert answers and answers[0]["responses"][0]["command"] == "listClients", got
+    assert not [t for t, _ in got if t.startswith("fedseq/")], [t for t, _ in got]
