@@ -34,6 +34,7 @@ import hashlib
 import hmac
 import io
 import logging
+import math
 import os
 import pickle
 import platform
@@ -132,7 +133,14 @@ def _tensor(dtype: str, shape: tuple[int, ...], raw: bytearray) -> torch.Tensor:
     kind = DTYPES.get(dtype) if isinstance(dtype, str) else None
     if kind is None or not isinstance(raw, (bytes, bytearray)):
         raise pickle.UnpicklingError(f"a tensor of dtype {printable(str(dtype), 40)}")
-    return torch.frombuffer(raw, dtype=kind).reshape(shape) if raw else torch.empty(shape, dtype=kind)
+    if not isinstance(shape, tuple) or not all(type(n) is int and n >= 0 for n in shape):
+        raise pickle.UnpicklingError("a tensor whose shape is not a tuple of sizes")
+    if not raw:  # its bytes are its size: an empty one holds no element (no allocation by shape)
+        if math.prod(shape) != 0:
+            raise pickle.UnpicklingError(f"a tensor of shape {printable(str(shape), 60)} "
+                                         "without its bytes")
+        return torch.empty(shape, dtype=kind)
+    return torch.frombuffer(raw, dtype=kind).reshape(shape)
 
 
 class _PlainData(pickle.Unpickler):

@@ -92,6 +92,21 @@ def test_a_step_or_answer_cannot_run_code(tmp_path):
         unpack(forged)
     assert distributed.DTYPES["float32"] is torch.float32
 
+    class Huge:  # Hardening VI, finding 9: a tensor sized by its shape alone, without its bytes
+        def __init__(self, shape, raw):
+            self.args = ("float32", shape, raw)
+
+        def __reduce__(self):
+            return (distributed._tensor, self.args)
+
+    for shape, raw, words in (((5 << 30,), bytearray(), "without its bytes"),
+                              ((2, -3), bytearray(24), "tuple of sizes"),
+                              ([4], bytearray(16), "tuple of sizes"),
+                              ((3,), bytearray(16), "")):  # 16 bytes are not 3 floats
+        with pytest.raises(TransportError, match=words):
+            unpack(pickle.dumps(Huge(shape, raw), protocol=5))
+    assert unpack(pickle.dumps(Huge((0, 5), bytearray()), protocol=5)).shape == (0, 5)
+
 
 def _hello(rank, host, gpus):
     return {"rank": rank, "host": host, "gpus": gpus, "torch": "2.13.0+cpu"}

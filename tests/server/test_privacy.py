@@ -418,3 +418,28 @@ def test_a_checkpoint_keeps_each_clients_dp_sgd_steps():
     state = LoopState({"a": 1}, {0: {"a": 1}}, record_steps={3: 40, 7: 12})
     assert LoopState.from_json(state.to_json()).record_steps == {3: 40, 7: 12}
     assert "record_steps" not in LoopState({"a": 1}, {}).to_json()  # as before without it
+
+
+@pytest.mark.slow("three short DP simulations, one of them buffered-asynchronous: ~8 s")
+def test_epsilon_counts_what_was_sampled_not_what_arrived(data_root):
+    """Hardening VI, finding 9. Every round's epsilon is the accountant's for the rounds run,
+    whatever arrived: a round whose every update is refused (dropouts, as the devices' failures
+    are) spends what a counted round spends, since the clients were sampled and the noise was
+    drawn; a buffered-asynchronous run is accounted per server step at q = 1, however many
+    updates its steps folded."""
+    base = ("algorithm.name=fedavg", "rounds=3", "train.join_ratio=0.6", "privacy.enabled=true",
+            "privacy.clip_norm=5", "privacy.noise_multiplier=0.8", "seeds.noise=0")
+    counted = run_simulation(quick_config(data_root, *base), out=None).rows
+    refused = run_simulation(quick_config(data_root, *base, "aggregation.max_abs_delta=1e-30"),
+                             out=None).rows
+    assert all(r["status"] == "ok" for r in counted)
+    assert all(r["status"] == "failed" and not r["reported"] for r in refused)
+    want = [epsilon(0.6, 0.8, t + 1, 1e-5) for t in range(3)]
+    assert [r["epsilon"] for r in counted] == [r["epsilon"] for r in refused]
+    assert [r["epsilon"] for r in counted] == pytest.approx(want)
+    asynchronous = run_simulation(quick_config(
+        data_root, *base, "train.mode='async'", "train.concurrency=3", "train.buffer=2",
+        "fleet.devices=[{profile='nano',count=2}]"), out=None).rows
+    steps = [r for r in asynchronous if r["phase"] == "train"]
+    assert [r["epsilon"] for r in steps] == pytest.approx(
+        [epsilon(1.0, 0.8, t + 1, 1e-5) for t in range(len(steps))])
