@@ -17,7 +17,7 @@ import paho.mqtt.client as mqtt
 import pytest
 import torch
 
-from conftest import device_process, quick_config
+from conftest import device_process, quick_config, wait_online
 from fedseq.common.protocol.frames import pack_chunk, split_frame
 from fedseq.common.protocol.messages import (
     DeviceStatus,
@@ -156,6 +156,8 @@ def test_faulty_stages_drop_their_clients_and_the_round_still_counts(
     daemon = device_process("local01", port, home, data_root)
     faulty, capture = FaultyDevice(port, pw["local02"]), Capture(port, pw["coordinator"])
     try:
+        # online before the run starts: its 2 s wait is for the stages, not a daemon's start under load
+        wait_online(port, home, "local01")
         res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
                              announce=lambda s: None)
     finally:
