@@ -150,6 +150,32 @@ class Registry:
         """The plugin names this process may use beside the built-ins; None: all installed."""
         return self._allowed
 
+    def pins(self, names: Dict[str, str]) -> Dict[str, str]:
+        """"group/name" -> "distribution==version" of each plugin among a run's names ({group:
+        name}; fedseq's built-ins left out: a device's fedseq version is checked apart): what
+        a device must have installed to follow the run bitwise (RunConfig.plugins)."""
+        out = {}
+        for group, name in names.items():
+            e = self.entry(group, name)
+            if not e.builtin:
+                out[f"{group}/{name}"] = f"{e.distribution}=={e.version}"
+        return out
+
+    def pin_problem(self, pins: Dict[str, str]) -> Optional[str]:
+        """Why this process cannot follow a run whose plugins are `pins` (`pins`), or None: a
+        name installed here from another distribution or version. A name not installed or not
+        allowed here is the config's validation to say."""
+        for key, want in sorted(pins.items()):
+            group, _, name = key.partition("/")
+            if group not in GROUPS or not self.has(group, name):
+                continue
+            e = self._scan()[group][name]
+            have = f"{e.distribution}=={e.version}"
+            if have != want:
+                return (f"{KINDS[group]} {name!r} is {want} on the coordinator but {e.distribution} "
+                        f"{e.version} here (pip install '{want}' on this device)")
+        return None
+
     def used(self, names: Dict[str, str]) -> List[Dict[str, str]]:
         """The distributions behind a run's names ({group: name}), for its run directory."""
         out = []

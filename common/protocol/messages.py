@@ -173,10 +173,15 @@ class RunConfig(Message):
     """The run's whole experiment config (retained): devices derive the partition, the model
     and the seeds from it."""
 
+    since_current = ("plugins",)
+
     run_id: str
     config: Dict[str, Any] = Field(description=(
         "The experiment's config as the coordinator resolved it, less its own paths and accounts; "
         "validated again on receipt."))
+    plugins: Dict[str, str] = Field(default_factory=dict, description=(
+        "\"group/name\" -> \"distribution==version\" of every plugin the run uses, as the "
+        "coordinator has it installed: a device with another version refuses the run, saying so."))
 
 
 class Assignment(Message):

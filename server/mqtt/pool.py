@@ -28,6 +28,7 @@ from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.protocol.topics import Topics
+from fedseq.common.registry import REGISTRY
 from fedseq.common.secagg import MASKED, setup_to_dict
 from fedseq.common.text import printable
 from fedseq.server.mqtt.blocks import BlockPublisher
@@ -160,13 +161,18 @@ class MqttPool:
         self.devices = self.session.wait_for_devices(minimum, timeout)
         return self.devices
 
+    def run_config(self) -> RunConfig:
+        """The run config devices follow: the config less the coordinator's own keys, and the
+        installed version of every plugin it uses (a device with another refuses the run)."""
+        return RunConfig(run_id=self.run_id, config=self.cfg.for_devices(),
+                         plugins=REGISTRY.pins(self.cfg.registered_names()))
+
     def gather_clients(self, timeout: float) -> list[tuple[str, ClientData]]:
         """data.placement = "device": publish the run config, then wait (at most `timeout` s)
         until every online device has announced the clients in its data folder or said why it
         cannot follow the run; the clients are numbered by device name, then folder name. A
         device that said nothing, or announced what cannot be true, is left out, in one line."""
-        rc = RunConfig(run_id=self.run_id, config=self.cfg.for_devices())
-        self.session.retain(self.topics.run_config, rc.encode())
+        self.session.retain(self.topics.run_config, self.run_config().encode())
         online, refused = self.session.online, self.session.incompatible
 
         def told(d: str) -> bool:
@@ -228,8 +234,7 @@ class MqttPool:
         # at most every shared tensor, coded, twice (SCAFFOLD's control variates beside them)
         self.inbox.open(self.owner, biggest, 2 * max(len(shared), len(coded)))
         self.update_chunks = self.inbox.update_chunks  # messages per update, at most
-        rc = RunConfig(run_id=self.run_id, config=self.cfg.for_devices())
-        self.session.retain(self.topics.run_config, rc.encode())
+        self.session.retain(self.topics.run_config, self.run_config().encode())
         for d, clients in self.assignment.items():
             folders = [self.roster[c][1].folder for c in clients] if self.roster else []
             self.session.retain(self.topics.assignment(d), Assignment(

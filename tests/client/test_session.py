@@ -291,3 +291,26 @@ def test_an_assignment_it_cannot_read_is_said_to_the_coordinator(tmp_path):
     assert "dev01 cannot read its assignment for run r1" in said[-1][2] and "shards" in said[-1][2]
     s.on_message(T.assignment("dev01"), newer.replace(b'"r1"', b'"other"'))  # not its run
     assert len(said) == 1
+
+
+def test_a_run_whose_plugin_is_another_version_here_is_refused_saying_which(tmp_path):
+    """Issue 77, item 7: the run config names the version of every plugin the coordinator runs;
+    a device that has another one installed says so (and how to fix it) instead of training
+    other code. (fedseq's own entries stand in for a lab's package here.)"""
+    from fedseq.common import __version__
+    from fedseq.common.registry import REGISTRY
+
+    s = DeviceSession("dev01", "mqtt://127.0.0.1:1", "cpu", tmp_path)
+    said = []
+    s.announce = lambda: said.append(s.last_error)
+    cfg = load_config(None, []).model_dump(mode="json")
+    s.on_message(T.run_config, RunConfig(run_id="r1", config=cfg,
+                                         plugins={"models/cnn": "fedseq==0.0.0"}).encode())
+    assert s.run is None and said and said[-1][:2] == ("r1", -1)
+    assert said[-1][2] == (f"dev01 cannot follow run r1: model 'cnn' is fedseq==0.0.0 on the "
+                           f"coordinator but fedseq {__version__} here (pip install "
+                           "'fedseq==0.0.0' on this device)")
+    same = REGISTRY.pins({"models": "cnn"}) or {"models/cnn": f"fedseq=={__version__}"}
+    s.on_message(T.run_config, RunConfig(run_id="r2", config=cfg, plugins=same).encode())
+    assert s.run is not None and s.run.run_id == "r2"
+    assert REGISTRY.pins({"models": "cnn", "algorithms": "fedavg"}) == {}  # built-ins: no pin
