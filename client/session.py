@@ -41,6 +41,7 @@ from fedseq.common.protocol.messages import (
     ServerStatus,
     Step,
     WeightsHeader,
+    run_id_of,
     version_mismatch,
 )
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
@@ -56,18 +57,6 @@ log = logging.getLogger(__name__)
 #: asks the broker for the retained blocks again (`DeviceSession.weights_stalled`); each ask
 #: doubles the next silence, up to RESYNC_MAX_S
 RESYNC_S, RESYNC_MAX_S = 30.0, 480.0
-
-
-def _run_of(payload: bytes) -> Optional[str]:
-    """The run id a JSON message names, or None (not JSON, or none)."""
-    import json
-
-    try:
-        raw = json.loads(payload) if len(payload) <= 1 << 20 else None
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    run_id = raw.get("run_id") if isinstance(raw, dict) else None
-    return run_id if isinstance(run_id, str) else None
 
 
 class Superseded(Exception):
@@ -251,8 +240,8 @@ class DeviceSession:
             log.warning("dropped message on %s: %s", topic, exc)
             other = version_mismatch(payload) if kind in ("run_config", "step") else None
             run = self.run
-            if kind == "assignment" and other is None and run is not None \
-                    and version_mismatch(payload) is None and _run_of(payload) == run.run_id:
+            if kind == "assignment" and run is not None and version_mismatch(payload) is None \
+                    and run_id_of(payload) == run.run_id:
                 # its clients are unknown here: said at once, or their rounds wait out deadlines
                 self.report_failure(run.run_id, -1, f"{self.device} cannot read its assignment "
                                                     f"for run {run.run_id}: {exc}")

@@ -31,18 +31,32 @@ HEARTBEAT_S = 15.0
 def version_mismatch(payload: bytes) -> tuple[int, str | None] | None:
     """(the other side's protocol version, its run id) when `payload` is JSON of another protocol
     version; None otherwise. Lets either side say *why* it cannot read the other."""
+    raw = _json_object(payload)
+    if raw is not None and isinstance(raw.get("v"), int) and raw["v"] != PROTOCOL_VERSION:
+        run_id = raw.get("run_id")
+        return raw["v"], run_id if isinstance(run_id, str) else None
+    return None
+
+
+def run_id_of(payload: bytes) -> str | None:
+    """The run id a JSON message names (read loosely: the message may be invalid), or None."""
+    raw = _json_object(payload)
+    run_id = raw.get("run_id") if raw is not None else None
+    return run_id if isinstance(run_id, str) else None
+
+
+def _json_object(payload: bytes) -> dict | None:
+    """`payload` as a JSON object, or None (not JSON, not an object, or longer than any run
+    config or step: not worth parsing again)."""
     import json
 
-    if len(payload) > 1 << 20:  # no run config or step is that long: not worth parsing again
+    if len(payload) > 1 << 20:
         return None
     try:
         raw = json.loads(payload)
     except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested junk
         return None
-    if isinstance(raw, dict) and isinstance(raw.get("v"), int) and raw["v"] != PROTOCOL_VERSION:
-        run_id = raw.get("run_id")
-        return raw["v"], run_id if isinstance(run_id, str) else None
-    return None
+    return raw if isinstance(raw, dict) else None
 
 
 class PeerVersion(ProtocolError):
