@@ -2,6 +2,7 @@
 
 import pytest
 
+from conftest import server_only
 from fedseq.common.algorithms import ALGORITHMS, algorithm_class, make_algorithm, model_layout
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import load_config
@@ -128,7 +129,6 @@ def test_fedregs_rebalanced_set_is_its_client_sides_data_source():
     from fedseq.common.algorithms.hooks import ClientSide, UnknownAlgorithm, client_side
     from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict, plan_to_dict
     from fedseq.common.data.rebalance import rebalanced_size
-    from fedseq.common.flops import phase_rows as flop_rows
     from fedseq.common.training import phase_rows
 
     alg = _alg("fedreg")
@@ -138,7 +138,7 @@ def test_fedregs_rebalanced_set_is_its_client_sides_data_source():
     counts = shard.train_class_counts(data.y, data.num_classes)
     side = client_side(plan)
     rows = phase_rows(plan.phases[1], side, data, shard, 0, 0)
-    assert len(rows.rows) == rebalanced_size(counts, 200.0)[0] == flop_rows(plan, data, shard)[1]
+    assert len(rows.rows) == rebalanced_size(counts, 200.0)[0]
     assert rows.effective == rebalanced_size(counts, 200.0)[1] == alg.effective_samples(counts)
     assert set(plan_to_dict(plan)) >= {"params"} and "rebalance_threshold" not in plan_to_dict(plan)
     # a plan from a coordinator of before: its threshold is read into the params
@@ -148,3 +148,17 @@ def test_fedregs_rebalanced_set_is_its_client_sides_data_source():
     with pytest.raises(UnknownAlgorithm, match="'rebalanced', a data source"):
         phase_rows(fedavg.phases[1], ClientSide(), data, shard, 0, 0)
     assert torch.equal(phase_rows(plan.phases[0], side, data, shard, 0, 0).rows, shard.train)
+
+
+@server_only
+def test_the_flop_count_reads_fedregs_rebalanced_size():
+    """The coordinator's FLOP count runs the rebalanced phase on the rows its client side makes."""
+    from conftest import synthetic_data
+    from fedseq.common.data.rebalance import rebalanced_size
+    from fedseq.common.flops import phase_rows as flop_rows
+
+    plan = _alg("fedreg").plan(0)
+    data = synthetic_data()
+    shard = data.clients[0]
+    counts = shard.train_class_counts(data.y, data.num_classes)
+    assert flop_rows(plan, data, shard)[1] == rebalanced_size(counts, 200.0)[0]
