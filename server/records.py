@@ -151,9 +151,8 @@ class RoundRecord(_Record):
     #: data.validation, None without one)
     global_acc: float | None = None
     #: data.placement = "device": the global model on the clients' own test rows, scored where
-    #: they are (the devices) and pooled; rows of a shared placement have none (the report:
-    #: its best)
-    federated_acc: float | None = Field(None, json_schema_extra=summary("max"))
+    #: they are (the devices) and pooled; rows of a shared placement have none (the report: F)
+    federated_acc: float | None = None
     #: every client's personalized model on its own test rows
     personal_acc: float | None = None
     #: FedReG's testbed accuracy: every client's most recent locally trained model
@@ -266,8 +265,8 @@ class RoundRecord(_Record):
 
     def accuracies(self) -> dict[str, float | None]:
         """The row's accuracies by their short names in tables and figures."""
-        return {"G": self.global_acc, "P": self.personal_acc, "L": self.local_acc,
-                "Lr": self.round_local_acc}
+        return {"G": self.global_acc, "F": self.federated_acc, "P": self.personal_acc,
+                "L": self.local_acc, "Lr": self.round_local_acc}
 
     def set_transport(self, outcome: RoundOutcome) -> None:
         """Record a transport with deadlines (deployment): the deadline, who sent each update,

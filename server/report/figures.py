@@ -77,20 +77,27 @@ def _seed_curve(runs: list[Run], name: str) -> tuple[list[int], list[float], lis
 
 
 def _accuracy_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
-    """accuracy.png: G, P and L per round, a group's seeds as mean, ± sd and min-max."""
+    """accuracy.png: G, P and L per round, a group's seeds as mean, ± sd and min-max; F (the
+    global model scored on the devices, data.placement = "device") dotted beside G."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2), sharey=True)
-    for ax, name, title in zip(axes, ("G", "P", "L"),
-                               ("global model", "personalized (after aggregation)",
-                                "local model (FedReG testbed)"), strict=True):
+    federated = False
+    panels = (("G", "G"), ("G", "F"), ("P", "P"), ("L", "L"))
+    titles = {"G": "global model", "P": "personalized (after aggregation)",
+              "L": "local model (FedReG testbed)"}
+    for panel, name in panels:
+        ax = axes["GPL".index(panel)]
         for group in pal.groups:
             star = name == "G" and group.init_global
-            label = plot_label(group.legend) + ("*" if star else "")
+            label = plot_label(group.legend) + ("*" if star else "") + \
+                (" (F, on the devices)" if name == "F" else "")
             curve = _seed_curve(group.runs, name)
             if not curve:
                 continue
+            federated |= name == "F"
             xs, mean, sd, lo, hi = curve
             color = pal.colors[id(group.runs[0])]
-            ax.plot(xs, mean, label=label, lw=1.4, ls="--" if star else "-", color=color,
+            ax.plot(xs, mean, label=label, lw=1.4, color=color,
+                    ls=":" if name == "F" else "--" if star else "-",
                     marker="o" if len(xs) <= 30 else None, ms=3)
             if len(group.runs) > 1:
                 ax.fill_between(xs, [m - d for m, d in zip(mean, sd, strict=True)],
@@ -100,10 +107,11 @@ def _accuracy_figure(plt: Any, runs: list[Run], pal: _Palette) -> Any:
             ends = [r.rows[-1] for r in group.runs]
             tuned = [100 * a for e in ends
                      if e.phase == "finetune" and (a := e.accuracies()[name]) is not None]
-            if name != "G" and len(tuned) == len(group.runs):
+            if name in ("P", "L") and len(tuned) == len(group.runs):
                 ax.plot([ends[0].round], [statistics.fmean(tuned)], marker="*", ms=11,
                         color=color)
-        ax.set_title(title)
+        ax.set_title(titles[panel] + (" (dotted F: scored on the devices)"
+                                      if panel == "G" and federated else ""))
         ax.set_xlabel("round")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("accuracy (%)")

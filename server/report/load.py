@@ -21,7 +21,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 #: the accuracies of a summary row, by their table names (RoundRecord.accuracies)
-ACCURACIES = ("G", "P", "L", "Lr")
+ACCURACIES = ("G", "F", "P", "L", "Lr")
 #: how many evaluated rounds "last10" averages
 LAST = 10
 

@@ -17,7 +17,7 @@ from fedseq.server.seeds import defining
 
 
 def _values(rows: list[RoundRecord], name: str) -> list[float]:
-    """The accuracy `name` (G, P, L, Lr) of the rows that have it."""
+    """The accuracy `name` (G, F, P, L, Lr) of the rows that have it."""
     return [a for r in rows if (a := r.accuracies()[name]) is not None]
 
 
@@ -56,7 +56,7 @@ class Accuracy:
 
 @dataclass(frozen=True)
 class RunSummary:
-    """A run summarized, typed: what it is, its accuracies (G, P, L, Lr in %), the per-client
+    """A run summarized, typed: what it is, its accuracies (G, F, P, L, Lr in %), the per-client
     spread of its final personalized accuracy, and its costs. `row()` is its table row."""
 
     run: str
@@ -106,7 +106,7 @@ class RunSummary:
 
 
 def summarize(run: Run) -> RunSummary:
-    """A run's final, best and last-10-rounds G, P, L and Lr (%), the per-client spread of the
+    """A run's final, best and last-10-rounds G, F, P, L and Lr (%), the per-client spread of the
     final personalized accuracy, rounds, bytes, FLOPs, time, energy."""
     train = run.train_rows
     last = run.rows[-1] if run.rows else None
@@ -269,7 +269,7 @@ def summarize_group(group: Group) -> dict[str, Any]:
 
 
 #: the accuracies the paired table compares
-PAIRED = ("G best", "G final", "P final", "L best", "Lr best")
+PAIRED = ("G best", "G final", "F best", "P final", "L best", "Lr best")
 
 
 def _seed_key(run: Run) -> tuple[Any, ...]:

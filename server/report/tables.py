@@ -95,14 +95,15 @@ def _fmt(v: Any) -> str:
 # The Markdown table's columns (summary.csv has every number, spreads included); an accuracy
 # shows mean ± sd where a group has several seeds.
 MD_COLUMNS = ("run", "algorithm", "dataset", "model", "wire", "seeds", "varied", "rounds", "finetuned",
-              "device", "G best", f"G last{LAST}", "G final", "P best", "P final", "L best", "L final",
-              "Lr best", "client mean", "client sd", "worst 10%", "global model", "MB moved", "train TFLOP",
-              "wall s", "energy kJ", "J/round", "finetune kJ")
+              "device", "G best", f"G last{LAST}", "G final", "F best", f"F last{LAST}", "F final",
+              "P best", "P final", "L best", "L final", "Lr best", "client mean", "client sd",
+              "worst 10%", "global model", "MB moved", "train TFLOP", "wall s", "energy kJ",
+              "J/round", "finetune kJ")
 
 
 #: what the terminal shows of summary.md (the rest, and the notes, are in the files)
-TERMINAL_COLUMNS = ("run", "algorithm", "seeds", "rounds", "G best", "G final", "P best",
-                    "P final")
+TERMINAL_COLUMNS = ("run", "algorithm", "seeds", "rounds", "G best", "G final", "F best",
+                    "P best", "P final")
 
 
 def terminal_table(rows: list[dict[str, Any]]) -> str:
@@ -195,6 +196,10 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
         "varied = the random streams the seeds changed. train TFLOP: measured training compute, "
         "fine-tuning included.",
     ]
+    if "F best" in shown:
+        notes.append("F (data.placement = \"device\"): the global model on each client's own "
+                     "test rows, scored on the devices and pooled; G is then the global model on "
+                     "the coordinator's data.validation (none without it).")
     if any(r["state"] != "finished" for r in rows):
         notes.append("rounds: a row not finished says so (\"45 of 100, interrupted\"); its final "
                      "and last10 are those of its last row, and a \"mixed\" group averages runs "

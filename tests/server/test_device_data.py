@@ -25,6 +25,14 @@ def test_a_simulation_reads_each_devices_folder_and_scores_where_the_rows_are(tm
     sizes = (tmp_path / "run" / "clients.csv").read_text().splitlines()[1:]
     assert [line.split(",")[1:3] for line in sizes] == [["160", "40"]] * 3
     assert "num_clients = 3" in (tmp_path / "run" / "config.toml").read_text()
+    # the report shows the federated accuracy (F) beside G, and says what each one measures
+    from fedseq.server.report import report
+    table, _ = report([tmp_path / "run"], tmp_path / "rep", figures=False)
+    fed = [100 * r["federated_acc"] for r in res.rows if r.get("federated_acc") is not None]
+    assert table[0]["F best"] == round(max(fed), 2) and table[0]["F final"] == round(fed[-1], 2)
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| G final | F best | F last10 | F final |" in md
+    assert "F (data.placement = \"device\"): the global model on each client's own" in md
 
 
 def test_without_a_validation_set_the_federated_score_is_the_measure(tmp_path, one_thread):

@@ -45,7 +45,7 @@ def test_fields_are_typed_from_the_json():
     assert rec.reporters == {4: "jetson02"}
     assert rec.energy is not None and rec.energy.clients == {4: 12.5}
     assert rec.energy.devices["jetson02"].w == 5.0  # type: ignore[union-attr]
-    assert rec.accuracies() == {"G": 0.5, "P": 0.75, "L": None, "Lr": 0.8}
+    assert rec.accuracies() == {"G": 0.5, "F": None, "P": 0.75, "L": None, "Lr": 0.8}
     assert rec.unknown == {"some_future_key": {"kept": [1, 2]}}
     ft = RoundRecord.from_json(FINETUNE_V1)
     assert ft.diverged == {1: 3} and ft.energy is not None and not hasattr(ft.energy, "devices")

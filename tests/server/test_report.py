@@ -55,6 +55,7 @@ def test_report_writes_figures_and_tables(two_runs, tmp_path):
     # the paper's columns sit right of the metric they compare with: its testbed "P" scores
     # locally trained models (our L and Lr), not the aggregated personalized model (our P)
     assert "| G best | paper G |" in md and "| Lr best | paper P |" in md
+    assert "F best" not in md and "F (data.placement" not in md  # no run scored on devices
     # 3 rounds on 5% of the data over 5 clients: the paper's numbers are not for that setting
     assert "The paper's numbers come from its own setting" in md
     assert "rounds 3 (the paper: 100)" in md and "data.num_clients 5 (the paper: 30)" in md
