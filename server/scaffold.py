@@ -1,9 +1,11 @@
 """`fedseq new NAME`: a lab's own pip-installable package of fedseq plugins, ready to edit.
 
-It holds a model (a plain torch module), a dataset (synthetic rows, so its tests need no files),
-an algorithm with a server step and a client hook, a config.toml that runs them on the data
-root's Fashion-MNIST (`fedseq-sim --config config.toml`), tests that pass with `python -m pytest`
-inside it, and a README saying how to install, test, run and deploy it. The entry points
+It holds a model (a plain torch module), a dataset (synthetic rows, so its tests need no files,
+and a reader of the files a device holds), an algorithm with a server step and a client hook, a
+config.toml that runs them on the data root's Fashion-MNIST (`fedseq-sim --config config.toml`),
+a device-data.toml that runs them on data left on the devices (data.placement = "device";
+simulated with `fedseq-sim --devices-data`), tests that pass with `python -m pytest` inside it,
+and a README saying how to install, test, run and deploy it. The entry points
 (groups fedseq.models, fedseq.datasets, fedseq.algorithms) register NAME-net, NAME-data and
 NAME-avg; a device allows them with --allow-plugin.
 """
@@ -66,6 +68,7 @@ from fedseq.common.algorithms.hooks import ClientSide
 from fedseq.common.config import AlgorithmParams
 from fedseq.common.data.datasets import Dataset
 from fedseq.common.data.readers import RawDataset
+from fedseq.common.errors import DatasetError
 
 
 # -- the model: a plain torch module; its top-level children that hold parameters are its blocks
@@ -88,8 +91,10 @@ def make_model(input_shape, num_classes: int, hidden: int = 64) -> nn.Module:
     return Net(c, h, w, num_classes, hidden)
 
 
-# -- the dataset: describes itself without files; loads its rows (here, made up: replace `load`
-# with a reader of your files under `root`, the data root)
+# -- the dataset: describes itself without files; loads pooled rows from the data root (`load`:
+# here made up, so the tests need no files) and, with data.placement = "device", one part of a
+# client's rows from a device's own folder (`load_part`: here train.npz / test.npz with x and y;
+# replace both with readers of your files)
 class DataOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -113,8 +118,43 @@ class SyntheticData(Dataset):
         return RawDataset(images if rows is None else images[rows], labels.astype(np.int64),
                           o.classes, o.rows * 4 // 5)
 
+    def load_part(self, path, options: Dict[str, Any]) -> RawDataset:
+        """Every row of one part (`train.npz` or `test.npz`) of a client's data on a device: x
+        of shape (N, 1, 8, 8), y of N labels. A bad file is one line naming it."""
+        o = DataOptions.model_validate(options)
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                x, y = f["x"].astype(np.float32), f["y"].astype(np.int64)
+        except (OSError, ValueError, KeyError) as exc:
+            raise DatasetError(f"{{path}}: not a {name}-data part, an .npz file with x and y "
+                               f"({{exc}})") from None
+        if x.shape[1:] != (1, 8, 8) or y.shape != (len(x),) or \
+                (len(y) and not 0 <= y.min() <= y.max() < o.classes):
+            raise DatasetError(f"{{path}}: x is {{x.shape}} and y {{y.shape}}; want (N, 1, 8, 8) "
+                               f"and N labels in 0..{{o.classes - 1}}")
+        return RawDataset(x, y, o.classes, len(y))
+
 
 DATA = SyntheticData()
+
+
+def write_device_folders(dest, seed: int = 0, classes: int = 4):
+    """Demo data folders, one per device, as each device's --data-dir would hold them:
+    dev-a is one client (train.npz, test.npz), dev-b two (north/, south/), each client seeing
+    only some classes. For fedseq-sim --devices-data DEST; on a device, your files instead."""
+    from pathlib import Path
+
+    rng = np.random.default_rng(seed)
+    clients = {{"dev-a": (0, 1), "dev-b/north": (1, 2), "dev-b/south": (2, 3)}}
+    for i, (where, seen) in enumerate(clients.items()):
+        folder = Path(dest) / where
+        folder.mkdir(parents=True, exist_ok=True)
+        for part, n in (("train", 160), ("test", 40)):
+            y = rng.choice(np.array(seen) % classes, n)
+            x = rng.normal(0, 1, (n, 1, 8, 8)).astype(np.float32)
+            x[np.arange(n), 0, y, y] += 4.0  # the same signal as `load`'s rows
+            np.savez(folder / (part + ".npz"), x=x, y=y)
+    return Path(dest)
 
 
 # -- the algorithm: a client hook (an L2 penalty on what a step trains) and a server step (the
@@ -181,6 +221,29 @@ join_ratio = 0.5
 local_epochs = 1
 '''
 
+DEVICE_CONFIG = '''\
+# {name} on data left on the devices: each device reads only its own folder (fedseq-client
+# --device NAME --data-dir PATH) and announces what its clients hold; the coordinator holds no
+# row. Simulated, one device per folder of DIR: fedseq-sim --config device-data.toml
+# --devices-data DIR --out runs/{name}-devices (demo folders: python -c "import {module};
+# {module}.write_device_folders('devices')")
+rounds = 5
+
+[data]
+placement = "device"
+dataset = "{name}-data"
+
+[model]
+name = "{name}-net"
+
+[algorithm]
+name = "{name}-avg"
+
+[train]
+join_ratio = 1.0
+local_epochs = 2
+'''
+
 TESTS = '''\
 """{name}'s plugins, run by fedseq as it runs its own (python -m pytest)."""
 
@@ -209,6 +272,19 @@ def test_it_learns():
     assert rows[-1]["global_acc"] > 0.5  # four classes: chance is 0.25
 
 
+def test_it_learns_on_data_left_on_the_devices(tmp_path):
+    from pathlib import Path
+
+    from {module} import write_device_folders
+
+    devices = write_device_folders(tmp_path / "devices")
+    here = Path(__file__).resolve().parents[1]
+    cfg = load_config(here / "device-data.toml", [f"data.devices_root={{str(devices)!r}}"])
+    row = run_simulation(cfg, None).rows[-1]
+    assert row["reported"] == [0, 1, 2]  # dev-a's client, then dev-b's north and south
+    assert row["federated_acc"] > 0.5  # scored on each client's own test rows
+
+
 def test_a_unit_step_is_fedavg():
     ours = run_simulation(config("algorithm.{name}-avg.scale=1.0"), None).global_weights
     plain = run_simulation(config("algorithm.name=fedavg"), None).global_weights
@@ -228,8 +304,18 @@ fedseq plugins                               # the names, with this package's ve
 fedseq-sim --config config.toml --out runs/{name}
 ```
 
+With the data left on the devices (`device-data.toml`, data.placement = "device"), simulated
+first, one device per folder:
+
+```bash
+python -c "import {module}; {module}.write_device_folders('devices')"   # demo folders
+fedseq-sim --config device-data.toml --devices-data devices --out runs/{name}-devices
+```
+
 On a device: `pip install` this package there (the ansible role's fedseq_client_plugin_wheels),
-then `fedseq-client --allow-plugin {name}-net --allow-plugin {name}-data --allow-plugin {name}-avg`.
+then `fedseq-client --device dev-a --data-dir /path/to/its/data --allow-plugin {name}-net
+--allow-plugin {name}-data --allow-plugin {name}-avg`; the coordinator:
+`fedseq-server start --config device-data.toml`.
 '''
 
 
@@ -244,7 +330,7 @@ def new_package(name: str, dest: Path) -> list[Path]:
     module = name.replace("-", "_")
     files = {
         "pyproject.toml": PYPROJECT, f"src/{module}/__init__.py": MODULE, "config.toml": CONFIG,
-        f"tests/test_{module}.py": TESTS, "README.md": README,
+        "device-data.toml": DEVICE_CONFIG, f"tests/test_{module}.py": TESTS, "README.md": README,
     }
     written = []
     for rel, template in files.items():

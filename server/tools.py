@@ -166,7 +166,8 @@ def new_cmd(
 ) -> None:
     """Write a pip-installable package of fedseq plugins, ready to edit: a model, a dataset and an
     algorithm (a server step and a client hook), a config.toml that runs them on the data root's
-    Fashion-MNIST, tests that pass with `python -m pytest` inside it, and a README."""
+    Fashion-MNIST, a device-data.toml that runs them on data left on the devices, tests that
+    pass with `python -m pytest` inside it, and a README."""
     from fedseq.server.scaffold import new_package
 
     dest = folder if folder is not None else Path(name)

@@ -34,17 +34,28 @@ def test_fedseq_new_writes_a_package_whose_tests_pass_and_whose_config_runs(tmp_
     pkg, site = tmp_path / "acme", tmp_path / "site"
     out = subprocess.run([str(BIN / "fedseq"), "new", "acme-vision", "--dir", str(pkg)],
                          capture_output=True, text=True, check=True, timeout=120)
-    assert "wrote 5 files" in out.stdout
+    assert "wrote 6 files" in out.stdout
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
                     "--no-build-isolation", "--target", str(site), str(pkg)],
                    check=True, timeout=300, cwd=tmp_path, capture_output=True)
     env = {**os.environ, "PYTHONPATH": str(site), "FEDSEQ_DATA": str(data_root)}
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
                            cwd=pkg, env=env, capture_output=True, text=True, timeout=600)
-    assert tests.returncode == 0 and "3 passed" in tests.stdout, tests.stdout[-2000:]
+    assert tests.returncode == 0 and "4 passed" in tests.stdout, tests.stdout[-2000:]
     run = subprocess.run([str(BIN / "fedseq-sim"), "--config", "config.toml", "--set", "rounds=2",
                           "--out", str(tmp_path / "run")], cwd=pkg, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "acme-vision-avg on fmnist (acme-vision-net)" in run.stdout + run.stderr
     assert '"distribution": "acme-vision"' in (tmp_path / "run" / "plugins.json").read_text()
+    # the README's device-data route, as written: demo folders, then the simulated fleet
+    subprocess.run([sys.executable, "-c", "import acme_vision; acme_vision.write_device_folders("
+                    f"{str(tmp_path / 'devices')!r})"], env=env, check=True, timeout=120)
+    run = subprocess.run([str(BIN / "fedseq-sim"), "--config", "device-data.toml", "--set",
+                          "rounds=2", "--devices-data", str(tmp_path / "devices"), "--out",
+                          str(tmp_path / "placed")], cwd=pkg, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "num_clients = 3" in (tmp_path / "placed" / "config.toml").read_text()
+    rows = (tmp_path / "placed" / "metrics.jsonl").read_text().splitlines()
+    assert '"federated_acc"' in rows[-1]
