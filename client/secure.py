@@ -16,17 +16,18 @@ import numpy as np
 
 from fedseq.common.models import Weights, block_of
 from fedseq.common.secagg import (
-    CIPHER_BYTES,
     MASKED,
+    Checks,
     Layout,
     SecAggClient,
     SecAggError,
     Setup,
     answer_to_wire,
     client_vector,
-    from_text,
     keys_from_wire,
+    relay_from_wire,
     setup_from_dict,
+    shares_to_wire,
     to_signed,
     to_text,
 )
@@ -50,6 +51,7 @@ class SecureRound:
         self.unweighted = unweighted
         self.parties = {c: SecAggClient(c, setup) for c in mine if c in setup.graph}
         self.routed: Dict[int, Dict[int, bytes]] = {}  # client -> sender -> its encrypted share
+        self.checks: Dict[int, Checks] = {}  # client -> sender -> its checks of that share
         self.stopped: Dict[int, str] = {}
 
     def _stop(self, c: int, why: object) -> None:
@@ -61,7 +63,8 @@ class SecureRound:
         return {c: [to_text(k) for k in p.advertise()] for c, p in self.parties.items()}
 
     def share(self, items: Mapping[int, object]) -> Dict[int, Any]:
-        """Stage 2: the neighbours' keys in; each client's encrypted shares and commitment out."""
+        """Stage 2: the neighbours' keys in; each client's encrypted shares, commitment and (a
+        checked setup) the shares' checks out."""
         out: Dict[int, Any] = {}
         for c, entry in sorted(items.items()):
             p = self.parties.get(c)
@@ -70,25 +73,23 @@ class SecureRound:
             try:
                 if not isinstance(entry, dict):
                     raise SecAggError("neighbours' keys: expected {neighbour: keys}")
-                blobs, commitment = p.share_keys({int(v): keys_from_wire(k)
-                                                  for v, k in entry.items()})
+                blobs, commitment, checks = p.share_keys({int(v): keys_from_wire(k)
+                                                          for v, k in entry.items()})
             except (SecAggError, ValueError) as exc:
                 self._stop(c, exc)
                 continue
-            out[c] = {"to": {str(v): to_text(b) for v, b in blobs.items()},
-                      "commit": to_text(commitment)}
+            out[c] = shares_to_wire(blobs, commitment, checks)
         return out
 
     def take_shares(self, items: Mapping[int, object]) -> None:
-        """Stage 3's input: the shares addressed to each client (kept until it is masked)."""
+        """Stage 3's input: the shares addressed to each client, with their owners' checks
+        (kept until it is masked)."""
         for c, entry in items.items():
             if c not in self.parties or c in self.stopped or c in self.routed:
                 continue
             try:
-                if not isinstance(entry, dict):
-                    raise SecAggError("shares: expected {sender: share}")
-                self.routed[c] = {int(v): from_text(b, CIPHER_BYTES) for v, b in entry.items()}
-            except (SecAggError, ValueError) as exc:
+                self.routed[c], self.checks[c] = relay_from_wire(entry)
+            except SecAggError as exc:
                 self._stop(c, exc)
 
     def ready(self, c: int) -> bool:
@@ -115,7 +116,7 @@ class SecureRound:
                 log.warning("secure round %d: client %d clamped %d coordinates to +-%g before "
                             "masking; raise secagg.clip_range above its updates' largest value",
                             s.round, c, clamped, s.clip_range)
-            return p.masked_input(x, self.routed[c])
+            return p.masked_input(x, self.routed[c], self.checks.get(c))
         except (SecAggError, KeyError) as exc:
             self._stop(c, exc)
             return None

@@ -11,12 +11,23 @@ reconstruct a secret and fewer say nothing. The stages, each a message each way:
 1. advertise: a client sends two public keys (c: the channel its shares travel on; s: its masks).
 2. share keys: it receives its neighbours' keys, Shamir-shares its self-mask seed b and its mask
    key s to them (each share encrypted with ChaCha20-Poly1305 under the channel key of that pair,
-   so the coordinator relays what it cannot read), and commits to b (SHA-256).
-3. masked input: it receives the shares addressed to it and sends its update, in fixed point in
-   the ring Z_2^32 (Z_2^16 under wire.up = "int8": 2 bytes a value), plus its self-mask and
-   +/- one mask per neighbour that shared.
+   so the coordinator relays what it cannot read), commits to b (SHA-256) and, where the setup
+   asks (`Setup.checked`), sends a check of every share (`share_check`: a SHA-256 binding it
+   to the round, its owner and its holder).
+3. masked input: it receives the shares addressed to it (with their owners' checks) and sends
+   its update, in fixed point in the ring Z_2^32 (Z_2^16 under wire.up = "int8": 2 bytes a
+   value), plus its self-mask and +/- one mask per neighbour that shared. A share that does not
+   decrypt or fails its owner's check is disputed: it is never revealed, and blames no one.
 4. unmasking: told who sent a masked input and who dropped after sharing, it sends, per
-   neighbour, the share of b (a survivor) or of s (dropped), never both.
+   neighbour, the share of b (a survivor) or of s (dropped), never both, or "x" for a disputed
+   one.
+
+Checked shares make a junk share cost its sender, not the round: the coordinator checks each
+revealed share against its owner's check, so a share that fails it, from a holder that had the
+check in stage 3 and did not dispute, proves the holder bad (it is blamed, and the run excludes
+its device); any t shares that pass reconstruct the secret at once, with no search. A device
+of an older fedseq sends no checks; its shares are reconstructed by trying subsets
+(`robust_reconstruct`), those of holders not blamed first.
 
 `SecAggClient` is a device's side, `SecAggServer` the coordinator's; each validates every message
 it takes, and the server drops from the round (with the reason) a client that sends junk at any
@@ -36,7 +47,18 @@ import random
 import secrets
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import (
+    TYPE_CHECKING,
+    AbstractSet,
+    Any,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Set,
+    Tuple,
+)
 
 import numpy as np
 
@@ -57,6 +79,8 @@ _PLAIN = struct.Struct(f">II{SHARE_BYTES}s{SHARE_BYTES}s")
 NONCE_BYTES = 12
 TAG_BYTES = 16
 CIPHER_BYTES = NONCE_BYTES + _PLAIN.size + TAG_BYTES
+#: stage 4's answer for a neighbour whose share to this client was unusable (it reveals nothing)
+DISPUTED = "x"
 #: a masked input's name in a device's update frame (the one tensor a secure update carries:
 #: the ring elements as int32)
 MASKED = "~masked"
@@ -111,12 +135,14 @@ def shamir_reconstruct(points: Mapping[int, int]) -> int:
     return lagrange_at(points, 0)
 
 
-def robust_reconstruct(points: Mapping[int, int], threshold: int, valid, tries: int = 5000
+def robust_reconstruct(points: Mapping[int, int], threshold: int, valid, tries: int = 5000,
+                       suspect: AbstractSet[int] = frozenset()
                        ) -> Tuple[Optional[int], List[int]]:
     """(the secret, the x whose points lie off its polynomial) from points some of which may be
-    junk: the first `threshold`-subset whose secret passes `valid` (a commitment check) wins;
-    (None, []) where no subset of the first `tries` does."""
-    xs = sorted(points)
+    junk: the first `threshold`-subset whose secret passes `valid` (a commitment check) wins,
+    subsets without a `suspect` x (a holder already blamed) tried first; (None, []) where no
+    subset of the first `tries` does."""
+    xs = sorted(points, key=lambda x: (x in suspect, x))
     if len(xs) < threshold:
         return None, []
     for subset in itertools.islice(itertools.combinations(xs, threshold), tries):
@@ -174,6 +200,9 @@ class Setup:
     scale: float  # S: a value v travels as round(v S) mod 2^ring_bits
     clip_range: float  # B: every coordinate is clamped to [-B, B] before it is scaled
     ring_bits: int = 32  # the ring Z_2^ring_bits (RINGS)
+    #: each share travels with its owner's check (share_check); False: a coordinator from
+    #: before checks, which neither sends nor reads them
+    checked: bool = False
 
     @property
     def clients(self) -> List[int]:
@@ -337,6 +366,18 @@ def _aad(round: int, sender: int, receiver: int) -> bytes:
     return struct.pack(">qII", round, sender, receiver)
 
 
+def share_check(kind: str, round: int, owner: int, holder: int, value: int) -> bytes:
+    """The check of one share (`kind` "b": of the self-mask seed, "s": of the mask key) that
+    `owner` gave `holder` in secure round `round`: SHA-256 over all five. The owner sends it in
+    stage 2; the holder checks what it decrypted against it; the coordinator checks what the
+    holder reveals. A share is a random field element, so its check says nothing of it."""
+    return hashlib.sha256(b"fedseq-secagg share " + kind.encode("ascii")
+                          + struct.pack(">qII", round, owner, holder) + _bytes(value)).digest()
+
+
+Checks = Dict[int, Tuple[bytes, bytes]]  # holder -> (check of its share of b, of s)
+
+
 def _x(client: int) -> int:
     """A client's Shamir point: its index + 1 (never 0, where the secret is)."""
     return client + 1
@@ -378,6 +419,7 @@ class SecAggClient:
         self.keys: Dict[int, Tuple[bytes, bytes]] = {}
         self.partners: List[int] = []  # neighbours whose shares arrived: the masks it adds
         self.held: Dict[int, Tuple[int, int]] = {}  # neighbour -> (share of b, share of s)
+        self.disputed: Dict[int, str] = {}  # neighbour -> why its share to me is unusable
         self.revealed: Dict[int, str] = {}
 
     def advertise(self) -> Tuple[bytes, bytes]:
@@ -385,8 +427,9 @@ class SecAggClient:
         return self.c_public, self.s_public
 
     def share_keys(self, keys: Mapping[int, Tuple[bytes, bytes]]
-                   ) -> Tuple[Dict[int, bytes], bytes]:
-        """Stage 2: the neighbours' keys in, (receiver -> encrypted shares, SHA-256 of b) out."""
+                   ) -> Tuple[Dict[int, bytes], bytes, Optional[Checks]]:
+        """Stage 2: the neighbours' keys in, (receiver -> encrypted shares, SHA-256 of b, and
+        receiver -> the checks of its shares where the setup is checked, else None) out."""
         mine = set(self.setup.graph[self.me])
         if set(keys) - mine:
             raise SecAggError(f"keys of clients {sorted(set(keys) - mine)[:5]} that are not "
@@ -410,11 +453,17 @@ class SecAggClient:
             plain = _PLAIN.pack(self.me, v, _bytes(b_shares[_x(v)]), _bytes(s_shares[_x(v)]))
             out[v] = nonce + ChaCha20Poly1305(key).encrypt(
                 nonce, plain, _aad(self.setup.round, self.me, v))
-        return out, hashlib.sha256(self.seed).digest()
+        checks = {v: (share_check("b", self.setup.round, self.me, v, b_shares[_x(v)]),
+                      share_check("s", self.setup.round, self.me, v, s_shares[_x(v)]))
+                  for v in sorted(self.keys)} if self.setup.checked else None
+        return out, hashlib.sha256(self.seed).digest(), checks
 
-    def masked_input(self, elements: np.ndarray, shares: Mapping[int, bytes]) -> np.ndarray:
-        """Stage 3: the encoded update (ring elements) and the shares addressed to this client
-        in, the masked input out."""
+    def masked_input(self, elements: np.ndarray, shares: Mapping[int, bytes],
+                     checks: Optional[Checks] = None) -> np.ndarray:
+        """Stage 3: the encoded update (ring elements), the shares addressed to this client and
+        (a checked setup) their owners' checks in, the masked input out. In a checked setup a
+        share that does not decrypt, names other clients or fails its check is disputed (never
+        revealed) and its owner stays a partner: the masks do not depend on the shares."""
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 
@@ -430,17 +479,28 @@ class SecAggClient:
             try:
                 plain = ChaCha20Poly1305(key).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:],
                                                       _aad(self.setup.round, v, self.me))
-            except InvalidTag:
-                raise SecAggError(f"the share from {v} does not decrypt") from None
-            sender, receiver, b_share, s_share = _PLAIN.unpack(plain)
-            b_int, s_int = int.from_bytes(b_share, "big"), int.from_bytes(s_share, "big")
-            if (sender, receiver) != (v, self.me) or b_int >= PRIME or s_int >= PRIME:
-                raise SecAggError(f"the share from {v} names other clients or is out of range")
+                sender, receiver, b_share, s_share = _PLAIN.unpack(plain)
+                b_int, s_int = int.from_bytes(b_share, "big"), int.from_bytes(s_share, "big")
+                if (sender, receiver) != (v, self.me) or b_int >= PRIME or s_int >= PRIME:
+                    raise SecAggError(f"the share from {v} names other clients or is out of "
+                                      "range")
+                if self.setup.checked and checks is not None and v in checks and checks[v] != (
+                        share_check("b", s.round, v, self.me, b_int),
+                        share_check("s", s.round, v, self.me, s_int)):
+                    raise SecAggError(f"the share from {v} fails its check")
+            except (InvalidTag, SecAggError) as exc:
+                why = str(exc) if isinstance(exc, SecAggError) else \
+                    f"the share from {v} does not decrypt"
+                if not self.setup.checked:
+                    raise SecAggError(why) from None
+                self.disputed[v] = why
+                continue
             self.held[v] = (b_int, s_int)
-        if len(self.held) < self.setup.threshold:
-            raise SecAggError(f"shares from {len(self.held)} neighbours, below the threshold "
+        partners = set(self.held) | set(self.disputed)
+        if len(partners) < self.setup.threshold:
+            raise SecAggError(f"shares from {len(partners)} neighbours, below the threshold "
                               f"{self.setup.threshold}")
-        self.partners = sorted(self.held)
+        self.partners = sorted(partners)
         y = elements + prg(self.seed, s.length, s.ring_bits)
         for v in self.partners:
             mask = pair_mask(self.s_private, self.keys[v][1], s.length, s.ring_bits)
@@ -460,6 +520,9 @@ class SecAggClient:
             raise SecAggError(f"{len(alive)} surviving neighbours: too few to unmask safely")
         out = {}
         for v, kind in [(v, "b") for v in alive - {self.me}] + [(v, "s") for v in gone]:
+            if v in self.disputed:
+                out[v] = (DISPUTED, 0)
+                continue
             if self.revealed.setdefault(v, kind) != kind:
                 raise SecAggError(f"both secrets of client {v} asked for")
             b_share, s_share = self.held[v]
@@ -476,6 +539,9 @@ class SecAggServer:
     setup: Setup
     keys: Dict[int, Tuple[bytes, bytes]] = field(default_factory=dict)  # stage 1
     commitments: Dict[int, bytes] = field(default_factory=dict)  # stage 2: SHA-256 of b
+    #: stage 2, a checked setup: owner -> holder -> (check of its share of b, of s); an owner
+    #: that sent none (an older device) is missing
+    checks: Dict[int, Checks] = field(default_factory=dict)
     routed: Dict[int, Dict[int, bytes]] = field(default_factory=dict)  # receiver -> sender -> blob
     total: Optional[np.ndarray] = None
     masked: List[int] = field(default_factory=list)  # stage 3: whose masked input is in total
@@ -510,8 +576,9 @@ class SecAggServer:
                 for c in self.keys}
 
     def shared(self, sent: Mapping[int, object]) -> Dict[int, Dict[int, bytes]]:
-        """Stage 2's messages in ((receiver -> blob, commitment) per client); per client, the
-        blobs addressed to it by neighbours that shared, to send it."""
+        """Stage 2's messages in ((receiver -> blob, commitment, receiver -> checks or None) per
+        client); per client, the blobs addressed to it by neighbours that shared, to send it
+        (with `checks_for` it)."""
         for c in sorted(self.keys):
             entry = sent.get(c)
             if c in self.dropped:
@@ -520,25 +587,41 @@ class SecAggServer:
                 self.drop(c, "share keys: no shares")
                 continue
             try:
-                if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-                    raise SecAggError("expected (shares, commitment)")
+                if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
+                    raise SecAggError("expected (shares, commitment, checks)")
                 blobs: Any = entry[0]
                 commitment: Any = entry[1]
+                checks: Any = entry[2] if len(entry) == 3 else None
                 wanted = {v for v in self.setup.graph[c] if v in self.keys}
                 if (not isinstance(blobs, dict) or set(blobs) != wanted or not all(
                         isinstance(b, bytes) and len(b) == CIPHER_BYTES for b in blobs.values())
                         or not isinstance(commitment, bytes) or len(commitment) != 32):
                     raise SecAggError(f"expected {CIPHER_BYTES}-byte shares for exactly its "
                                       "neighbours that advertised keys, and a 32-byte commitment")
+                if checks is not None and (not self.setup.checked or not isinstance(
+                        checks, dict) or set(checks) != wanted or not all(
+                        isinstance(pair, tuple) and len(pair) == 2 and all(
+                            isinstance(h, bytes) and len(h) == 32 for h in pair)
+                        for pair in checks.values())):
+                    raise SecAggError("expected two 32-byte checks for each share it sent")
             except (TypeError, ValueError, SecAggError) as exc:
                 self.drop(c, f"share keys: {exc}")
                 continue
             self.commitments[c] = commitment
+            if checks is not None:
+                self.checks[c] = dict(checks)
             for v, blob in blobs.items():
                 self.routed.setdefault(v, {})[c] = blob
         sharers = set(self.commitments)
         return {c: {v: b for v, b in self.routed.get(c, {}).items() if v in sharers}
                 for c in sorted(sharers)}
+
+    def checks_for(self, holder: int) -> Optional[Checks]:
+        """The checks of the shares addressed to `holder` (sender -> its two checks), to relay
+        with them; None where `holder` sent no checks itself (a device that reads none)."""
+        if holder not in self.checks:
+            return None
+        return {v: c[holder] for v, c in sorted(self.checks.items()) if holder in c}
 
     def add_masked(self, client: int, y: object) -> None:
         """One stage-3 message in: its masked input joins the sum (junk drops the client)."""
@@ -571,8 +654,7 @@ class SecAggServer:
         if self.total is None:
             raise SecAggError("no masked input arrived")
         asked = self.unmask_requests()
-        b_points: Dict[int, Dict[int, int]] = {}
-        s_points: Dict[int, Dict[int, int]] = {}
+        points: Dict[str, Dict[int, Dict[int, int]]] = {"b": {}, "s": {}}  # kind -> owner -> x
         for c, got in sorted(shares.items()):
             if c not in asked:
                 continue
@@ -584,34 +666,42 @@ class SecAggServer:
                     raise SecAggError("shares for other clients than asked")
                 for v, entry in got.items():
                     kind, value = entry
-                    if kind != want[v] or not isinstance(value, int) or not 0 <= value < PRIME:
+                    if kind not in (want[v], DISPUTED) or not isinstance(value, int) or \
+                            not 0 <= value < PRIME:
                         raise SecAggError(f"a share of {v} of the wrong kind or out of range")
             except (TypeError, ValueError, SecAggError) as exc:
                 self.blamed.setdefault(c, f"unmask: {exc}")
                 continue
             for v, (kind, value) in got.items():
-                (b_points if kind == "b" else s_points).setdefault(v, {})[_x(c)] = value
+                if kind == DISPUTED:  # its owner's share was unusable: nobody is proven bad
+                    continue
+                check = self.checks.get(v, {}).get(c)
+                if check is not None and share_check(
+                        kind, self.setup.round, v, c, value) != check[0 if kind == "b" else 1]:
+                    # c had the check in stage 3 and did not dispute: the share is its own junk
+                    self.blamed.setdefault(c, f"unmask: its share of client {v}'s "
+                                              f"{'seed' if kind == 'b' else 'mask key'} fails "
+                                              "its owner's check")
+                    continue
+                points[kind].setdefault(v, {})[_x(c)] = value
         total = self.total.copy()
         t, n, bits = self.setup.threshold, self.setup.length, self.setup.ring_bits
         for c in self.masked:
-            b, wrong = robust_reconstruct(
-                b_points.get(c, {}), t, _opens(self.commitments[c]))
-            self._blame(wrong, f"unmask: a wrong share of client {c}'s seed")
+            b = self._recover(c, points["b"].get(c, {}), _opens(self.commitments[c]), "seed")
             if b is None:
-                raise SecAggError(f"client {c}'s self-mask: {len(b_points.get(c, {}))} valid "
-                                  f"shares, {t} needed; the round's sum cannot be unmasked")
+                raise SecAggError(f"client {c}'s self-mask: {_short(points['b'].get(c, {}), t)}; "
+                                  "the round's sum cannot be unmasked")
             total = total - prg(b.to_bytes(32, "big"), n, bits)
         survived = set(self.masked)
         for v in sorted(set(self.commitments) - survived):
             self.drop(v, "masked input: none came (its masks are removed with its neighbours' "
                          "shares)")
-            s, wrong = robust_reconstruct(
-                s_points.get(v, {}), t, _pairs_with(self.keys[v][1]))
-            self._blame(wrong, f"unmask: a wrong share of client {v}'s mask key")
+            s = self._recover(v, points["s"].get(v, {}), _pairs_with(self.keys[v][1]),
+                              "mask key")
             if s is None:
-                raise SecAggError(f"client {v} dropped after sharing: "
-                                  f"{len(s_points.get(v, {}))} valid shares of its mask key, "
-                                  f"{t} needed; the round's sum cannot be unmasked")
+                raise SecAggError(f"client {v} dropped after sharing: its mask key: "
+                                  f"{_short(points['s'].get(v, {}), t)}; the round's sum cannot "
+                                  "be unmasked")
             for u in self.setup.graph[v]:
                 if u in survived:  # u masked with v: both shared, and the graph is symmetric
                     mask = pair_mask(s.to_bytes(32, "big"), self.keys[u][1], n, bits)
@@ -619,9 +709,33 @@ class SecAggServer:
                     total = total - mask if u < v else total + mask
         return total
 
-    def _blame(self, xs: Sequence[int], why: str) -> None:
-        for x in xs:
-            self.blamed.setdefault(x - 1, why)
+    def _recover(self, owner: int, points: Dict[int, int], valid, what: str) -> Optional[int]:
+        """`owner`'s secret (`what`) from the revealed shares. Checked shares (each passed its
+        owner's check): the first t, at once; where they do not open the owner's commitment,
+        the owner's own shares contradict each other, and it is blamed. Unchecked (an older
+        device): subsets tried, those without a blamed holder's share first; holders whose
+        share lies off the recovered polynomial are blamed."""
+        t = self.setup.threshold
+        if owner in self.checks:
+            if len(points) < t:
+                return None
+            first = shamir_reconstruct(dict(sorted(points.items())[:t]))
+            if valid(first):
+                return first
+            self.blamed.setdefault(owner, f"unmask: its checked shares of its {what} do not "
+                                          "open its commitment")
+            return None
+        found, wrong = robust_reconstruct(points, t, valid, suspect={_x(c) for c in self.blamed})
+        for x in wrong:
+            self.blamed.setdefault(x - 1, f"unmask: a wrong share of client {owner}'s {what}")
+        return found
+
+
+def _short(points: Mapping[int, int], t: int) -> str:
+    """Why a secret was not recovered from `points`, in words."""
+    if len(points) < t:
+        return f"{len(points)} valid shares, {t} needed"
+    return f"no {t} of its {len(points)} shares recover it (junk among them)"
 
 
 # -- on the wire (protocol v9: Step.secagg and SecAggMessage) ------------------------------------
@@ -630,7 +744,8 @@ def setup_to_dict(setup: Setup, layout: Layout, unweighted: bool) -> Dict[str, A
     return {"round": setup.round, "graph": {str(c): list(v) for c, v in setup.graph.items()},
             "threshold": setup.threshold, "length": setup.length, "scale": setup.scale,
             "clip_range": setup.clip_range, "ring_bits": setup.ring_bits,
-            "layout": [[k, n] for k, n in layout], "unweighted": unweighted}
+            "layout": [[k, n] for k, n in layout], "unweighted": unweighted,
+            **({"checked": True} if setup.checked else {})}
 
 
 def setup_from_dict(raw: object) -> Tuple[Setup, Layout, bool]:
@@ -642,9 +757,10 @@ def setup_from_dict(raw: object) -> Tuple[Setup, Layout, bool]:
         layout = [(str(k), int(n)) for k, n in raw["layout"]]
         setup = Setup(round=int(raw["round"]), graph=graph, threshold=int(raw["threshold"]),
                       length=int(raw["length"]), scale=float(raw["scale"]),
-                      clip_range=float(raw["clip_range"]), ring_bits=int(raw["ring_bits"]))
+                      clip_range=float(raw["clip_range"]), ring_bits=int(raw["ring_bits"]),
+                      checked=raw.get("checked", False))
         unweighted = raw["unweighted"]
-        assert isinstance(unweighted, bool)
+        assert isinstance(unweighted, bool) and isinstance(setup.checked, bool)
         assert all(c not in vs and all(v in graph and c in graph[v] for v in vs)
                    for c, vs in graph.items()), "the graph is not symmetric"
         assert setup.threshold >= 1 and setup.scale > 0 and setup.clip_range > 0
@@ -681,16 +797,70 @@ def keys_from_wire(entry: object) -> Tuple[bytes, bytes]:
     return from_text(entry[0], KEY_BYTES), from_text(entry[1], KEY_BYTES)
 
 
-def shares_from_wire(entry: object) -> Tuple[Dict[int, bytes], bytes]:
-    """Stage 2's (receiver -> encrypted share, commitment) from its wire form."""
-    if not isinstance(entry, dict) or set(entry) != {"to", "commit"} or not isinstance(
-            entry["to"], dict):
-        raise SecAggError("shares: expected {\"to\": {receiver: share}, \"commit\": ...}")
+def shares_to_wire(blobs: Mapping[int, bytes], commitment: bytes,
+                   checks: Optional[Checks]) -> Dict[str, Any]:
+    """Stage 2's answer as it travels (checks only in a checked setup)."""
+    return {"to": {str(v): to_text(b) for v, b in blobs.items()}, "commit": to_text(commitment),
+            **({"checks": checks_to_wire(checks)} if checks is not None else {})}
+
+
+def shares_from_wire(entry: object) -> Tuple[Dict[int, bytes], bytes, Optional[Checks]]:
+    """Stage 2's (receiver -> encrypted share, commitment, receiver -> checks or None) from its
+    wire form."""
+    if not isinstance(entry, dict) or set(entry) - {"checks"} != {"to", "commit"} or \
+            not isinstance(entry["to"], dict):
+        raise SecAggError("shares: expected {\"to\": {receiver: share}, \"commit\": ..., "
+                          "\"checks\": {receiver: [check, check]}}")
     try:
         return ({int(v): from_text(b, CIPHER_BYTES) for v, b in entry["to"].items()},
-                from_text(entry["commit"], 32))
+                from_text(entry["commit"], 32),
+                checks_from_wire(entry["checks"]) if "checks" in entry else None)
     except ValueError:
         raise SecAggError("shares: a receiver that is not a client") from None
+
+
+def checks_to_wire(checks: Checks) -> Dict[str, List[str]]:
+    return {str(v): [to_text(b), to_text(s)] for v, (b, s) in checks.items()}
+
+
+def checks_from_wire(entry: object) -> Checks:
+    """client -> (check of a share of b, of s) from its wire form; SecAggError otherwise."""
+    if not isinstance(entry, dict) or not all(
+            isinstance(pair, list) and len(pair) == 2 for pair in entry.values()):
+        raise SecAggError("checks: expected {client: [check of b, check of s]}")
+    try:
+        return {int(v): (from_text(pair[0], 32), from_text(pair[1], 32))
+                for v, pair in entry.items()}
+    except ValueError:
+        raise SecAggError("checks: a client that is not a client id") from None
+
+
+def relay_to_wire(blobs: Mapping[int, bytes], checks: Optional[Checks]) -> Dict[str, Any]:
+    """Stage 3's input for one holder: sender -> its share, or (a holder that reads checks)
+    sender -> [its share, check of b, check of s] (a sender without checks: [its share])."""
+    if checks is None:
+        return {str(v): to_text(b) for v, b in blobs.items()}
+    return {str(v): [to_text(b), *([to_text(h) for h in checks[v]] if v in checks else [])]
+            for v, b in blobs.items()}
+
+
+def relay_from_wire(entry: object) -> Tuple[Dict[int, bytes], Checks]:
+    """Stage 3's input back: (sender -> share, sender -> its checks where it sent them)."""
+    if not isinstance(entry, dict):
+        raise SecAggError("shares: expected {sender: share}")
+    blobs, checks = {}, {}
+    try:
+        for v, item in entry.items():
+            if isinstance(item, list):
+                if len(item) not in (1, 3):
+                    raise ValueError
+                if len(item) == 3:
+                    checks[int(v)] = (from_text(item[1], 32), from_text(item[2], 32))
+                item = item[0]
+            blobs[int(v)] = from_text(item, CIPHER_BYTES)
+    except (ValueError, TypeError):
+        raise SecAggError("shares: expected {sender: share or [share, check, check]}") from None
+    return blobs, checks
 
 
 def answer_from_wire(entry: object) -> Dict[int, Tuple[str, int]]:
@@ -701,13 +871,18 @@ def answer_from_wire(entry: object) -> Dict[int, Tuple[str, int]]:
     try:
         for v, pair in entry.items():
             kind, value = pair
+            if kind == DISPUTED and value == "":
+                out[int(v)] = (kind, 0)
+                continue
             if kind not in ("b", "s"):
                 raise ValueError
             out[int(v)] = (kind, int.from_bytes(from_text(value, SHARE_BYTES), "big"))
     except (TypeError, ValueError):
-        raise SecAggError("unmask: expected {neighbour: [\"b\" or \"s\", share]}") from None
+        raise SecAggError("unmask: expected {neighbour: [\"b\" or \"s\", share] or "
+                          "[\"x\", \"\"]}") from None
     return out
 
 
 def answer_to_wire(answer: Mapping[int, Tuple[str, int]]) -> Dict[str, List[str]]:
-    return {str(v): [kind, to_text(_bytes(value))] for v, (kind, value) in answer.items()}
+    return {str(v): [kind, "" if kind == DISPUTED else to_text(_bytes(value))]
+            for v, (kind, value) in answer.items()}

@@ -53,6 +53,8 @@ class LoopState:
     #: [privacy] level = "client": the seed of the coordinator's noise, a secret of this run
     #: (Ledger.noise_seed); None: no such noise
     noise_seed: int | None = None
+    #: [secagg]: clients left out of the rest of the run, with why (Ledger.excluded)
+    excluded: dict[int, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         rep = self.last_report
@@ -70,6 +72,8 @@ class LoopState:
             **({"record_steps": {str(c): n for c, n in self.record_steps.items()}}
                if self.record_steps else {}),
             **({"noise_seed": self.noise_seed} if self.noise_seed is not None else {}),
+            **({"excluded": {str(c): why for c, why in self.excluded.items()}}
+               if self.excluded else {}),
         }
 
     @classmethod
@@ -87,6 +91,7 @@ class LoopState:
             None if state.get("clip") is None else float(state["clip"]),
             {int(c): int(n) for c, n in state.get("record_steps", {}).items()},
             None if state.get("noise_seed") is None else int(state["noise_seed"]),
+            {int(c): str(why) for c, why in state.get("excluded", {}).items()},
         )
 
 

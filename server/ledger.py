@@ -174,6 +174,9 @@ class Ledger:
         #: [privacy] level = "record": each client's DP-SGD steps so far
         self.record_steps: dict[int, int] = {}
         self._budget: dict[int, float | None] = {}  # over_budget's answer for one round
+        #: [secagg]: clients left out of every later round, with why: a device of theirs sent
+        #: shares proven bad (Ledger.exclude)
+        self.excluded: dict[int, str] = {}
 
     # -- a round's plan and what it sends ---------------------------------------------------
     def select(self, t: int) -> list[int]:
@@ -181,8 +184,30 @@ class Ledger:
         with that probability (Poisson sampling, what the accountant assumes)."""
         n = self.cfg.data.num_clients
         if self.cfg.privacy.client_level:
-            return poisson_clients(self.cfg.seed_for("selection"), t, n, self.cfg.train.join_ratio)
-        return select_clients(self.cfg.seed_for("selection"), t, n, self.cfg.selected_per_round())
+            chosen = poisson_clients(self.cfg.seed_for("selection"), t, n,
+                                     self.cfg.train.join_ratio)
+        else:
+            chosen = select_clients(self.cfg.seed_for("selection"), t, n,
+                                    self.cfg.selected_per_round())
+        return [c for c in chosen if c not in self.excluded]
+
+    def exclude(self, blamed: dict[int, str], t: int) -> dict[int, str]:
+        """Secure round t's clients proven bad (a share that failed its owner's check, shares
+        that contradict their own checks, a junk answer: SecAggServer.blamed), and every other
+        client of the device that sent them (the pool's `owner`, where it has devices), are
+        left out of every later round. The newly excluded, with why."""
+        owner: dict[int, str] = getattr(self.pool, "owner", {})
+        new: dict[int, str] = {}
+        for c, why in sorted(blamed.items()):
+            device = owner.get(c)
+            for x in sorted({c} | {o for o, d in owner.items() if device and d == device}):
+                if x not in self.excluded and x not in new:
+                    new[x] = f"round {t}: " + (why if x == c else
+                                               f"client {c} of its device {device}: {why}")
+        for x, why in new.items():
+            log.warning("client %d is left out of the rest of the run (%s)", x, why)
+        self.excluded.update(new)
+        return new
 
     def plan(self, t: int) -> tuple[ClientPlan, list[str]]:
         """Round t's plan (in the uplink's codec) and the blocks a client must hold to run it:
@@ -455,8 +480,10 @@ class Ledger:
         """Round t's row from what it got (`refused`: why its aggregate did not count; None: it
         did), its clients, those of them that trained and its last evaluation."""
         report, counted = self.last_report, refused is None
+        excluded: dict[int, str] = {}
         if isinstance(got.aggregate, SecureSum):
             got.bytes_up = got.aggregate.bytes_up()
+            excluded = self.exclude(got.aggregate.server.blamed, t)
         rec = RoundRecord(
             round=t, phase="train",
             global_acc=report.global_acc if report else None,
@@ -487,6 +514,8 @@ class Ledger:
             rec.quorum_failed, rec.received = refused, sorted(got.reported)
         if isinstance(got.aggregate, SecureSum) and counted:
             rec.secure_recovered = got.aggregate.recovered
+        if excluded:
+            rec.excluded = excluded
         if self.cfg.privacy.enabled:
             rec.epsilon = self.epsilon(t + 1)
             if self.cfg.privacy.adaptive:
@@ -500,7 +529,8 @@ class Ledger:
                          row, self.clock, driver,
                          self.clip if self.cfg.privacy.adaptive else None,
                          dict(self.record_steps),
-                         self.noise_seed if self.cfg.privacy.client_level else None)
+                         self.noise_seed if self.cfg.privacy.client_level else None,
+                         dict(self.excluded))
 
     def restore(self, ckpt: Checkpoint) -> None:
         """The ledger as the checkpoint left it (versions included), the pool's and the
@@ -516,6 +546,7 @@ class Ledger:
         self.record_steps = dict(loop.record_steps)
         if loop.noise_seed is not None:  # the run's secret noise seed: a resume is bitwise
             self.noise_seed = loop.noise_seed
+        self.excluded = dict(loop.excluded)
         self.pool.restore(ckpt.pool)
         self.alg.load_server_state(ckpt.server)
         self.broadcast()  # as checkpointed: its versions are the checkpoint's

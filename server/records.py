@@ -227,6 +227,9 @@ class RoundRecord(_Record):
     #: clients that dropped after sharing their keys, whose masks the coordinator removed with
     #: their neighbours' shares
     secure_recovered: list[int] | None = None
+    #: clients left out of every later round from this one on, with why: a device of theirs
+    #: sent secure-aggregation shares proven bad
+    excluded: dict[int, str] | None = None
     # -- a round that did not count --
     quorum_failed: str | None = None
     received: list[int] = Field(default_factory=list)

@@ -63,7 +63,7 @@ def round_setup(cfg: ExperimentConfig, t: int, clients: list[int], layout: Layou
     return Setup(round=t, graph=graph, threshold=threshold_for(k, s.threshold),
                  length=vector_length(layout),
                  scale=scale_for(len(clients), max_weight, b, bits),
-                 clip_range=b, ring_bits=bits)
+                 clip_range=b, ring_bits=bits, checked=True)
 
 
 def layout_of(reference: Weights) -> Layout:
@@ -108,7 +108,7 @@ class SecureSum:
             except SecAggError as exc:
                 log.warning("secure round %d: client %d stops: %s", setup.round, c, exc)
                 continue
-            self.wire[c] += len(sent[c][0]) * CIPHER_BYTES + 32
+            self.wire[c] += len(sent[c][0]) * (CIPHER_BYTES + (64 if sent[c][2] else 0)) + 32
         self.routed = self.server.shared(sent)
 
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
@@ -134,7 +134,8 @@ class SecureSum:
                         "masking; raise secagg.clip_range above its updates' largest value",
                         self.setup.round, client, clamped, self.setup.clip_range)
         try:
-            y = self.clients[client].masked_input(x, self.routed.get(client, {}))
+            y = self.clients[client].masked_input(x, self.routed.get(client, {}),
+                                                  self.server.checks_for(client))
         except SecAggError as exc:
             log.warning("secure round %d: client %d stops: %s", self.setup.round, client, exc)
             return

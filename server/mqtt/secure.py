@@ -22,6 +22,7 @@ from fedseq.common.secagg import (
     SecAggError,
     answer_from_wire,
     keys_from_wire,
+    relay_to_wire,
     shares_from_wire,
     to_text,
 )
@@ -123,7 +124,7 @@ class SecureStages:
         sent = self._parsed("share keys", self._exchange(
             "shares", self._devices(theirs), down, self.stage_s), shares_from_wire)
         routed = server.shared(sent)
-        relay = {c: {str(v): to_text(b) for v, b in blobs.items()} for c, blobs in routed.items()}
+        relay = {c: relay_to_wire(blobs, server.checks_for(c)) for c, blobs in routed.items()}
         for device, clients in sorted(self._devices(routed).items()):
             self.session.link.publish(self.session.topics.secagg_relay(device), SecAggMessage(
                 run_id=self.session.run_id, seq=self.seq, stage="shares", device=device,

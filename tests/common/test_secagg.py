@@ -5,6 +5,7 @@ masked input against uniform."""
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 
@@ -73,12 +74,13 @@ def test_the_encoding_error_is_within_half_a_step_and_the_sum_cannot_wrap(bits):
         S.scale_for(40_000, 1.0, clip, 16)
 
 
-def _round(m=12, n=5000, degree=None, fraction=0.5, seed=0, bits=32):
+def _round(m=12, n=5000, degree=None, fraction=0.5, seed=0, bits=32, checked=False):
     clients = list(range(3, 3 + m))
     k = S.degree_for(m, degree)
     setup = S.Setup(round=7, graph=S.neighbours(clients, k, seed),
                     threshold=S.threshold_for(k, fraction), length=n,
-                    scale=S.scale_for(m, 1.0, 1.0, bits), clip_range=1.0, ring_bits=bits)
+                    scale=S.scale_for(m, 1.0, 1.0, bits), clip_range=1.0, ring_bits=bits,
+                    checked=checked)
     rng = np.random.default_rng(seed)
     inputs = {c: S.encode(rng.uniform(-1, 1, n), setup.scale, bits) for c in clients}
     return setup, inputs, {c: S.SecAggClient(c, setup) for c in clients}, S.SecAggServer(setup)
@@ -100,7 +102,8 @@ def _run(setup, inputs, clients, server, silent=(), late=(), quiet=(), tamper=No
         if c in late:
             continue
         with contextlib.suppress(S.SecAggError):
-            server.add_masked(c, tamper(3, c, clients[c].masked_input(inputs[c], routed[c])))
+            server.add_masked(c, tamper(3, c, clients[c].masked_input(
+                inputs[c], routed[c], server.checks_for(c))))
     shares = {c: tamper(4, c, clients[c].unmask(*asked))
               for c, asked in server.unmask_requests().items() if c not in quiet}
     return server.unmasked(shares)
@@ -162,9 +165,9 @@ def _junk(stage, victim, kind):
         if stage == 1:
             return (b"\0" * 31, msg[1]) if kind == "short" else (msg[0], msg[0])
         if stage == 2:
-            blobs, commitment = msg
-            return ({v: b[:-1] for v, b in blobs.items()}, commitment) if kind == "short" else (
-                blobs, b"x")
+            blobs, commitment, checks = msg
+            return ({v: b[:-1] for v, b in blobs.items()}, commitment, checks) \
+                if kind == "short" else (blobs, b"x", checks)
         if stage == 3:  # "wrong": the other ring's width
             return msg[:-1] if kind == "short" else msg.astype(
                 np.uint16 if msg.dtype == np.uint32 else np.uint32)
@@ -174,11 +177,12 @@ def _junk(stage, victim, kind):
     return tamper
 
 
+@pytest.mark.parametrize("checked", [True, False])
 @pytest.mark.parametrize("bits", [32, 16])
 @pytest.mark.parametrize("stage", [1, 2, 3, 4])
 @pytest.mark.parametrize("kind", ["short", "wrong"])
-def test_junk_at_any_stage_drops_its_sender_and_the_sum_stays_right(stage, kind, bits):
-    setup, inputs, clients, server = _round(bits=bits)
+def test_junk_at_any_stage_drops_its_sender_and_the_sum_stays_right(stage, kind, bits, checked):
+    setup, inputs, clients, server = _round(bits=bits, checked=checked)
     victim = 6
     total = _run(setup, inputs, clients, server, tamper=_junk(stage, victim, kind))
     if stage == 4:  # its masked input counted; its wrong share is found and named
@@ -189,21 +193,30 @@ def test_junk_at_any_stage_drops_its_sender_and_the_sum_stays_right(stage, kind,
         assert victim in server.dropped and server.dropped[victim]
 
 
-def test_a_tampered_share_stops_its_receiver_not_the_round():
-    setup, inputs, clients, server = _round()
-    sender, receiver = 5, S.neighbours  # the receiver is one of the sender's neighbours
-    receiver = setup.graph[sender][0]
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_tampered_share_is_disputed_where_checked_and_stops_its_receiver_where_not(checked):
+    """A sender's share that does not decrypt: an unchecked round drops its receiver (as a
+    device of an older fedseq does); a checked one keeps it, the share disputed, nobody
+    blamed."""
+    setup, inputs, clients, server = _round(checked=checked)
+    sender = 5
+    receiver = setup.graph[sender][0]  # the receiver is one of the sender's neighbours
 
     def tamper(st, c, msg):
         if st == 2 and c == sender:
-            blobs, commitment = msg
+            blobs, commitment, checks = msg
             bad = bytearray(blobs[receiver])
             bad[-1] ^= 1
-            return ({**blobs, receiver: bytes(bad)}, commitment)
+            return ({**blobs, receiver: bytes(bad)}, commitment, checks)
         return msg
 
     total = _run(setup, inputs, clients, server, tamper=tamper)
-    assert np.array_equal(total, _plain(inputs, [c for c in inputs if c != receiver]))
+    if checked:
+        assert np.array_equal(total, _plain(inputs, inputs))
+        assert clients[receiver].disputed == {sender: f"the share from {sender} does not decrypt"}
+        assert server.blamed == {} and server.dropped == {}
+    else:
+        assert np.array_equal(total, _plain(inputs, [c for c in inputs if c != receiver]))
 
 
 def test_a_client_never_reveals_both_secrets_of_a_neighbour():
@@ -211,7 +224,7 @@ def test_a_client_never_reveals_both_secrets_of_a_neighbour():
     keys = server.advertised({c: x.advertise() for c, x in clients.items()})
     routed = server.shared({c: clients[c].share_keys(k) for c, k in keys.items()})
     c = 3
-    clients[c].masked_input(inputs[c], routed[c])
+    clients[c].masked_input(inputs[c], routed[c], server.checks_for(c))
     v = clients[c].partners[0]
     others = [p for p in clients[c].partners if p != v]
     clients[c].unmask([c, v, *others], [])
@@ -264,3 +277,144 @@ def test_truncation_keeps_a_clipped_update_within_its_norm_where_rounding_does_n
         coded, _ = S.client_vector(update, {"w": 1.0}, layout, setup, toward_zero)
         back = S.decode(coded, setup.scale)[:n]
         assert (np.linalg.norm(back) > clip) == longer
+
+
+# -- checked shares (Hardening VI, finding 5) -----------------------------------------------------
+def _junk_shares(attackers):
+    """Stage 4 from `attackers`: a random share of the right kind for every neighbour asked."""
+    rng = random.Random(0)
+
+    def tamper(st, c, msg):
+        if st != 4 or c not in attackers:
+            return msg
+        return {v: (kind, rng.randrange(S.PRIME)) for v, (kind, _) in msg.items()}
+    return tamper
+
+
+@pytest.mark.parametrize("m, attackers", [(6, [3]), (6, [3, 4]), (100, [3]), (100, [3, 4, 5]),
+                                          (300, [3])])
+def test_junk_shares_from_the_lowest_ids_cost_the_round_nothing_and_blame_their_senders(
+        m, attackers):
+    """The audit's attack: random shares of the right kind from the lowest client ids (6: a
+    testbed round, k 5 and t 3, so at most 2 junk holders leave t honest ones). With checks
+    every junk share fails its owner's check, its sender is blamed, and any t others unmask
+    at once."""
+    setup, inputs, clients, server = _round(m=m, n=50, checked=True)
+    total = _run(setup, inputs, clients, server, tamper=_junk_shares(attackers))
+    assert np.array_equal(total, _plain(inputs, inputs))
+    assert sorted(server.blamed) == attackers and server.dropped == {}
+    assert all("fails its owner's check" in server.blamed[a] for a in attackers)
+
+
+def test_unchecked_junk_shares_fail_the_round_that_checks_survive():
+    """The same attack where the shares carry no checks (devices of an older fedseq), in a
+    300-client round (k 18, t 10): the 5,000 subsets the search may try all hold the junk
+    share of the lowest id, and the round fails; checked, it is right (the test above)."""
+    setup, inputs, clients, server = _round(m=300, n=50)
+    with pytest.raises(S.SecAggError, match="cannot be unmasked"):
+        _run(setup, inputs, clients, server, tamper=_junk_shares([3]))
+
+
+def test_a_holder_is_never_blamed_for_a_share_that_failed_its_check_on_arrival():
+    """An owner whose check of one holder's share is wrong (to frame it): the holder disputes
+    the share in stage 3, reveals nothing of it, and is not blamed; the sum is right."""
+    setup, inputs, clients, server = _round(checked=True)
+    owner = 5
+    holder = setup.graph[owner][0]
+
+    def tamper(st, c, msg):
+        if st == 2 and c == owner:
+            blobs, commitment, checks = msg
+            return blobs, commitment, {**checks, holder: (b"\1" * 32, b"\1" * 32)}
+        return msg
+
+    total = _run(setup, inputs, clients, server, tamper=tamper)
+    assert np.array_equal(total, _plain(inputs, inputs))
+    assert clients[holder].disputed == {owner: f"the share from {owner} fails its check"}
+    assert server.blamed == {}
+
+
+def test_an_owner_whose_checked_shares_contradict_each_other_is_blamed():
+    """Shares that each pass their checks but lie on no polynomial through the owner's seed:
+    the owner's own messages prove it bad; its masked input cannot be unmasked."""
+    setup, inputs, clients, server = _round(checked=True)
+    owner = 5
+    real = S.shamir_share
+
+    def lying(secret, threshold, xs):
+        return {x: random.Random(x).randrange(S.PRIME) for x in xs}
+
+    keys = server.advertised({c: x.advertise() for c, x in clients.items()})
+    sent = {}
+    for c, theirs in keys.items():
+        S.shamir_share = lying if c == owner else real
+        try:
+            sent[c] = clients[c].share_keys(theirs)
+        finally:
+            S.shamir_share = real
+    routed = server.shared(sent)
+    for c in routed:
+        server.add_masked(c, clients[c].masked_input(inputs[c], routed[c], server.checks_for(c)))
+    shares = {c: clients[c].unmask(*asked) for c, asked in server.unmask_requests().items()}
+    with pytest.raises(S.SecAggError, match=f"client {owner}'s self-mask"):
+        server.unmasked(shares)
+    assert list(server.blamed) == [owner] and "do not open its commitment" in server.blamed[owner]
+
+
+def test_a_round_with_older_devices_mixes_checked_and_unchecked_shares():
+    """Clients that send no checks (an older fedseq): their shares are reconstructed by the
+    search, the others' at once; a junk share is found either way."""
+    setup, inputs, clients, server = _round(checked=True)
+    old = {4, 8, 11}
+
+    def tamper(st, c, msg):
+        if st == 2 and c in old:
+            return msg[0], msg[1], None
+        return msg
+
+    both = _junk_shares([6])
+    total = _run(setup, inputs, clients, server, tamper=lambda st, c, m: both(st, c, tamper(
+        st, c, m)))
+    assert np.array_equal(total, _plain(inputs, inputs))
+    assert set(server.checks) == set(inputs) - old and list(server.blamed) == [6]
+    assert all(server.checks_for(c) is None for c in old)
+
+
+def test_the_search_tries_subsets_without_a_blamed_holder_first():
+    secret = 777
+    points = S.shamir_share(secret, 3, [1, 2, 3, 4, 5, 6])
+    points[1] = (points[1] + 1) % S.PRIME
+    points[2] = (points[2] + 1) % S.PRIME
+    tried = []
+
+    def valid(s):
+        tried.append(s)
+        return s == secret
+    got, wrong = S.robust_reconstruct(points, 3, valid, suspect={1, 2})
+    assert got == secret and sorted(wrong) == [1, 2] and len(tried) == 1
+
+
+def test_checks_and_disputes_travel_and_older_forms_still_read():
+    blobs = {4: b"\7" * S.CIPHER_BYTES, 9: b"\x08" * S.CIPHER_BYTES}
+    checks = {4: (b"\1" * 32, b"\2" * 32), 9: (b"\3" * 32, b"\4" * 32)}
+    wire = json.loads(json.dumps(S.shares_to_wire(blobs, b"\5" * 32, checks)))
+    assert S.shares_from_wire(wire) == (blobs, b"\5" * 32, checks)
+    old = json.loads(json.dumps(S.shares_to_wire(blobs, b"\5" * 32, None)))
+    assert set(old) == {"to", "commit"} and S.shares_from_wire(old) == (blobs, b"\5" * 32, None)
+    # the relay: with checks to a holder that reads them; as before to one that does not
+    relay = json.loads(json.dumps(S.relay_to_wire(blobs, {4: checks[4]})))
+    assert S.relay_from_wire(relay) == (blobs, {4: checks[4]})
+    assert all(isinstance(v, str) for v in S.relay_to_wire(blobs, None).values())
+    assert S.relay_from_wire(S.relay_to_wire(blobs, None)) == (blobs, {})
+    answer = {4: ("b", 12345), 9: (S.DISPUTED, 0)}
+    assert S.answer_from_wire(json.loads(json.dumps(S.answer_to_wire(answer)))) == answer
+    for bad in ({"4": ["x", "AAAA"]}, {"4": ["c", ""]}):
+        with pytest.raises(S.SecAggError, match="unmask"):
+            S.answer_from_wire(bad)
+    with pytest.raises(S.SecAggError, match="shares"):
+        S.relay_from_wire({"4": ["a", "b"]})
+    setup = S.Setup(round=1, graph={0: [1], 1: [0]}, threshold=1, length=2, scale=1.0,
+                    clip_range=1.0, checked=True)
+    raw = S.setup_to_dict(setup, [("w", 1)], False)
+    assert S.setup_from_dict(raw)[0].checked
+    assert not S.setup_from_dict({k: v for k, v in raw.items() if k != "checked"})[0].checked

@@ -110,8 +110,8 @@ def test_a_junk_masked_input_refuses_the_round_and_leaves_the_model():
     secure = _secure(WeightedDeltaSum(), clients, 60)
     junk = secure.clients[3]
     honest = junk.masked_input
-    junk.masked_input = lambda x, shares: honest(  # type: ignore[method-assign]
-        np.random.default_rng(0).integers(0, 2**32, x.size, dtype=np.uint32), shares)
+    junk.masked_input = lambda x, shares, checks=None: honest(  # type: ignore[method-assign]
+        np.random.default_rng(0).integers(0, 2**32, x.size, dtype=np.uint32), shares, checks)
     for c, (d, w) in updates.items():
         secure.add(d, w, c)
     g = _weights()
@@ -308,3 +308,47 @@ def test_a_weightless_junk_sum_is_refused_not_skipped():
     secure = _junk_round(WeightedDeltaSum(), dict.fromkeys(names, -600.0), 0.01)
     with pytest.raises(AggregationError, match="has weight"):
         secure.apply(_weights())
+
+
+@pytest.mark.slow("three secure rounds, twice (one interrupted and resumed): 8 s on 2 cores")
+def test_a_client_whose_shares_are_proven_bad_is_left_out_of_the_rest_of_the_run(
+        data_root, tmp_path, one_thread, monkeypatch):
+    """Client 1 reveals junk shares in stage 4 (each off by one): every one fails its owner's
+    check, the round still unmasks from the others, client 1 is blamed, recorded and never
+    selected again, and a resumed run keeps it out."""
+    from fedseq.common import secagg as S
+
+    honest = S.SecAggClient.unmask
+
+    def junk(self, survivors, dropped):
+        out = honest(self, survivors, dropped)
+        return {v: (k, (x + 1) % S.PRIME) for v, (k, x) in out.items()} if self.me == 1 else out
+
+    monkeypatch.setattr(S.SecAggClient, "unmask", junk)
+    cfg = quick_config(data_root, "secagg.enabled=true", "rounds=3", "train.join_ratio=1.0")
+    rows = run_simulation(cfg, tmp_path / "full").rows
+    train = [r for r in rows if r["phase"] == "train"]
+    assert train[0]["clients"] == [0, 1, 2, 3, 4] and train[0]["reported"] == [0, 1, 2, 3, 4]
+    why = train[0]["excluded"]["1"]  # as metrics.jsonl holds it
+    assert list(train[0]["excluded"]) == ["1"] and why.startswith("round 0: unmask: its share of")
+    assert "fails its owner's check" in why
+    assert [r["clients"] for r in train[1:]] == [[0, 2, 3, 4]] * 2
+    assert all("excluded" not in r for r in train[1:])
+    resumed = resumed_after(cfg, tmp_path / "part", 0)
+    assert [r["clients"] for r in resumed.rows if r["phase"] == "train"] == [[0, 2, 3, 4]] * 2
+
+
+def test_a_device_proven_bad_has_all_its_clients_left_out():
+    """Over MQTT the pool knows each client's device: one client's bad shares exclude every
+    client that device holds, each saying why, and nothing twice."""
+    from types import SimpleNamespace
+
+    from fedseq.server.ledger import Ledger
+
+    book = SimpleNamespace(pool=SimpleNamespace(owner={0: "nano1", 1: "nano2", 2: "nano2",
+                                                       3: "nano3", 4: "nano2"}), excluded={})
+    new = Ledger.exclude(book, {2: "unmask: junk"}, 4)  # type: ignore[arg-type]
+    assert new == {1: "round 4: client 2 of its device nano2: unmask: junk",
+                   2: "round 4: unmask: junk",
+                   4: "round 4: client 2 of its device nano2: unmask: junk"}
+    assert book.excluded == new and Ledger.exclude(book, {1: "again"}, 5) == {}  # type: ignore
