@@ -143,17 +143,33 @@ def _tensor(dtype: str, shape: tuple[int, ...], raw: bytearray) -> torch.Tensor:
     return torch.frombuffer(raw, dtype=kind).reshape(shape)
 
 
+#: what runs when pickle builds an object, beyond storing its fields: a class that has any of
+#: these (its own or inherited, not object's) is not plain data
+_HOOKS = ("__post_init__", "__setstate__", "__reduce__", "__reduce_ex__", "__new__",
+          "__getattr__", "__getattribute__", "__init_subclass__")
+
+
+def plain_dataclass(cls: Any) -> bool:
+    """Whether building `cls` from a pickle only stores fields: a dataclass whose __init__ is
+    the one dataclasses generated, with none of `_HOOKS` (a __post_init__ would run whatever
+    it does on the sender's values)."""
+    return (isinstance(cls, type) and dataclasses.is_dataclass(cls)
+            and cls.__init__.__code__.co_filename == "<string>"
+            and not any(h in vars(k) for k in cls.__mro__ if k is not object for h in _HOOKS))
+
+
 class _PlainData(pickle.Unpickler):
-    """Builds what a step or an answer holds (containers, numbers, strings, fedseq's own
+    """Builds what a step or an answer holds (containers, numbers, strings, fedseq's own plain
     dataclasses, tensors through `_tensor`) and nothing else: no other callable is reachable,
-    so a step or an answer cannot run code."""
+    and building a plain dataclass runs nothing but its generated __init__, so a step or an
+    answer cannot run code."""
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == (__name__, "_tensor"):
             return _tensor
         if module.startswith("fedseq.common.") and "." not in name:
             obj = super().find_class(module, name)
-            if isinstance(obj, type) and dataclasses.is_dataclass(obj):
+            if plain_dataclass(obj):
                 return obj
         raise pickle.UnpicklingError(f"refers to {printable(module, 80)}.{printable(name, 80)}, "
                                      "which no step or answer holds")

@@ -108,6 +108,37 @@ def test_a_step_or_answer_cannot_run_code(tmp_path):
     assert unpack(pickle.dumps(Huge((0, 5), bytearray()), protocol=5)).shape == (0, 5)
 
 
+def test_only_plain_dataclasses_are_built_from_what_ranks_send():
+    """Hardening VI, finding 9 (gadgets): of fedseq.common's dataclasses the unpickler builds only
+    those whose building stores fields (the generated __init__, no __post_init__, __setstate__,
+    __reduce__ or __new__ of their own). Krum's __post_init__ would run on a sender's values: a
+    pickle naming it (before: built) is refused in one line; every class a step or answer holds
+    is plain, and each one the rule admits is checked against the list of hooks."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    import fedseq.common
+    from fedseq.common.algorithms.robust import Krum
+    from fedseq.server.distributed import plain_dataclass
+
+    crafted = b"cfedseq.common.algorithms.robust\nKrum\n)R."  # GLOBAL, (), REDUCE: Krum()
+    with pytest.raises(TransportError, match="robust.Krum, which no step or answer holds"):
+        unpack(crafted)
+    assert not plain_dataclass(Krum)
+    found = []
+    for info in pkgutil.walk_packages(fedseq.common.__path__, "fedseq.common."):
+        module = importlib.import_module(info.name)
+        found += [obj for obj in vars(module).values() if isinstance(obj, type)
+                  and dataclasses.is_dataclass(obj) and obj.__module__ == info.name]
+    admitted = [c for c in found if plain_dataclass(c)]
+    assert len(found) >= 30 and {"ClientPlan", "ClientUpdate"} <= {c.__name__ for c in admitted}
+    assert {c.__name__ for c in found if c not in admitted} == {"ClippedMean", "CoordinateWise",
+                                                                "Krum"}
+    for cls in admitted:
+        assert "__post_init__" not in vars(cls) and "__setstate__" not in vars(cls), cls
+
+
 def _hello(rank, host, gpus):
     return {"rank": rank, "host": host, "gpus": gpus, "torch": "2.13.0+cpu"}
 
