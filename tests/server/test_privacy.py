@@ -443,3 +443,40 @@ def test_epsilon_counts_what_was_sampled_not_what_arrived(data_root):
     steps = [r for r in asynchronous if r["phase"] == "train"]
     assert [r["epsilon"] for r in steps] == pytest.approx(
         [epsilon(1.0, 0.8, t + 1, 1e-5) for t in range(len(steps))])
+
+
+@pytest.mark.slow("record-level DP-SGD simulated and on two local daemons over amqtt: ~25 s")
+def test_record_level_accounting_on_devices_counts_what_they_ran(data_root, tmp_path, one_thread):
+    """Hardening VI, finding 9: Opacus's DP-SGD on real daemons. The coordinator accounts each
+    client's steps from the plan; the devices' models are bitwise the simulation's (each step
+    draws its noise from the client's seeded stream, so a device that ran other steps could
+    not match), the rows' epsilon is the simulation's, and Opacus's own RDP accountant, given
+    each client's steps and sampling rate, gives the same epsilon within 1%."""
+    pytest.importorskip("opacus")
+    from opacus.accountants import RDPAccountant
+
+    from fedseq.common.flops import plan_steps
+    from fedseq.server.deployment import run_deployment
+    from fedseq.server.experiment import load_experiment
+
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "data.fraction=0.03",
+                       "train.join_ratio=0.6", "train.threads=1", "deploy.port=0", *RECORD)
+    sim = run_simulation(cfg, None)
+    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+                         announce=lambda m: None)
+    assert all(torch.equal(dep.global_weights[k], v) for k, v in sim.global_weights.items())
+    exp = load_experiment(cfg)
+    plan, steps = exp.algorithm.plan(0), {}
+    for d, s in zip(dep.rows, sim.rows, strict=True):
+        assert (d["phase"], d["clients"], d.get("epsilon")) == (s["phase"], s["clients"],
+                                                                s.get("epsilon"))
+        if d["phase"] != "train":
+            continue
+        for c in d["clients"]:
+            steps[c] = steps.get(c, 0) + plan_steps(plan, exp.data, exp.data.clients[c])
+        theirs = []
+        for c, n in steps.items():
+            accountant = RDPAccountant()
+            accountant.history = [(0.8, min(1.0, 20 / len(exp.data.clients[c].train)), n)]
+            theirs.append(accountant.get_epsilon(cfg.privacy.delta))
+        assert d["epsilon"] == pytest.approx(max(theirs), rel=0.01)
