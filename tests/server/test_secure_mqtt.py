@@ -185,3 +185,59 @@ def test_faulty_stages_drop_their_clients_and_the_round_still_counts(
         expected = y.size / 256
         chi2 = float(((counts - expected) ** 2 / expected).sum())
         assert chi2 < 370, chi2  # 255 degrees of freedom: p ~ 1e-5 at 370
+
+
+class SilentDevice(FaultyDevice):
+    """local02 as a script that advertises its clients' keys (1, 3, 5) and then says nothing,
+    online all the while: the stage of shares waits for it until its deadline."""
+
+    def _message(self, client, userdata, msg):
+        if not msg.payload:
+            return
+        if msg.topic == T.run_config:
+            self.run_id = RunConfig.decode(msg.payload).run_id
+        elif msg.topic == T.step:
+            step = Step.decode(msg.payload)
+            if step.kind == "train" and step.secagg and step.seq != self.seq:
+                self.seq = step.seq
+                setup, _, _ = setup_from_dict(step.secagg)
+                mine = [c for c in (1, 3, 5) if c in setup.graph]
+                self._send("keys", {c: [to_text(k) for k in SecAggClient(c, setup).advertise()]
+                                    for c in mine})
+                self.done.set()
+
+
+@pytest.mark.slow("a secure round on Mosquitto that waits out a silent device's stage: ~25 s")
+def test_a_device_silent_after_its_keys_stalls_the_round_one_stage_deadline(
+        data_root, tmp_path, mosquitto, one_thread, caplog):
+    """Hardening VI, finding 9: how long a device that is online and silent stalls a secure
+    round. The stage of shares waits deploy.round_timeout_min_s (8 s here) for it, drops its
+    clients, and the round completes on the other device's; no other stage waits for it (the
+    evaluation waits deploy.eval_timeout_s for it, as for any silent device: 4 s here)."""
+    port, home, _ = mosquitto
+    pw = {n: (home / f"{n}.pw").read_text().strip() for n in ("coordinator", "local02")}
+    cfg = quick_config(data_root, "rounds=1", "data.num_clients=6", "algorithm.name=fedavg",
+                       "secagg.enabled=true", "secagg.threshold=0.3", "deploy.min_devices=2",
+                       "deploy.wait_devices_s=2", "deploy.round_timeout_s=60",
+                       "deploy.eval_timeout_s=4", "algorithm.finetune_epochs=0",
+                       "deploy.round_timeout_min_s=8", "deploy.username=coordinator",
+                       f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+    daemon = device_process("local01", port, home, data_root)
+    silent = SilentDevice(port, pw["local02"])
+    try:
+        wait_online(port, home, "local01")
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=lambda s: None)
+    finally:
+        silent.stop()
+        stop_children([daemon])
+    assert silent.done.is_set()
+    first = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][0]
+    assert first["status"] == "ok" and first["reported"] == [0, 2, 4], first
+    assert "no shares stage from local02 within 8 s" in caplog.text
+    assert "client 3 dropped out (share keys: no shares)" in caplog.text
+    # the stage's 8 s, local01's training and the evaluation's 4 s: never the 60 s deadline
+    print(f"the round with a silent device took {first['seconds']:.1f} s")
+    assert 8 + 4 <= first["seconds"] < 30, first["seconds"]
+    assert all(torch.isfinite(v).all() for v in res.global_weights.values()
+               if v.is_floating_point())
