@@ -337,6 +337,63 @@ def test_survives_broker_restart(data_root, tmp_path, mosquitto):
     assert len(res.final.per_client) == 5  # every device answered the last evaluation
 
 
+@pytest.mark.slow("a deployment with the flood guard and a broker restart mid-round: ~25 s")
+def test_a_broker_restart_mid_round_gets_no_honest_login_disabled(data_root, tmp_path, mosquitto,
+                                                                   caplog):
+    """Hardening VI, finding 9: Mosquitto restarts while a round's updates are on their way, with
+    the flood guard on. The coordinator loses the round (its devices went offline with the
+    broker). The daemons send, when the broker is back, what they queued and their own resends:
+    about two copies of each update, at the edge of a login's burst (two whole updates a
+    client), so the last few chunks of it are dropped unread; each drop is told to the guard,
+    which disables a login only at 100 drops in 5 s. No login is disabled, and the later rounds
+    count all their clients."""
+    import threading
+
+    from fedseq.common.protocol.messages import Step
+    from fedseq.server.mqtt import guard
+
+    drops: dict[str, int] = {}
+    told = guard.FloodGuard.dropped
+
+    def counted(self, login):
+        drops[login] = drops.get(login, 0) + 1
+        told(self, login)
+
+    port, home, restart_broker = mosquitto
+    devices = [_device(n, port, home, data_root) for n in ("local01", "local02")]
+    restarted: list[float] = []
+
+    def on_step(client, userdata, msg):
+        if not msg.payload or restarted:
+            return
+        step = Step.decode(msg.payload)
+        if step.kind == "train" and step.round == 1:  # while the daemons train and send
+            restarted.append(time.monotonic())
+            threading.Thread(target=restart_broker, daemon=True).start()
+
+    watcher = _watcher(port, home, on_step)
+    try:
+        cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "deploy.min_devices=2",
+                           "deploy.round_timeout_s=90", "deploy.eval_timeout_s=60",
+                           "deploy.username=coordinator", "deploy.guard_username=fedseq-guard",
+                           f"deploy.guard_password_file={str(home / 'fedseq-guard.pw')!r}",
+                           f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+        with caplog.at_level("WARNING"), pytest.MonkeyPatch.context() as mp:
+            mp.setattr(guard.FloodGuard, "dropped", counted)
+            res = run_deployment(cfg, None, broker=f"mqtt://127.0.0.1:{port}", announce=_quiet)
+    finally:
+        watcher.loop_stop()
+        watcher.disconnect()
+        stop_children(devices)
+    assert restarted
+    said = [r.getMessage() for r in caplog.records]
+    assert not [m for m in said if "disabled the broker login" in m], said
+    print("messages dropped unread per login after the restart:", drops)
+    assert set(drops) <= {"local01", "local02"} and max(drops.values(), default=0) < 25, drops
+    train = [r for r in res.rows if r["phase"] == "train"]
+    assert len(train) == 3 and all(r["reported"] == r["clients"] for r in (train[0], train[2]))
+
+
 @pytest.mark.slow("a deployment: coordinator, broker and device daemons: 5 s on 2 cores")
 def test_doctor_reports_login_and_data(data_root, tmp_path, mosquitto):
     port, home, _ = mosquitto
