@@ -67,8 +67,9 @@ class Rejection:
 #: the trackers log it as metrics/<field> (track.py) and the report summarizes it over a run's
 #: rows as its field says (`summary`: "sum", the default, "mean" or "max"), so a new metric is
 #: one field here, set where it is measured.
-OWN_NAMES = frozenset({"v", "round", "global_acc", "personal_acc", "local_acc", "round_local_acc",
-                       "bytes_down", "bytes_up", "train_flops", "seconds", "energy_j"})
+OWN_NAMES = frozenset({"v", "round", "global_acc", "federated_acc", "personal_acc", "local_acc",
+                       "round_local_acc", "bytes_down", "bytes_up", "train_flops", "seconds",
+                       "energy_j"})
 
 
 def summary(kind: Literal["sum", "mean", "max"]) -> dict[str, Any]:

@@ -20,8 +20,9 @@ from fedseq.server.records import OWN_NAMES, RoundRecord
 
 # accuracies (RoundRecord.accuracies' names) -> TensorBoard tags (in %, as the report shows them;
 # tags of letters, digits and _ only, which TensorBoard keeps as written)
-ACCURACY_TAGS = {"G": "accuracy/G_global", "P": "accuracy/P_personalized",
-                 "L": "accuracy/L_local_all_clients", "Lr": "accuracy/Lr_local_round_trainers"}
+ACCURACY_TAGS = {"G": "accuracy/G_global", "F": "accuracy/F_federated",
+                 "P": "accuracy/P_personalized", "L": "accuracy/L_local_all_clients",
+                 "Lr": "accuracy/Lr_local_round_trainers"}
 
 
 #: RoundRecord fields logged under names of their own below (or not at all: the step); every

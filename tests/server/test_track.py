@@ -148,3 +148,16 @@ def test_every_numeric_field_of_a_row_reaches_the_trackers():
     _, got = row_scalars(row, {})
     assert {k.removeprefix("metrics/") for k in got if k.startswith("metrics/")} == numeric - NAMED
     assert "metrics/wire_bytes_in" in got and "metrics/late_updates" in got
+
+
+def test_a_device_placed_rows_federated_accuracy_is_tracked_as_F():
+    """data.placement = "device": a row's federated_acc is the accuracy F (accuracy/F_federated,
+    in % like the others), not a generic metric, and the report does not sum it as one."""
+    from fedseq.server.records import RoundRecord
+    from fedseq.server.track import row_scalars
+
+    row = RoundRecord(round=3, phase="train", global_acc=0.5, federated_acc=0.625)
+    _, got = row_scalars(row, {})
+    assert got["accuracy/F_federated"] == 62.5 and got["accuracy/G_global"] == 50.0
+    assert "metrics/federated_acc" not in got
+    assert "federated_acc" not in RoundRecord.picked_up()
