@@ -154,7 +154,7 @@ def plain_dataclass(cls: Any) -> bool:
     the one dataclasses generated, with none of `_HOOKS` (a __post_init__ would run whatever
     it does on the sender's values)."""
     return (isinstance(cls, type) and dataclasses.is_dataclass(cls)
-            and cls.__init__.__code__.co_filename == "<string>"
+            and getattr(getattr(cls.__init__, "__code__", None), "co_filename", "") == "<string>"
             and not any(h in vars(k) for k in cls.__mro__ if k is not object for h in _HOOKS))
 
 

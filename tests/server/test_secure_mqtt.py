@@ -33,6 +33,7 @@ from fedseq.common.secagg import (
     SecAggClient,
     keys_from_wire,
     setup_from_dict,
+    shares_to_wire,
     to_text,
 )
 from fedseq.server.deployment import run_deployment, stop_children
@@ -74,38 +75,41 @@ class FaultyDevice:
         if msg.topic == T.run_config:
             self.run_id = RunConfig.decode(msg.payload).run_id
         elif msg.topic == T.step:
-            step = Step.decode(msg.payload)
-            if step.kind == "evaluate" and self.done.is_set():
-                self._status("offline")  # nothing to score: gone before the evaluation
-            if step.kind == "train" and step.secagg and step.seq != self.seq:
-                self.seq, self.round = step.seq, step.round
-                setup, self.layout, _ = setup_from_dict(step.secagg)
-                self.parties = {c: SecAggClient(c, setup) for c in (3, 5)}
-                keys = {c: [to_text(k) for k in p.advertise()] for c, p in self.parties.items()}
-                keys[1] = ["junk", "junk"]
-                self._send("keys", keys)
+            self._on_step(Step.decode(msg.payload))
         else:
-            relay = SecAggMessage.decode(msg.payload)
-            if relay.stage == "keys":  # client 5 shares; 3 is silent from now on
-                shares = {}
-                for c, p in self.parties.items():
-                    if c == 3:
-                        continue
-                    # a device of an older fedseq: no checks of its shares
-                    blobs, commitment, _ = p.share_keys(
-                        {int(v): keys_from_wire(k) for v, k in relay.items[c].items()})
-                    shares[c] = {"to": {str(v): to_text(b) for v, b in blobs.items()},
-                                 "commit": to_text(commitment)}
-                self._send("shares", shares)
-            elif relay.stage == "shares":  # client 5's masked input is junk, then it is gone
-                frame = encode_tensors({MASKED: torch.zeros(7, dtype=torch.int32)})
-                for i, part in enumerate(split_frame(frame)):
-                    head = UpdateHeader(run_id=self.run_id, seq=self.seq, round=self.round,
-                                        client=5, device="local02", num_samples=1, chunk=i,
-                                        chunks=1, size=len(frame),
-                                        sha256=hashlib.sha256(frame).hexdigest())
-                    self.client.publish(T.update("local02"), pack_chunk(head, part), qos=1)
-                self.done.set()  # online and silent: the round waits for 5 until its deadline
+            self._on_relay(SecAggMessage.decode(msg.payload))
+
+    def _on_step(self, step: Step) -> None:
+        if step.kind == "evaluate" and self.done.is_set():
+            self._status("offline")  # nothing to score: gone before the evaluation
+        if step.kind == "train" and step.secagg and step.seq != self.seq:
+            self.seq, self.round = step.seq, step.round
+            setup, self.layout, _ = setup_from_dict(step.secagg)
+            self.parties = {c: SecAggClient(c, setup) for c in (3, 5)}
+            keys = {c: [to_text(k) for k in p.advertise()] for c, p in self.parties.items()}
+            keys[1] = ["junk", "junk"]
+            self._send("keys", keys)
+
+    def _on_relay(self, relay: SecAggMessage) -> None:
+        if relay.stage == "keys":  # client 5 shares; 3 is silent from now on
+            shares = {}
+            for c, p in self.parties.items():
+                if c == 3:
+                    continue
+                # a device of an older fedseq: no checks of its shares
+                blobs, commitment, _ = p.share_keys(
+                    {int(v): keys_from_wire(k) for v, k in relay.items[c].items()})
+                shares[c] = shares_to_wire(blobs, commitment, None)
+            self._send("shares", shares)
+        elif relay.stage == "shares":  # client 5's masked input is junk, then it is gone
+            frame = encode_tensors({MASKED: torch.zeros(7, dtype=torch.int32)})
+            for i, part in enumerate(split_frame(frame)):
+                head = UpdateHeader(run_id=self.run_id, seq=self.seq, round=self.round,
+                                    client=5, device="local02", num_samples=1, chunk=i,
+                                    chunks=1, size=len(frame),
+                                    sha256=hashlib.sha256(frame).hexdigest())
+                self.client.publish(T.update("local02"), pack_chunk(head, part), qos=1)
+            self.done.set()  # online and silent: the round waits for 5 until its deadline
 
     def stop(self) -> None:
         self.client.loop_stop()
@@ -141,6 +145,21 @@ class Capture:
         self.client.disconnect()
 
 
+def _beside_local01(cfg, port, home, data_root, tmp_path, scripts):
+    """The run of `cfg` into tmp_path/run with local01's real daemon beside the `scripts`
+    (stopped after it, with the daemon)."""
+    daemon = device_process("local01", port, home, data_root)
+    try:
+        # online before the run starts: its 2 s wait is for the stages, not a daemon's start under load
+        wait_online(port, home, "local01")
+        return run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                              announce=lambda s: None)
+    finally:
+        for script in scripts:
+            script.stop()
+        stop_children([daemon])
+
+
 @pytest.mark.slow("secure rounds on Mosquitto with faulty stages waited out")
 def test_faulty_stages_drop_their_clients_and_the_round_still_counts(
         data_root, tmp_path, mosquitto, one_thread, caplog):
@@ -154,17 +173,8 @@ def test_faulty_stages_drop_their_clients_and_the_round_still_counts(
                        "algorithm.finetune_epochs=0",
                        "deploy.round_timeout_min_s=30", "deploy.username=coordinator",
                        f"deploy.password_file={str(home / 'coordinator.pw')!r}")
-    daemon = device_process("local01", port, home, data_root)
     faulty, capture = FaultyDevice(port, pw["local02"]), Capture(port, pw["coordinator"])
-    try:
-        # online before the run starts: its 2 s wait is for the stages, not a daemon's start under load
-        wait_online(port, home, "local01")
-        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
-                             announce=lambda s: None)
-    finally:
-        faulty.stop()
-        capture.stop()
-        stop_children([daemon])
+    res = _beside_local01(cfg, port, home, data_root, tmp_path, [faulty, capture])
     assert faulty.done.is_set()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     first = rows[0]
@@ -189,22 +199,20 @@ def test_faulty_stages_drop_their_clients_and_the_round_still_counts(
 
 class SilentDevice(FaultyDevice):
     """local02 as a script that advertises its clients' keys (1, 3, 5) and then says nothing,
-    online all the while: the stage of shares waits for it until its deadline."""
+    online all the while (the evaluation too): the stage of shares waits for it until its
+    deadline."""
 
-    def _message(self, client, userdata, msg):
-        if not msg.payload:
-            return
-        if msg.topic == T.run_config:
-            self.run_id = RunConfig.decode(msg.payload).run_id
-        elif msg.topic == T.step:
-            step = Step.decode(msg.payload)
-            if step.kind == "train" and step.secagg and step.seq != self.seq:
-                self.seq = step.seq
-                setup, _, _ = setup_from_dict(step.secagg)
-                mine = [c for c in (1, 3, 5) if c in setup.graph]
-                self._send("keys", {c: [to_text(k) for k in SecAggClient(c, setup).advertise()]
-                                    for c in mine})
-                self.done.set()
+    def _on_step(self, step: Step) -> None:
+        if step.kind == "train" and step.secagg and step.seq != self.seq:
+            self.seq = step.seq
+            setup, _, _ = setup_from_dict(step.secagg)
+            mine = [c for c in (1, 3, 5) if c in setup.graph]
+            self._send("keys", {c: [to_text(k) for k in SecAggClient(c, setup).advertise()]
+                                for c in mine})
+            self.done.set()
+
+    def _on_relay(self, relay: SecAggMessage) -> None:
+        pass  # silent
 
 
 @pytest.mark.slow("a secure round on Mosquitto that waits out a silent device's stage: ~25 s")
@@ -222,15 +230,8 @@ def test_a_device_silent_after_its_keys_stalls_the_round_one_stage_deadline(
                        "deploy.eval_timeout_s=4", "algorithm.finetune_epochs=0",
                        "deploy.round_timeout_min_s=8", "deploy.username=coordinator",
                        f"deploy.password_file={str(home / 'coordinator.pw')!r}")
-    daemon = device_process("local01", port, home, data_root)
     silent = SilentDevice(port, pw["local02"])
-    try:
-        wait_online(port, home, "local01")
-        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
-                             announce=lambda s: None)
-    finally:
-        silent.stop()
-        stop_children([daemon])
+    res = _beside_local01(cfg, port, home, data_root, tmp_path, [silent])
     assert silent.done.is_set()
     first = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][0]
     assert first["status"] == "ok" and first["reported"] == [0, 2, 4], first
