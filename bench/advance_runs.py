@@ -27,9 +27,9 @@ import sys
 from pathlib import Path
 
 from fedseq.common.config import load_config
-from fedseq.server.coordinator import RunPaused
-from fedseq.server.rundir import stop_on_sigterm
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.rounds.coordinator import RunPaused
+from fedseq.server.rounds.rundir import stop_on_sigterm
 
 
 def rounds_done(out: Path) -> int:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from fedseq.common.config import load_config
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ["fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedper", "fedrep", "lg-fedavg",

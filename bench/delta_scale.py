@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 
 from fedseq.common.config import load_config
-from fedseq.server import validation
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.rounds import contract as validation
 
 
 def main() -> None:
@@ -40,7 +40,7 @@ def main() -> None:
         return contract(round, selected, upload, global_weights, *rest)
 
     validation.RoundContract.check = measuring
-    from fedseq.server import coordinator
+    from fedseq.server.rounds import coordinator
     coordinator.round_contract = remembering
     cfg = load_config(args.config, [f"rounds={args.rounds}", "algorithm.name=fedavg",
                                     "train.threads=1", *args.overrides])

@@ -21,7 +21,7 @@ from fedseq.common.codecs import Codec
 from fedseq.common.config import load_config
 from fedseq.common.models import get_blocks
 from fedseq.common.training import clip_update, run_client_round
-from fedseq.server.experiment import load_experiment
+from fedseq.server.rounds.experiment import load_experiment
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -82,7 +82,7 @@ def io_bytes(pid: int) -> int:
 
 def start_broker(tmp: Path, names: list[str], nofile: int) -> tuple[subprocess.Popen, int]:
     """Mosquitto from broker.conf with the project's ACL, one account per name."""
-    from fedseq.server.broker import free_port, write_local_mosquitto
+    from fedseq.server.ops.broker import free_port, write_local_mosquitto
 
     port = free_port()
     conf = write_local_mosquitto(tmp, port, {n: f"secret-{n[:5]}" for n in names},
@@ -101,9 +101,9 @@ def one(args: argparse.Namespace) -> dict:
     from synthetic import device_name, device_pace  # bench/, this script's folder
 
     from fedseq.common.config import load_config
-    from fedseq.server.deployment import run_deployment
-    from fedseq.server.mqtt import MqttPool
-    from fedseq.server.pool import TrainRound
+    from fedseq.server.ops.deployment import run_deployment
+    from fedseq.server.pools.mqtt import MqttPool
+    from fedseq.server.rounds.pool_api import TrainRound
 
     n = args.n
     timing: dict[str, list[float]] = {"round": [], "cpu": [], "loop_cpu": [], "broker_cpu": [],
@@ -147,7 +147,7 @@ def one(args: argparse.Namespace) -> dict:
 
             return TrainRound(timed())
 
-    import fedseq.server.deployment as dep
+    import fedseq.server.ops.deployment as dep
 
     dep.MqttPool = TimedPool  # type: ignore[misc]
     names = [device_name("synth", i) for i in range(1, n + 1)]

@@ -12,10 +12,10 @@ each one. First a quiet phase, then bench/flooder.py floods dev03's own topics f
 (per mode). Printed per phase: dev01's status delays (median, 99th percentile, worst), how many
 of them arrived, MB the coordinator received, the coordinator process's CPU per second, and what
 the inbox dropped unread (flooded) or refused. dev03's budget is printed beside them: what one
-login may take of the network thread at once and per second (server/mqtt/budget.py).
+login may take of the network thread at once and per second (server/pools/mqtt/budget.py).
 
 With --guard the broker loads its dynamic-security plugin and the coordinator's flood guard
-(server/mqtt/guard.py) disables dev03's login once its messages keep being dropped: the
+(server/pools/mqtt/guard.py) disables dev03's login once its messages keep being dropped: the
 phase's line then says when it was disabled. Without it the budget alone bounds the flood.
 
 Everything (broker, coordinator, devices, flooder) shares this machine's cores.
@@ -42,8 +42,8 @@ from fedseq.common.models import build_model, get_blocks
 from fedseq.common.protocol.messages import Assignment, DeviceStatus, RunConfig, Step
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.protocol.topics import Topics
-from fedseq.server.broker import write_local_mosquitto
-from fedseq.server.mqtt.session import ServerSession
+from fedseq.server.ops.broker import write_local_mosquitto
+from fedseq.server.pools.mqtt.broker_session import ServerSession
 
 #: the flood guard's password for this bench's broker
 GUARD_SECRET = secrets.token_hex(16)
@@ -135,7 +135,7 @@ def main() -> None:
     session.start()
     guard = None
     if args.guard:
-        from fedseq.server.mqtt.guard import FloodGuard
+        from fedseq.server.pools.mqtt.guard import FloodGuard
 
         guard = FloodGuard(f"mqtt://127.0.0.1:{port}", "fedseq-guard", GUARD_SECRET, None)
         guard.start()

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from fedseq.common.data.store import default_data_root
-from fedseq.server.broker import free_port
+from fedseq.server.ops.broker import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = {"daemon": 400, "coordinator": 600}

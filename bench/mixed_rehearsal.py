@@ -20,8 +20,8 @@ from pathlib import Path
 
 import tomllib
 
-from fedseq.server.fleet import measured_fleet
 from fedseq.server.report import load_run
+from fedseq.server.rounds.virtual_fleet import measured_fleet
 
 MODES = ("sync", "over-select", "async")
 

@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 from fedseq.common.config import load_config
-from fedseq.server.broker import free_port
-from fedseq.server.deployment import run_deployment
-from fedseq.server.mqtt import MqttPool
-from fedseq.server.pool import TrainRound
+from fedseq.server.ops.broker import free_port
+from fedseq.server.ops.deployment import run_deployment
+from fedseq.server.pools.mqtt import MqttPool
+from fedseq.server.rounds.pool_api import TrainRound
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMES: list[tuple[float, float]] = []  # (exchange wall s, slowest client computation s)
@@ -95,7 +95,7 @@ def training_cpu(cfg) -> float:
 
     from fedseq.common.models import get_blocks
     from fedseq.common.training import run_client_round
-    from fedseq.server.experiment import load_experiment
+    from fedseq.server.rounds.experiment import load_experiment
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -124,7 +124,7 @@ def main() -> None:
                     help="1000 = one training step per client, close to the references' no-op rounds")
     ap.add_argument("--data-root", default=str(ROOT.parent / "shared" / "data"))
     args = ap.parse_args()
-    import fedseq.server.deployment as dep
+    import fedseq.server.ops.deployment as dep
 
     dep.MqttPool = TimedPool  # type: ignore[misc]
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,7 @@ import time
 import torch
 
 from fedseq.common.config import load_config
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ RUN = """
 import json, resource, sys
 from pathlib import Path
 from fedseq.common.config import load_config
-from fedseq.server.deployment import run_deployment
+from fedseq.server.ops.deployment import run_deployment
 root = Path(sys.argv[1])
 cfg = load_config(None, ['data.placement="device"', 'data.dataset="npz"',
                          "data.options.shape=[1,28,28]", "data.options.classes=10",

@@ -28,8 +28,9 @@ import time
 from pathlib import Path
 
 from fedseq.common.config import load_config
-from fedseq.server import rehearsal as rh
-from fedseq.server.deployment import local_device_names, run_deployment
+from fedseq.server.ops import rehearsal as rh
+from fedseq.server.ops.deployment import local_device_names, run_deployment
+from fedseq.server.rounds import links as ln
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,7 +56,7 @@ def main() -> None:
                 # the testbed's 100-round schedule (blocks unfrozen at 0/25/50/75): its first
                 # rounds, not the whole schedule squeezed into --rounds
                 "algorithm.unfreeze_rounds=[0, 25, 50, 75]", *args.overrides])
-            links = {} if profile == "none" else {d: rh.parse_profile(profile) for d in names}
+            links = {} if profile == "none" else {d: ln.parse_profile(profile) for d in names}
             with tempfile.TemporaryDirectory() as tmp, rh.Rehearsal(names, links) as r:
                 start = time.monotonic()
                 run_deployment(cfg, Path(tmp) / "run", local_clients=args.devices,

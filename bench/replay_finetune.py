@@ -26,8 +26,8 @@ import torch
 from fedseq.common import training
 from fedseq.common.config import load_config
 from fedseq.common.models import block_of
-from fedseq.server.checkpoint import load_checkpoint
-from fedseq.server.experiment import load_experiment
+from fedseq.server.rounds.checkpoint import load_checkpoint
+from fedseq.server.rounds.experiment import load_experiment
 
 
 def main() -> None:

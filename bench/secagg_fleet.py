@@ -85,7 +85,7 @@ def killer(port: int, secret: str, victim: str, secure: bool, pid: int) -> threa
 def one(n: int, devices: int, rounds: int, drop: bool, secure: bool, data_root: str,
         partition: str, up: str = "none") -> dict:
     from fedseq.common.config import load_config
-    from fedseq.server.deployment import run_deployment, stop_children
+    from fedseq.server.ops.deployment import run_deployment, stop_children
 
     names = [f"local{i + 1:02d}" for i in range(devices)]
     with tempfile.TemporaryDirectory(prefix="secagg-fleet-") as tmp_s:

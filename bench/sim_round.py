@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from fedseq.common.config import load_config
-from fedseq.server.coordinator import Coordinator
-from fedseq.server.experiment import load_experiment
-from fedseq.server.pool import InProcessPool, TrainRound
+from fedseq.server.pools.inprocess import InProcessPool
+from fedseq.server.rounds.coordinator import Coordinator
+from fedseq.server.rounds.experiment import load_experiment
+from fedseq.server.rounds.pool_api import TrainRound
 
 PFLLIB_SECONDS_PER_ROUND = 35.0  # issue 10's measurement on this machine kind
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fedseq.common.models import CNN
-from fedseq.server import distributed as D
+from fedseq.server.pools import distributed as D
 
 
 def the_step() -> tuple[str, dict[str, Any]]:

@@ -27,8 +27,8 @@ from fedseq.common.protocol.link import keep_large_buffers
 from fedseq.common.protocol.messages import UpdateHeader
 from fedseq.common.protocol.tensors import encode_tensors
 from fedseq.common.protocol.topics import Topics
-from fedseq.server.mqtt.inbox import Inbox
-from fedseq.server.validation import RoundContract
+from fedseq.server.pools.mqtt.inbox import Inbox
+from fedseq.server.rounds.contract import RoundContract
 
 WARM = 10
 

@@ -25,7 +25,7 @@ from fedseq.common.protocol.frames import FramePool, split_frame
 from fedseq.common.protocol.link import keep_large_buffers
 from fedseq.common.protocol.messages import UpdateHeader
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
-from fedseq.server.validation import round_contract
+from fedseq.server.rounds.contract import round_contract
 
 
 def main() -> None:

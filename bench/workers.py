@@ -36,9 +36,9 @@ from pathlib import Path
 import torch
 
 from fedseq.common.config import load_config
-from fedseq.server.experiment import load_experiment
-from fedseq.server.records import RoundRecord
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.rounds.experiment import load_experiment
+from fedseq.server.rounds.records import RoundRecord
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = {
@@ -56,7 +56,7 @@ def measure(cfg, workers: int, train_rows: dict[int, int], per_gpu: int = 0) -> 
     pool_timings: list = []
     distributed_run = bool(workers or per_gpu)
     if distributed_run:
-        from fedseq.server import distributed
+        from fedseq.server.pools import distributed
 
         real = distributed.DistributedPool.__init__
 

@@ -223,7 +223,7 @@ class StepExecutor:
     def _cost(self, mark: Mark) -> DeviceCost:
         """A client-round's energy and the device's health after it, the update header's cost
         fields (energy None, never 0, where no power source is readable; the coordinator reads
-        them back into a DeviceCost, server/mqtt/inbox.py); the status reports the last one."""
+        them back into a DeviceCost, server/pools/mqtt/inbox.py); the status reports the last one."""
         if self.torch_device.type == "cuda":
             torch.cuda.synchronize()  # the GPU's work belongs to this client
         energy = self.meter.since(mark)

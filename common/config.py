@@ -375,7 +375,7 @@ class TrainConfig(_Section):
         "to use N cores); `auto` = the cores not busy at start (faster on an idle machine, but "
         "the result then depends on the load). Recorded in the run directory."))
     mode: Literal["sync", "async"] = Field("sync", json_schema_extra=COORDINATOR, description=(
-        "How the run advances (server/asynchronous.py): sync rounds, each waiting for its selected "
+        "How the run advances (server/rounds/buffered.py): sync rounds, each waiting for its selected "
         "clients (or its deadline), or async: buffered asynchronous aggregation (FedBuff): "
         "`concurrency` clients train at once and the server steps every `buffer` updates; a server "
         "step is a round for everything that counts rounds."))
@@ -415,7 +415,7 @@ class AggregationConfig(_Section):
     max_abs_delta: Union[float, Literal["auto"]] = Field("auto", description=(
         "Refuse an update with a larger element; auto: 10 x the largest parameter magnitude of the "
         "global model at that round, at least 1. Running statistics have bounds of their own "
-        "(server/validation.py)."))
+        "(server/rounds/contract.py)."))
     byzantine_devices: Optional[int] = Field(None, ge=0, description=(
         "f, the Byzantine devices (logins) a robust rule must withstand; default 1 for the robust "
         "rules (rounds then need 2f+1 reporting devices), 0 for the mean, which withstands none."))
@@ -518,8 +518,8 @@ class DeployConfig(_Section):
 
 
 class FleetGroup(_Section):
-    """Devices of one kind in a simulated fleet: a device profile (server/fleet.py PROFILES),
-    how many, and their link (a rehearsal link profile, server/rehearsal.py)."""
+    """Devices of one kind in a simulated fleet: a device profile (server/rounds/virtual_fleet.py PROFILES),
+    how many, and their link (a rehearsal link profile, server/ops/rehearsal.py)."""
 
     profile: str = Field(description=(
         "nano, xavier-nx, orin-nano (each also -cpu), or custom:gflops=G,train_w=W,idle_w=W."))
@@ -529,8 +529,8 @@ class FleetGroup(_Section):
 
 
 class FleetConfig(_Section):
-    """[fleet]: fedseq-sim's model of time (server/fleet.py). Empty (default): no virtual clock.
-    Given devices, clients are dealt to them as a deployment deals them (devices by name,
+    """[fleet]: fedseq-sim's model of time (server/rounds/virtual_fleet.py). Empty (default): no
+    virtual clock. Given devices, clients are dealt to them as a deployment deals them (devices by name,
     round-robin), and every row carries the round's simulated seconds and modelled joules."""
 
     devices: List[FleetGroup] = Field(default_factory=list, description=(

@@ -8,7 +8,7 @@ comes from the client's seeded stream (simulation, `--workers` and a device trai
 
 [privacy] level = "record" (docs/how-to/privacy.md): what it protects is each training example
 of a client, against whoever sees what the client sends; the coordinator accounts each client's
-epsilon (server/privacy.py `record_epsilon`). It needs torch >= 2.0 and opacus: a device on the
+epsilon (server/privacy/dp.py `record_epsilon`). It needs torch >= 2.0 and opacus: a device on the
 floor (torch 1.12, JetPack 4 and 5) refuses the plan in one line (`unavailable`). Runs on the
 device floor's Python (3.8): opacus is imported only where DP-SGD runs.
 """

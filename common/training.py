@@ -379,7 +379,7 @@ def clip_update(deltas: Weights, clip: float, codec: Codec) -> tuple[Weights, bo
     norm), C' = `clip` less the codec's rounding (and float32's), so that what the coordinator
     decodes has a norm of at most `clip` (the round contract's check). A codec that does not
     keep the norm (int8, top-k) is clipped to `clip` before it codes; the coordinator scales
-    what it decodes back to `clip` (server/privacy.py NoisedSum). Integer tensors are left as
+    what it decodes back to `clip` (server/privacy/dp.py NoisedSum). Integer tensors are left as
     they are (none are uploaded but counters). Returns the clipped upload and whether its norm
     was within `clip` (adaptive clipping's bit)."""
     norm = update_norm({k: d for k, d in deltas.items() if d.is_floating_point()})

@@ -142,7 +142,7 @@ def doctor(rootfs: Path, port: int) -> str:
 
 def start_mosquitto(home: Path, users: dict[str, str], port: int) -> subprocess.Popen:
     """Mosquitto from the project's broker.conf: password file, ACL, loopback, this port."""
-    from fedseq.server.broker import write_local_mosquitto
+    from fedseq.server.ops.broker import write_local_mosquitto
 
     conf = write_local_mosquitto(home, port, users, ROOT / "broker.conf",
                                  ROOT / "deploy/mosquitto/fedseq.acl", "root")
@@ -156,8 +156,8 @@ def run(rootfs: Path, data: Path, algorithms: list[str], rounds: int, port: int)
     import torch
 
     from fedseq.common.config import load_config
-    from fedseq.server.deployment import run_deployment
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.deployment import run_deployment
+    from fedseq.server.ops.simulation import run_simulation
 
     results = []
     devices = ["arm01", "arm02"]
@@ -238,7 +238,7 @@ def main() -> int:
         print(f"error: no FashionMNIST/raw under {a.data}: give --data (fedseq data download fmnist)",
               file=sys.stderr)
         return 2
-    from fedseq.server.broker import free_port
+    from fedseq.server.ops.broker import free_port
 
     rootfs, steps, port = a.dir / "rootfs", a.steps.split(","), free_port()
     if a.fresh:

@@ -17,8 +17,8 @@ import torch
 
 from fedseq.common.config import ExperimentConfig, load_config
 from fedseq.common.data.federated import ClientShard, FederatedData
-from fedseq.server.broker import free_port, write_local_mosquitto
-from fedseq.server.launch import SERVER_PACKAGES
+from fedseq.server.cli.launch import SERVER_PACKAGES
+from fedseq.server.ops.broker import free_port, write_local_mosquitto
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -111,7 +111,7 @@ def quick_config(data_root: Path, *overrides: str) -> ExperimentConfig:
 def coordinator_run(data_root: Path, out: Path | None, mosquitto, *overrides: str):
     """(config, result) of a deployment on the test's Mosquitto as the coordinator account, with
     quick_config and `overrides`; the devices are the caller's."""
-    from fedseq.server.deployment import run_deployment
+    from fedseq.server.ops.deployment import run_deployment
 
     port, home, _ = mosquitto
     cfg = quick_config(data_root, "deploy.username=coordinator",
@@ -137,7 +137,7 @@ def resumed_after(cfg, out: Path, stop_round: int):
     then resumed there: its RunResult."""
     import pytest
 
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
 
     def stop(row):
         if row.round == stop_round:

@@ -29,7 +29,7 @@ def die() -> None:
 
 def arm(point: str) -> None:
     if point == "after-aggregate":
-        from fedseq.server.mqtt.blocks import BlockPublisher
+        from fedseq.server.pools.mqtt.blocks import BlockPublisher
 
         publish = BlockPublisher._publish
 
@@ -41,7 +41,7 @@ def arm(point: str) -> None:
 
         BlockPublisher._publish = publish_then_die
     elif point == "mid-checkpoint":
-        from fedseq.server import checkpoint
+        from fedseq.server.rounds import checkpoint
 
         calls = []
 
@@ -59,7 +59,7 @@ def arm(point: str) -> None:
         atomic_write = checkpoint.atomic_write
         checkpoint.atomic_write = half_then_die
     elif point == "mid-finetune":
-        from fedseq.server.mqtt.pool import MqttPool
+        from fedseq.server.pools.mqtt.mqtt_pool import MqttPool
 
         finetune = MqttPool.finetune
 
@@ -73,7 +73,7 @@ def arm(point: str) -> None:
 
         MqttPool.finetune = finetune_then_die
     elif point == "first-resumed-round":
-        from fedseq.server.mqtt.pool import MqttPool
+        from fedseq.server.pools.mqtt.mqtt_pool import MqttPool
 
         publish_step = MqttPool._publish_step
 
@@ -86,7 +86,7 @@ def arm(point: str) -> None:
 
         MqttPool._publish_step = publish_step_then_die
     elif point == "mid-secure-unmask":
-        from fedseq.server.mqtt.secure import SecureStages
+        from fedseq.server.pools.mqtt.secure_relay import SecureStages
 
         unmask = SecureStages.unmask
 
@@ -103,7 +103,7 @@ def arm(point: str) -> None:
 
 if __name__ == "__main__":
     arm(sys.argv.pop(1))
-    from fedseq.server.cli import server_main
+    from fedseq.server.cli.commands import server_main
 
     sys.argv[0] = "fedseq-server"
     server_main()

@@ -15,7 +15,7 @@ from fedseq.common.models import Weights, block_of, is_statistic
 @dataclass(frozen=True)
 class DeviceCost:
     """What one client-round cost on its device: measured there (client/executor.py), carried
-    in its update's header, and read back as the coordinator accepted it (server/mqtt/inbox.py);
+    in its update's header, and read back as the coordinator accepted it (server/pools/mqtt/inbox.py);
     informational, never aggregated. Each figure is None where the device measured nothing or
     sent an implausible value."""
 
@@ -49,7 +49,7 @@ class ClientUpdate:
     # informational, never aggregated; None in simulation or where the device measured nothing
     cost: DeviceCost | None = None
     # the batch (from 1) where the client's training hit a NaN or Inf loss and stopped; such an
-    # update is refused (server/validation.py); None: training stayed finite
+    # update is refused (server/rounds/contract.py); None: training stayed finite
     diverged_at: int | None = None
     # [privacy] adaptive clipping: whether the update's norm was at most the clip norm before it
     # was clipped (its one bit for the clip norm's quantile); None: not clipped

@@ -13,7 +13,7 @@ from typing import Any
 
 from fedseq.common.errors import ConfigError
 from fedseq.common.text import markdown_cell, printable
-from fedseq.server.records import RoundRecord
+from fedseq.server.rounds.records import RoundRecord
 
 if sys.version_info >= (3, 11):
     import tomllib

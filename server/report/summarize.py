@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedseq.common.config import SEED_STREAMS
-from fedseq.server.records import RoundRecord
 from fedseq.server.report.load import ACCURACIES, LAST, Run
-from fedseq.server.seeds import defining
+from fedseq.server.rounds.records import RoundRecord
+from fedseq.server.rounds.seeds import defining
 
 
 def _values(rows: list[RoundRecord], name: str) -> list[float]:

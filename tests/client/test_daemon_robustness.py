@@ -62,7 +62,7 @@ def broker_logins(request, tmp_path):
                ("local01", "d1-secret"))
         return
     pytest.importorskip("amqtt")
-    from fedseq.server.broker import EmbeddedBroker
+    from fedseq.server.ops.broker import EmbeddedBroker
 
     broker = EmbeddedBroker("127.0.0.1", 0)  # loopback, anonymous
     broker.start()

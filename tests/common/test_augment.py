@@ -86,7 +86,7 @@ def test_plans_carry_augmentation_and_leave_the_crop_off_the_wire_when_unused(da
 def test_fedavg_fine_tuned_is_fedbabus_fedavg_column(data_root):
     """final_finetune = true: FedAvg ends with every client's fine-tuning, its rounds unchanged
     (the same global model); a two-head algorithm is refused in one line."""
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
 
     over = ["algorithm.name=fedavg", "rounds=2"]
     plain = run_simulation(quick_config(data_root, *over), out=None)

@@ -115,7 +115,7 @@ def test_codec_specs_round_trip_and_bad_ones_say_why():
 
 
 def _contract(codec, bound=10.0):
-    from fedseq.server.validation import RoundContract  # the coordinator's
+    from fedseq.server.rounds.contract import RoundContract  # the coordinator's
 
     ref = {"fc.weight": torch.zeros(2, 3), "fc.bias": torch.zeros(2)}
     return RoundContract(0, frozenset({0}), ref, {0: 5}, None, bound, {0: 3}, codec=codec)

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from conftest import ROOT, quick_config
-from fedseq.server.broker import free_port
-from fedseq.server.deployment import run_deployment, stop_children
+from fedseq.server.ops.broker import free_port
+from fedseq.server.ops.deployment import run_deployment, stop_children
 
 ANSIBLE = ROOT / "deploy" / "ansible"
 pytestmark = pytest.mark.skipif(shutil.which("ansible-playbook") is None,

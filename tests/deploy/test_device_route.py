@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from conftest import coordinator_run, device_process
-from fedseq.server.deployment import stop_children
+from fedseq.server.ops.deployment import stop_children
 
 ROUTE_PYTHON = os.environ.get("FEDSEQ_ROUTE_PYTHON", "")
 NUMPY2 = os.environ.get("FEDSEQ_NUMPY2_PATH", "")

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import coordinator_run
-from fedseq.server.deployment import stop_children
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.deployment import stop_children
+from fedseq.server.ops.simulation import run_simulation
 
 DEVICE_PYTHON = os.environ.get("FEDSEQ_DEVICE_PYTHON", "")
 pytestmark = pytest.mark.skipif(not DEVICE_PYTHON, reason="set FEDSEQ_DEVICE_PYTHON to a device-stack "
@@ -107,7 +107,7 @@ def test_old_stack_devices_train_on_their_own_folders(tmp_path, mosquitto, one_t
     only its --data-dir and announces its clients in its status; every update passes the round
     contract's announced sizes, close to fedseq-sim --devices-data of the same folders."""
     from conftest import fmnist_devices, placed_config
-    from fedseq.server.deployment import run_deployment
+    from fedseq.server.ops.deployment import run_deployment
 
     port, home, _ = mosquitto
     root = fmnist_devices(tmp_path / "devices")

@@ -18,12 +18,15 @@ from pydantic import BaseModel
 from conftest import ROOT, server_only
 
 pytestmark = server_only
+# the reference pages' generator lives beside the docs (docs/reference_pages.py), not in fedseq
+sys.path.insert(0, str(ROOT / "docs"))
 
 
 def _models() -> list[type[BaseModel]]:
+    from reference_pages import _nested_tables, is_table
+
     from fedseq.client.settings import ClientSettings
     from fedseq.common.config import ExperimentConfig
-    from fedseq.server.reference import _nested_tables, is_table
 
     sections = [f.annotation for f in ExperimentConfig.model_fields.values() if is_table(f.annotation)]
     nested = [sub for s in sections for sub in _nested_tables(s)]
@@ -38,9 +41,10 @@ def test_every_configuration_key_has_a_description():
 
 
 def test_the_generated_references_name_every_key_option_and_message():
+    import reference_pages as reference
+
     from fedseq.common.config import ExperimentConfig
     from fedseq.common.protocol import messages
-    from fedseq.server import reference
 
     config = reference.config_page()
     for key, _ in reference.field_rows(ExperimentConfig):
@@ -147,7 +151,7 @@ def test_generated_reference_text_is_not_read_as_html():
     HTML (`<s>` struck the rest of the page through); outside code, generated text is escaped."""
     import re
 
-    from fedseq.server import reference
+    import reference_pages as reference
 
     cli = reference.cli_page()
     assert "OUT/&lt;setting&gt;/&lt;algorithm&gt;/seed-&lt;s&gt;" in cli
@@ -167,8 +171,8 @@ def test_the_pages_the_help_names_are_the_sites_with_their_titles():
     the documentation is."""
     from typer.testing import CliRunner
 
-    from fedseq.server.cli import PAGES, server_app
-    from fedseq.server.tools import app as tools_app
+    from fedseq.server.cli.commands import PAGES, server_app
+    from fedseq.server.cli.tools import app as tools_app
 
     nav = (ROOT / "mkdocs.yml").read_text()
     for path, title in PAGES.items():

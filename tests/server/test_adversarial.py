@@ -39,8 +39,8 @@ from fedseq.common.protocol.messages import (
 )
 from fedseq.common.protocol.tensors import encode_tensors
 from fedseq.common.protocol.topics import Topics
-from fedseq.server.deployment import run_deployment, stop_children
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.deployment import run_deployment, stop_children
+from fedseq.server.ops.simulation import run_simulation
 
 T = Topics()
 
@@ -650,7 +650,7 @@ def test_a_flapping_device_costs_at_most_one_wait(data_root, tmp_path, mosquitto
                        f"deploy.password_file={str(home / 'coordinator.pw')!r}",
                        "algorithm.name=fedavg")
     try:
-        with caplog.at_level("WARNING", logger="fedseq.server.mqtt.session"):
+        with caplog.at_level("WARNING", logger="fedseq.server.pools.mqtt.broker_session"):
             res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
                                  announce=lambda s: None)
     finally:
@@ -749,7 +749,7 @@ def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_
     hardening IV kept a dropped frame's spooled bytes until the step ended: GBs of file here.)"""
     import threading
 
-    from fedseq.server.mqtt import inbox as box
+    from fedseq.server.pools.mqtt import inbox as box
 
     seen: dict = {"file": 0, "pool": 0, "memory": 0, "inbox": []}
     real_open, real_write = box.Inbox.open, box.UpdateSpool.write
@@ -791,7 +791,7 @@ def test_a_login_flooding_update_frames_keeps_the_spool_and_memory_within_their_
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     try:
-        with caplog.at_level("WARNING", logger="fedseq.server.coordinator"):
+        with caplog.at_level("WARNING", logger="fedseq.server.rounds.coordinator"):
             res, flooded, said = _flooded_run(cfg, port, home, tmp_path, attack, daemons, flood)
     finally:
         done.set()
@@ -852,7 +852,8 @@ def test_forged_async_updates_are_refused_and_never_fold(data_root, tmp_path, mo
     assert all("num_samples=1000000000000" in r or re.search(
         r"trained on the model of step \d+, but dispatched on step \d+ before step \d+", r)
         for r in reasons), reasons
-    again = subprocess.run([sys.executable, "-c", "from fedseq.server.cli import sim_main; sim_main()",
+    again = subprocess.run([sys.executable, "-c",
+                            "from fedseq.server.cli.commands import sim_main; sim_main()",
                             "--replay", str(tmp_path / "run"), "--out", str(tmp_path / "again"),
                             "-q", "--set", "train.threads=1"], capture_output=True, text=True,
                            timeout=600)
@@ -920,7 +921,7 @@ def test_a_login_flooding_tiny_messages_is_disabled_at_the_broker(data_root, tmp
                          "deploy.round_timeout_s=120", "deploy.wait_devices_s=5",
                          "train.eval_every=4", "deploy.guard_username=fedseq-guard",
                          f"deploy.guard_password_file={str(home / 'fedseq-guard.pw')!r}")
-    from fedseq.server.mqtt import inbox as box
+    from fedseq.server.pools.mqtt import inbox as box
 
     real = box.Inbox.on_message
 
@@ -932,7 +933,7 @@ def test_a_login_flooding_tiny_messages_is_disabled_at_the_broker(data_root, tmp
     import unittest.mock
 
     with unittest.mock.patch.object(box.Inbox, "on_message", counted), \
-            caplog.at_level("WARNING", logger="fedseq.server.mqtt.guard"):
+            caplog.at_level("WARNING", logger="fedseq.server.pools.mqtt.guard"):
         res, _, said = _flooded_run(cfg, port, home, tmp_path, attack, list(daemons.values()),
                                     flood, ended)
     disabled = [r.getMessage() for r in caplog.records if "disabled the broker login" in r.getMessage()]
@@ -991,7 +992,7 @@ def test_the_guards_password_file_is_held_to_the_cluster_secrets_checks(tmp_path
     password file is refused, in one line, when others can read it, when it is short or
     repetitive, empty, or missing (before: a world-readable '1' was accepted)."""
     from fedseq.common.errors import ConfigError
-    from fedseq.server.mqtt.pool import guard_password
+    from fedseq.server.pools.mqtt.mqtt_pool import guard_password
 
     path = tmp_path / "guard.pw"
     strong = "0f6c2a9e4b7d13586e0a9c2f4b7d1358"
@@ -1016,7 +1017,7 @@ def test_a_coordinator_on_an_external_broker_without_the_guard_says_so(caplog, t
     coordinator without the guard's login says so in one line at start, with how to turn it
     on; the embedded broker's runs and a guarded coordinator say nothing of it."""
     from fedseq.common.config import load_config
-    from fedseq.server.mqtt.pool import MqttPool
+    from fedseq.server.pools.mqtt.mqtt_pool import MqttPool
 
     pw = tmp_path / "guard.pw"
     pw.write_text("0f6c2a9e4b7d13586e0a9c2f4b7d1358\n")
@@ -1026,7 +1027,7 @@ def test_a_coordinator_on_an_external_broker_without_the_guard_says_so(caplog, t
                  ["deploy.broker='mqtt://10.0.0.5:1883'", "deploy.guard_username='fedseq-guard'",
                   f"deploy.guard_password_file={str(pw)!r}"]):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="fedseq.server.mqtt.pool"):
+        with caplog.at_level("WARNING", logger="fedseq.server.pools.mqtt.mqtt_pool"):
             MqttPool(load_config(None, sets), "mqtt://127.0.0.1:1", "run-1")
         said.append([r.getMessage() for r in caplog.records if "flood guard" in r.getMessage()])
     assert len(said[0]) == 1 and "no flood guard on mqtt://10.0.0.5:1883" in said[0][0]

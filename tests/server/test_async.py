@@ -9,11 +9,18 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import FleetConfig, load_config
 from fedseq.common.errors import ConfigError
 from fedseq.common.models import block_of, build_model
-from fedseq.server.asynchronous import staleness_discount
-from fedseq.server.coordinator import Coordinator, RunPaused
-from fedseq.server.fleet import VirtualFleet, energy_j, measured_fleet, parse_device, sync_round
-from fedseq.server.pool import InProcessPool, TrainRound
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.pools.inprocess import InProcessPool
+from fedseq.server.rounds.buffered import staleness_discount
+from fedseq.server.rounds.coordinator import Coordinator, RunPaused
+from fedseq.server.rounds.pool_api import TrainRound
+from fedseq.server.rounds.virtual_fleet import (
+    VirtualFleet,
+    energy_j,
+    measured_fleet,
+    parse_device,
+    sync_round,
+)
 
 MIXED = "fleet.devices=[{profile='nano',count=2},{profile='orin-nano',count=2}]"
 
@@ -114,7 +121,7 @@ class ConstantPool(InProcessPool):
                 update = ClientUpdate(c, round, deltas, len(self.data.clients[c].train))
                 if check(update) is None:
                     yield update
-            from fedseq.server.pool import RoundOutcome
+            from fedseq.server.rounds.pool_api import RoundOutcome
             return RoundOutcome()
 
         return TrainRound(updates())
@@ -184,7 +191,7 @@ def test_over_selection_on_a_real_fleet_counts_the_first_to_arrive(data_root, tm
     """Two daemons, 4 of 6 clients selected, the first 2 valid updates count; the pool stops
     waiting for the others (cancelled: their updates come late and are dropped). A [fleet] is
     the simulation's model of time: a deployment says it ignores it."""
-    from fedseq.server.deployment import run_deployment
+    from fedseq.server.ops.deployment import run_deployment
 
     said: list[str] = []
     cfg = quick_config(data_root, "data.num_clients=6", "train.join_ratio=0.34",
@@ -207,8 +214,8 @@ def test_an_asynchronous_deployment_is_replayed_bitwise(data_root, tmp_path, one
     """Two real daemons on amqtt, 4 clients in flight, a step every 2 arrivals: each update is
     checked against the version its device trained on (the newest it held) and folded in its
     arrival order; fedseq-sim --replay of the run directory gives its global model bitwise."""
-    from fedseq.server.deployment import run_deployment
-    from fedseq.server.simulation import replay
+    from fedseq.server.ops.deployment import run_deployment
+    from fedseq.server.ops.simulation import replay
 
     cfg = quick_config(data_root, "data.num_clients=6", "rounds=4", "train.mode='async'",
                        "train.concurrency=4", "train.buffer=2", "train.threads=1",
@@ -271,7 +278,7 @@ def test_an_async_run_resumes_after_its_last_step(data_root, tmp_path, one_threa
 def test_replay_gives_the_asynchronous_run_again_bitwise(data_root, tmp_path, one_thread, over):
     """The rows' arrival order alone (no fleet) re-executes the run: the same global model and
     accuracies; refused arrivals train again too (FedPer's heads move on their devices)."""
-    from fedseq.server.simulation import replay
+    from fedseq.server.ops.simulation import replay
 
     cfg = quick_config(data_root, "data.num_clients=8", "rounds=4", "train.mode='async'",
                        "train.concurrency=4", "train.threads=1", MIXED, *over)
@@ -287,7 +294,7 @@ def test_replay_gives_the_asynchronous_run_again_bitwise(data_root, tmp_path, on
 
 
 def test_only_an_asynchronous_run_is_replayed(data_root, tmp_path, one_thread):
-    from fedseq.server.simulation import replay
+    from fedseq.server.ops.simulation import replay
 
     run_simulation(quick_config(data_root, "rounds=1"), tmp_path / "sync")
     with pytest.raises(ConfigError, match="only an asynchronous run is replayed"):

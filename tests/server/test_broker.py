@@ -8,9 +8,9 @@ import pytest
 
 from fedseq.common.errors import TransportError
 from fedseq.common.protocol.link import Link, LoginRefused
-from fedseq.server.broker import EmbeddedBroker
+from fedseq.server.ops.broker import EmbeddedBroker
 
-SERVER = "from fedseq.server.cli import server_main; server_main()"
+SERVER = "from fedseq.server.cli.commands import server_main; server_main()"
 
 
 def test_refuses_an_open_network_listener_without_authentication():
@@ -123,9 +123,9 @@ def test_version_flags():
     from fedseq.common import __version__
 
     for cmd in (["-c", SERVER, "--version"],
-                ["-c", "from fedseq.server.cli import sim_main; sim_main()", "--version"],
+                ["-c", "from fedseq.server.cli.commands import sim_main; sim_main()", "--version"],
                 ["-m", "fedseq.client.cli", "--version"],
-                ["-m", "fedseq.server.tools", "--version"]):  # `fedseq --version` too
+                ["-m", "fedseq.server.cli.tools", "--version"]):  # `fedseq --version` too
         r = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and r.stdout.strip() == __version__, (cmd, r.stdout, r.stderr)
 
@@ -134,7 +134,7 @@ def test_a_local_mosquitto_is_the_projects_broker_conf_on_loopback(tmp_path):
     """write_local_mosquitto (the tests', benchmarks' and rehearsals' Mosquitto): every login
     hashed, the ACL copied, broker.conf's own lines kept but for loopback, files and `settings`."""
     from conftest import PROJECT_ACL, ROOT
-    from fedseq.server.broker import write_local_mosquitto
+    from fedseq.server.ops.broker import write_local_mosquitto
 
     conf = write_local_mosquitto(tmp_path, 18830, {"coordinator": "pw1", "local01": "pw2"},
                                  ROOT / "broker.conf", PROJECT_ACL, "someone",
@@ -158,7 +158,7 @@ def test_a_run_s_mosquitto_takes_its_one_login_only_and_stops_with_the_run(tmp_p
     address, one login made for the run (a stranger and a wrong password are refused), gone
     when the block ends."""
     from conftest import connack
-    from fedseq.server.broker import LocalMosquitto
+    from fedseq.server.ops.broker import LocalMosquitto
 
     with LocalMosquitto("127.0.0.1", 0, tmp_path) as broker:
         password = broker.secret.read_text().strip()
@@ -194,7 +194,7 @@ def test_amqtt_s_dropped_messages_are_said_once_with_what_to_do(caplog):
     finally:
         b.stop()
     amqtt = [r.getMessage() for r in caplog.records if r.name.startswith("amqtt")]
-    ours = [r.getMessage() for r in caplog.records if r.name == "fedseq.server.broker"]
+    ours = [r.getMessage() for r in caplog.records if r.name == "fedseq.server.ops.broker"]
     assert amqtt == ["something else"], amqtt
     assert len(ours) == 1 and "amqtt issue #391" in ours[0], ours
     assert 'embedded_broker = "mosquitto"' in ours[0]

@@ -1,4 +1,4 @@
-"""Campaigns (server/campaign.py): a grid of runs back to back, in simulation and on a fleet of
+"""Campaigns (server/ops/campaign.py): a grid of runs back to back, in simulation and on a fleet of
 real daemons on Mosquitto with the project's broker.conf and ACL; every run bitwise the run it
 stands for, continued after a SIGKILL by the same command, a changed file refused, added runs
 appended, a failed run recorded and passed."""
@@ -16,9 +16,9 @@ import torch
 
 from conftest import device_process, server_only
 from fedseq.common.protocol.tensors import decode_tensors
-from fedseq.server.campaign import load_campaign
-from fedseq.server.processes import stop_children
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.campaign import load_campaign
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.pools.processes import stop_children
 
 pytestmark = server_only
 
@@ -187,7 +187,7 @@ def test_campaign_names_and_folders_stay_inside(tmp_path, data_root):
     not `$`); `fedseq report` on a campaign folder reads only run folders inside it; a
     campaign.json of another shape is one line when the campaign is continued."""
     from fedseq.common.errors import ConfigError
-    from fedseq.server.campaign import Campaign
+    from fedseq.server.ops.campaign import Campaign
     from fedseq.server.report.load import expand_sweeps
 
     file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\n[settings."a\\n"]\nset = []\n')
@@ -237,7 +237,7 @@ def test_a_campaign_recorded_before_a_key_existed_continues(tmp_path, data_root)
     use the former ones is the same campaign, not a changed file; a real change is still
     refused."""
     from fedseq.common.errors import ConfigError
-    from fedseq.server.campaign import Campaign
+    from fedseq.server.ops.campaign import Campaign
 
     file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\n')
     _, runs = load_campaign(file)

@@ -80,7 +80,7 @@ def _server(*extra):
 
 @pytest.mark.slow("the commands in subprocesses, each importing torch and training: 5 s on 2 cores")
 def test_server_tries_the_broker_before_the_dataset(tmp_path):
-    from fedseq.server.broker import free_port
+    from fedseq.server.ops.broker import free_port
 
     r = _server("--broker", f"mqtt://127.0.0.1:{free_port()}", "--set",
                 f"data.root={str(tmp_path / 'no-data')!r}")
@@ -123,7 +123,7 @@ def test_fine_tuning_progress_and_global_note_in_both_clis(tmp_path, data_root):
 
 def test_simulation_reports_fine_tuning_progress(data_root):
     from conftest import quick_config
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
 
     seen = []
     cfg = quick_config(data_root, "algorithm.name=fedseq-anti", "rounds=1")
@@ -132,7 +132,7 @@ def test_simulation_reports_fine_tuning_progress(data_root):
 
 
 def test_default_threads_leave_busy_cores_alone():
-    from fedseq.server.simulation import default_threads
+    from fedseq.server.ops.simulation import default_threads
 
     assert default_threads(cores=2, load=0.1) == 2
     assert default_threads(cores=2, load=1.2) == 1
@@ -149,7 +149,7 @@ def test_default_threads_are_fixed_and_auto_follows_the_load(data_root):
     import torch
 
     from conftest import quick_config
-    from fedseq.server.simulation import run_simulation, sim_threads
+    from fedseq.server.ops.simulation import run_simulation, sim_threads
 
     assert sim_threads(None) == 1  # whatever the machine or its load
     before = torch.get_num_threads()
@@ -207,8 +207,8 @@ def test_a_used_out_is_refused_before_anything_starts(tmp_path):
 def test_a_fleet_runs_lines_say_the_time_left(capsys, monkeypatch):
     """Newcomer II, finding 1: a fleet run's line per round says how long is left at the pace
     seen so far, and the fine-tuning's clients theirs."""
-    from fedseq.server import cli
-    from fedseq.server.records import RoundRecord
+    from fedseq.server.cli import commands as cli
+    from fedseq.server.rounds.records import RoundRecord
 
     clock = iter([100.0, 110.0, 120.0, 200.0, 230.0, 260.0])
     monkeypatch.setattr(cli.time, "monotonic", lambda: next(clock))
@@ -231,7 +231,7 @@ def test_the_summary_names_the_privacy_level_its_epsilon_is_for(capsys):
     """A run's closing summary, from the committed testbed DP runs (docs/results/dp-testbed):
     client-level DP-FedAvg's epsilon with its q, record-level DP-SGD's as the most exposed
     client's."""
-    from fedseq.server.cli import _summary
+    from fedseq.server.cli.commands import _summary
 
     runs = ROOT / "docs" / "results" / "dp-testbed"
     _summary(runs / "client" / "fedavg" / "seed-0")

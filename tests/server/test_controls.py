@@ -11,9 +11,9 @@ from conftest import quick_config
 from fedseq.common.algorithms import make_algorithm
 from fedseq.common.errors import ConfigError
 from fedseq.common.models import count_params
-from fedseq.server.deployment import run_deployment
-from fedseq.server.experiment import load_experiment
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.deployment import run_deployment
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.rounds.experiment import load_experiment
 
 
 def _rows(path):

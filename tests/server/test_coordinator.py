@@ -12,9 +12,10 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.config import load_config
 from fedseq.common.models import build_model, get_blocks
 from fedseq.common.protocol.tensors import decode_tensors, frame_size
-from fedseq.server.coordinator import Coordinator, select_clients
-from fedseq.server.pool import InProcessPool, RoundOutcome, TrainRound
-from fedseq.server.rundir import RunDir
+from fedseq.server.pools.inprocess import InProcessPool
+from fedseq.server.rounds.coordinator import Coordinator, select_clients
+from fedseq.server.rounds.pool_api import RoundOutcome, TrainRound
+from fedseq.server.rounds.rundir import RunDir
 
 
 def _coord(name, *over, pool_cls=InProcessPool, run_dir=None):
@@ -238,7 +239,7 @@ def test_a_stop_between_checkpoint_and_row_is_healed_on_resume(tmp_path, monkeyp
     """The checkpoint is written before the round's row; a stop in between leaves a checkpoint
     whose row is missing from metrics.jsonl (here: torn), and the resumed run writes it from the
     checkpoint."""
-    from fedseq.server.checkpoint import load_checkpoint
+    from fedseq.server.rounds.checkpoint import load_checkpoint
 
     full, _ = _coord("fedper")
     expected = full.run().global_weights
@@ -361,12 +362,12 @@ def test_a_simulation_loads_no_mqtt_code(data_root):
     over = [f"data.root={str(data_root)!r}", "data.fraction=0.02", "data.num_clients=3",
             "rounds=1", "algorithm.name=fedavg"]
     code = ("import sys; from fedseq.common.config import load_config; "
-            "from fedseq.server.simulation import run_simulation; "
+            "from fedseq.server.ops.simulation import run_simulation; "
             f"run_simulation(load_config(None, {over!r}), None); "
-            "import fedseq.server.distributed; "
+            "import fedseq.server.pools.distributed; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('paho', 'amqtt') "
-            "or m.startswith(('fedseq.server.mqtt', 'fedseq.server.deployment', "
-            "'fedseq.server.broker'))))")
+            "or m.startswith(('fedseq.server.pools.mqtt', 'fedseq.server.ops.deployment', "
+            "'fedseq.server.ops.broker'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -400,9 +401,9 @@ def test_a_block_gets_a_new_version_when_the_server_step_says_it_changed():
 def test_the_drivers_share_the_ledger_and_subclass_nothing():
     """Sync, buffered-async (with each source of arrivals) are built on the ledger, none a
     subclass of another driver."""
-    from fedseq.server.asynchronous import BufferedAsync, LoggedArrivals, VirtualArrivals
-    from fedseq.server.coordinator import Rounds
-    from fedseq.server.mqtt.asynchronous import MqttArrivals
+    from fedseq.server.pools.mqtt.arrivals import MqttArrivals
+    from fedseq.server.rounds.buffered import BufferedAsync, LoggedArrivals, VirtualArrivals
+    from fedseq.server.rounds.coordinator import Rounds
 
     for cls in (Rounds, BufferedAsync, VirtualArrivals, LoggedArrivals, MqttArrivals):
         assert cls.__bases__ == (object,), cls

@@ -6,7 +6,7 @@ import torch
 
 from conftest import quick_config
 from fedseq.common.errors import ConfigError
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -89,8 +89,8 @@ def test_daemon_trains_on_the_gpu_and_agrees_with_cpu(data_root, tmp_path):
     import subprocess
     import sys
 
-    from fedseq.server.broker import free_port
-    from fedseq.server.deployment import run_deployment, stop_children
+    from fedseq.server.ops.broker import free_port
+    from fedseq.server.ops.deployment import run_deployment, stop_children
 
     port = free_port()
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "model.name=convnet",

@@ -1,7 +1,7 @@
 """Round deadlines that fit the fleet: derived from each device's measured pace."""
 
 from fedseq.common.config import load_config
-from fedseq.server.mqtt.collect import DeadlinePolicy
+from fedseq.server.pools.mqtt.collect import DeadlinePolicy
 
 
 def _policy(*overrides):

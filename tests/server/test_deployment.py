@@ -16,9 +16,9 @@ from conftest import coordinator_watcher as _watcher
 from conftest import device_process as _device
 from conftest import wait_online as _wait_online
 from fedseq.common.models import build_run_model
-from fedseq.server.broker import free_port
-from fedseq.server.deployment import run_deployment, stop_children
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.broker import free_port
+from fedseq.server.ops.deployment import run_deployment, stop_children
+from fedseq.server.ops.simulation import run_simulation
 
 
 def _quiet(_msg: str) -> None:
@@ -204,7 +204,7 @@ def test_a_big_models_round_crosses_mosquitto_bitwise(data_root, tmp_path, mosqu
 
 
 def test_devices_json_keeps_each_stack_across_resumes_and_lists_the_silent(data_root, tmp_path):
-    from fedseq.server.rundir import RunDir
+    from fedseq.server.rounds.rundir import RunDir
 
     cfg = quick_config(data_root)
     nano = {"seen": 1.0, "torch": "1.12.1", "threads": 4}
@@ -350,7 +350,7 @@ def test_a_broker_restart_mid_round_gets_no_honest_login_disabled(data_root, tmp
     import threading
 
     from fedseq.common.protocol.messages import Step
-    from fedseq.server.mqtt import guard
+    from fedseq.server.pools.mqtt import guard
 
     drops: dict[str, int] = {}
     told = guard.FloodGuard.dropped
@@ -596,7 +596,7 @@ def test_a_real_protocol_mismatch_is_reported_by_the_device(tmp_path, data_root)
     import paho.mqtt.client as mqtt
 
     from fedseq.common.protocol.messages import PROTOCOL_VERSION, DeviceStatus
-    from fedseq.server.broker import EmbeddedBroker
+    from fedseq.server.ops.broker import EmbeddedBroker
 
     port = free_port()
     broker = EmbeddedBroker("127.0.0.1", port)

@@ -14,7 +14,7 @@ from fedseq.common.config import load_config
 
 
 def test_a_simulation_reads_each_devices_folder_and_scores_where_the_rows_are(tmp_path, one_thread):
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
 
     cfg = placed_config(fmnist_devices(tmp_path / "devices"))
     res = run_simulation(cfg, tmp_path / "run")
@@ -36,7 +36,7 @@ def test_a_simulation_reads_each_devices_folder_and_scores_where_the_rows_are(tm
 
 
 def test_without_a_validation_set_the_federated_score_is_the_measure(tmp_path, one_thread):
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
 
     cfg = placed_config(fmnist_devices(tmp_path / "devices"))
     cfg = cfg.model_copy(update={"data": cfg.data.model_copy(update={"validation": None})})
@@ -49,8 +49,8 @@ def test_the_fleet_and_the_workers_are_bitwise_the_simulation(tmp_path, one_thre
     """Two local daemons (local01, local02), each reading only its own folder under
     data.devices_root, announce their clients; the run over amqtt is bitwise fedseq-sim
     --devices-data of the same folders, which is bitwise across --workers."""
-    from fedseq.server.deployment import run_deployment
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.deployment import run_deployment
+    from fedseq.server.ops.simulation import run_simulation
 
     cfg = placed_config(fmnist_devices(tmp_path / "devices"), "algorithm.name=fedper",
                         "algorithm.finetune_epochs=1")
@@ -71,7 +71,7 @@ def test_a_device_without_its_data_folder_says_why_and_the_run_goes_on_without_i
     """local02's folder is missing: it says so to the coordinator, which leaves it out at once
     (in one line naming it) and runs local01's client; the round contract holds local01 to the
     sizes it announced."""
-    from fedseq.server.deployment import run_deployment
+    from fedseq.server.ops.deployment import run_deployment
 
     root = fmnist_devices(tmp_path / "devices", {"local01": ["."]})
     cfg = placed_config(root, "deploy.min_devices=2", "deploy.wait_devices_s=60")
@@ -90,7 +90,7 @@ def test_the_round_contract_holds_a_client_to_its_announced_sizes():
     from fedseq.common.algorithms.aggregate import ClientUpdate
     from fedseq.common.data.federated import announced_data
     from fedseq.common.data.placed import ClientData
-    from fedseq.server.validation import round_contract
+    from fedseq.server.rounds.contract import round_contract
 
     cfg = load_config(None, ['data.placement="device"', 'data.dataset="npz"',
                              "data.options.shape=[1,2,2]", "data.options.classes=2"])
@@ -114,8 +114,8 @@ def test_a_resumed_run_keeps_the_clients_it_numbered(tmp_path, mosquitto, one_th
 
     from conftest import device_process
     from fedseq.common.protocol.tensors import decode_tensors
-    from fedseq.server.processes import stop_children
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
+    from fedseq.server.pools.processes import stop_children
 
     port, home, _ = mosquitto
     root = fmnist_devices(tmp_path / "devices")

@@ -17,9 +17,9 @@ import torch
 
 from conftest import Planted, quick_config, same_run, without_seconds
 from fedseq.common.errors import ConfigError, TransportError
-from fedseq.server.checkpoint import load_checkpoint
-from fedseq.server.distributed import adopt_slurm_env, balance, pack, placement, unpack
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.pools.distributed import adopt_slurm_env, balance, pack, placement, unpack
+from fedseq.server.rounds.checkpoint import load_checkpoint
 
 SECRET = "3f9c2a7be41d8f6053a1c9e7b2d4f08a6e5c3b1a9d7f2e4c6b8a0d1f3e5c7a9b"  # a cluster run's
 # 3 of 5 clients a round: the rounds' selections differ and are split unevenly over workers
@@ -81,7 +81,7 @@ def test_a_step_or_answer_cannot_run_code(tmp_path):
             unpack(hostile)
         assert "\n" not in str(err.value)
     assert not marker.exists()
-    from fedseq.server import distributed
+    from fedseq.server.pools import distributed
 
     class Forged:  # _tensor("load", ...): a name of torch that is no dtype
         def __reduce__(self):
@@ -120,7 +120,7 @@ def test_only_plain_dataclasses_are_built_from_what_ranks_send():
 
     import fedseq.common
     from fedseq.common.algorithms.robust import Krum
-    from fedseq.server.distributed import plain_dataclass
+    from fedseq.server.pools.distributed import plain_dataclass
 
     crafted = b"cfedseq.common.algorithms.robust\nKrum\n)R."  # GLOBAL, (), REDUCE: Krum()
     with pytest.raises(TransportError, match="robust.Krum, which no step or answer holds"):
@@ -251,7 +251,7 @@ def _workers_of_this_process() -> list[int]:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"fedseq.server.distributed" in cmd:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me and b"fedseq.server.pools.distributed" in cmd:
             out.append(int(pid))
     return out
 
@@ -306,7 +306,7 @@ def test_a_worker_without_the_dataset_is_refused_in_one_line(data_root, tmp_path
     (tmp_path / "rank0" / "data").symlink_to(data_root)
     monkeypatch.chdir(tmp_path / "rank0")
     env = _torchrun_env(monkeypatch, _free_port())
-    worker = subprocess.Popen([sys.executable, "-m", "fedseq.server.distributed"], env=env,
+    worker = subprocess.Popen([sys.executable, "-m", "fedseq.server.pools.distributed"], env=env,
                               cwd=tmp_path / "rank1", stderr=subprocess.PIPE, text=True)
     try:
         cfg = quick_config(Path("data"), "algorithm.name=fedavg", *OVER)
@@ -322,7 +322,7 @@ def test_a_worker_without_the_dataset_is_refused_in_one_line(data_root, tmp_path
 
 def test_a_worker_of_another_fedseq_is_refused_in_one_line(data_root, monkeypatch, one_thread):
     env = _torchrun_env(monkeypatch, _free_port())
-    other = ("import fedseq.server.distributed as d; d.__version__ = '0.0.0-other'; "
+    other = ("import fedseq.server.pools.distributed as d; d.__version__ = '0.0.0-other'; "
              "d.worker_main()")
     worker = subprocess.Popen([sys.executable, "-c", other], env=env)
     try:
@@ -339,7 +339,7 @@ def test_an_unreachable_rendezvous_is_one_line_not_a_hang(tmp_path):
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(_free_port()), "FEDSEQ_JOIN_TIMEOUT_S": "3"}
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "fedseq.server.distributed"], env=env,
+    done = subprocess.run([sys.executable, "-m", "fedseq.server.pools.distributed"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and time.monotonic() - start < 60
     lines = done.stderr.strip().splitlines()
@@ -432,7 +432,7 @@ def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp
     rehearsal's bridge), torchrun's rendezvous across them at node1's address, 2 ranks each:
     static (--node-rank, --master-addr) and c10d (--rdzv-backend c10d, what a cluster's
     elastic jobs use: the rendezvous decides which node holds global rank 0)."""
-    from fedseq.server.rehearsal import Rehearsal
+    from fedseq.server.ops.rehearsal import Rehearsal
 
     over = _cli_over(data_root, "algorithm.name=fedreg")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FEDSEQ_SECRET": SECRET}
@@ -577,7 +577,7 @@ def test_a_rank_without_the_secret_is_refused_before_anything_is_unpickled(
     unpickled: list[int] = []
     real = c10d._tensor_to_object
     monkeypatch.setattr(c10d, "_tensor_to_object", lambda *a, **k: unpickled.append(1) or real(*a, **k))
-    intruder = subprocess.Popen([sys.executable, "-m", "fedseq.server.distributed"],
+    intruder = subprocess.Popen([sys.executable, "-m", "fedseq.server.pools.distributed"],
                                 env={**env, "FEDSEQ_SECRET": SECRET[::-1]}, stderr=subprocess.PIPE,
                                 text=True)
     try:
@@ -614,7 +614,7 @@ def test_a_process_that_takes_a_rank_after_the_rendezvous_is_refused(data_root, 
     Its connection to rank 0 cannot prove the secret: rank 0 stops in one line before it sends
     the config or reads anything from it (before, rank 0 sent it the config and unpickled its
     answer)."""
-    from fedseq.server import distributed
+    from fedseq.server.pools import distributed
 
     port = _free_port()
     env = _torchrun_env(monkeypatch, port)
@@ -626,7 +626,7 @@ def test_a_process_that_takes_a_rank_after_the_rendezvous_is_refused(data_root, 
     monkeypatch.setattr(distributed, "_packed_tensor", lambda obj: sent.append(obj) or real_pack(obj))
     honest = subprocess.Popen([sys.executable, "-c", (
         "import sys, datetime, torch.distributed as dist; "
-        "from fedseq.server.membership import prove_membership; "
+        "from fedseq.server.pools.membership import prove_membership; "
         "s = dist.PrefixStore('/fedseq/attempt_0', dist.TCPStore('127.0.0.1', int(sys.argv[1]), 2, "
         "is_master=False, timeout=datetime.timedelta(seconds=60))); "
         f"prove_membership(s, 1, '{SECRET}', {{'rank': 1, 'host': 'h', 'fedseq': '', "
@@ -649,7 +649,7 @@ def test_a_process_that_takes_a_rank_after_the_rendezvous_is_refused(data_root, 
 
 
 def test_a_cluster_run_without_a_secret_says_how_to_give_one(monkeypatch):
-    from fedseq.server.membership import cluster_secret
+    from fedseq.server.pools.membership import cluster_secret
 
     monkeypatch.delenv("FEDSEQ_SECRET", raising=False)
     monkeypatch.delenv("FEDSEQ_SECRET_FILE", raising=False)
@@ -668,7 +668,7 @@ def test_membership_over_a_store():
 
     import torch.distributed as dist
 
-    from fedseq.server.membership import admit_ranks, prove_membership
+    from fedseq.server.pools.membership import admit_ranks, prove_membership
 
     t = datetime.timedelta(seconds=20)
 
@@ -716,7 +716,7 @@ def test_the_loopback_store_closes_only_its_own_descriptor():
     in the same process later lost a socket of its broker's)."""
     import gc
 
-    from fedseq.server.distributed import loopback_store
+    from fedseq.server.pools.distributed import loopback_store
 
     store = loopback_store(1)
     store.set("k", "v")
@@ -736,7 +736,7 @@ def test_the_loopback_store_closes_only_its_own_descriptor():
 def test_a_weak_or_exposed_cluster_secret_is_refused(monkeypatch, tmp_path):
     """Hardening V, finding 7: a secret shorter than 32 characters (or of few distinct ones), or a
     secret file others can read, is refused in one line that says how to make one."""
-    from fedseq.server.membership import cluster_secret
+    from fedseq.server.pools.membership import cluster_secret
 
     monkeypatch.delenv("FEDSEQ_SECRET_FILE", raising=False)
     for weak in ("7", "ab", "x" * 64):

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from conftest import quick_config
-from fedseq.server.deployment import run_deployment
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.deployment import run_deployment
+from fedseq.server.ops.simulation import run_simulation
 
 
 def _tree(root):
@@ -88,7 +88,7 @@ def test_a_devices_energy_claims_are_bounded_by_power_and_time():
     """Hardening III, finding 16: what one device says its clients' work cost counts only while
     its claims in a step stay below MAX_DEVICE_W since the step went out; another device's
     claims have their own budget."""
-    from fedseq.server.mqtt.collect import MAX_DEVICE_W, plausible_joules
+    from fedseq.server.pools.mqtt.collect import MAX_DEVICE_W, plausible_joules
 
     claimed: dict[str, float] = {}
     assert plausible_joules(claimed, "dev01", 0.5 * MAX_DEVICE_W, 1.0)

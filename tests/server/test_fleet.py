@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from conftest import MOSQUITTO, PROJECT_ACL, ROOT, device_process, quick_config
-from fedseq.server.broker import free_port, write_local_mosquitto
-from fedseq.server.checkpoint import load_checkpoint
-from fedseq.server.deployment import run_deployment, stop_children
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.broker import free_port, write_local_mosquitto
+from fedseq.server.ops.deployment import run_deployment, stop_children
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.rounds.checkpoint import load_checkpoint
 
 sys.path.insert(0, str(ROOT / "bench"))  # the synthetic devices are a benchmark's tool
 from synthetic import device_name, device_pace  # noqa: E402

@@ -17,9 +17,9 @@ from fedseq.common.protocol.frames import (
 from fedseq.common.protocol.messages import DeviceInfo, DeviceStatus, EvalResult, UpdateHeader
 from fedseq.common.protocol.tensors import encode_tensors
 from fedseq.common.protocol.topics import Topics
-from fedseq.server.mqtt import budget, inbox
-from fedseq.server.mqtt.budget import Allowance
-from fedseq.server.mqtt.inbox import (
+from fedseq.server.pools.mqtt import budget, inbox
+from fedseq.server.pools.mqtt.budget import Allowance
+from fedseq.server.pools.mqtt.inbox import (
     EVALS_PER_CLIENT,
     STACKS_PER_DEVICE,
     STATUS_BYTES,
@@ -114,7 +114,7 @@ def test_an_evaluation_larger_than_its_devices_scores_is_refused_before_parsing(
 def test_a_status_is_never_lost_to_a_full_queue(unlimited):
     """Hardening III, finding 2: when the queue is full (here made tiny), a device's status still
     reaches presence, and so do its later ones (its coalescing never sticks)."""
-    from fedseq.server.mqtt.session import ServerSession
+    from fedseq.server.pools.mqtt.broker_session import ServerSession
 
     session = ServerSession(T, "r1", "mqtt://127.0.0.1:1")
     box = _inbox(box=session.inbox)
@@ -140,7 +140,7 @@ def test_warnings_about_one_device_are_rate_limited_and_plain_text(caplog):
     minute, each line one line of plain text whatever the device put in it."""
     box = _inbox()
     forged = '{"v": 8, "device": "dev01", "state": "online", "x\\nERROR round 7 failed\\u001b[2J": 1}'
-    with caplog.at_level("WARNING", logger="fedseq.server.mqtt.inbox"):
+    with caplog.at_level("WARNING", logger="fedseq.server.pools.mqtt.inbox"):
         for _ in range(500):
             box.on_message(T.device_status("dev01"), forged.encode())
     lines = [r.getMessage() for r in caplog.records]
@@ -243,7 +243,7 @@ def test_big_junk_is_refused_by_its_size_and_never_parsed(monkeypatch):
 
 def test_a_peer_of_another_protocol_is_named_from_one_parse(caplog):
     box = _inbox()
-    with caplog.at_level("WARNING", logger="fedseq.server.mqtt.inbox"):
+    with caplog.at_level("WARNING", logger="fedseq.server.pools.mqtt.inbox"):
         box.on_message(T.device_status("dev01"), b'{"v": 4, "device": "dev01", "state": "online"}')
     assert "it speaks protocol v4" in caplog.text
 
@@ -382,10 +382,10 @@ def test_names_outside_the_fleet_do_not_grow_the_bookkeeping():
 def test_a_devices_version_is_logged_as_one_plain_line(caplog):
     """Hardening IV, finding 5: the fedseq version a device's status claims is its words: a
     forged log line with escapes stays one plain line of the coordinator's log."""
-    from fedseq.server.mqtt.pool import warn_other_versions
+    from fedseq.server.pools.mqtt.mqtt_pool import warn_other_versions
 
-    forged = "1.0\nERROR fedseq.server.coordinator: round 7 failed\x1b[2J"
-    with caplog.at_level("WARNING", logger="fedseq.server.mqtt.pool"):
+    forged = "1.0\nERROR fedseq.server.rounds.coordinator: round 7 failed\x1b[2J"
+    with caplog.at_level("WARNING", logger="fedseq.server.pools.mqtt.mqtt_pool"):
         warn_other_versions({"dev01": DeviceStatus(device="dev01", state="online",
                                                    package_version=forged)})
     [line] = [r.getMessage() for r in caplog.records]
@@ -420,7 +420,7 @@ def test_secure_stages_are_taken_only_for_the_round_under_way_and_within_their_s
     neighbour), naming another device, or of another run is dropped unread or with its reason;
     one of the round under way is one event, and the same stage again is capped."""
     from fedseq.common.protocol.messages import SecAggMessage
-    from fedseq.server.mqtt.inbox import SECAGG_BYTES_BASE, SECAGG_BYTES_PER_PAIR, SecAggArrived
+    from fedseq.server.pools.mqtt.inbox import SECAGG_BYTES_BASE, SECAGG_BYTES_PER_PAIR, SecAggArrived
 
     box = _inbox()
 

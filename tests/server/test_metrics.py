@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from conftest import ROOT, server_only
-from fedseq.server.broker import EmbeddedBroker, free_port
+from fedseq.server.ops.broker import EmbeddedBroker, free_port
 
 pytestmark = server_only
 
@@ -81,7 +81,7 @@ def test_a_real_prometheus_scrapes_the_round_advancing(data_root, tmp_path):
 
 
 def test_the_dashboard_and_scrape_config_use_the_exported_series():
-    from fedseq.server.metrics import NAMES
+    from fedseq.server.ops.metrics import NAMES
 
     dashboard = json.loads((ROOT / "deploy/grafana/fedseq-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
@@ -101,10 +101,10 @@ def test_status_shows_a_campaign_s_progress_from_the_broker_and_metrics_count_de
     from fedseq.common.protocol.link import Link, session_id
     from fedseq.common.protocol.messages import DeviceStatus
     from fedseq.common.protocol.topics import Topics
-    from fedseq.server.campaign import CampaignStatus
-    from fedseq.server.cli import _campaign_beacon
-    from fedseq.server.metrics import Metrics
-    from fedseq.server.status import format_fleet, read_fleet
+    from fedseq.server.cli.commands import _campaign_beacon
+    from fedseq.server.ops.campaign import CampaignStatus
+    from fedseq.server.ops.metrics import Metrics
+    from fedseq.server.ops.status import format_fleet, read_fleet
 
     with EmbeddedBroker("127.0.0.1", 0) as broker:
         device = Link(session_id("test-device"), broker.url, [], lambda t, p: None)
@@ -141,9 +141,9 @@ def test_the_campaign_beacon_reads_statuses_under_the_run_s_caps(monkeypatch):
     from fedseq.common.protocol.link import Link, session_id
     from fedseq.common.protocol.messages import DeviceStatus
     from fedseq.common.protocol.topics import Topics
-    from fedseq.server.cli import _campaign_beacon
-    from fedseq.server.metrics import Metrics
-    from fedseq.server.mqtt.inbox import STATUS_BYTES
+    from fedseq.server.cli.commands import _campaign_beacon
+    from fedseq.server.ops.metrics import Metrics
+    from fedseq.server.pools.mqtt.inbox import STATUS_BYTES
 
     parsed: list[int] = []
     real = DeviceStatus.decode.__func__

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedseq.common.config import load_config
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -53,7 +53,7 @@ def lab_config(*extra: str):
 
 
 def test_a_labs_package_runs_in_simulation_and_the_run_records_it(lab_package, tmp_path, one_thread):
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
 
     res = run_simulation(lab_config(), tmp_path / "run")
     assert [r["round"] for r in res.rows] == [0, 1, 2]
@@ -71,7 +71,7 @@ def test_a_labs_package_runs_in_simulation_and_the_run_records_it(lab_package, t
 def test_the_plugins_own_parameters_and_hook_count(lab_package, one_thread):
     """[algorithm.fedavg-l2] is validated by the plugin's own table; lam = 0 is FedAvg bitwise,
     lam > 0 is not (the client hook runs); the plugin rule is FedAvg's mean bitwise."""
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
 
     with pytest.raises(Exception, match="lam"):
         lab_config("algorithm.fedavg-l2.lam=-1")
@@ -84,7 +84,7 @@ def test_the_plugins_own_parameters_and_hook_count(lab_package, one_thread):
 
 @pytest.mark.slow("two torch.distributed workers beside the in-process run: ~5 s")
 def test_workers_find_the_plugins_through_installed_metadata_bitwise(lab_package, one_thread):
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
 
     cfg = lab_config()
     same_run(run_simulation(cfg, None, workers=2), run_simulation(cfg, None))
@@ -97,7 +97,7 @@ BUILTIN_ALGORITHMS = sorted(n for n in ALGORITHMS if REGISTRY.entry("algorithms"
 def test_every_builtin_algorithm_runs_on_a_plain_torch_module(lab_package, algorithm, one_thread):
     """FedSeq's schedule, FedPer's split, two heads (FedRoD, FedReG), GPFL's valve, the final
     fine-tuning: all of them on a model whose blocks fedseq read off its children."""
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
 
     res = run_simulation(lab_config(f"algorithm.name={algorithm}", "aggregation.rule=mean",
                                     "rounds=2"), None)
@@ -121,8 +121,8 @@ def test_a_deployment_runs_the_labs_package_on_its_devices(lab_package, tmp_path
     """Two local fedseq-client daemons (allowed the run's plugins by the coordinator that starts
     them in its own environment) train the plugin model on the plugin dataset over amqtt, bitwise
     the simulation."""
-    from fedseq.server.deployment import run_deployment
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.deployment import run_deployment
+    from fedseq.server.ops.simulation import run_simulation
 
     cfg = lab_config("rounds=2", "deploy.port=0")
     dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
@@ -141,7 +141,7 @@ def test_a_labs_own_image_folder_runs_with_no_code_of_its_own(tmp_path, monkeypa
     import numpy as np
     from PIL import Image
 
-    from fedseq.server.simulation import run_simulation
+    from fedseq.server.ops.simulation import run_simulation
 
     monkeypatch.setenv("FEDSEQ_CACHE", str(tmp_path / "cache"))
     rng = np.random.default_rng(0)
@@ -170,8 +170,8 @@ def test_a_device_that_cannot_follow_the_run_says_why_and_is_excluded_at_once(
     import time
 
     from conftest import device_process
-    from fedseq.server.deployment import run_deployment
-    from fedseq.server.processes import stop_children
+    from fedseq.server.ops.deployment import run_deployment
+    from fedseq.server.pools.processes import stop_children
 
     port, home, _ = mosquitto
     cfg = lab_config("rounds=2", "deploy.min_devices=2", "deploy.round_timeout_s=120",

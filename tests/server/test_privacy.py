@@ -14,9 +14,9 @@ from fedseq.common.config import load_config
 from fedseq.common.errors import ConfigError
 from fedseq.common.models import build_model, get_blocks
 from fedseq.common.training import run_client_round
-from fedseq.server.privacy import NoisedSum, epsilon, poisson_clients, rounds_within
-from fedseq.server.simulation import run_simulation
-from fedseq.server.validation import round_contract
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.privacy.dp import NoisedSum, epsilon, poisson_clients, rounds_within
+from fedseq.server.rounds.contract import round_contract
 
 DP = ("privacy.enabled=true", "privacy.clip_norm=0.5", "privacy.noise_multiplier=1.1")
 
@@ -172,7 +172,7 @@ def test_a_buffered_asynchronous_run_is_noised_per_step_and_accounted_without_sa
         assert r["epsilon"] == pytest.approx(epsilon(1.0, 0.05, r["round"] + 1,
                                                       cfg.privacy.delta))
     assert sum(len(r["reported"]) for r in rows) >= 8
-    from fedseq.server.privacy import expected_clients, sampling_rate
+    from fedseq.server.privacy.dp import expected_clients, sampling_rate
 
     assert expected_clients(cfg) == 3 and sampling_rate(cfg) == 1.0  # over the buffer, q = 1
 
@@ -181,7 +181,7 @@ def test_a_buffered_asynchronous_run_is_noised_per_step_and_accounted_without_sa
 def test_a_replayed_asynchronous_dp_run_uses_the_runs_secret_noise(data_root, tmp_path, one_thread):
     """--replay re-executes the arrivals with the noise seed the run's checkpoint keeps (it is
     in no config), so the replayed model is bitwise the run's."""
-    from fedseq.server.simulation import replay
+    from fedseq.server.ops.simulation import replay
 
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.threads=1",
                        "train.mode='async'", "train.concurrency=3", "train.buffer=2",
@@ -194,7 +194,7 @@ def test_a_replayed_asynchronous_dp_run_uses_the_runs_secret_noise(data_root, tm
 
 
 def test_a_run_over_its_budget_is_refused_with_the_rounds_that_fit():
-    from fedseq.server.privacy import check_budget
+    from fedseq.server.privacy.dp import check_budget
 
     cfg = load_config(None, [*DP, "rounds=500", "train.join_ratio=0.2",
                              "privacy.target_epsilon=4"])
@@ -220,7 +220,7 @@ def test_a_dp_run_is_bitwise_across_workers_and_resume(data_root, tmp_path, one_
     resume, unpinned, continues with the secret its checkpoint holds, so it is bitwise the
     uninterrupted run of that seed."""
     from conftest import resumed_after, same_run
-    from fedseq.server.checkpoint import load_checkpoint
+    from fedseq.server.rounds.checkpoint import load_checkpoint
 
     pinned = quick_config(data_root, *DP_RUN, *more, "seeds.noise=5")
     alone = run_simulation(pinned, tmp_path / "full")
@@ -246,7 +246,7 @@ def test_no_device_can_regenerate_the_noise_from_what_it_is_sent(data_root, tmp_
     update. Unpinned, the noise seed is a secret drawn for each run and kept in its checkpoint
     alone: the noise of the sum is not the one the run's seed gives, two runs of one config
     differ only by their noise, and neither the config a device gets nor config.toml has it."""
-    from fedseq.server.checkpoint import load_checkpoint
+    from fedseq.server.rounds.checkpoint import load_checkpoint
 
     cfg = quick_config(data_root, *DP_RUN, "rounds=1", "train.join_ratio=1.0")
     a = run_simulation(cfg, tmp_path / "a")
@@ -276,7 +276,7 @@ def test_a_dp_deployment_gives_the_simulations_run(data_root, tmp_path, one_thre
     """Clipped on the devices (over MQTT, an embedded broker), noised on the coordinator from the
     noise stream: bitwise the simulation's weights, rows and epsilon; the noise seed is not in
     the config the devices get."""
-    from fedseq.server.deployment import run_deployment
+    from fedseq.server.ops.deployment import run_deployment
 
     cfg = quick_config(data_root, *DP_RUN, *ADAPTIVE, "deploy.port=0", "seeds.noise=77")
     sent = cfg.for_devices()
@@ -294,7 +294,7 @@ def test_a_dp_deployment_gives_the_simulations_run(data_root, tmp_path, one_thre
 def test_adaptive_clipping_moves_the_clip_norm_to_the_quantile():
     """C exp(-eta (share within - gamma)): every update within C shrinks it, none grows it (no
     noise here); the updates' noise multiplier leaves the count its share of z (Theorem 1)."""
-    from fedseq.server.privacy import next_clip, update_noise
+    from fedseq.server.privacy.dp import next_clip, update_noise
 
     cfg = load_config(None, [*DP, "privacy.adaptive=true", "privacy.noise_multiplier=0",
                              "data.num_clients=100", "train.join_ratio=0.1"])
@@ -320,7 +320,7 @@ def test_an_adaptive_run_raises_a_too_small_clip_norm(data_root):
 def test_a_private_run_says_its_epsilon_and_how_loud_its_noise_is():
     """The testbed's 30 clients: a large epsilon or a noise far above the updates, said before
     the run starts; many clients a round and enough noise: no warning."""
-    from fedseq.server.privacy import statement
+    from fedseq.server.privacy.dp import statement
 
     small = load_config(None, ["privacy.enabled=true", "data.num_clients=30",
                                "train.join_ratio=0.2", "rounds=100"])
@@ -344,12 +344,12 @@ def test_a_record_level_run_reports_its_clients_largest_epsilon(data_root, one_t
     training examples, its steps at rate batch / its rows (recomputed here from the rows)."""
     pytest.importorskip("opacus")
     from fedseq.common.flops import plan_steps
-    from fedseq.server.privacy import record_epsilon
+    from fedseq.server.privacy.dp import record_epsilon
 
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "data.fraction=0.03",
                        "train.join_ratio=0.6", "train.threads=1", *RECORD)
     result = run_simulation(cfg, out=None)
-    from fedseq.server.experiment import load_experiment
+    from fedseq.server.rounds.experiment import load_experiment
 
     exp = load_experiment(cfg)
     plan = exp.algorithm.plan(0)
@@ -385,9 +385,9 @@ def test_a_record_level_run_stops_before_the_round_that_would_pass_its_budget(da
     round within it, which is evaluated; the fine-tuning follows; the row says why."""
     pytest.importorskip("opacus")
     from fedseq.common.flops import plan_steps
-    from fedseq.server.experiment import load_experiment
-    from fedseq.server.ledger import select_clients
-    from fedseq.server.privacy import record_epsilon
+    from fedseq.server.privacy.dp import record_epsilon
+    from fedseq.server.rounds.experiment import load_experiment
+    from fedseq.server.rounds.ledger import select_clients
 
     base = ("algorithm.name=fedbabu", "rounds=4", "data.fraction=0.03", "train.join_ratio=0.6",
             "train.threads=1", "train.eval_every=10", "algorithm.finetune_epochs=1", *RECORD)
@@ -413,7 +413,7 @@ def test_a_record_level_run_stops_before_the_round_that_would_pass_its_budget(da
 
 
 def test_a_checkpoint_keeps_each_clients_dp_sgd_steps():
-    from fedseq.server.checkpoint import LoopState
+    from fedseq.server.rounds.checkpoint import LoopState
 
     state = LoopState({"a": 1}, {0: {"a": 1}}, record_steps={3: 40, 7: 12})
     assert LoopState.from_json(state.to_json()).record_steps == {3: 40, 7: 12}
@@ -456,8 +456,8 @@ def test_record_level_accounting_on_devices_counts_what_they_ran(data_root, tmp_
     from opacus.accountants import RDPAccountant
 
     from fedseq.common.flops import plan_steps
-    from fedseq.server.deployment import run_deployment
-    from fedseq.server.experiment import load_experiment
+    from fedseq.server.ops.deployment import run_deployment
+    from fedseq.server.rounds.experiment import load_experiment
 
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "data.fraction=0.03",
                        "train.join_ratio=0.6", "train.threads=1", "deploy.port=0", *RECORD)

@@ -4,7 +4,7 @@ import pytest
 
 from conftest import quick_config
 from fedseq.common.algorithms import ALGORITHMS
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
 
 TRAINED_GLOBAL = {"fedavg", "fedavgm", "fedadam", "fedyogi", "scaffold", "fedprox", "fedrod",
                   "fedreg", "moon", "fednova"}

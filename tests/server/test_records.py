@@ -6,8 +6,8 @@ import pytest
 from pydantic import ValidationError
 
 from fedseq.common.errors import ConfigError
-from fedseq.server.records import VERSION, RoundRecord
 from fedseq.server.report import load_run, summarize
+from fedseq.server.rounds.records import VERSION, RoundRecord
 
 # A deployment round and a fine-tuning row as fedseq wrote them before records had a version
 # (keys and value shapes of metrics.jsonl at commit 9b33cd9), plus a key of some other version.

@@ -12,8 +12,9 @@ import pytest
 
 from conftest import connack, quick_config
 from fedseq.common.errors import ConfigError, TransportError
-from fedseq.server import rehearsal as rh
-from fedseq.server.deployment import run_deployment
+from fedseq.server.ops import rehearsal as rh
+from fedseq.server.ops.deployment import run_deployment
+from fedseq.server.rounds import links as ln
 
 # one rehearsal at a time: each takes the bridge address 10.77.0.1/24 (pytest-xdist's loadgroup)
 pytestmark = pytest.mark.xdist_group("netns")
@@ -23,22 +24,22 @@ root_only = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and
 def test_profiles_and_per_device_overrides():
     names = ["local01", "local02", "local03"]
     links = rh.per_device(["wifi-poor", "local02=lte", "local03=custom:down=5,delay=20,loss=0.5"],
-                          names, rh.parse_profile, "--link")
-    assert links["local01"] == rh.PROFILES["wifi-poor"] and links["local02"].name == "lte"
-    assert links["local03"] == rh.LinkProfile("custom", 5.0, 5.0, 20.0, 0.0, 0.5)
+                          names, ln.parse_profile, "--link")
+    assert links["local01"] == ln.PROFILES["wifi-poor"] and links["local02"].name == "lte"
+    assert links["local03"] == ln.LinkProfile("custom", 5.0, 5.0, 20.0, 0.0, 0.5)
     assert rh.per_device(["0.5", "local01=0.25"], names, rh.parse_quota, "--cpu-quota") == {
         "local01": 0.25, "local02": 0.5, "local03": 0.5}
     for bad, words in [("wifi-great", "unknown profile"), ("custom:down=0", "above 0"),
                        ("custom:rate=5", "unknown field"), ("custom:down=x", "not a number"),
                        ("local09=lte", "no local device")]:
         with pytest.raises(ConfigError, match=words):
-            rh.per_device([bad], names, rh.parse_profile, "--link")
+            rh.per_device([bad], names, ln.parse_profile, "--link")
 
 
 def test_without_root_it_says_so_in_one_line(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(TransportError, match="need root .* run fedseq-server with sudo"):
-        rh.Rehearsal(["local01"], {"local01": rh.PROFILES["lte"]})
+        rh.Rehearsal(["local01"], {"local01": ln.PROFILES["lte"]})
 
 
 def _rows(out):
@@ -68,7 +69,7 @@ def test_a_slow_link_shows_in_round_time(data_root, tmp_path, one_thread):
         if m and not anonymous:  # hardening III, finding 15: the bridge's broker takes no stranger
             anonymous.append(connack("10.77.0.1", int(m.group(1))))
 
-    links = {"local01": rh.PROFILES["wifi-good"], "local02": rh.parse_profile("custom:down=4,up=4")}
+    links = {"local01": ln.PROFILES["wifi-good"], "local02": ln.parse_profile("custom:down=4,up=4")}
     with rh.Rehearsal(["local01", "local02"], links) as r:
         run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
                        announce=announce, rehearsal=r)
@@ -95,7 +96,7 @@ def test_a_wifi_poor_device_gets_every_block_through_the_run_s_mosquitto(
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "deploy.port=0",
                        "deploy.embedded_broker='mosquitto'")
     said: list[str] = []
-    links = {"local01": rh.PROFILES["wifi-good"], "local02": rh.PROFILES["wifi-poor"]}
+    links = {"local01": ln.PROFILES["wifi-good"], "local02": ln.PROFILES["wifi-poor"]}
     with rh.Rehearsal(["local01", "local02"], links) as r:
         run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
                        announce=said.append, rehearsal=r)
@@ -120,7 +121,7 @@ def test_a_device_that_loses_its_link_mid_round_rejoins(data_root, tmp_path, one
     of its clients missed round 3), so the run has two rounds after that for it to be back."""
     import paho.mqtt.client as mqtt
 
-    from fedseq.server.broker import hash_password
+    from fedseq.server.ops.broker import hash_password
 
     (tmp_path / "broker.passwd").write_text(f"coordinator:{hash_password('c-pw')}\n")
     (tmp_path / "coordinator.pw").write_text("c-pw\n")
@@ -176,8 +177,9 @@ def test_a_killed_rehearsal_is_swept_by_the_next():
     import subprocess
     import sys
 
-    code = ("import time; from fedseq.server import rehearsal as rh; "
-            "r = rh.Rehearsal(['local01', 'local02'], {'local01': rh.PROFILES['lte']}); "
+    code = ("import time; from fedseq.server.ops import rehearsal as rh; "
+            "from fedseq.server.rounds import links as ln; "
+            "r = rh.Rehearsal(['local01', 'local02'], {'local01': ln.PROFILES['lte']}); "
             "r.__enter__(); print(r.id, flush=True); time.sleep(600)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:

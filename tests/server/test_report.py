@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import quick_config
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
 
 pytest.importorskip("matplotlib")
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -25,7 +25,7 @@ def two_runs(tmp_path_factory, data_root):
 
 
 def _report(*args):
-    return subprocess.run([sys.executable, "-m", "fedseq.server.tools", "report", *args],
+    return subprocess.run([sys.executable, "-m", "fedseq.server.cli.tools", "report", *args],
                           capture_output=True, text=True, timeout=300)
 
 
@@ -258,7 +258,7 @@ def test_a_new_numeric_field_reaches_the_report_by_itself(monkeypatch):
 
     from pydantic import Field, create_model
 
-    from fedseq.server import records
+    from fedseq.server.rounds import records
 
     summarize_module = importlib.import_module("fedseq.server.report.summarize")
 

@@ -17,8 +17,8 @@ import torch
 from conftest import device_process, quick_config
 from fedseq.common.protocol.tensors import decode_tensors
 from fedseq.common.text import markdown_cell
-from fedseq.server.deployment import stop_children
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.deployment import stop_children
+from fedseq.server.ops.simulation import run_simulation
 
 
 def _rows(run):
@@ -230,7 +230,7 @@ def test_deployment_resume_after_sigkill_is_bitwise(data_root, tmp_path, mosquit
 
 
 def test_sim_cli_resume_flags_conflict(tmp_path):
-    r = subprocess.run([sys.executable, "-c", "from fedseq.server.cli import sim_main; sim_main()",
+    r = subprocess.run([sys.executable, "-c", "from fedseq.server.cli.commands import sim_main; sim_main()",
                         "--resume", str(tmp_path), "--out", str(tmp_path / "x")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--resume RUN_DIR takes" in r.stderr
@@ -287,7 +287,7 @@ def test_finetune_from_replays_the_fine_tuning_alone(data_root, tmp_path):
     """--finetune-from: the same settings give bitwise the original fine-tuning; other settings
     (head only) a different one under the same federated rounds, recorded in config.toml;
     anything else, an unfinished source or a used --out is refused in one line."""
-    from fedseq.server.coordinator import RunPaused
+    from fedseq.server.rounds.coordinator import RunPaused
 
     cfg = quick_config(data_root, "algorithm.name=fedbabu", "rounds=2", "train.threads=1",
                        "algorithm.finetune_epochs=2")
@@ -329,7 +329,7 @@ def test_a_resume_on_other_cpu_kernels_is_warned_and_recorded(data_root, tmp_pat
     """A run carried to a machine whose torch uses other CPU kernels (measured: AVX2 against
     AVX-512, docs/results.md) goes on, but says it is no longer bitwise one run: a warning,
     status.json's segments, and a note in `fedseq report`."""
-    from fedseq.server.coordinator import RunPaused
+    from fedseq.server.rounds.coordinator import RunPaused
 
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "train.threads=1",
                        "train.join_ratio=0.6")
@@ -354,7 +354,7 @@ def test_a_resume_on_other_cpu_kernels_is_warned_and_recorded(data_root, tmp_pat
         else:
             assert segments[0]["cpu_kernels"] == elsewhere and segments[1]["cpu_kernels"] == here
             assert len(warned) == 1 and f"cpu_kernels {elsewhere!r} -> {here!r}" in warned[0]
-    r = subprocess.run([sys.executable, "-m", "fedseq.server.tools", "report", str(same), str(other),
+    r = subprocess.run([sys.executable, "-m", "fedseq.server.cli.tools", "report", str(same), str(other),
                         "--out", str(tmp_path / "rep"), "--no-figures"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -372,7 +372,7 @@ def test_a_run_folder_is_held_by_one_process_and_only_ours(data_root, tmp_path):
     import stat
 
     from fedseq.common.errors import ConfigError
-    from fedseq.server.rundir import RunDir
+    from fedseq.server.rounds.rundir import RunDir
 
     cfg = quick_config(data_root)
     out = tmp_path / "run"
@@ -434,7 +434,7 @@ def _kill_after_two_rows_then_resume(port: int, home: Path, out: Path, sets: lis
 
 def _cpu_quota(pid: int, cores: float, name: str) -> Path | None:
     """Put process `pid` under a cgroup v1 CPU quota of `cores` (root only; None elsewhere)."""
-    from fedseq.server.rehearsal import CGROUP_CPU
+    from fedseq.server.ops.rehearsal import CGROUP_CPU
 
     if os.geteuid() != 0 or not (CGROUP_CPU / "cpu.cfs_quota_us").exists():
         return None

@@ -1,5 +1,5 @@
 """run_experiment: one set-up and tear-down for every transport, in a fixed order, undone in
-reverse whatever ends the run (server/run.py)."""
+reverse whatever ends the run (server/rounds/run.py)."""
 
 import contextlib
 
@@ -7,9 +7,9 @@ import pytest
 
 from conftest import quick_config
 from fedseq.common.errors import TransportError
-from fedseq.server.coordinator import Rounds
-from fedseq.server.pool import InProcessPool
-from fedseq.server.run import run_experiment
+from fedseq.server.pools.inprocess import InProcessPool
+from fedseq.server.rounds.coordinator import Rounds
+from fedseq.server.rounds.run import run_experiment
 
 
 class Recording:
@@ -90,8 +90,8 @@ def test_a_fleet_pool_ended_by_an_error_tells_its_devices_why():
     from fedseq.common.config import load_config
     from fedseq.common.protocol.messages import Control, Step
     from fedseq.common.protocol.topics import Topics
-    from fedseq.server.broker import EmbeddedBroker
-    from fedseq.server.mqtt import MqttPool
+    from fedseq.server.ops.broker import EmbeddedBroker
+    from fedseq.server.pools.mqtt import MqttPool
 
     t = Topics("fedseq")
     got: list[tuple[str, bytes]] = []

@@ -1,4 +1,4 @@
-"""[secagg] in a round (server/secure.py): the unmasked sum against the plain aggregate, a client
+"""[secagg] in a round (server/privacy/secure_sum.py): the unmasked sum against the plain aggregate, a client
 that never counted, junk that would corrupt the model, what cannot combine with it, and secure
 runs bitwise whatever the keys, across --workers and resume."""
 
@@ -15,9 +15,9 @@ from fedseq.common.algorithms.aggregate import WeightedDeltaSum
 from fedseq.common.config import load_config
 from fedseq.common.errors import AggregationError, ConfigError
 from fedseq.common.secagg import scale_for
-from fedseq.server.privacy import NoisedSum
-from fedseq.server.secure import SecureSum, layout_of, round_setup
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.privacy.dp import NoisedSum
+from fedseq.server.privacy.secure_sum import SecureSum, layout_of, round_setup
 
 pytest.importorskip("cryptography")
 
@@ -201,7 +201,7 @@ def test_a_secure_deployment_gives_the_simulations_run(data_root, tmp_path, one_
     DP: clip, then mask with weight 1, in the 16-bit ring of wire.up = "int8"), the coordinator
     relays and unmasks (and adds the noise, its seed pinned: unpinned, each run draws its own);
     bitwise the simulation's weights and rows (the unmasked sum does not depend on the keys)."""
-    from fedseq.server.deployment import run_deployment
+    from fedseq.server.ops.deployment import run_deployment
 
     cfg = quick_config(data_root, *SECURE, "deploy.port=0", *more)
     assert "secagg" not in cfg.for_devices()
@@ -343,7 +343,7 @@ def test_a_device_proven_bad_has_all_its_clients_left_out():
     client that device holds, each saying why, and nothing twice."""
     from types import SimpleNamespace
 
-    from fedseq.server.ledger import Ledger
+    from fedseq.server.rounds.ledger import Ledger
 
     book = SimpleNamespace(pool=SimpleNamespace(owner={0: "nano1", 1: "nano2", 2: "nano2",
                                                        3: "nano3", 4: "nano2"}), excluded={})

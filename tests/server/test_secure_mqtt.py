@@ -36,7 +36,7 @@ from fedseq.common.secagg import (
     shares_to_wire,
     to_text,
 )
-from fedseq.server.deployment import run_deployment, stop_children
+from fedseq.server.ops.deployment import run_deployment, stop_children
 
 pytest.importorskip("cryptography")
 T = Topics()

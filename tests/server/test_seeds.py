@@ -14,10 +14,10 @@ import torch
 
 from conftest import quick_config
 from fedseq.common.config import SEED_STREAMS
-from fedseq.server.coordinator import RunPaused, select_clients
-from fedseq.server.experiment import load_experiment
-from fedseq.server.seeds import parse_seeds, parse_vary, seed_config
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.rounds.coordinator import RunPaused, select_clients
+from fedseq.server.rounds.experiment import load_experiment
+from fedseq.server.rounds.seeds import parse_seeds, parse_vary, seed_config
 
 
 def _streams(cfg):
@@ -84,7 +84,8 @@ def test_seed_lists_and_streams_parse_or_explain():
 
 
 def _sim(*args):
-    return subprocess.run([sys.executable, "-c", "from fedseq.server.cli import sim_main; sim_main()",
+    return subprocess.run([sys.executable, "-c",
+                           "from fedseq.server.cli.commands import sim_main; sim_main()",
                            *args], capture_output=True, text=True, timeout=600)
 
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import quick_config
-from fedseq.server.checkpoint import load_checkpoint
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.rounds.checkpoint import load_checkpoint
 
 
 @pytest.mark.slow("server optimizers over whole runs: 4 s on 2 cores")

@@ -5,7 +5,7 @@ import pytest
 
 from fedseq.common.errors import ProtocolError
 from fedseq.common.protocol.messages import DeviceInfo, DeviceStatus
-from fedseq.server.status import FleetView, format_fleet
+from fedseq.server.ops.status import FleetView, format_fleet
 
 
 def test_out_of_range_times_and_raw_strings_print_as_plain_lines():

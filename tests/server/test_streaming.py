@@ -9,8 +9,8 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import load_config
 from fedseq.common.protocol.messages import DeviceStatus
-from fedseq.server.mqtt import MqttPool
-from fedseq.server.mqtt.inbox import UpdateArrived
+from fedseq.server.pools.mqtt import MqttPool
+from fedseq.server.pools.mqtt.inbox import UpdateArrived
 
 
 def _pool(*overrides):

@@ -17,8 +17,8 @@ from conftest import device_process, quick_config
 from fedseq.common.protocol.link import session_id
 from fedseq.common.protocol.messages import RunConfig
 from fedseq.common.protocol.topics import Topics
-from fedseq.server.deployment import run_deployment, stop_children
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.deployment import run_deployment, stop_children
+from fedseq.server.ops.simulation import run_simulation
 
 
 def test_session_ids_are_unguessable():

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from conftest import MOSQUITTO, make_pki, quick_config
-from fedseq.server.broker import free_port
-from fedseq.server.deployment import run_deployment, stop_children
+from fedseq.server.ops.broker import free_port
+from fedseq.server.ops.deployment import run_deployment, stop_children
 
 
 @pytest.fixture

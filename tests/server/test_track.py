@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from conftest import quick_config
-from fedseq.server.seeds import seed_config
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.rounds.seeds import seed_config
 
 pytest.importorskip("tensorboardX")
 
@@ -41,7 +41,7 @@ def test_export_writes_every_round_of_each_run(data_root, tmp_path):
                         "algorithm.finetune_epochs=1")
     for s in (0, 1):
         run_simulation(seed_config(base, s, ("init",)), tmp_path / "sweep" / f"seed-{s}")
-    r = subprocess.run([sys.executable, "-m", "fedseq.server.tools", "export", "tensorboard",
+    r = subprocess.run([sys.executable, "-m", "fedseq.server.cli.tools", "export", "tensorboard",
                         str(tmp_path / "sweep"), "--out", str(tmp_path / "tb")],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -58,7 +58,7 @@ def test_export_writes_every_round_of_each_run(data_root, tmp_path):
         assert got["cost/bytes_down"] == {x["round"]: x["bytes_down"] for x in train}
         assert got["accuracy/P_after_finetuning"] == pytest.approx({2: 100 * rows[-1]["personal_acc"]})
     # exporting again replaces, not doubles, the events
-    subprocess.run([sys.executable, "-m", "fedseq.server.tools", "export", "tensorboard",
+    subprocess.run([sys.executable, "-m", "fedseq.server.cli.tools", "export", "tensorboard",
                     str(tmp_path / "sweep"), "--out", str(tmp_path / "tb")], check=True,
                    capture_output=True, timeout=300)
     assert len(list((tmp_path / "tb" / "sweep" / "seed-0").iterdir())) == 1
@@ -76,7 +76,7 @@ def test_export_from_inside_a_run_deletes_nothing_but_its_own_events(data_root, 
     (run / "notes").mkdir()
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
     for where, target, out in ((run, ".", "tb"), (run / "notes", "..", "tb"), (run, ".", ".")):
-        r = subprocess.run([sys.executable, "-m", "fedseq.server.tools", "export", "tensorboard",
+        r = subprocess.run([sys.executable, "-m", "fedseq.server.cli.tools", "export", "tensorboard",
                             target, "--out", out], capture_output=True, text=True, timeout=300,
                            cwd=where)
         assert r.returncode == 0, r.stderr
@@ -98,7 +98,7 @@ def test_mlflow_export_holds_every_round_and_replaces_itself(data_root, tmp_path
     run_simulation(cfg, run_dir)
     uri = (tmp_path / "mlruns").as_uri()
     env = {**os.environ, "MLFLOW_ALLOW_FILE_STORE": "true"}  # MLflow 3 wants it for a folder
-    cmd = [sys.executable, "-m", "fedseq.server.tools", "export", "mlflow", str(run_dir),
+    cmd = [sys.executable, "-m", "fedseq.server.cli.tools", "export", "mlflow", str(run_dir),
            "--tracking-uri", uri, "--experiment", "testbed"]
     for _ in range(2):
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -128,7 +128,7 @@ def test_mlflow_export_to_nowhere_is_one_line(tmp_path, data_root):
     pytest.importorskip("mlflow")
     run_dir = tmp_path / "run"
     run_simulation(quick_config(data_root, "rounds=1", "train.threads=1"), run_dir)
-    r = subprocess.run([sys.executable, "-m", "fedseq.server.tools", "export", "mlflow",
+    r = subprocess.run([sys.executable, "-m", "fedseq.server.cli.tools", "export", "mlflow",
                         str(run_dir), "--tracking-uri", "nosuchscheme://x"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.startswith("error: MLflow at 'nosuchscheme://x'"), r.stderr
@@ -138,8 +138,8 @@ def test_mlflow_export_to_nowhere_is_one_line(tmp_path, data_root):
 def test_every_numeric_field_of_a_row_reaches_the_trackers():
     """Open records: a numeric field the named tags do not cover is logged by its name, and
     a new field would be too (checked against every numeric field RoundRecord has)."""
-    from fedseq.server.records import RoundRecord
-    from fedseq.server.track import NAMED, row_scalars
+    from fedseq.server.ops.track import NAMED, row_scalars
+    from fedseq.server.rounds.records import RoundRecord
 
     numeric = {n for n, f in RoundRecord.model_fields.items()
                if any(t in str(f.annotation) for t in ("int", "float")) and "dict" not in
@@ -153,8 +153,8 @@ def test_every_numeric_field_of_a_row_reaches_the_trackers():
 def test_a_device_placed_rows_federated_accuracy_is_tracked_as_F():
     """data.placement = "device": a row's federated_acc is the accuracy F (accuracy/F_federated,
     in % like the others), not a generic metric, and the report does not sum it as one."""
-    from fedseq.server.records import RoundRecord
-    from fedseq.server.track import row_scalars
+    from fedseq.server.ops.track import row_scalars
+    from fedseq.server.rounds.records import RoundRecord
 
     row = RoundRecord(round=3, phase="train", global_acc=0.5, federated_acc=0.625)
     _, got = row_scalars(row, {})

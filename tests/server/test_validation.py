@@ -5,7 +5,7 @@ import torch
 
 from conftest import synthetic_data
 from fedseq.common.algorithms.aggregate import ClientUpdate
-from fedseq.server.validation import (
+from fedseq.server.rounds.contract import (
     STAT_CAP,
     STAT_GROWTH,
     largest_magnitude,

@@ -11,9 +11,9 @@ from conftest import coordinator_run, device_process, quick_config
 from fedseq.client.state import StateStore
 from fedseq.common.execution import ClientExecutor, InMemory
 from fedseq.common.models import get_blocks
-from fedseq.server.checkpoint import load_checkpoint
-from fedseq.server.processes import stop_children
-from fedseq.server.simulation import run_simulation
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.pools.processes import stop_children
+from fedseq.server.rounds.checkpoint import load_checkpoint
 
 OVER = ("rounds=3", "train.join_ratio=0.6")
 
@@ -84,7 +84,7 @@ class _OnDisk:
 def test_the_residual_survives_a_device_restart(data_root, tmp_path, one_thread):
     """Two rounds of one client under top-k: kept in memory, and kept on disk with a new store
     (a restarted daemon) between them, give bitwise the same updates."""
-    from fedseq.server.experiment import load_experiment
+    from fedseq.server.rounds.experiment import load_experiment
 
     cfg = quick_config(data_root, "algorithm.name=fedavg", "wire.up=topk", "wire.topk=0.02")
     exp = load_experiment(cfg)
@@ -129,7 +129,7 @@ def test_personal_blocks_stay_float32_under_a_downlink_codec(data_root, tmp_path
     """FedPer's heads are each client's own: a device starts a client that never trained from
     the published initial head, which must be the float32 one the simulation starts from (only
     the shared blocks go out in wire.down), or its scores would differ."""
-    from fedseq.server.deployment import run_deployment
+    from fedseq.server.ops.deployment import run_deployment
 
     cfg = quick_config(data_root, "algorithm.name=fedper", "rounds=2", "train.join_ratio=0.4",
                        "wire.down=int8", "wire.up=fp16", "deploy.port=0")

@@ -198,7 +198,7 @@ def test_one_default_root_env_and_override(tmp_path, monkeypatch):
 
 
 def _fedseq(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fedseq.server.tools", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "fedseq.server.cli.tools", *args], capture_output=True,
                           text=True, timeout=300, env={**os.environ, **(env or {})})
 
 

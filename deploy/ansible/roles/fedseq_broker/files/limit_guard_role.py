@@ -5,7 +5,7 @@ disables and deletes logins (docs/security.md).
 
     python3 limit_guard_role.py DYNSEC_FILE LOGIN
 
-Prints "changed" when it rewrote the file. The rule of fedseq's server/broker.py
+Prints "changed" when it rewrote the file. The rule of fedseq's server/ops/broker.py
 `limit_guard_role`, for a broker host without fedseq: standard library only."""
 
 import json

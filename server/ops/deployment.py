@@ -1,0 +1,294 @@
+"""fedseq-server start: the same round loop as fedseq-sim, with devices over MQTT."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fedseq.common.config import DeployConfig, ExperimentConfig, FleetConfig
+from fedseq.common.data.placed import ClientData
+from fedseq.common.errors import ConfigError
+from fedseq.server.ops.broker import (
+    GUARD_LOGIN,
+    EmbeddedBroker,
+    LocalMosquitto,
+    coordinator_login,
+    one_run_login,
+)
+from fedseq.server.ops.rehearsal import Rehearsal
+from fedseq.server.pools.mqtt import MqttPool
+from fedseq.server.pools.mqtt.arrivals import MqttArrivals
+from fedseq.server.pools.mqtt.mqtt_pool import restored_roster
+from fedseq.server.pools.processes import die_with_parent, stop_children
+from fedseq.server.rounds.buffered import BufferedAsync
+from fedseq.server.rounds.checkpoint import Checkpoint
+from fedseq.server.rounds.coordinator import DriverFactory, RunResult
+from fedseq.server.rounds.experiment import Experiment
+from fedseq.server.rounds.records import RoundRecord
+from fedseq.server.rounds.run import run_experiment
+from fedseq.server.rounds.rundir import RunDir
+
+log = logging.getLogger(__name__)
+
+
+def local_device_names(n: int) -> list[str]:
+    return [f"local{i:02d}" for i in range(1, n + 1)]
+
+
+def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path,
+                        threads: int | None = None, rehearsal: Rehearsal | None = None
+                        ) -> list[subprocess.Popen]:
+    """Start n fedseq-client daemons (local01..) as child processes. By default they share the
+    cores (cores // n torch threads each): oversubscribed OpenMP threads spin and slow every
+    process down several times over. In a rehearsal each runs in its device's network namespace,
+    behind its link, under its CPU quota."""
+    threads = threads or max(1, (os.cpu_count() or 1) // n)
+    env = dict(os.environ)
+    env.setdefault("MALLOC_ARENA_MAX", "2")  # as the systemd unit: less memory per daemon
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    procs = []
+    for name in local_device_names(n):
+        # data.placement = "device": each local device's own folder under data.devices_root
+        data = cfg.data.devices_root / name if cfg.data.devices_root is not None else cfg.data.root
+        cmd = [sys.executable, "-m", "fedseq.client.cli", "--device", name, "--broker", url,
+               "--data-dir", str(data), "--state-dir", str(state_dir / name),
+               "--topic-root", cfg.deploy.topic_root, "--torch-device", "cpu",
+               "--log-level", "WARNING"]  # their progress is the coordinator's to show
+        if threads:
+            cmd += ["--threads", str(threads)]
+        d = cfg.deploy
+        if d.username:  # an authenticated embedded broker: local devices use the coordinator's login
+            cmd += ["--username", d.username]
+        for flag, value in (("--password-file", d.password_file), ("--ca-file", d.ca_file),
+                            ("--cert-file", d.cert_file), ("--key-file", d.key_file)):
+            if value is not None:
+                cmd += [flag, str(value)]
+        if not d.tls_verify_hostname:
+            cmd.append("--no-verify-hostname")
+        for plugin in cfg.plugins():  # this machine's own environment, the operator's own run
+            cmd += ["--allow-plugin", plugin]
+        if rehearsal is not None:
+            cmd = rehearsal.command(name, cmd)
+        procs.append(subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent))
+        if rehearsal is not None:
+            rehearsal.started(name, procs[-1].pid)
+    return procs
+
+
+def record_devices(run_dir: RunDir, pool: MqttPool) -> None:
+    """devices.json: the stacks of the devices in the run (online at its start or holding
+    clients); one that never described itself is listed with no entry."""
+    devices = set(pool.devices) | set(pool.assignment)
+    stacks = pool.inbox.device_stacks()
+    run_dir.record_devices({d: stacks.get(d, []) for d in sorted(devices)})
+
+
+def _record_devices_finally(run_dir: RunDir, pool: MqttPool) -> None:
+    try:
+        record_devices(run_dir, pool)
+    except OSError as exc:  # the run's own outcome matters more than this record
+        log.warning("could not write %s/devices.json: %s", run_dir.path, exc)
+
+
+def run_deployment(
+    cfg: ExperimentConfig,
+    out: Path | None,
+    broker: str | None = None,
+    local_clients: int = 0,
+    on_round: Callable[[RoundRecord], None] | None = None,
+    announce: Callable[[str], None] = print,
+    client_threads: int | None = None,
+    mode: str = "new",
+    info: dict[str, Any] | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    rehearsal: Rehearsal | None = None,
+) -> RunResult:
+    """mode "resume" continues `out` after its checkpoint's last complete round, under the same
+    run id (devices keep their personal state) and the same assignment."""
+    _own_broker(rehearsal, broker or cfg.deploy.broker)
+    if cfg.fleet:
+        announce("note: [fleet] models a simulation's time; a deployment's devices are real, "
+                 "so it is ignored here")
+        cfg = cfg.model_copy(update={"fleet": FleetConfig()})
+    fleet = MqttTransport(cfg, out, broker, local_clients, announce, client_threads, rehearsal)
+    driver: DriverFactory | None = None
+    if cfg.train.mode == "async":  # the devices' own pace orders the arrivals
+        driver = functools.partial(BufferedAsync, arrivals=MqttArrivals)
+    return run_experiment(cfg, out, fleet, mode, info, on_round, on_progress, driver=driver)
+
+
+def _own_broker(rehearsal: Rehearsal | None, broker: str | None) -> None:
+    """A rehearsal runs its own broker: refuse a given one in one line."""
+    if rehearsal is not None and broker is not None:
+        raise ConfigError("a rehearsal (--link, --cpu-quota) runs its own embedded broker on "
+                          "its bridge; leave out --broker and deploy.broker")
+
+
+def embedded_broker(stack: contextlib.ExitStack, d: DeployConfig, rehearsal: Rehearsal | None,
+                    announce: Callable[[str], None], whose: str, local_clients: int = 0
+                    ) -> tuple[str, dict[str, Any]]:
+    """The broker started here for a run or a campaign (`whose`), until `stack` closes: amqtt in
+    this process, or Mosquitto from the checkout's broker.conf and ACL (deploy.embedded_broker),
+    on `d.host` or a rehearsal's bridge. Returns its URL and the deploy.* login the coordinator
+    and the local devices use there: Mosquitto's one login, or in a rehearsal a login made for it
+    unless a password file is given; empty where none is needed."""
+    # a rehearsal's bridge is reachable from this machine's namespaces only, and its broker
+    # takes one login made for this run (unless a password file is given): the daemons there
+    # run as root, and nobody else may publish to them
+    host = rehearsal.broker_host if rehearsal is not None else d.host
+    if d.embedded_broker == "mosquitto":
+        if d.broker_password_file is not None:
+            raise ConfigError(f"deploy.broker_password_file is the embedded amqtt's; the {whose}'s "
+                              "Mosquitto makes its own login (devices elsewhere: --broker)")
+        home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-mosquitto-")))
+        broker = stack.enter_context(LocalMosquitto(host, d.port, home))
+        announce(f"Mosquitto for this {whose} at {broker.url} (the project's broker.conf and ACL; "
+                 "one login, for the coordinator and its local devices"
+                 + ("; the flood guard on" if broker.guard_secret else "") + ")")
+        login: dict[str, Any] = {"username": broker.user, "password_file": broker.secret}
+        if broker.guard_secret is not None:  # the flood guard wherever the broker can have it
+            login.update(guard_username=GUARD_LOGIN, guard_password_file=broker.guard_secret)
+        return broker.url, login
+    passwords, login = d.broker_password_file, {}
+    if rehearsal is not None and passwords is None:
+        auth = stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-rehearsal-"))
+        passwords, secret = one_run_login(Path(auth))
+        login = {"username": "rehearsal", "password_file": secret}
+    url = stack.enter_context(EmbeddedBroker(host, d.port, passwords, d.allow_anonymous)).url
+    announce(f"embedded MQTT broker at {url}" + (
+        f" - {local_clients} local devices start here" if local_clients else
+        f" - start devices with: fedseq-client --device NAME --broker {url}"))
+    return url, login
+
+
+class MqttTransport:
+    """The devices over MQTT (MqttPool), through `broker` or an embedded one started here, with
+    `local_clients` fedseq-client daemons started here (in a rehearsal's namespaces). Set up and
+    torn down in reverse by run_experiment's stack: the embedded broker, the rehearsal's login,
+    the local devices' state folder and the devices, the pool (devices hear why a run ended), the
+    devices' record."""
+
+    remote = True  # the coordinator's global evaluation reads the test rows and nothing else
+    collect_threads = 1
+
+    def __init__(self, cfg: ExperimentConfig, out: Path | None, broker: str | None,
+                 local_clients: int, announce: Callable[[str], None],
+                 client_threads: int | None, rehearsal: Rehearsal | None):
+        self.cfg, self.out, self.url = cfg, out, broker or cfg.deploy.broker
+        self.local_clients, self.client_threads = local_clients, client_threads
+        self.announce, self.rehearsal = announce, rehearsal
+        self.cfg_login = cfg  # the run's login (a rehearsal's own), never written to its config
+        self.run_id = ""
+        self.online = False  # the devices were started and awaited
+
+    def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
+        """The broker (embedded if none is given) and the pool's connection, before minutes of
+        data loading: a wrong address or password is said first."""
+        cfg, rehearsal = self.cfg, self.rehearsal
+        if ckpt is not None and ckpt.pool.state is None:
+            raise ConfigError(f"--resume {self.out}: that run was simulated; resume it with "
+                              "fedseq-sim")
+        if self.url is None:
+            self.url, login = embedded_broker(stack, cfg.deploy, rehearsal, self.announce, "run",
+                                              self.local_clients)
+            if login:
+                self.cfg_login = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(
+                    update=login)})
+        # the local devices' personal state lives in the run directory, so --resume keeps it
+        self.state = Path(self.out) / "local-devices" if self.out is not None else None
+        if self.local_clients and self.state is None:
+            self.state = Path(stack.enter_context(
+                tempfile.TemporaryDirectory(prefix="fedseq-local-")))
+        self.children: list[subprocess.Popen] = []
+        stack.callback(stop_children, self.children)
+        pool_state = ckpt.pool.state if ckpt is not None else None
+        self.run_id = (pool_state["run_id"] if pool_state
+                       else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+        # connected now; on the way out the devices hear why the run ended (MqttPool.__exit__)
+        self.pool = stack.enter_context(MqttPool(
+            cfg, self.url, self.run_id, *coordinator_login(self.cfg_login.deploy)))
+
+    def announced(self, ckpt: Checkpoint | None) -> list[ClientData]:
+        """data.placement = "device": the devices online, then the clients they announce (a
+        resumed run: its checkpoint's, the devices coming online in `open_pool`)."""
+        if ckpt is not None:
+            found = restored_roster(ckpt.pool)
+        else:
+            self._devices_online(None)
+            found = self.pool.gather_clients(self.cfg.deploy.wait_devices_s)
+            self.announce(f"run {self.run_id}: {len(found)} clients on {len(self.pool.devices)} "
+                          f"devices ({', '.join(self.pool.devices)})")
+        cfg = self.cfg.model_copy(update={"data": self.cfg.data.model_copy(
+            update={"num_clients": len(found)})})
+        self.cfg = self.pool.cfg = cfg
+        self.pool.roster = found
+        return [c for _, c in found]
+
+    def _devices_online(self, ckpt: Checkpoint | None) -> None:
+        """The local devices started, and the fleet's devices online (once)."""
+        if self.online:
+            return
+        self.online = True
+        if self.local_clients:
+            assert self.state is not None and self.url is not None
+            self.children += spawn_local_clients(self.local_clients, self.url, self.cfg_login,
+                                                 self.state, self.client_threads, self.rehearsal)
+            if self.rehearsal is not None:
+                self.announce(self.rehearsal.describe())
+        devices = self.pool.wait_for_devices(max(self.cfg.deploy.min_devices, self.local_clients),
+                                             self.cfg.deploy.wait_devices_s)
+        self.announce(f"run {self.run_id}: {len(devices)} devices ({', '.join(devices)})"
+                      + (f", resumed at round {ckpt.next_round}" if ckpt else ""))
+
+    def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
+                  ) -> MqttPool:
+        """The local devices started, and the fleet's devices online."""
+        self._devices_online(ckpt)
+        return self.pool
+
+    def info(self) -> dict[str, Any]:
+        """status.json's: the run id, and the broker it ran on (`fedseq-server status --config
+        RUN_DIR` finds it there)."""
+        return {"run_id": self.run_id, "broker": self.url}
+
+    def started(self, stack: contextlib.ExitStack, run_dir: RunDir) -> None:
+        record_devices(run_dir, self.pool)
+        stack.callback(_record_devices_finally, run_dir, self.pool)
+
+
+@contextlib.contextmanager
+def standing_fleet(cfg: ExperimentConfig, out: Path, broker: str | None, local_clients: int,
+                   client_threads: int | None, announce: Callable[[str], None],
+                   rehearsal: Rehearsal | None = None
+                   ) -> Iterator[tuple[str, dict[str, Any], list[subprocess.Popen]]]:
+    """A campaign's fleet, up across its runs: the broker (`broker`, else an embedded one as
+    `cfg.deploy` says, on the rehearsal's bridge in a rehearsal) and `local_clients`
+    fedseq-client daemons (in the rehearsal's namespaces), whose personal state lives in
+    OUT/local-devices. Yields the broker's URL, the deploy.* login every run uses there (the
+    run's Mosquitto, or a rehearsal's amqtt, makes one) and the daemons."""
+    _own_broker(rehearsal, broker or cfg.deploy.broker)
+    with contextlib.ExitStack() as stack:
+        url, login = broker or cfg.deploy.broker, dict[str, Any]()
+        if url is None:
+            url, login = embedded_broker(stack, cfg.deploy, rehearsal, announce, "campaign",
+                                         local_clients)
+        children: list[subprocess.Popen] = []
+        stack.callback(stop_children, children)
+        if local_clients:
+            with_login = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=login)})
+            children += spawn_local_clients(local_clients, url, with_login,
+                                            Path(out) / "local-devices", client_threads, rehearsal)
+            if rehearsal is not None:
+                announce(rehearsal.describe())
+        yield url, login, children
