@@ -142,7 +142,7 @@ def main() -> None:
                     f"train.batch_size={args.batch_size}",
                     f"train.eval_every={10 * args.rounds}", f"algorithm.name={alg}",
                     "algorithm.finetune_epochs=0", "deploy.port=0", *extra])
-                res = run_deployment(cfg, None, broker=url, local_clients=args.devices,
+                res = run_deployment(cfg, None, broker=url, local_devices=args.devices,
                                      announce=lambda s: None, client_threads=1)
                 rows = [r for r in res.rows if r["phase"] == "train"]
                 overhead = [1000 * (w - s) for w, s in TIMES[1:]]  # round 0 includes warm-up

@@ -1,7 +1,7 @@
 """A newcomer's first steps, as the README gives them, timed on a busy machine: a fresh clone of
 this repository, the dataset fetched offline (`fedseq data download fmnist --from DIR`), the
 first experiment (`fedseq-sim --config examples/quickstart.toml`), the same on a local fleet
-(`fedseq-server start ... --local-clients 3`) and the report on both. Beside them, `--busy N`
+(`fedseq-server start ... --local-devices 3`) and the report on both. Beside them, `--busy N`
 processes spin on the CPU (a neighbour's work), so the timings are those of a shared machine;
 the machine's load average is printed with every step.
 
@@ -82,9 +82,9 @@ def main() -> None:
                                              str(args.data_from.resolve()), "-q"]),
             ("fedseq-sim quickstart", ["fedseq-sim", "--config", "examples/quickstart.toml",
                                        "--out", "runs/first", *threads]),
-            ("fedseq-server start --local-clients 3",
+            ("fedseq-server start --local-devices 3",
              ["fedseq-server", "start", "--config", "examples/quickstart.toml",
-              "--local-clients", "3", "--out", "runs/first-fleet"]),
+              "--local-devices", "3", "--out", "runs/first-fleet"]),
             ("fedseq report", ["fedseq", "report", "runs/first", "runs/first-fleet", "--out",
                                "report"]),
         ):

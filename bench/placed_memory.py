@@ -37,7 +37,7 @@ cfg = load_config(None, ['data.placement="device"', 'data.dataset="npz"',
                          f"data.validation={str(root / 'validation.npz')!r}",
                          "algorithm.name=fedavg", "rounds=1", "train.join_ratio=1.0",
                          "train.local_epochs=1", "train.batch_size=64", "deploy.port=0"])
-res = run_deployment(cfg, root / "run", local_clients=2, client_threads=1,
+res = run_deployment(cfg, root / "run", local_devices=2, client_threads=1,
                      announce=lambda m: None)
 print(json.dumps({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                   "reported": res.rows[0]["reported"]}))

@@ -59,7 +59,7 @@ def main() -> None:
             links = {} if profile == "none" else {d: ln.parse_profile(profile) for d in names}
             with tempfile.TemporaryDirectory() as tmp, rh.Rehearsal(names, links) as r:
                 start = time.monotonic()
-                run_deployment(cfg, Path(tmp) / "run", local_clients=args.devices,
+                run_deployment(cfg, Path(tmp) / "run", local_devices=args.devices,
                                client_threads=1, announce=lambda s: None, rehearsal=r)
                 rows = [__import__("json").loads(x) for x in
                         (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]

@@ -150,7 +150,7 @@ class DataConfig(_Section):
     devices_root: Optional[Path] = Field(None, json_schema_extra=COORDINATOR, description=(
         "placement = \"device\": the folder holding one data folder per device, "
         "`<devices_root>/<device>/`, read by fedseq-sim (--devices-data) and given to "
-        "fedseq-server start's --local-clients (local01, local02, ...)."))
+        "fedseq-server start's --local-devices (local01, local02, ...)."))
 
     @field_validator("dataset")
     @classmethod
@@ -513,7 +513,7 @@ class DeployConfig(_Section):
                                                            description=(
         "Which embedded broker: amqtt in the coordinator, or mosquitto started for the run from the "
         "checkout's broker.conf and ACL, with a login made for the run that the coordinator and its "
-        "--local-clients share. amqtt drops a message a device does not acknowledge within 5 s "
+        "--local-devices share. amqtt drops a message a device does not acknowledge within 5 s "
         "(amqtt issue #391): slow links (a rehearsal's wifi-poor, 3g-fast) need mosquitto."))
 
 

@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
@@ -194,6 +194,49 @@ CampaignOpt = Annotated[Path | None, typer.Option(
          f"({page('how-to/campaigns.md')})")]
 
 
+FinetuneFromOpt = Annotated[Path | None, typer.Option(
+    help="Replay the final fine-tuning of this finished simulated run into a new --out, "
+         "under other algorithm.finetune_epochs / finetune_blocks (--set); its federated "
+         "rounds are reused, not retrained")]
+ReplayOpt = Annotated[Path | None, typer.Option(
+    help="Re-execute this asynchronous run (train.mode = \"async\", simulated or deployed) "
+         "in the order its metrics.jsonl records into a new --out, and say whether the "
+         "global model is bitwise the run's (equal threads: --set train.threads=N)")]
+WorkersOpt = Annotated[int, typer.Option(
+    help="Train the clients in N worker processes (torch.distributed, Gloo), train.threads "
+         "each (default 1): the numbers of an in-process run with as many threads; N = "
+         "the cores is the fast setting. Under torchrun the group is torchrun's "
+         f"({page('how-to/scale-out.md')})", min=0)]
+WorkersPerGpuOpt = Annotated[int, typer.Option(
+    help="With train.device on GPUs: K workers share each GPU (without --workers: K per GPU "
+         "of this machine). Workers fill a machine's GPUs in turn, K to a GPU", min=0)]
+DevicesDataOpt = Annotated[Path | None, typer.Option(
+    help="Data on the devices (data.placement = 'device'): DIR/<device>/ holds what that "
+         "device's fedseq-client --data-dir would, one simulated device per folder "
+         f"({page('tutorials/own-code.md')})")]
+
+
+def _a_worker_rank() -> bool:
+    """Under torchrun or srun, a rank other than 0 serves as a worker here (rank 0 runs the
+    round loop and writes the run directory): True once it is done. Every process: OpenMP's
+    waiting threads sleep instead of spinning (OMP_WAIT_POLICY overrides)."""
+    import os
+
+    from fedseq.server.pools.distributed import adopt_slurm_env
+
+    adopt_slurm_env()  # srun's tasks are a group's ranks, as torchrun's are
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0":
+        from fedseq.server.pools.distributed import worker_main
+
+        worker_main()
+        return True
+    # Before torch loads OpenMP: waiting threads sleep instead of spinning, so a run that meets
+    # other work keeps going (measured beside one busy process, 2 threads: > 200 s per round
+    # spinning, 52 s passive; idle: 16.2 s spinning, 19.6 s passive).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return False
+
+
 def sim(
     config: ConfigOpt = None,
     set_: SetOpt = None,
@@ -203,45 +246,19 @@ def sim(
     seeds: SeedsOpt = None,
     vary: VaryOpt = "all",
     campaign: CampaignOpt = None,
-    finetune_from: Annotated[Path | None, typer.Option(
-        help="Replay the final fine-tuning of this finished simulated run into a new --out, "
-             "under other algorithm.finetune_epochs / finetune_blocks (--set); its federated "
-             "rounds are reused, not retrained")] = None,
-    replay: Annotated[Path | None, typer.Option(
-        help="Re-execute this asynchronous run (train.mode = \"async\", simulated or deployed) "
-             "in the order its metrics.jsonl records into a new --out, and say whether the "
-             "global model is bitwise the run's (equal threads: --set train.threads=N)")] = None,
-    workers: Annotated[int, typer.Option(
-        help="Train the clients in N worker processes (torch.distributed, Gloo), train.threads "
-             "each (default 1): the numbers of an in-process run with as many threads; N = "
-             "the cores is the fast setting. Under torchrun the group is torchrun's "
-             f"({page('how-to/scale-out.md')})", min=0)] = 0,
-    workers_per_gpu: Annotated[int, typer.Option(
-        help="With train.device on GPUs: K workers share each GPU (without --workers: K per GPU "
-             "of this machine). Workers fill a machine's GPUs in turn, K to a GPU", min=0)] = 0,
-    devices_data: Annotated[Path | None, typer.Option(
-        help="Data on the devices (data.placement = 'device'): DIR/<device>/ holds what that "
-             "device's fedseq-client --data-dir would, one simulated device per folder "
-             f"({page('tutorials/own-code.md')})")] = None,
+    finetune_from: FinetuneFromOpt = None,
+    replay: ReplayOpt = None,
+    workers: WorkersOpt = 0,
+    workers_per_gpu: WorkersPerGpuOpt = 0,
+    devices_data: DevicesDataOpt = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar.")] = False,
     version: VersionOpt = False,
 ) -> None:
     """Run a federated experiment (in one process, or with --workers) and write a run directory."""
     import os
 
-    from fedseq.server.pools.distributed import adopt_slurm_env
-
-    adopt_slurm_env()  # srun's tasks are a group's ranks, as torchrun's are
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK", "0") != "0":
-        from fedseq.server.pools.distributed import worker_main
-
-        worker_main()  # a rank of torchrun's group: rank 0 runs the round loop and writes
-        return         # the run directory
-
-    # Before torch loads OpenMP: waiting threads sleep instead of spinning, so a run that meets
-    # other work keeps going (measured beside one busy process, 2 threads: > 200 s per round
-    # spinning, 52 s passive; idle: 16.2 s spinning, 19.6 s passive). OMP_WAIT_POLICY overrides.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if _a_worker_rank():
+        return
     if campaign is not None:
         if config is not None or resume is not None or seeds is not None or overwrite \
                 or replay is not None or finetune_from is not None or out is None:
@@ -497,6 +514,7 @@ def _summary(out: Path) -> None:
 
 
 def sim_main() -> None:
+    """fedseq-sim's command line (its entry point is launch.py's `sim_main`)."""
     app = typer.Typer(add_completion=False)  # typer.run's, with the documentation's epilog
     app.command(epilog=EPILOG)(sim)
     app()
@@ -517,6 +535,33 @@ CpuQuotaOpt = Annotated[list[str] | None, typer.Option(
 MetricsPortOpt = Annotated[int | None, typer.Option(
     help=f"serve Prometheus metrics on this port (0: a free one; {page('how-to/campaigns.md')})",
     min=0, max=65535)]
+CampaignFileArg = Annotated[Path, typer.Argument(
+    help="the campaign file (TOML): a base config and a grid of algorithms, seeds and settings")]
+CampaignOutOpt = Annotated[Path, typer.Option(
+    "--out", "-o", help="the campaign's folder: OUT/<setting>/<algorithm>/seed-<s> and campaign.json")]
+CampaignDevicesOpt = Annotated[int, typer.Option(
+    help="also start N devices here (fedseq-client daemons local01, local02, ...), up for the "
+         "whole campaign")]
+LocalDevicesOpt = Annotated[int, typer.Option(
+    help="also start N devices here: fedseq-client daemons local01, local02, ... (each holds its "
+         "share of the logical clients)")]
+#: the flag's name until 0.2 (it started devices, not clients): kept for one release, hidden
+LocalClientsOpt = Annotated[int | None, typer.Option(
+    "--local-clients", hidden=True, help="deprecated: the old name of --local-devices")]
+
+
+def _local_devices(devices: int, old: int | None) -> int:
+    """--local-devices N, or the deprecated --local-clients N (said in one line on stderr)."""
+    if old is None:
+        return devices
+    if devices and devices != old:
+        _fail(ConfigError(f"--local-clients {old} and --local-devices {devices}: give "
+                          "--local-devices alone (--local-clients is its deprecated old name)"))
+    print(f"--local-clients is deprecated: it starts devices, not clients; use --local-devices "
+          f"{old} (the old name goes in the next release)", file=sys.stderr)
+    return old
+
+
 MetricsHostOpt = Annotated[str, typer.Option(
     help="the metrics' address: loopback unless a Prometheus elsewhere must scrape it")]
 
@@ -528,7 +573,8 @@ def start(
     out: OutOpt = None,
     broker: Annotated[str | None, typer.Option(help="mqtt://HOST:PORT of an external broker; "
                                                    "default: deploy.broker, else an embedded one")] = None,
-    local_clients: Annotated[int, typer.Option(help="also start N fedseq-client daemons here")] = 0,
+    local_devices: LocalDevicesOpt = 0,
+    local_clients: LocalClientsOpt = None,
     client_threads: ClientThreadsOpt = None,
     link: LinkOpt = None,
     cpu_quota: CpuQuotaOpt = None,
@@ -547,17 +593,18 @@ def start(
     """Run an experiment on a device fleet over MQTT and write a run directory."""
     from fedseq.server.ops.deployment import run_deployment
 
+    local_devices = _local_devices(local_devices, local_clients)
     cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
     _refuse_used_out(out, mode)
     _login_flags(cfg, no_verify_hostname, username=username, password_file=password_file,
                  ca_file=ca_file, cert_file=cert_file, key_file=key_file)
     try:
-        with _rehearsal(local_clients, link or [], cpu_quota or []) as rehearsal, \
+        with _rehearsal(local_devices, link or [], cpu_quota or []) as rehearsal, \
                 _metrics(metrics_port, metrics_host) as metrics:
             if metrics is not None:
                 metrics.run_started(cfg, str(out))
             shown = _Printer(cfg.rounds)
-            run_deployment(cfg, out, broker, local_clients,
+            run_deployment(cfg, out, broker, local_devices,
                            on_round=_rows(None if quiet else shown.row, metrics),
                            announce=lambda s: print(s, file=sys.stderr),
                            client_threads=client_threads, mode=mode, info=info,
@@ -571,15 +618,13 @@ def start(
 
 @server_app.command()
 def campaign(
-    file: Annotated[Path, typer.Argument(help="the campaign file (TOML): a base config and a grid "
-                                              "of algorithms, seeds and settings")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="the campaign's folder: "
-                                      "OUT/<setting>/<algorithm>/seed-<s> and campaign.json")],
+    file: CampaignFileArg,
+    out: CampaignOutOpt,
     set_: SetOpt = None,
     broker: Annotated[str | None, typer.Option(help="mqtt://HOST:PORT of the fleet's broker; "
                                                    "default: deploy.broker, else an embedded one")] = None,
-    local_clients: Annotated[int, typer.Option(
-        help="also start N fedseq-client daemons here, up for the whole campaign")] = 0,
+    local_devices: CampaignDevicesOpt = 0,
+    local_clients: LocalClientsOpt = None,
     client_threads: ClientThreadsOpt = None,
     link: LinkOpt = None,
     cpu_quota: CpuQuotaOpt = None,
@@ -597,7 +642,9 @@ def campaign(
     and the devices stay up between runs. The same command again continues the campaign
     (docs: "Run a campaign", how-to/campaigns/)."""
     from fedseq.server.ops.campaign import Progress as CampaignProgress
-    from fedseq.server.ops.deployment import run_deployment, standing_fleet
+    from fedseq.server.ops.deployment import standing_fleet
+
+    local_devices = _local_devices(local_devices, local_clients)
 
     spec, runs, book = _open_campaign(file, set_ or [], out)
     for run in runs:
@@ -606,8 +653,8 @@ def campaign(
 
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     try:
-        with _rehearsal(local_clients, link or [], cpu_quota or []) as rehearsal, \
-                standing_fleet(runs[0].cfg, out, broker, local_clients, client_threads, say,
+        with _rehearsal(local_devices, link or [], cpu_quota or []) as rehearsal, \
+                standing_fleet(runs[0].cfg, out, broker, local_devices, client_threads, say,
                                rehearsal) as (url, login, _), \
                 _metrics(metrics_port, metrics_host) as metrics, \
                 _campaign_beacon(runs[0].cfg, url, login, metrics) as beacon:
@@ -617,22 +664,8 @@ def campaign(
                     metrics.campaign(status)
 
             progress = CampaignProgress(book, publish)
-
-            def one(run: Any, path: Path, mode: str, info: dict[str, Any]) -> None:
-                deploy = run.cfg.deploy.model_copy(update={
-                    **login, "min_devices": max(run.cfg.deploy.min_devices, local_clients)})
-                if metrics is not None:
-                    metrics.run_started(run.cfg, str(path))
-
-                def row(r: RoundRecord) -> None:
-                    progress.round_done(r.round, r.phase, r.seconds)
-
-                shown = _Printer(run.cfg.rounds)
-                run_deployment(run.cfg.model_copy(update={"deploy": deploy}), path, url, 0,
-                               on_round=_rows(row, None if quiet else shown.row, metrics),
-                               announce=say, client_threads=client_threads, mode=mode, info=info,
-                               on_progress=None if quiet else shown.progress)
-
+            one = _campaign_run(url, {**login, "min_devices": local_devices}, progress, metrics,
+                                client_threads, say, quiet)
             _go_campaign(spec, book, one, progress)
     except FedseqError as exc:
         _fail(exc)
@@ -640,6 +673,29 @@ def campaign(
         print(f"interrupted: {out} keeps every complete round; continue with the same "
               "fedseq-server campaign command", file=sys.stderr)
         raise typer.Exit(130) from None
+
+
+def _campaign_run(url: str, deploy: dict[str, Any], progress: Any, metrics: Any,
+                  client_threads: int | None, say: Callable[[str], None], quiet: bool) -> Any:
+    """How a campaign on a standing fleet runs one of its runs: on the broker at `url`, with the
+    fleet's login and at least its local devices (`deploy`: deploy.* set over each run's)."""
+    from fedseq.server.ops.deployment import run_deployment
+
+    def one(run: Any, path: Path, mode: str, info: dict[str, Any]) -> None:
+        settings = run.cfg.deploy.model_copy(update={
+            **deploy, "min_devices": max(run.cfg.deploy.min_devices, deploy["min_devices"])})
+        if metrics is not None:
+            metrics.run_started(run.cfg, str(path))
+
+        def row(r: RoundRecord) -> None:
+            progress.round_done(r.round, r.phase, r.seconds)
+
+        shown = _Printer(run.cfg.rounds)
+        run_deployment(run.cfg.model_copy(update={"deploy": settings}), path, url, 0,
+                       on_round=_rows(row, None if quiet else shown.row, metrics),
+                       announce=say, client_threads=client_threads, mode=mode, info=info,
+                       on_progress=None if quiet else shown.progress)
+    return one
 
 
 def _rows(*sinks: Any) -> Any:
@@ -728,7 +784,7 @@ def _campaign_beacon(cfg: ExperimentConfig, url: str, login: dict[str, Any],
         link.stop()
 
 
-def _rehearsal(local_clients: int, links: list[str], quotas: list[str]) -> Any:
+def _rehearsal(local_devices: int, links: list[str], quotas: list[str]) -> Any:
     """The rehearsal --link / --cpu-quota ask for (a context manager), or a null context."""
     import contextlib
 
@@ -738,9 +794,9 @@ def _rehearsal(local_clients: int, links: list[str], quotas: list[str]) -> Any:
 
     if not links and not quotas:
         return contextlib.nullcontext()
-    if not local_clients:
-        raise ConfigError("--link and --cpu-quota shape the local clients: add --local-clients N")
-    names = local_device_names(local_clients)
+    if not local_devices:
+        raise ConfigError("--link and --cpu-quota shape the local devices: add --local-devices N")
+    names = local_device_names(local_devices)
     return rh.Rehearsal(names, rh.per_device(links, names, ln.parse_profile, "--link"),
                         rh.per_device(quotas, names, rh.parse_quota, "--cpu-quota"))
 
@@ -904,6 +960,8 @@ def version() -> None:
 
 
 def server_main() -> None:
+    """fedseq-server's command line: start, campaign, status, passwd (its entry point is launch.py's
+    `server_main`)."""
     server_app()
 
 

@@ -133,9 +133,12 @@ class EmbeddedBroker:
 
     @property
     def url(self) -> str:
+        """Where devices and the coordinator reach it: mqtt://HOST:PORT."""
         return f"mqtt://{self.host}:{self.port}"
 
     def start(self) -> None:
+        """Start amqtt on its own event-loop thread and wait until it listens; a port in use is a
+        one-line TransportError."""
         from amqtt.broker import Broker
 
         quiet = [logging.getLogger(n) for n in ("amqtt", "transitions")]
@@ -325,7 +328,7 @@ def write_local_mosquitto(home: Path, port: int, logins: dict[str, str], broker_
 class LocalMosquitto:
     """Mosquitto for one run (deploy.embedded_broker = "mosquitto"): the project's broker.conf and
     ACL on host:port (port 0 = a free one), its files under `home`, one login: `user` with a
-    password made for this run (the ACL's coordinator account, which the run's --local-clients
+    password made for this run (the ACL's coordinator account, which the run's --local-devices
     share). Unlike amqtt it never drops a message to a slow subscriber (no in-session retries
     since Mosquitto 1.5): a rehearsal's wifi-poor and 3g-fast links need it."""
 
@@ -364,6 +367,7 @@ class LocalMosquitto:
 
     @property
     def url(self) -> str:
+        """Where devices and the coordinator reach it: mqtt://HOST:PORT."""
         return f"mqtt://{self.host}:{self.port}"
 
     def __enter__(self) -> LocalMosquitto:

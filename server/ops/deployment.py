@@ -32,20 +32,22 @@ from fedseq.server.pools.mqtt.mqtt_pool import restored_roster
 from fedseq.server.pools.processes import die_with_parent, stop_children
 from fedseq.server.rounds.buffered import BufferedAsync
 from fedseq.server.rounds.checkpoint import Checkpoint
-from fedseq.server.rounds.coordinator import DriverFactory, RunResult
+from fedseq.server.rounds.coordinator import RunResult
+from fedseq.server.rounds.driver import DriverFactory
 from fedseq.server.rounds.experiment import Experiment
 from fedseq.server.rounds.records import RoundRecord
-from fedseq.server.rounds.run import run_experiment
+from fedseq.server.rounds.run import Transport, run_experiment
 from fedseq.server.rounds.rundir import RunDir
 
 log = logging.getLogger(__name__)
 
 
 def local_device_names(n: int) -> list[str]:
+    """The names of `n` local devices: local01, local02, ..."""
     return [f"local{i:02d}" for i in range(1, n + 1)]
 
 
-def spawn_local_clients(n: int, url: str, cfg: ExperimentConfig, state_dir: Path,
+def spawn_local_devices(n: int, url: str, cfg: ExperimentConfig, state_dir: Path,
                         threads: int | None = None, rehearsal: Rehearsal | None = None
                         ) -> list[subprocess.Popen]:
     """Start n fedseq-client daemons (local01..) as child processes. By default they share the
@@ -105,7 +107,7 @@ def run_deployment(
     cfg: ExperimentConfig,
     out: Path | None,
     broker: str | None = None,
-    local_clients: int = 0,
+    local_devices: int = 0,
     on_round: Callable[[RoundRecord], None] | None = None,
     announce: Callable[[str], None] = print,
     client_threads: int | None = None,
@@ -121,7 +123,7 @@ def run_deployment(
         announce("note: [fleet] models a simulation's time; a deployment's devices are real, "
                  "so it is ignored here")
         cfg = cfg.model_copy(update={"fleet": FleetConfig()})
-    fleet = MqttTransport(cfg, out, broker, local_clients, announce, client_threads, rehearsal)
+    fleet = MqttTransport(cfg, out, broker, local_devices, announce, client_threads, rehearsal)
     driver: DriverFactory | None = None
     if cfg.train.mode == "async":  # the devices' own pace orders the arrivals
         driver = functools.partial(BufferedAsync, arrivals=MqttArrivals)
@@ -136,7 +138,7 @@ def _own_broker(rehearsal: Rehearsal | None, broker: str | None) -> None:
 
 
 def embedded_broker(stack: contextlib.ExitStack, d: DeployConfig, rehearsal: Rehearsal | None,
-                    announce: Callable[[str], None], whose: str, local_clients: int = 0
+                    announce: Callable[[str], None], whose: str, local_devices: int = 0
                     ) -> tuple[str, dict[str, Any]]:
     """The broker started here for a run or a campaign (`whose`), until `stack` closes: amqtt in
     this process, or Mosquitto from the checkout's broker.conf and ACL (deploy.embedded_broker),
@@ -167,14 +169,14 @@ def embedded_broker(stack: contextlib.ExitStack, d: DeployConfig, rehearsal: Reh
         login = {"username": "rehearsal", "password_file": secret}
     url = stack.enter_context(EmbeddedBroker(host, d.port, passwords, d.allow_anonymous)).url
     announce(f"embedded MQTT broker at {url}" + (
-        f" - {local_clients} local devices start here" if local_clients else
+        f" - {local_devices} local devices start here" if local_devices else
         f" - start devices with: fedseq-client --device NAME --broker {url}"))
     return url, login
 
 
-class MqttTransport:
+class MqttTransport(Transport):
     """The devices over MQTT (MqttPool), through `broker` or an embedded one started here, with
-    `local_clients` fedseq-client daemons started here (in a rehearsal's namespaces). Set up and
+    `local_devices` fedseq-client daemons started here (in a rehearsal's namespaces). Set up and
     torn down in reverse by run_experiment's stack: the embedded broker, the rehearsal's login,
     the local devices' state folder and the devices, the pool (devices hear why a run ended), the
     devices' record."""
@@ -183,10 +185,10 @@ class MqttTransport:
     collect_threads = 1
 
     def __init__(self, cfg: ExperimentConfig, out: Path | None, broker: str | None,
-                 local_clients: int, announce: Callable[[str], None],
+                 local_devices: int, announce: Callable[[str], None],
                  client_threads: int | None, rehearsal: Rehearsal | None):
         self.cfg, self.out, self.url = cfg, out, broker or cfg.deploy.broker
-        self.local_clients, self.client_threads = local_clients, client_threads
+        self.local_devices, self.client_threads = local_devices, client_threads
         self.announce, self.rehearsal = announce, rehearsal
         self.cfg_login = cfg  # the run's login (a rehearsal's own), never written to its config
         self.run_id = ""
@@ -201,13 +203,13 @@ class MqttTransport:
                               "fedseq-sim")
         if self.url is None:
             self.url, login = embedded_broker(stack, cfg.deploy, rehearsal, self.announce, "run",
-                                              self.local_clients)
+                                              self.local_devices)
             if login:
                 self.cfg_login = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(
                     update=login)})
         # the local devices' personal state lives in the run directory, so --resume keeps it
         self.state = Path(self.out) / "local-devices" if self.out is not None else None
-        if self.local_clients and self.state is None:
+        if self.local_devices and self.state is None:
             self.state = Path(stack.enter_context(
                 tempfile.TemporaryDirectory(prefix="fedseq-local-")))
         self.children: list[subprocess.Popen] = []
@@ -240,13 +242,13 @@ class MqttTransport:
         if self.online:
             return
         self.online = True
-        if self.local_clients:
+        if self.local_devices:
             assert self.state is not None and self.url is not None
-            self.children += spawn_local_clients(self.local_clients, self.url, self.cfg_login,
+            self.children += spawn_local_devices(self.local_devices, self.url, self.cfg_login,
                                                  self.state, self.client_threads, self.rehearsal)
             if self.rehearsal is not None:
                 self.announce(self.rehearsal.describe())
-        devices = self.pool.wait_for_devices(max(self.cfg.deploy.min_devices, self.local_clients),
+        devices = self.pool.wait_for_devices(max(self.cfg.deploy.min_devices, self.local_devices),
                                              self.cfg.deploy.wait_devices_s)
         self.announce(f"run {self.run_id}: {len(devices)} devices ({', '.join(devices)})"
                       + (f", resumed at round {ckpt.next_round}" if ckpt else ""))
@@ -263,17 +265,18 @@ class MqttTransport:
         return {"run_id": self.run_id, "broker": self.url}
 
     def started(self, stack: contextlib.ExitStack, run_dir: RunDir) -> None:
+        """Record the fleet in the run directory (devices.json), now and again when the run ends."""
         record_devices(run_dir, self.pool)
         stack.callback(_record_devices_finally, run_dir, self.pool)
 
 
 @contextlib.contextmanager
-def standing_fleet(cfg: ExperimentConfig, out: Path, broker: str | None, local_clients: int,
+def standing_fleet(cfg: ExperimentConfig, out: Path, broker: str | None, local_devices: int,
                    client_threads: int | None, announce: Callable[[str], None],
                    rehearsal: Rehearsal | None = None
                    ) -> Iterator[tuple[str, dict[str, Any], list[subprocess.Popen]]]:
     """A campaign's fleet, up across its runs: the broker (`broker`, else an embedded one as
-    `cfg.deploy` says, on the rehearsal's bridge in a rehearsal) and `local_clients`
+    `cfg.deploy` says, on the rehearsal's bridge in a rehearsal) and `local_devices`
     fedseq-client daemons (in the rehearsal's namespaces), whose personal state lives in
     OUT/local-devices. Yields the broker's URL, the deploy.* login every run uses there (the
     run's Mosquitto, or a rehearsal's amqtt, makes one) and the daemons."""
@@ -282,12 +285,12 @@ def standing_fleet(cfg: ExperimentConfig, out: Path, broker: str | None, local_c
         url, login = broker or cfg.deploy.broker, dict[str, Any]()
         if url is None:
             url, login = embedded_broker(stack, cfg.deploy, rehearsal, announce, "campaign",
-                                         local_clients)
+                                         local_devices)
         children: list[subprocess.Popen] = []
         stack.callback(stop_children, children)
-        if local_clients:
+        if local_devices:
             with_login = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=login)})
-            children += spawn_local_clients(local_clients, url, with_login,
+            children += spawn_local_devices(local_devices, url, with_login,
                                             Path(out) / "local-devices", client_threads, rehearsal)
             if rehearsal is not None:
                 announce(rehearsal.describe())

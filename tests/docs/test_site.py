@@ -56,7 +56,7 @@ def test_the_generated_references_name_every_key_option_and_message():
     for heading in ("## `fedseq-sim`", "### `fedseq-server start`", "#### `fedseq data download`",
                     "#### `fedseq export mlflow`", "## `fedseq-client`"):
         assert heading in cli, heading
-    for option in ("--workers-per-gpu", "--local-clients", "--link", "--paper", "--state-dir"):
+    for option in ("--workers-per-gpu", "--local-devices", "--link", "--paper", "--state-dir"):
         assert f"{option} " in cli or f"`{option}`" in cli, option
 
     pages = reference.messages_page()

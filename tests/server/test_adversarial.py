@@ -271,7 +271,7 @@ def _amqtt_run(data_root, tmp_path, before_devices, on_step, *overrides):
             holder.append(Attacker(port, on_step))
 
     try:
-        res = run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
+        res = run_deployment(cfg, tmp_path / "run", local_devices=2, client_threads=1,
                              announce=announce)
     finally:
         for a in holder:

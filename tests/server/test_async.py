@@ -196,7 +196,7 @@ def test_over_selection_on_a_real_fleet_counts_the_first_to_arrive(data_root, tm
     said: list[str] = []
     cfg = quick_config(data_root, "data.num_clients=6", "train.join_ratio=0.34",
                        "train.over_select=2", "rounds=2", "deploy.port=0", MIXED)
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
                          announce=said.append)
     assert any("[fleet] models a simulation's time" in m for m in said)
     rows = [r for r in dep.records if r.phase == "train"]
@@ -220,7 +220,7 @@ def test_an_asynchronous_deployment_is_replayed_bitwise(data_root, tmp_path, one
     cfg = quick_config(data_root, "data.num_clients=6", "rounds=4", "train.mode='async'",
                        "train.concurrency=4", "train.buffer=2", "train.threads=1",
                        "deploy.port=0")
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
                          announce=lambda m: None)
     rows = [r for r in dep.records if r.phase == "train"]
     assert [r.round for r in rows] == [0, 1, 2, 3]

@@ -48,10 +48,10 @@ def test_missing_dataset_exit_2_names_file(tmp_path):
 
 
 @pytest.mark.slow("the commands in subprocesses, each importing torch and training: 8 s on 2 cores")
-def test_server_quick_start_with_local_clients(tmp_path, data_root):
+def test_server_quick_start_with_local_devices(tmp_path, data_root):
     """docs/how-to/fleet.md's one-machine quick start: embedded broker + N fedseq-client child processes."""
     out = tmp_path / "dep"
-    r = _run("fedseq-server", "start", "--local-clients", "2", "--client-threads", "1",
+    r = _run("fedseq-server", "start", "--local-devices", "2", "--client-threads", "1",
              "--set", f"data.root={str(data_root)!r}", "--set", "data.fraction=0.03",
              "--set", "data.num_clients=4", "--set", "rounds=2", "--set", "train.local_epochs=1",
              "--set", "algorithm.name=fedrep", "--set", "train.join_ratio=0.5",
@@ -111,7 +111,7 @@ def test_fine_tuning_progress_and_global_note_in_both_clis(tmp_path, data_root):
               "--set", "data.num_clients=4", "--set", "rounds=1", "--set", "train.local_epochs=1",
               "--set", "algorithm.name=fedbabu", "--set", "algorithm.finetune_epochs=1",
               "--set", "train.join_ratio=0.5"]
-    r = _run("fedseq-server", "start", "--local-clients", "2", "--client-threads", "1",
+    r = _run("fedseq-server", "start", "--local-devices", "2", "--client-threads", "1",
              "--set", "deploy.port=0", "--out", str(tmp_path / "dep"), *common)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "fine-tuning: 4/4 clients" in r.stderr, r.stderr[-2000:]
@@ -198,7 +198,7 @@ def test_a_used_out_is_refused_before_anything_starts(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "metrics.jsonl").write_text("")
-    for cmd in (["fedseq-server", "start", "--local-clients", "3"], ["fedseq-sim"]):
+    for cmd in (["fedseq-server", "start", "--local-devices", "3"], ["fedseq-sim"]):
         r = _run(*cmd, "--config", str(ROOT / "examples" / "quickstart.toml"), "--out", str(out))
         assert r.returncode == 2 and "exists and is not empty" in r.stderr, (cmd, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
@@ -243,3 +243,23 @@ def test_the_summary_names_the_privacy_level_its_epsilon_is_for(capsys):
     assert ("privacy: epsilon 21.5 at delta 1e-05 (record-level DP-SGD, the most exposed "
             "client's; z = 1.1 a step, C = 1 an example)") in record
     assert "client-level" not in record
+
+
+def test_local_devices_is_the_flag_and_local_clients_its_deprecated_alias(tmp_path):
+    """--local-devices N starts N devices (issue 81: a device is a machine and its daemon, a
+    client a logical participant); --local-clients, the flag's old name, still works for one
+    release and says so in one line; both at once with other values is a one-line error."""
+    from fedseq.server.ops.broker import free_port
+
+    shown = _run("fedseq-server", "start", "--help")
+    assert "--local-devices" in shown.stdout and "--local-clients" not in shown.stdout
+    both = _server("--local-devices", "3", "--local-clients", "2")
+    assert both.returncode == 2
+    assert [x for x in both.stderr.splitlines() if x.strip()] == [
+        "error: --local-clients 2 and --local-devices 3: give --local-devices alone "
+        "(--local-clients is its deprecated old name)"]
+    old = _server("--local-clients", "2", "--broker", f"mqtt://127.0.0.1:{free_port()}",
+                  "--set", f"data.root={str(tmp_path / 'no-data')!r}")
+    assert old.returncode == 2 and "cannot reach broker" in old.stderr  # it went on with 2
+    assert ("--local-clients is deprecated: it starts devices, not clients; use --local-devices 2"
+            in old.stderr)

@@ -85,7 +85,7 @@ def test_deployed_local_control_with_pinned_seeds_matches_simulation(data_root, 
     cfg = quick_config(data_root, "algorithm.name=local", "rounds=2", "train.join_ratio=0.6",
                        'algorithm.finetune_blocks=["conv1", "head"]', "algorithm.finetune_epochs=1",
                        "seed=3", "seeds.data=1", "seeds.init=2", "deploy.port=0")
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
                          announce=lambda _msg: None)
     sim = run_simulation(cfg, out=None)
     assert [r["phase"] for r in dep.rows] == ["train", "train", "finetune"]

@@ -46,7 +46,7 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread, al
     rounds = 3 if algorithm in ("scaffold", "feddyn", "ditto", "moon") else 2
     cfg = quick_config(data_root, f"algorithm.name={algorithm}", f"rounds={rounds}",
                        "train.join_ratio=0.6", "deploy.port=0", *extra)
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1, announce=_quiet)
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1, announce=_quiet)
     sim = run_simulation(cfg, out=None)
     assert len(dep.rows) == len(sim.rows) == rounds + bool(extra)  # + the fine-tuning's row
     if extra:
@@ -100,7 +100,7 @@ def test_batchnorm_model_under_fedseqs_freeze_schedule_matches_simulation(
     cfg = quick_config(data_root, f"algorithm.name={algorithm}", "model.name=4convnet", "rounds=3",
                        "algorithm.unfreeze_rounds=[0,1,1,2]", "algorithm.finetune_epochs=1",
                        "train.join_ratio=0.6", "deploy.port=0", f"model.norm={norm}")
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1, announce=_quiet)
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1, announce=_quiet)
     sim = run_simulation(cfg, out=None)
     assert [r["phase"] for r in dep.rows] == [r["phase"] for r in sim.rows]
     for d, s in zip(dep.rows, sim.rows, strict=True):
@@ -123,7 +123,7 @@ def test_divergence_travels_from_the_devices(data_root, tmp_path, one_thread):
     # for until the deadline: an invalid update never ends the wait for a valid one)
     cfg = quick_config(data_root, "algorithm.name=fedbabu", "rounds=1", "train.lr=1e4",
                        "deploy.port=0", "deploy.round_timeout_s=30")
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1, announce=_quiet)
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1, announce=_quiet)
     sim = run_simulation(cfg, out=None)
     train, ft = dep.rows
     assert train["status"] == "failed" and train["failed"] == train["clients"]
@@ -577,7 +577,7 @@ def test_stray_messages_on_an_open_broker_do_not_end_the_run(data_root, tmp_path
         watchers.append(w)
 
     try:
-        dep = run_deployment(cfg, tmp_path / "dep", local_clients=1, client_threads=1,
+        dep = run_deployment(cfg, tmp_path / "dep", local_devices=1, client_threads=1,
                              announce=announce)
     finally:
         for w in watchers:

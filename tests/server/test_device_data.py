@@ -56,7 +56,7 @@ def test_the_fleet_and_the_workers_are_bitwise_the_simulation(tmp_path, one_thre
                         "algorithm.finetune_epochs=1")
     sim = run_simulation(cfg, None)
     same_run(run_simulation(cfg, None, workers=2), sim)
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
                          announce=lambda m: None)
     assert all(torch.equal(dep.global_weights[k], v) for k, v in sim.global_weights.items())
     scores = ("global_acc", "federated_acc", "personal_acc", "local_acc", "reported")
@@ -76,7 +76,7 @@ def test_a_device_without_its_data_folder_says_why_and_the_run_goes_on_without_i
     root = fmnist_devices(tmp_path / "devices", {"local01": ["."]})
     cfg = placed_config(root, "deploy.min_devices=2", "deploy.wait_devices_s=60")
     with caplog.at_level(logging.WARNING, logger="fedseq"):
-        res = run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
+        res = run_deployment(cfg, tmp_path / "run", local_devices=2, client_threads=1,
                              announce=lambda m: None)
     why = [r.getMessage() for r in caplog.records if "local02 cannot follow run" in r.getMessage()]
     assert why and "its data folder" in why[0] and "no such data folder" in why[0], why

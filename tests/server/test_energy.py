@@ -1,4 +1,4 @@
-"""Energy per client-round end to end: real daemons (--local-clients) read a fake JetPack 4 sysfs
+"""Energy per client-round end to end: real daemons (--local-devices) read a fake JetPack 4 sysfs
 tree (FEDSEQ_SYSFS_ROOT) through a real broker, and the coordinator records what they measured."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_devices_report_energy_and_health_per_client_round(data_root, tmp_path, 
     monkeypatch.setenv("FEDSEQ_SYSFS_ROOT", str(tmp_path / "fakesys"))
     cfg = quick_config(data_root, "algorithm.name=fedbabu", "rounds=2", "train.join_ratio=0.6",
                        "deploy.port=0")
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
                          announce=lambda s: None)
     rows = [json.loads(x) for x in (tmp_path / "dep" / "metrics.jsonl").read_text().splitlines()]
     tuned = rows.pop()  # FedBABU's fine-tuning: every client, its joules measured too
@@ -75,7 +75,7 @@ def test_without_a_power_source_energy_is_null_never_zero(data_root, tmp_path, m
     (tmp_path / "empty").mkdir()
     monkeypatch.setenv("FEDSEQ_SYSFS_ROOT", str(tmp_path / "empty"))
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=1", "deploy.port=0")
-    run_deployment(cfg, tmp_path / "dep", local_clients=1, client_threads=1,
+    run_deployment(cfg, tmp_path / "dep", local_devices=1, client_threads=1,
                    announce=lambda s: None)
     (row,) = [json.loads(x) for x in (tmp_path / "dep" / "metrics.jsonl").read_text().splitlines()]
     assert row["energy_j"] is None and row["energy"]["clients"] == {}

@@ -48,7 +48,7 @@ def test_a_real_prometheus_scrapes_the_round_advancing(data_root, tmp_path):
     seen: list[float] = []
     server = None
     try:  # Prometheus is stopped whatever happens from here (fedseq-server missing included)
-        server = subprocess.Popen(["fedseq-server", "start", "-q", "--local-clients", "2",
+        server = subprocess.Popen(["fedseq-server", "start", "-q", "--local-devices", "2",
                                    "--client-threads", "1", "--out", str(tmp_path / "run"),
                                    "--metrics-port", str(metrics),
                                    *[a for s in sets for a in ("--set", s)]],

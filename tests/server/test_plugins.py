@@ -125,7 +125,7 @@ def test_a_deployment_runs_the_labs_package_on_its_devices(lab_package, tmp_path
     from fedseq.server.ops.simulation import run_simulation
 
     cfg = lab_config("rounds=2", "deploy.port=0")
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
                          announce=lambda m: None)
     sim = run_simulation(cfg, None)
     for d, s in zip(dep.rows[:2], sim.rows[:2], strict=True):

@@ -281,7 +281,7 @@ def test_a_dp_deployment_gives_the_simulations_run(data_root, tmp_path, one_thre
     cfg = quick_config(data_root, *DP_RUN, *ADAPTIVE, "deploy.port=0", "seeds.noise=77")
     sent = cfg.for_devices()
     assert "privacy" not in sent and not (sent.get("seeds") or {}).get("noise")
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
                          announce=lambda *a, **k: None)
     sim = run_simulation(cfg, out=None)
     for d, s in zip(dep.rows, sim.rows, strict=True):
@@ -462,7 +462,7 @@ def test_record_level_accounting_on_devices_counts_what_they_ran(data_root, tmp_
     cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=2", "data.fraction=0.03",
                        "train.join_ratio=0.6", "train.threads=1", "deploy.port=0", *RECORD)
     sim = run_simulation(cfg, None)
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
                          announce=lambda m: None)
     assert all(torch.equal(dep.global_weights[k], v) for k, v in sim.global_weights.items())
     exp = load_experiment(cfg)

@@ -71,7 +71,7 @@ def test_a_slow_link_shows_in_round_time(data_root, tmp_path, one_thread):
 
     links = {"local01": ln.PROFILES["wifi-good"], "local02": ln.parse_profile("custom:down=4,up=4")}
     with rh.Rehearsal(["local01", "local02"], links) as r:
-        run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
+        run_deployment(cfg, tmp_path / "run", local_devices=2, client_threads=1,
                        announce=announce, rehearsal=r)
         bridge = r.bridge
     assert anonymous and anonymous[0] != 0, anonymous  # refused: not authorized
@@ -98,7 +98,7 @@ def test_a_wifi_poor_device_gets_every_block_through_the_run_s_mosquitto(
     said: list[str] = []
     links = {"local01": ln.PROFILES["wifi-good"], "local02": ln.PROFILES["wifi-poor"]}
     with rh.Rehearsal(["local01", "local02"], links) as r:
-        run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
+        run_deployment(cfg, tmp_path / "run", local_devices=2, client_threads=1,
                        announce=said.append, rehearsal=r)
     rows = _rows(tmp_path / "run")
     assert all(x["reported"] == x["clients"] and not x["late_updates"] for x in rows), rows
@@ -158,7 +158,7 @@ def test_a_device_that_loses_its_link_mid_round_rejoins(data_root, tmp_path, one
     with rh.Rehearsal(["local01", "local02"], {}) as r:
         holder["r"] = r
         try:
-            run_deployment(cfg, tmp_path / "run", local_clients=2, client_threads=1,
+            run_deployment(cfg, tmp_path / "run", local_devices=2, client_threads=1,
                            announce=announce, rehearsal=r)
         finally:
             if "w" in holder:

@@ -238,14 +238,14 @@ def test_sim_cli_resume_flags_conflict(tmp_path):
 
 @pytest.mark.slow("a run crashed (or killed) and resumed: 9 s on 2 cores")
 def test_local_devices_die_with_a_killed_coordinator_and_keep_their_state(data_root, tmp_path):
-    """kill -9 of `fedseq-server start --local-clients 2`: its device processes exit by themselves
+    """kill -9 of `fedseq-server start --local-devices 2`: its device processes exit by themselves
     (no orphan joins the resumed run's devices), and their personal state is in the run
     directory, where --resume finds it."""
     out = tmp_path / "run"
     sets = ["--set", f"data.root={str(data_root)!r}", "--set", "data.fraction=0.05", "--set",
             "data.num_clients=4", "--set", "rounds=30", "--set", "train.local_epochs=1",
             "--set", "algorithm.name=fedper", "--set", "deploy.port=0"]
-    server = subprocess.Popen(["fedseq-server", "start", "-q", "--local-clients", "2",
+    server = subprocess.Popen(["fedseq-server", "start", "-q", "--local-devices", "2",
                                "--client-threads", "1", "--out", str(out), *sets],
                               stderr=subprocess.DEVNULL)
     try:

@@ -205,7 +205,7 @@ def test_a_secure_deployment_gives_the_simulations_run(data_root, tmp_path, one_
 
     cfg = quick_config(data_root, *SECURE, "deploy.port=0", *more)
     assert "secagg" not in cfg.for_devices()
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
                          announce=lambda *a, **k: None)
     sim = run_simulation(cfg, out=None)
     for d, s in zip(dep.rows, sim.rows, strict=True):

@@ -133,7 +133,7 @@ def test_personal_blocks_stay_float32_under_a_downlink_codec(data_root, tmp_path
 
     cfg = quick_config(data_root, "algorithm.name=fedper", "rounds=2", "train.join_ratio=0.4",
                        "wire.down=int8", "wire.up=fp16", "deploy.port=0")
-    dep = run_deployment(cfg, tmp_path / "dep", local_clients=2, client_threads=1,
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
                          announce=lambda s: None)
     sim = run_simulation(cfg, None)
     assert len(set(range(5)) - {c for r in sim.rows for c in r["clients"]}) > 0  # someone never trained
