@@ -9,6 +9,10 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fedseq.client.settings import ClientSettings
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,10 +53,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """fedseq-client's options (`argv`, else the command line's)."""
     return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """fedseq-client: the daemon, or its `doctor`; the exit status (2: a one-line error)."""
     args = parse_args(argv)
     from fedseq.client.settings import load_settings
     from fedseq.common.errors import FedseqError
@@ -70,6 +76,13 @@ def main(argv: list[str] | None = None) -> int:
         from fedseq.client.doctor import run_doctor
 
         return run_doctor(s)
+    return _serve(s)
+
+
+def _serve(s: ClientSettings) -> int:
+    """The daemon of settings `s` until SIGTERM or SIGINT (0), or a fatal error (2, one line)."""
+    from fedseq.common.errors import FedseqError
+
     logging.basicConfig(level=s.log_level.upper(),
                         format=f"%(asctime)s {s.device} %(levelname)s %(name)s: %(message)s")
     import torch

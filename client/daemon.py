@@ -54,14 +54,17 @@ class DeviceDaemon:
 
     @property
     def link(self) -> Link:
+        """The daemon's broker link."""
         return self.session.link
 
     @property
     def run(self) -> Optional[RunState]:
+        """The run the device follows now, or None."""
         return self.session.run
 
     @property
     def step(self) -> Optional[Step]:
+        """The step the device executes now, or None."""
         return self.session.step
 
     # -- lifecycle -------------------------------------------------------------------------

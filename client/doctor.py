@@ -29,6 +29,8 @@ def check_stack() -> list[Check]:
 
 
 def check_torch(s: ClientSettings) -> Check:
+    """Whether torch imports and runs a tensor op, on the device the settings name (CUDA where
+    asked)."""
     try:
         import torch
     except ImportError as exc:
@@ -117,6 +119,7 @@ def placed_clients(data_dir: Path) -> Optional[Check]:
 
 
 def check_state_dir(s: ClientSettings) -> Check:
+    """Whether the state directory can be made and written."""
     try:
         s.state_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=s.state_dir):
@@ -243,6 +246,8 @@ def check_plugins(s: ClientSettings) -> list[Check]:
 
 
 def run_doctor(s: ClientSettings, out: Callable[[str], None] = print) -> int:
+    """`fedseq-client doctor`: every check, one line each to `out`; the exit status (1 if any
+    failed)."""
     checks = [*check_stack(), check_torch(s), check_data(s), check_state_dir(s), *check_plugins(s),
               *check_sensors(),
               *check_own_certificate(s), *check_broker(s)]

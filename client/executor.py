@@ -27,7 +27,7 @@ from fedseq.common.algorithms.plan import ClientPlan, plan_from_dict
 from fedseq.common.data.federated import FederatedData, load_federated, placed_data
 from fedseq.common.data.placed import announce, client_folders, read_client
 from fedseq.common.errors import FedseqError, ProtocolError
-from fedseq.common.execution import ClientExecutor
+from fedseq.common.execution import ClientExecutor, PersonalState
 from fedseq.common.models import BlockModel, Weights
 from fedseq.common.protocol.messages import ClientSizes, DataReport, EvalResult, Step, UpdateHeader
 from fedseq.common.protocol.tensors import encode_tensors
@@ -263,7 +263,7 @@ def _plan(step: Step) -> ClientPlan:
     return plan
 
 
-class OnDisk:
+class OnDisk(PersonalState):
     """A device's clients' personal blocks: the newest this device stored (client/state.py);
     a client that never trained here starts from the run's published version 0."""
 

@@ -260,6 +260,8 @@ class EnergyMeter:
 
     @classmethod
     def for_this_device(cls, root: Optional[str] = None) -> EnergyMeter:
+        """The meter of this device's power sensors (sysfs under `root`), or one without a source
+        that says why."""
         root = root or sysfs_root()
         src, problems = find_source(root)
         return cls(src, reason="; ".join(problems), root=root)
@@ -295,6 +297,7 @@ class EnergyMeter:
             self._last = (now, values)
 
     def sample_health(self) -> Dict[str, Any]:
+        """The device's temperature and throttling now, kept as the step's worst; the sample."""
         h = health(self.root)
         temp = h["temp_c"]
         throttled = h["throttled"]
@@ -304,6 +307,7 @@ class EnergyMeter:
         return h
 
     def mark(self) -> Mark:
+        """A mark to measure from: the time and the energy so far, each sensor's."""
         self.sample()
         with self._lock:
             return Mark(self._last[0] if self._last else self.clock(), dict(self._cum))
@@ -327,12 +331,14 @@ class EnergyMeter:
                       rails, max(temps) if temps else None, any(flags) if flags else None)
 
     def start(self) -> None:
+        """Start sampling in a background thread (where there is a source, once)."""
         if self.source is None or self._thread is not None:
             return
         self._thread = threading.Thread(target=self._run, name="energy", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the sampling thread."""
         self._stop.set()
 
     def _run(self) -> None:

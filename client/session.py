@@ -569,6 +569,8 @@ class DeviceSession:
         self._publish(pending)
 
     def resend(self, why: str) -> None:
+        """Send the current step's results again (after a reconnect): what the broker may have
+        lost."""
         with self.cond:
             pending = [(k, p) for k, (s, p) in self.outbox.items() if self._current(k, s)]
         if pending:

@@ -32,6 +32,8 @@ class EvalReport:
 
     @property
     def federated_acc(self) -> float | None:
+        """Accuracy pooled over the devices' reported scores on their own test rows (data on the
+        devices), or None."""
         return pooled_accuracy([self.federated]) if self.federated is not None else None
 
     @property

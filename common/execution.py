@@ -38,16 +38,18 @@ class PersonalState(Protocol):
         ...
 
 
-class InMemory:
+class InMemory(PersonalState):
     """Personal blocks in a dict, client -> blocks, which this object changes in place."""
 
     def __init__(self, blocks: Dict[int, Weights]):
         self.blocks = blocks
 
     def load(self, client: int, names: Sequence[str], before: Optional[int] = None) -> Weights:
+        """The client's personal blocks (all of them: the dict holds no older versions)."""
         return self.blocks[client]
 
     def save(self, client: int, blocks: Weights, round: int) -> None:
+        """Keep the client's new personal blocks."""
         self.blocks[client] = blocks
 
 

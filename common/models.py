@@ -78,6 +78,8 @@ class BlockModel(nn.Module):
                          VALVE if valve else ())
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The base blocks' output for a batch `x`: the features every head reads (`logits`). A
+        model of your own implements this and names its blocks (BASE, HEAD)."""
         raise NotImplementedError
 
     def logits(self, feats: torch.Tensor, heads: tuple[str, ...]) -> torch.Tensor:
@@ -117,6 +119,7 @@ class CNN(BlockModel):
         self.spec = self.block_spec(two_heads)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        """conv1, conv2 (each pooled) and fc1: the 512 features the heads read."""
         x = F.relu(_pool(self.conv1(x)))
         x = F.relu(_pool(self.conv2(x)))
         return F.relu(self.fc1(x.flatten(1)))
@@ -147,6 +150,7 @@ class ConvNet(BlockModel):
         self.spec = self.block_spec(two_heads)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        """conv1, conv2 (each pooled), fc1 and fc2: the 192 features the heads read."""
         x = F.relu(_pool(self.conv1(x)))
         x = F.relu(_pool(self.conv2(x)))
         x = F.relu(self.fc1(x.flatten(1)))
@@ -414,6 +418,8 @@ class ModuleBlocks(BlockModel):
         return super().train(mode)
 
     def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The wrapped module's input to its head: its forward run up to the head, where a pre-hook
+        stops it."""
         def stop(module: nn.Module, args: tuple) -> None:
             raise _Features(args[0])
 

@@ -206,6 +206,7 @@ class Setup:
 
     @property
     def clients(self) -> List[int]:
+        """The round's secure-sum clients, in order."""
         return sorted(self.graph)
 
     @property
@@ -550,6 +551,7 @@ class SecAggServer:
     blamed: Dict[int, str] = field(default_factory=dict)
 
     def drop(self, client: int, why: str) -> None:
+        """Count `client` out of the round's sum, with the first reason given for it."""
         self.dropped.setdefault(client, why)
 
     def advertised(self, keys: Mapping[int, object]) -> Dict[int, Dict[int, Tuple[bytes, bytes]]]:
@@ -653,6 +655,37 @@ class SecAggServer:
         than t valid shares): the round fails, and its sum is never known."""
         if self.total is None:
             raise SecAggError("no masked input arrived")
+        points = self._valid_points(shares)
+        total = self.total.copy()
+        t, n, bits = self.setup.threshold, self.setup.length, self.setup.ring_bits
+        for c in self.masked:
+            b = self._recover(c, points["b"].get(c, {}), _opens(self.commitments[c]), "seed")
+            if b is None:
+                raise SecAggError(f"client {c}'s self-mask: {_short(points['b'].get(c, {}), t)}; "
+                                  "the round's sum cannot be unmasked")
+            total = total - prg(b.to_bytes(32, "big"), n, bits)
+        survived = set(self.masked)
+        for v in sorted(set(self.commitments) - survived):
+            self.drop(v, "masked input: none came (its masks are removed with its neighbours' "
+                         "shares)")
+            s = self._recover(v, points["s"].get(v, {}), _pairs_with(self.keys[v][1]),
+                              "mask key")
+            if s is None:
+                raise SecAggError(f"client {v} dropped after sharing: its mask key: "
+                                  f"{_short(points['s'].get(v, {}), t)}; the round's sum cannot "
+                                  "be unmasked")
+            for u in self.setup.graph[v]:
+                if u in survived:  # u masked with v: both shared, and the graph is symmetric
+                    mask = pair_mask(s.to_bytes(32, "big"), self.keys[u][1], n, bits)
+                    # u added +mask where u < v, -mask otherwise: take it back out
+                    total = total - mask if u < v else total + mask
+        return total
+
+    def _valid_points(self, shares: Mapping[int, object]) -> Dict[str, Dict[int, Dict[int, int]]]:
+        """The stage 4 shares that count, as points: kind ("b", "s") -> owner -> x -> share. A
+        holder that answers other than it was asked is blamed and its answer left out; one that
+        sends a share failing its owner's check is blamed and that share left out; a disputed
+        share proves nobody bad."""
         asked = self.unmask_requests()
         points: Dict[str, Dict[int, Dict[int, int]]] = {"b": {}, "s": {}}  # kind -> owner -> x
         for c, got in sorted(shares.items()):
@@ -684,30 +717,7 @@ class SecAggServer:
                                               "its owner's check")
                     continue
                 points[kind].setdefault(v, {})[_x(c)] = value
-        total = self.total.copy()
-        t, n, bits = self.setup.threshold, self.setup.length, self.setup.ring_bits
-        for c in self.masked:
-            b = self._recover(c, points["b"].get(c, {}), _opens(self.commitments[c]), "seed")
-            if b is None:
-                raise SecAggError(f"client {c}'s self-mask: {_short(points['b'].get(c, {}), t)}; "
-                                  "the round's sum cannot be unmasked")
-            total = total - prg(b.to_bytes(32, "big"), n, bits)
-        survived = set(self.masked)
-        for v in sorted(set(self.commitments) - survived):
-            self.drop(v, "masked input: none came (its masks are removed with its neighbours' "
-                         "shares)")
-            s = self._recover(v, points["s"].get(v, {}), _pairs_with(self.keys[v][1]),
-                              "mask key")
-            if s is None:
-                raise SecAggError(f"client {v} dropped after sharing: its mask key: "
-                                  f"{_short(points['s'].get(v, {}), t)}; the round's sum cannot "
-                                  "be unmasked")
-            for u in self.setup.graph[v]:
-                if u in survived:  # u masked with v: both shared, and the graph is symmetric
-                    mask = pair_mask(s.to_bytes(32, "big"), self.keys[u][1], n, bits)
-                    # u added +mask where u < v, -mask otherwise: take it back out
-                    total = total - mask if u < v else total + mask
-        return total
+        return points
 
     def _recover(self, owner: int, points: Dict[int, int], valid, what: str) -> Optional[int]:
         """`owner`'s secret (`what`) from the revealed shares. Checked shares (each passed its
@@ -820,6 +830,8 @@ def shares_from_wire(entry: object) -> Tuple[Dict[int, bytes], bytes, Optional[C
 
 
 def checks_to_wire(checks: Checks) -> Dict[str, List[str]]:
+    """A holder's checks of the shares it received as JSON: owner -> [check of the b share, check of
+    the s share], base64."""
     return {str(v): [to_text(b), to_text(s)] for v, (b, s) in checks.items()}
 
 
@@ -884,5 +896,7 @@ def answer_from_wire(entry: object) -> Dict[int, Tuple[str, int]]:
 
 
 def answer_to_wire(answer: Mapping[int, Tuple[str, int]]) -> Dict[str, List[str]]:
+    """A holder's unmask answer as JSON: owner -> [kind, the share in base64], the share empty where
+    the holder disputes it."""
     return {str(v): [kind, "" if kind == DISPUTED else to_text(_bytes(value))]
             for v, (kind, value) in answer.items()}

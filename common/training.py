@@ -157,25 +157,13 @@ def train_plan(
     start = time.perf_counter()
     torch.set_flush_denormal(True)  # the calling thread may not be the one that imported us
     g_batch = torch_rng(seed, purpose, round, shard.client)
-    transform = None
-    if plan.augment:  # its own stream: a run without augmentation draws exactly as before
-        g_train = torch_rng(seed, f"{purpose}-augment", round, shard.client)
-        stats = data.pixel_stats()
-
-        def transform(x: torch.Tensor) -> torch.Tensor:
-            return augment_batch(x, plan.augment, plan.crop_padding, stats, g_train)
+    transform = _augmentation(plan, data, seed, purpose, round, shard.client)
     side = client_side(plan) if side is None else side
     dev = next(model.parameters()).device
-    log_prior = None
-    counts = None
-    if plan.class_counts_needed:
-        counts = shard.train_class_counts(data.y, data.num_classes).float()
-        log_prior = counts.clamp_min(1e-12).log()[None, :].to(dev)
+    counts = shard.train_class_counts(data.y, data.num_classes).float() \
+        if plan.class_counts_needed else None
+    log_prior = None if counts is None else counts.clamp_min(1e-12).log()[None, :].to(dev)
     side.begin(model, None if counts is None else counts.to(dev), anchor_weights)
-    batches = 0
-    loss_sum = 0.0
-    effective = None
-    diverged_at: int | None = None
     correction = correction or {}
     corrected = [(n, p) for n, p in model.named_parameters() if n in correction]
     fixes = [(p, correction[n], torch.zeros_like(p)) for n, p in corrected]
@@ -185,44 +173,83 @@ def train_plan(
 
         dp = DpSgd(model, *plan.record_dp, plan.batch_size,
                    torch_rng(seed, f"{purpose}-dp-sgd", round, shard.client))
+    tally = _Tally()
     try:
-        for phase in plan.phases:
-            rows = phase_rows(phase, side, data, shard, seed, round)
-            effective = rows.effective if rows.effective is not None else effective
-            optimizers = []
-            for obj in phase.objectives:
-                params = set_trainable(model, obj.trainable)
-                optimizers.append(Sgd(params, lr=plan.lr, momentum=plan.momentum)
-                                  if params else None)
-            for x, y in rows.batches(phase.epochs, plan.batch_size, g_batch, dev):
-                if transform is not None:
-                    x = transform(x)
-                cache: dict[str, torch.Tensor] = {}
-                for obj, opt in zip(phase.objectives, optimizers):
-                    if opt is None:
-                        continue
-                    if len(phase.objectives) > 1:
-                        set_trainable(model, obj.trainable)
-                    loss = train_step(model, obj, opt, x, y, cache, log_prior, side, fixes, dp)
-                    if not math.isfinite(loss):
-                        raise _Diverged
-                    loss_sum += loss
-                batches += 1
+        _run_phases(model, data, shard, plan, side, seed, round, g_batch, transform, log_prior,
+                    fixes, dp, tally)
     except _Diverged:
-        diverged_at = batches + 1
+        tally.diverged_at = tally.batches + 1
     finally:
         if dp is not None:
             dp.close()
     set_trainable(model, ())
     return TrainStats(
         num_samples=len(shard.train),
-        effective_samples=effective,
+        effective_samples=tally.effective,
         seconds=time.perf_counter() - start,
-        batches=batches,
-        mean_loss=loss_sum / max(1, batches),
-        diverged_at=diverged_at,
+        batches=tally.batches,
+        mean_loss=tally.loss_sum / max(1, tally.batches),
+        diverged_at=tally.diverged_at,
         gradients={n: total.cpu() for (n, _), (_, _, total) in zip(corrected, fixes)},
     )
+
+
+def _augmentation(plan: ClientPlan, data: FederatedData, seed: int, purpose: str, round: int,
+                  client: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The plan's augmentation of a batch, on its own random stream (a run without augmentation
+    draws exactly as before), or None."""
+    if not plan.augment:
+        return None
+    g_train = torch_rng(seed, f"{purpose}-augment", round, client)
+    stats = data.pixel_stats()
+
+    def transform(x: torch.Tensor) -> torch.Tensor:
+        return augment_batch(x, plan.augment, plan.crop_padding, stats, g_train)
+    return transform
+
+
+@dataclass
+class _Tally:
+    """What train_plan's phases have done so far."""
+
+    batches: int = 0
+    loss_sum: float = 0.0
+    effective: int | None = None
+    diverged_at: int | None = None
+
+
+def _run_phases(model: BlockModel, data: FederatedData, shard: ClientShard, plan: ClientPlan,
+                side: ClientSide, seed: int, round: int, g_batch: torch.Generator,
+                transform: Callable[[torch.Tensor], torch.Tensor] | None,
+                log_prior: torch.Tensor | None,
+                fixes: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                dp: DpSgd | None, tally: _Tally) -> None:
+    """Every phase of the plan, batch by batch, each objective with its own optimizer (train_step
+    with `log_prior`, `fixes` and `dp`); `tally` counts as they go. _Diverged at a non-finite
+    loss."""
+    dev = next(model.parameters()).device
+    for phase in plan.phases:
+        rows = phase_rows(phase, side, data, shard, seed, round)
+        tally.effective = rows.effective if rows.effective is not None else tally.effective
+        optimizers = []
+        for obj in phase.objectives:
+            params = set_trainable(model, obj.trainable)
+            optimizers.append(Sgd(params, lr=plan.lr, momentum=plan.momentum)
+                              if params else None)
+        for x, y in rows.batches(phase.epochs, plan.batch_size, g_batch, dev):
+            if transform is not None:
+                x = transform(x)
+            cache: dict[str, torch.Tensor] = {}
+            for obj, opt in zip(phase.objectives, optimizers):
+                if opt is None:
+                    continue
+                if len(phase.objectives) > 1:
+                    set_trainable(model, obj.trainable)
+                loss = train_step(model, obj, opt, x, y, cache, log_prior, side, fixes, dp)
+                if not math.isfinite(loss):
+                    raise _Diverged
+                tally.loss_sum += loss
+            tally.batches += 1
 
 
 def phase_rows(phase: Phase, side: ClientSide, data: FederatedData, shard: ClientShard,

@@ -15,4 +15,5 @@ class FedAdam(ServerOptimizer):
     params_model = AdaptiveParams
 
     def second_moment(self, v: torch.Tensor, squared: torch.Tensor) -> torch.Tensor:
+        """Adam's: beta2 * v + (1 - beta2) * squared."""
         return self.beta2 * v + (1.0 - self.beta2) * squared

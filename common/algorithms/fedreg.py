@@ -66,6 +66,8 @@ class RegSide(ClientSide):
 
     @property
     def threshold(self) -> float:
+        """The rebalancing threshold C the coordinator put in the plan (params.threshold); a plan
+        without it is a protocol error."""
         if self.params.get("threshold") is None:
             raise ProtocolError("a FedReG plan without its rebalancing threshold (params.threshold)")
         return float(self.params["threshold"])

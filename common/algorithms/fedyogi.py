@@ -16,4 +16,5 @@ class FedYogi(ServerOptimizer):
     params_model = AdaptiveParams
 
     def second_moment(self, v: torch.Tensor, squared: torch.Tensor) -> torch.Tensor:
+        """Yogi's: v - (1 - beta2) * squared * sign(v - squared), which moves v additively."""
         return v - (1.0 - self.beta2) * squared * torch.sign(v - squared)

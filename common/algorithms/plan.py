@@ -54,6 +54,7 @@ class Phase:
 
     @property
     def trainable(self) -> tuple[str, ...]:
+        """The blocks any of the phase's objectives trains, in order, each once."""
         return ordered_union(o.trainable for o in self.objectives)
 
 
@@ -94,6 +95,7 @@ class ClientPlan:
 
     @property
     def trainable(self) -> tuple[str, ...]:
+        """The blocks any phase of the plan trains, in order, each once."""
         return ordered_union(p.trainable for p in self.phases)
 
     @property

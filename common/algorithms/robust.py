@@ -93,6 +93,8 @@ class DeviceVotes:
 
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
             device: str | None) -> None:
+        """Hold one client's update (top-k's sparse deltas made dense) in its device's group: the
+        clients of one device make one vote."""
         dense = {k: d.to_dense() if d.is_sparse else d for k, d in deltas.items()}  # top-k's
         self.clients.append(client)
         self.groups.setdefault(device if device is not None else f"client {client}",
@@ -163,6 +165,8 @@ class ClippedMean(_PerDeviceVotes):
         self._held = DeviceVotes(self.byzantine)
 
     def apply(self, global_weights: Weights) -> Weights:
+        """New global tensors: old + the weighted mean of the devices' votes, each clipped to the
+        bound (clip_norm, else clip_factor x the median vote norm; `bound` then holds it)."""
         votes = self._held.votes("clipped-mean")
         self.bound = self.clip_norm
         if self.bound is None:
@@ -174,6 +178,7 @@ class ClippedMean(_PerDeviceVotes):
         return out.apply(global_weights)
 
     def moved(self) -> set[str]:
+        """The tensors `apply` changed."""
         return self._clipped.moved()
 
 
@@ -197,6 +202,8 @@ class CoordinateWise(_PerDeviceVotes):
         return max(math.ceil(self.trim_ratio * n), self.byzantine)
 
     def apply(self, global_weights: Weights) -> Weights:
+        """New global tensors: old + the coordinate-wise median or trimmed mean of the devices'
+        votes."""
         votes = self._held.votes("median" if self.trim_ratio is None else "trimmed-mean")
         out = dict(global_weights)
         for k in votes[0][0]:
@@ -215,6 +222,7 @@ class CoordinateWise(_PerDeviceVotes):
         return out
 
     def moved(self) -> set[str]:
+        """The tensors `apply` changed: those some vote holds."""
         return set(self._moved)
 
 
@@ -234,6 +242,8 @@ class Krum(_PerDeviceVotes):
         self._held = DeviceVotes(self.byzantine)
 
     def apply(self, global_weights: Weights) -> Weights:
+        """New global tensors: old + the one vote whose n - f - 2 nearest other votes are closest
+        to it (`chosen` then names it); fewer than 2f + 3 devices is an AggregationError."""
         votes = self._held.votes("krum")
         n, f = len(votes), self.byzantine
         if n < 2 * f + 3:
@@ -253,6 +263,7 @@ class Krum(_PerDeviceVotes):
         return out
 
     def moved(self) -> set[str]:
+        """The tensors `apply` changed: those the chosen votes hold."""
         return set(self._moved)
 
 

@@ -94,6 +94,8 @@ class ServerOptimizer(FedAvg):
         return 1.0 - self.beta1 if self.adaptive else 1.0
 
     def second_moment(self, v: torch.Tensor, squared: torch.Tensor) -> torch.Tensor:
+        """The next second moment from the last one `v` and the squared mean delta: FedAdam's and
+        FedYogi's rules differ only here."""
         raise NotImplementedError
 
     def server_state(self) -> Weights:

@@ -142,6 +142,8 @@ def archive_of(dataset: str) -> str:
 
 
 def spec_of(dataset: str) -> DatasetSpec:
+    """The catalogued dataset's spec (its files, shapes, classes); an unknown name is a DatasetError
+    naming the known ones."""
     if archive_of(dataset) not in DATASETS:
         raise DatasetError(f"unknown dataset {dataset!r}; use one of {', '.join(DATASETS)} "
                            "(EMNIST as emnist-letters, -digits, -balanced, -byclass, -bymerge "

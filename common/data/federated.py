@@ -38,13 +38,18 @@ class ClientShard:
 
     @property
     def num_train(self) -> int:
+        """The client's training rows: as its device announced them (data on the devices), else as
+        the partition gave them."""
         return self.announced[0] if self.announced is not None else len(self.train)
 
     @property
     def num_test(self) -> int:
+        """The client's test rows: as its device announced them, else as the partition gave them."""
         return self.announced[1] if self.announced is not None else len(self.test)
 
     def train_class_counts(self, labels: torch.Tensor, num_classes: int) -> torch.Tensor:
+        """Training rows per class: as announced (data on the devices), else counted from
+        `labels`."""
         if self.counts is not None:
             return self.counts
         return torch.bincount(labels[self.train], minlength=num_classes)
@@ -84,6 +89,7 @@ class FederatedData:
 
     @property
     def input_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of one image."""
         c, h, w = self.x.shape[1:]
         return int(c), int(h), int(w)
 
@@ -105,6 +111,7 @@ class FederatedData:
         return x.float().div_(255.0).sub_(mean).div_(std)
 
     def all_test(self) -> torch.Tensor:
+        """Every client's test rows, client after client."""
         return torch.cat([c.test for c in self.clients])
 
 

@@ -85,6 +85,7 @@ class ImageFolderOptions(_Options):
 
     @property
     def hw(self) -> Tuple[int, int]:
+        """The size images are resized to, as (height, width)."""
         return (self.size, self.size) if isinstance(self.size, int) else tuple(self.size)  # type: ignore[return-value]
 
 

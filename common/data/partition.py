@@ -88,6 +88,8 @@ def classes_partition(labels: np.ndarray, num_clients: int, k: int, seed: int
 
 
 def iid_partition(num_samples: int, num_clients: int, seed: int) -> list[np.ndarray]:
+    """IID: the rows shuffled by the seed's partition stream and cut into `num_clients` nearly equal
+    parts, each sorted."""
     rng = numpy_rng(seed, "partition")
     perm = rng.permutation(num_samples)
     return [np.sort(p) for p in np.array_split(perm, num_clients)]

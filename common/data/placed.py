@@ -44,11 +44,13 @@ class ClientData:
     counts: Tuple[int, ...]  # training rows per class
 
     def to_dict(self) -> dict:
+        """The entry as JSON holds it (the device's announcement)."""
         return {"folder": self.folder, "train": self.train, "test": self.test,
                 "counts": list(self.counts)}
 
     @classmethod
     def from_dict(cls, d: dict) -> ClientData:
+        """An entry from `to_dict`'s JSON."""
         return cls(str(d["folder"]), int(d["train"]), int(d["test"]),
                    tuple(int(v) for v in d["counts"]))
 
@@ -146,6 +148,8 @@ def read_validation(cfg: DataConfig) -> Optional[RawDataset]:
 
 
 def describe_classes(cfg: DataConfig) -> int:
+    """The number of classes of the data config's dataset, from its description alone (no rows
+    read)."""
     from fedseq.common.data.datasets import describe
 
     return describe(cfg.dataset, cfg.options)[1]

@@ -283,6 +283,8 @@ def _unpickle(path: Path) -> dict:
 
 
 def read_cifar(root: Path, dataset: str) -> RawDataset:
+    """CIFAR-10 or CIFAR-100 from the python-version archive's folder under `root` (the pickled
+    batches), as uint8 images and labels; a missing or damaged batch is a DatasetError naming it."""
     folder = Path(root) / CIFAR_DIRS[dataset]
     if dataset == "cifar10":
         names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]

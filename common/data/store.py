@@ -53,6 +53,7 @@ def _extracted_files(dataset: str) -> list[str]:
 
 
 def md5_of(path: Path) -> str:
+    """The file's MD5, hex (a checksum against the catalogue, not security)."""
     try:  # a checksum, not security: FIPS-mode systems refuse a plain md5()
         h = hashlib.md5(usedforsecurity=False)  # novermin (falls back below)
     except TypeError:  # Python 3.8 has no usedforsecurity

@@ -167,6 +167,7 @@ class FramePool:
         asm.discard()
 
     def held_bytes(self, sender: str | None = None) -> int:
+        """Bytes of incomplete frames held, of one sender or (None) of all."""
         return sum(p.asm.size for p in self.partial.values() if sender in (None, p.sender))
 
     def add(self, sender: str, tag: Hashable, header: WeightsHeader | UpdateHeader,

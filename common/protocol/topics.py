@@ -34,30 +34,38 @@ class Topics:
 
     @property
     def server_status(self) -> str:  # retained, last will
+        """The coordinator's status: retained, and its last will says offline."""
         return f"{self.root}/server/status"
 
     @property
     def campaign(self) -> str:  # retained: a campaign's progress (no device reads it)
+        """A campaign's progress: retained; no device reads it."""
         return f"{self.root}/server/campaign"
 
     def device_status(self, device: str = "+") -> str:  # retained, last will
+        """A device's status (`+`: every device's): retained, and its last will says offline."""
         return f"{self.root}/device/{device}/status"
 
     def device_info(self, device: str = "+") -> str:  # retained
+        """A device's description, its stack and data (`+`: every device's): retained."""
         return f"{self.root}/device/{device}/info"
 
     @property
     def run_config(self) -> str:  # retained
+        """The run's config as the devices need it: retained."""
         return f"{self.root}/run/config"
 
     def assignment(self, device: str = "+") -> str:  # retained
+        """The clients a device holds (`+`: every device's): retained."""
         return f"{self.root}/device/{device}/assign"
 
     @property
     def step(self) -> str:  # retained: the current round schedule / evaluate / finetune / stop
+        """The current step (a round's schedule, evaluate, fine-tune, stop): retained."""
         return f"{self.root}/step"
 
     def weights(self, block: str = "+", chunk: int | str = "+") -> str:  # retained, versioned
+        """One chunk of one block of the global model (`+`: any): retained and versioned."""
         return f"{self.root}/weights/{block}/{chunk}"
 
     def update(self, device: str = "+") -> str:
@@ -74,10 +82,12 @@ class Topics:
         return f"{self.root}/device/{device}/secagg"
 
     def evaluation(self, device: str = "+") -> str:
+        """A device's evaluation results (`+`: every device's)."""
         return f"{self.root}/eval/{device}"
 
     @property
     def control(self) -> str:
+        """The coordinator's control messages to every device (abort)."""
         return f"{self.root}/control"
 
     def parse(self, topic: str) -> Optional[TopicRef]:

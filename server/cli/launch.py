@@ -22,6 +22,8 @@ def _check(command: str) -> None:
 
 
 def sim_main() -> None:
+    """The fedseq-sim script: refuses in one line where the coordinator's stack is missing, else
+    runs the command."""
     _check("fedseq-sim")
     from fedseq.server.cli.commands import sim_main as main
 
@@ -29,6 +31,8 @@ def sim_main() -> None:
 
 
 def server_main() -> None:
+    """The fedseq-server script: refuses in one line where the coordinator's stack is missing, else
+    runs the command."""
     _check("fedseq-server")
     from fedseq.server.cli.commands import server_main as main
 
@@ -36,6 +40,8 @@ def server_main() -> None:
 
 
 def tools_main() -> None:
+    """The fedseq script: refuses in one line where the coordinator's stack is missing, else runs
+    the command."""
     _check("fedseq")
     from fedseq.server.cli.tools import main
 

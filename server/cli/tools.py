@@ -256,6 +256,7 @@ def export_mlflow_cmd(
 
 
 def main() -> None:
+    """fedseq's command line: data, fleet, report, export, new, plugins."""
     app()
 
 

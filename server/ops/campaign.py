@@ -19,7 +19,7 @@ import re
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -107,6 +107,7 @@ class CampaignRun:
 
     @property
     def name(self) -> str:
+        """The run as the campaign's lines name it: its folder without the seed, then the seed."""
         return self.folder.removesuffix(f"/seed-{self.seed}") + f" seed {self.seed}"
 
 
@@ -202,6 +203,7 @@ class Campaign:
         self.save()
 
     def save(self) -> None:
+        """Write campaign.json (atomically): every run's defining config and its outcome."""
         runs = [{"folder": r.folder, "setting": r.setting, "algorithm": r.algorithm,
                  "seed": r.seed, "config": defining(r.cfg.model_dump(mode="json")),
                  "outcome": self.outcomes.get(r.folder, {"state": "pending"})} for r in self.runs]
@@ -209,6 +211,7 @@ class Campaign:
                                            indent=1).encode())
 
     def mark(self, run: CampaignRun, state: str, reason: str | None = None) -> None:
+        """Record a run's outcome (its state, when, why) and save."""
         self.outcomes[run.folder] = {"state": state, "at": time.time(),
                                      **({"reason": reason} if reason else {})}
         self.save()
@@ -220,33 +223,9 @@ class Campaign:
         new, resume or overwrite (a run that died before its first checkpoint). A FedseqError
         fails the run (recorded with its reason); KeyboardInterrupt stops the campaign, the run
         resumable. Counts by outcome."""
-        counts = {"finished before": 0, "finished": 0, "failed": 0, "not run": 0}
         n = len(self.runs)
-
-        broken: dict[str | None, str] = {}  # setting -> the config or data error it met
-
-        def failed(i: int, run: CampaignRun, exc: FedseqError) -> bool:
-            """Record the failure; whether the campaign stops there (on_failure = "stop"). An
-            error of the config or the data (a missing dataset file, a split that cannot be
-            made) is one the setting's other runs would meet again: they are skipped, whatever
-            on_failure says."""
-            self.mark(run, "failed", str(exc))
-            counts["failed"] += 1
-            announce(f"campaign run {i} of {n}: {run.name} failed: {exc}")
-            if isinstance(exc, (ConfigError, DatasetError)):
-                broken[run.setting] = str(exc)
-                announce("campaign: the remaining runs" + (f" of setting {run.setting}"
-                         if run.setting else "") + " are skipped (the same config or data "
-                         "error); fix it in the campaign file, its config or --set, then run "
-                         "the same command again")
-            if stop_on_failure:
-                counts["not run"] = n - i
-                announce("campaign stopped (on_failure = \"stop\"); run the same command "
-                         "again to try the failed run again and go on")
-                if progress is not None:
-                    progress.ended("stopped")
-            return stop_on_failure
-
+        this = _Pass(self, n, stop_on_failure, announce, progress)
+        counts, broken, failed = this.counts, this.broken, this.failed
         for i, run in enumerate(self.runs, 1):
             path = self.out / run.folder
             if run.setting in broken:
@@ -287,6 +266,43 @@ class Campaign:
             if progress is not None:
                 progress.ended("finished")
         return counts
+
+
+@dataclass
+class _Pass:
+    """One pass of `Campaign.go` over the runs: its counts by outcome, the settings found
+    broken, and what a failed run does to the rest."""
+
+    campaign: Campaign
+    n: int
+    stop_on_failure: bool
+    announce: Callable[[str], None]
+    progress: Progress | None
+    counts: dict[str, int] = field(default_factory=lambda: {
+        "finished before": 0, "finished": 0, "failed": 0, "not run": 0})
+    broken: dict[str | None, str] = field(default_factory=dict)  # setting -> its error
+
+    def failed(self, i: int, run: CampaignRun, exc: FedseqError) -> bool:
+        """Record the failure; whether the campaign stops there (on_failure = "stop"). An
+        error of the config or the data (a missing dataset file, a split that cannot be made)
+        is one the setting's other runs would meet again: they are skipped, whatever
+        on_failure says."""
+        self.campaign.mark(run, "failed", str(exc))
+        self.counts["failed"] += 1
+        self.announce(f"campaign run {i} of {self.n}: {run.name} failed: {exc}")
+        if isinstance(exc, (ConfigError, DatasetError)):
+            self.broken[run.setting] = str(exc)
+            self.announce("campaign: the remaining runs" + (f" of setting {run.setting}"
+                          if run.setting else "") + " are skipped (the same config or data "
+                          "error); fix it in the campaign file, its config or --set, then run "
+                          "the same command again")
+        if self.stop_on_failure:
+            self.counts["not run"] = self.n - i
+            self.announce("campaign stopped (on_failure = \"stop\"); run the same command "
+                          "again to try the failed run again and go on")
+            if self.progress is not None:
+                self.progress.ended("stopped")
+        return self.stop_on_failure
 
 
 class CampaignStatus(BaseModel):
@@ -334,12 +350,16 @@ class Progress:
         self.on_change(self.status)
 
     def run_started(self, index: int, run: CampaignRun) -> None:
+        """Publish that run `index` started."""
         self._publish(run=index, folder=run.folder, round=-1, rounds=run.cfg.rounds)
 
     def round_done(self, round: int, phase: str, seconds: float | None) -> None:
+        """Publish a run's finished round (a training round's seconds count toward the time
+        left)."""
         if phase == "train" and seconds is not None:
             self.seconds.append(seconds)
         self._publish(round=round if phase == "train" else self.status.round)
 
     def ended(self, state: str) -> None:
+        """Publish the campaign's end: its state."""
         self._publish(state=state)

@@ -63,10 +63,12 @@ class Metrics:
         self.host, self.port = host, self.server.server_port
 
     def close(self) -> None:
+        """Stop serving the metrics."""
         self.server.shutdown()
         self.server.server_close()
 
     def run_started(self, cfg: ExperimentConfig, out: str = "") -> None:
+        """A run started: its out folder, algorithm, dataset, model and rounds; no round yet."""
         self.run.info({"out": out, "algorithm": cfg.algorithm.name,
                        "dataset": cfg.data.dataset, "model": cfg.model.name})
         self.rounds.set(cfg.rounds)

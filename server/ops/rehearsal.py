@@ -52,6 +52,7 @@ def per_device(items: list[str], devices: list[str], parse: Callable[[str], T],
 
 
 def parse_quota(text: str) -> float:
+    """--cpu-quota's value: cores per device, 0.01 to 64 (a ConfigError in one line otherwise)."""
     try:
         cores = float(text)
     except ValueError:
@@ -93,6 +94,7 @@ class Rehearsal:
         self._made: list[tuple[str, ...]] = []
 
     def ns(self, device: str) -> str:
+        """The network namespace of a device of this rehearsal."""
         return f"fsq{self.id}-{self.devices.index(device) + 1}"
 
     def __enter__(self) -> Rehearsal:
@@ -174,6 +176,8 @@ class Rehearsal:
         _run("ip", "link", "set", host, "down" if down else "up")
 
     def describe(self) -> str:
+        """One line: how links are shaped here (netem, or tbf's rate alone) and each device's link
+        and CPU quota."""
         kinds = "netem" if self.netem else "tbf rate only (no netem in this kernel)"
         parts = [f"{d}: {self.links[d].describe() if d in self.links else 'unshaped'}"
                  + (f", {self.quotas[d]:g} cores" if d in self.quotas else "")

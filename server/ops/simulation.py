@@ -16,7 +16,8 @@ from fedseq.common.errors import ConfigError
 from fedseq.common.hardware import compute_record, torch_device
 from fedseq.server.pools.inprocess import InProcessPool
 from fedseq.server.rounds.checkpoint import Checkpoint
-from fedseq.server.rounds.coordinator import DriverFactory, RunResult
+from fedseq.server.rounds.coordinator import RunResult
+from fedseq.server.rounds.driver import DriverFactory
 from fedseq.server.rounds.experiment import Experiment
 from fedseq.server.rounds.records import RoundRecord
 from fedseq.server.rounds.run import Transport, run_experiment
@@ -164,7 +165,7 @@ def replay(src: Path, out: Path | None, overrides: list[str] | None = None, work
                           "the devices' torch must equal the run's for bitwise equality)")
 
 
-class InProcess:
+class InProcess(Transport):
     """Every client in this process (InProcessPool), on train.threads torch threads and
     train.device."""
 
@@ -202,7 +203,7 @@ class InProcess:
         """Nothing to record beside the run directory."""
 
 
-class Workers:
+class Workers(Transport):
     """Rank 0 of a distributed simulation: the clients trained by the workers of a
     torch.distributed process group (DistributedPool). Every worker and rank 0 use
     train.threads torch threads (default 1: one thread per client and a worker per core is the

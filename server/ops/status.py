@@ -137,6 +137,46 @@ def problems(d: DeviceStatus) -> list[str]:
     return [k for k in PROBLEMS if found[k]]
 
 
+def _summarized(view: FleetView, shown: list[tuple[str, Any]]
+                ) -> tuple[list[str], list[tuple[str, Any]]]:
+    """A large fleet: two lines of counts by state and problem, and the devices with a problem,
+    worst first (LISTED of them)."""
+    found = {name: problems(d) for name, d in shown}
+    counts = {k: sum(k in p for p in found.values()) for k in PROBLEMS}
+    look = sorted((n for n, p in found.items() if p),
+                  key=lambda n: (PROBLEMS.index(found[n][0]), n))
+    summary = [f"{len(shown)} devices: {len(shown) - counts['offline']} online, "
+               f"{counts['offline']} offline; "
+               + ", ".join(f"{counts[k]} {k if k != 'error' else 'with an error'}"
+                           for k in PROBLEMS[1:])
+               + f" (error: a failed step; hot: >= {HOT_C:.0f} C; low memory: < "
+               f"{LOW_MEMORY_MB} MB free)",
+               f"{len(look)} need a look" + (f", the first {LISTED} below" if len(look) >
+                                              LISTED else " (below)" if look else "")
+               + f"; {len(shown) - len(look)} healthy devices not listed "
+               "(fedseq-server status --all lists every device)"]
+    return summary, [(n, view.devices[n]) for n in look[:LISTED]]
+
+
+def _device_row(view: FleetView, name: str, d: Any) -> tuple[str, ...]:
+    """One device's row of the table, each cell as the device said it."""
+    error = "-"
+    if d.error:
+        error = d.error if len(d.error) <= 80 else d.error[:77] + "..."
+        if d.error_seq != -1:  # -1: the whole run (the device cannot follow it): it says so
+            error = f"step {d.error_seq}: {error}"
+    temp = "-" if d.temp_c is None else f"{d.temp_c:.0f} C" + (" THROTTLED" if d.throttled else "")
+    source = d.energy_source or "-"
+    info = view.stacks.get(name)  # its torch build, where the device described itself
+    torch = d.torch_device + (f" {info.torch}" if info is not None and info.torch else "")
+    return (name, d.state, _when(d.since) if d.state == "online" else "-",
+            d.package_version or "-", f"v{d.v}", torch,
+            f"{d.memory_mb} MB" if d.memory_mb else "-",
+            "-" if d.mem_available_mb is None else f"{d.mem_available_mb} MB", temp,
+            "-" if d.last_round_j is None else f"{d.last_round_j:.1f} J",
+            "none" if source.startswith("none") else source, error)
+
+
 def format_fleet(view: FleetView, url: str, every: bool = False) -> list[str]:
     """The lines `fedseq-server status` prints: a line per device, or beyond SUMMARY_ABOVE
     devices (unless `every`) the counts by state and problem and the devices with a problem,
@@ -159,41 +199,12 @@ def format_fleet(view: FleetView, url: str, every: bool = False) -> list[str]:
         lines.append("no device has ever connected to this broker under this topic root")
     header = ("device", "state", "since", "version", "protocol", "torch", "memory", "free",
               "temp", "last round", "power", "last error")
-    rows = [header]
+    rows: list[tuple[str, ...]] = [header]
     shown = sorted(view.devices.items())
     summary: list[str] = []
     if len(view.devices) > SUMMARY_ABOVE and not every:
-        found = {name: problems(d) for name, d in shown}
-        counts = {k: sum(k in p for p in found.values()) for k in PROBLEMS}
-        look = sorted((n for n, p in found.items() if p),
-                      key=lambda n: (PROBLEMS.index(found[n][0]), n))
-        summary.append(f"{len(shown)} devices: {len(shown) - counts['offline']} online, "
-                       f"{counts['offline']} offline; "
-                       + ", ".join(f"{counts[k]} {k if k != 'error' else 'with an error'}"
-                                   for k in PROBLEMS[1:])
-                       + f" (error: a failed step; hot: >= {HOT_C:.0f} C; low memory: < "
-                       f"{LOW_MEMORY_MB} MB free)")
-        summary.append(f"{len(look)} need a look" + (f", the first {LISTED} below" if len(look) >
-                                                      LISTED else " (below)" if look else "")
-                       + f"; {len(shown) - len(look)} healthy devices not listed "
-                       "(fedseq-server status --all lists every device)")
-        shown = [(n, view.devices[n]) for n in look[:LISTED]]
-    for name, d in shown:
-        error = "-"
-        if d.error:
-            error = d.error if len(d.error) <= 80 else d.error[:77] + "..."
-            if d.error_seq != -1:  # -1: the whole run (the device cannot follow it): it says so
-                error = f"step {d.error_seq}: {error}"
-        temp = "-" if d.temp_c is None else f"{d.temp_c:.0f} C" + (" THROTTLED" if d.throttled else "")
-        source = d.energy_source or "-"
-        info = view.stacks.get(name)  # its torch build, where the device described itself
-        torch = d.torch_device + (f" {info.torch}" if info is not None and info.torch else "")
-        rows.append((name, d.state, _when(d.since) if d.state == "online" else "-",
-                     d.package_version or "-", f"v{d.v}", torch,
-                     f"{d.memory_mb} MB" if d.memory_mb else "-",
-                     "-" if d.mem_available_mb is None else f"{d.mem_available_mb} MB", temp,
-                     "-" if d.last_round_j is None else f"{d.last_round_j:.1f} J",
-                     "none" if source.startswith("none") else source, error))
+        summary, shown = _summarized(view, shown)
+    rows += [_device_row(view, name, d) for name, d in shown]
     # every cell is a device's words: one line of plain text, of bounded length
     rows = [tuple(printable(v, 40) for v in r[:-1]) + (printable(r[-1], 120),) for r in rows]
     lines += summary

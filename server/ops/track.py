@@ -81,7 +81,7 @@ class Tracker(Protocol):
         ...
 
 
-class TensorBoard:
+class TensorBoard(Tracker):
     """Event files under `logdir` (one folder per run: TensorBoard overlays the runs, the seeds
     of a sweep as seed-<s> beside each other), the scalars of `row_scalars`."""
 
@@ -107,6 +107,7 @@ class TensorBoard:
             self.writer.add_scalar(tag, value, step)
 
     def close(self) -> None:
+        """Flush and close the event file."""
         self.writer.close()
 
 
@@ -159,7 +160,7 @@ def export_tensorboard(paths: list[Path], logdir: Path) -> list[str]:
 MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "interrupted": "KILLED"}
 
 
-class MLflow:
+class MLflow(Tracker):
     """One MLflow run per run directory in `experiment` (created if missing), tagged with the
     directory's path (fedseq.run_dir): an earlier export of the same directory is deleted
     first, so exporting again replaces it. The scalars of `row_scalars` are its metrics (steps
@@ -222,6 +223,7 @@ class MLflow:
 
     def close(self) -> None:
         # sent in batches at the end, not one request per round (MLflow: <= 1000 per batch)
+        """Send the held metrics in batches and end the MLflow run with the run's state."""
         for i in range(0, len(self.pending), 1000):
             self.client.log_batch(self.run_id, metrics=self.pending[i:i + 1000])
         self.pending = []

@@ -76,6 +76,7 @@ from fedseq.server.pools.membership import (
 )
 from fedseq.server.pools.processes import die_with_parent, stop_children
 from fedseq.server.rounds.pool_api import (
+    ClientPool,
     EvalOutcome,
     FinetuneOutcome,
     PoolState,
@@ -350,7 +351,7 @@ class StepTiming:
     busiest_s: float
 
 
-class DistributedPool:
+class DistributedPool(ClientPool):
     """The clients of a simulation, trained by the workers of a torch.distributed process group
     (this process is rank 0). Their personal blocks are kept here."""
 
@@ -478,25 +479,7 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
         hellos = admit_ranks(store, world, secret, JOIN_TIMEOUT)
         init_group(store, rank, world, secret)
     else:
-        store = loopback_store(workers + 1)
-        secret = new_secret()
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), SECRET_ENV: secret}
-        env.pop(SECRET_FILE_ENV, None)
-        env.setdefault("MALLOC_ARENA_MAX", "2")
-        for rank in range(1, workers + 1):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "fedseq.server.pools.distributed", "127.0.0.1", str(store.port),
-                 str(rank), str(workers + 1)], env=env, preexec_fn=die_with_parent))
-        try:
-            hellos = admit_ranks(store, workers + 1, secret, JOIN_TIMEOUT)
-            init_group(store, 0, workers + 1, secret, loopback=True)
-        except (RuntimeError, dist.DistError) as exc:
-            stop_workers(procs)
-            raise TransportError(f"the {workers} simulation workers did not join within "
-                                 f"{JOIN_TIMEOUT.total_seconds():.0f} s: {str(exc).splitlines()[0]}") from exc
-        except TransportError:  # one was refused (membership.py says which and why)
-            stop_workers(procs)
-            raise
+        procs, hellos = _local_workers(workers, threads)
     try:
         mine = (__version__, torch.__version__)
         problems = [f"rank {h['rank']} on {printable(h['host'], 80)} runs fedseq "
@@ -532,6 +515,32 @@ def start_group(cfg: ExperimentConfig, workers: int, threads: int, per_gpu: int 
     gpus = sorted({by_rank[r]["gpu_names"][int(d.split(":")[1])] for r, d in devices.items()
                    if d.startswith("cuda")})
     return Group(procs, devices, " + ".join(gpus))
+
+
+def _local_workers(workers: int, threads: int) -> tuple[list[subprocess.Popen], list[Any]]:
+    """`workers` worker processes started on this machine, admitted (each proved it knows the
+    run's secret) and joined to rank 0's group on loopback: the processes and their hellos."""
+    procs: list[subprocess.Popen] = []
+    store = loopback_store(workers + 1)
+    secret = new_secret()
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), SECRET_ENV: secret}
+    env.pop(SECRET_FILE_ENV, None)
+    env.setdefault("MALLOC_ARENA_MAX", "2")
+    for rank in range(1, workers + 1):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "fedseq.server.pools.distributed", "127.0.0.1", str(store.port),
+             str(rank), str(workers + 1)], env=env, preexec_fn=die_with_parent))
+    try:
+        hellos = admit_ranks(store, workers + 1, secret, JOIN_TIMEOUT)
+        init_group(store, 0, workers + 1, secret, loopback=True)
+    except (RuntimeError, dist.DistError) as exc:
+        stop_workers(procs)
+        raise TransportError(f"the {workers} simulation workers did not join within "
+                             f"{JOIN_TIMEOUT.total_seconds():.0f} s: {str(exc).splitlines()[0]}") from exc
+    except TransportError:  # one was refused (membership.py says which and why)
+        stop_workers(procs)
+        raise
+    return procs, hellos
 
 
 def loopback_store(world: int) -> Any:
@@ -631,6 +640,7 @@ def hello(rank: int) -> dict[str, Any]:
 
 
 def stop_workers(procs: list[subprocess.Popen]) -> None:
+    """Stop the worker processes (terminate, then kill after 10 s)."""
     stop_children(procs, timeout=10)
 
 

@@ -16,6 +16,7 @@ from fedseq.common.data.federated import FederatedData
 from fedseq.common.execution import ClientExecutor, InMemory
 from fedseq.common.models import BlockModel, Weights, personal_tensors
 from fedseq.server.rounds.pool_api import (
+    ClientPool,
     EvalOutcome,
     FinetuneOutcome,
     PoolState,
@@ -50,7 +51,7 @@ def on_device(model: BlockModel, data: FederatedData, device: torch.device | Non
     return copy.deepcopy(model).to(device), dataclasses.replace(data, x=data.x.to(device))
 
 
-class InProcessPool:
+class InProcessPool(ClientPool):
     """All logical clients in this process; their personal blocks are kept in memory."""
 
     def __init__(

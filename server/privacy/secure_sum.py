@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum
+from fedseq.common.algorithms.robust import Aggregator
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import AggregationError
 from fedseq.common.models import Weights, block_of
@@ -72,7 +73,7 @@ def layout_of(reference: Weights) -> Layout:
     return [(k, v.numel()) for k, v in reference.items()]
 
 
-class SecureSum:
+class SecureSum(Aggregator):
     """A secure round's aggregate (module docstring): `inner`, the rule the unmasked sum feeds
     (its `sums`, `weights` and `clients` are set from it). `local`: the clients' side is played
     here (a simulation); else the clients are devices, whose stages the MQTT pool relays

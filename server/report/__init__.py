@@ -31,6 +31,9 @@ __all__ = ["PAPERS", "Run", "_model_label", "expand_sweeps", "load_run", "report
 
 def report(paths: list[Path], out: Path, paper: str | None = None, figures: bool = True,
            labels: list[str] | None = None) -> tuple[list[dict[str, Any]], list[Path]]:
+    """`fedseq report`: load the run directories (a sweep's folder expands to its runs), write
+    summary.md, summary.csv and paired.csv to `out` (beside `paper`'s table if named) and, unless
+    `figures` is False, the figures; the table's rows and the figures' paths."""
     if not paths:
         raise ConfigError("give at least one run directory")
     if paper is not None and paper not in PAPERS:

@@ -39,6 +39,7 @@ class Run:
 
     @property
     def algorithm(self) -> str:
+        """The run's algorithm, as its config names it."""
         return str(self.config.get("algorithm", {}).get("name", "?"))
 
     @property
@@ -48,6 +49,7 @@ class Run:
 
     @property
     def train_rows(self) -> list[RoundRecord]:
+        """The run's training rows (no fine-tuning row)."""
         return [r for r in self.rows if r.phase == "train"]
 
 
@@ -86,6 +88,8 @@ def splice_note(run: Run) -> str | None:
 
 
 def load_run(path: Path, label: str | None = None) -> Run:
+    """A run directory read: its rows, config, status and clients; a folder without metrics.jsonl is
+    a ConfigError in one line."""
     path = Path(path)
     metrics = path / "metrics.jsonl"
     if not metrics.exists():

@@ -190,14 +190,17 @@ class Group:
 
     @property
     def seeds(self) -> list[Any]:
+        """The seeds of the group's runs, in order."""
         return [r.config.get("seed") for r in self.runs]
 
     @property
     def legend(self) -> str:
+        """The group's label, with its number of seeds where there are several."""
         return self.label + (f" ({len(self.runs)} seeds)" if len(self.runs) > 1 else "")
 
     @property
     def init_global(self) -> bool:
+        """Whether a run of the group starts clients from the global model."""
         return any(r.init_global for r in self.runs)
 
 

@@ -157,30 +157,18 @@ def _paper_columns(rows: list[dict[str, Any]], ref: dict[str, Any]) -> dict[str,
     return {f"paper {c}": ref["compare"][c][-1] for c in columns}
 
 
-def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[dict[str, Any]]:
-    groups = group_runs(runs)
-    rows = [summarize_group(g) for g in groups]
-    ref = PAPERS[paper] if paper else None
-    beside = _paper_columns(rows, ref) if ref is not None else {}
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-    with (out / "summary.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys)
-        w.writeheader()
-        w.writerows({k: csv_cell(v) for k, v in r.items()} for r in rows)
-    gpu = any(r["device"] not in (None, "cpu") for r in rows)  # CPU only, the usual case: no column
-    shown = [k for k in MD_COLUMNS if any(r.get(k) is not None for r in rows) and (gpu or k != "device")]
-    for col, after in beside.items():  # the paper's number right of the metric it matches
-        shown.insert(shown.index(after) + 1 if after in shown else len(shown), col)
+def _md_cell(row: dict[str, Any], key: str) -> str:
+    """One cell of summary.md."""
+    if key == "rounds" and row["state"] != "finished":  # never a partial run read as whole
+        return f"{row['rounds']} of {row['of']}, {row['state']}"
+    sd = row.get(f"{key} sd")
+    text = _fmt(row.get(key)) + (f" ± {sd:.2f}" if sd is not None and key in _ACC_KEYS else "")
+    return markdown_cell(text, 400)  # run folders and device names are anyone's words
 
-    def cell(row: dict[str, Any], key: str) -> str:
-        if key == "rounds" and row["state"] != "finished":  # never a partial run read as whole
-            return f"{row['rounds']} of {row['of']}, {row['state']}"
-        sd = row.get(f"{key} sd")
-        text = _fmt(row.get(key)) + (f" ± {sd:.2f}" if sd is not None and key in _ACC_KEYS else "")
-        return markdown_cell(text, 400)  # run folders and device names are anyone's words
 
-    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
-    lines += ["| " + " | ".join(cell(r, k) for k in shown) + " |" for r in rows]
+def _notes(rows: list[dict[str, Any]], shown: list[str], groups: list[Any], runs: list[Run],
+           ref: dict[str, Any] | None, beside: dict[str, str]) -> list[str]:
+    """summary.md's notes under its table: what the columns mean, and what to mind."""
     notes = [
         "",
         "G: global model on all clients' test rows; P: each client's personalized model after "
@@ -215,6 +203,29 @@ def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[d
             notes.append("The paper's numbers come from its own setting, which these runs do not "
                          "share: " + "; ".join(differs) + ". Compare them as a reference, not "
                          "as a reproduction.")
+    return notes
+
+
+def write_tables(runs: list[Run], out: Path, paper: str | None = None) -> list[dict[str, Any]]:
+    """summary.md, summary.csv and paired.csv in `out`, one row per run or group of seeds (beside
+    `paper`'s table where named); the rows."""
+    groups = group_runs(runs)
+    rows = [summarize_group(g) for g in groups]
+    ref = PAPERS[paper] if paper else None
+    beside = _paper_columns(rows, ref) if ref is not None else {}
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with (out / "summary.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys)
+        w.writeheader()
+        w.writerows({k: csv_cell(v) for k, v in r.items()} for r in rows)
+    gpu = any(r["device"] not in (None, "cpu") for r in rows)  # CPU only, the usual case: no column
+    shown = [k for k in MD_COLUMNS if any(r.get(k) is not None for r in rows) and (gpu or k != "device")]
+    for col, after in beside.items():  # the paper's number right of the metric it matches
+        shown.insert(shown.index(after) + 1 if after in shown else len(shown), col)
+
+    lines = ["| " + " | ".join(shown) + " |", "|" + "---|" * len(shown)]
+    lines += ["| " + " | ".join(_md_cell(r, k) for k in shown) + " |" for r in rows]
+    notes = _notes(rows, shown, groups, runs, ref, beside)
     paired = paired_rows(groups)
     if paired:
         with (out / "paired.csv").open("w", newline="") as f:

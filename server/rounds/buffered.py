@@ -44,6 +44,7 @@ from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.errors import ConfigError
 from fedseq.common.models import Weights, in_blocks
 from fedseq.common.seeding import numpy_rng
+from fedseq.server.rounds.driver import Driver
 from fedseq.server.rounds.ledger import Ledger, RoundUpdates, add_wire, outliers
 from fedseq.server.rounds.pool_api import PoolState
 from fedseq.server.rounds.records import Fold, Rejection, RoundRecord
@@ -143,7 +144,7 @@ class Arrivals(Protocol):
         ...
 
 
-class BufferedAsync:
+class BufferedAsync(Driver):
     """The asynchronous driver (module docstring): `run_round(t)` folds server step t's
     arrivals, each discounted by its staleness, then steps the server. Who is selected and how
     a step folds are here; the order of arrivals is its `Arrivals` source's."""
@@ -336,7 +337,7 @@ class BufferedAsync:
 ArrivalsFactory = Callable[[BufferedAsync], Arrivals]
 
 
-class VirtualArrivals:
+class VirtualArrivals(Arrivals):
     """The simulated fleet's order ([fleet], server/rounds/virtual_fleet.py): a dispatched client's device
     starts it when the device is free, receives the blocks over its link, trains at its pace
     and sends the update back (virtual seconds). Training is lazy: a client is trained when its
@@ -405,7 +406,7 @@ class VirtualArrivals:
         self.device_free = {d: float(s) for d, s in state.get("device_free", {}).items()}
 
 
-class LoggedArrivals:
+class LoggedArrivals(Arrivals):
     """`fedseq-sim --replay RUN_DIR`: an asynchronous run re-executed in the order its rows
     record (`folds`: client and model version of every arrival, step by step), so a deployed
     asynchronous run gives its global model again, bitwise with equal threads. Every arrival

@@ -57,6 +57,7 @@ class LoopState:
     excluded: dict[int, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
+        """The state as the checkpoint's JSON holds it."""
         rep = self.last_report
         return {
             "last_row": None if self.last_row is None else self.last_row.to_json(),
@@ -78,6 +79,7 @@ class LoopState:
 
     @classmethod
     def from_json(cls, state: dict[str, Any]) -> LoopState:
+        """The state from `to_json`'s JSON."""
         rep, row = state.get("last_report"), state.get("last_row")
         return cls(
             {b: int(v) for b, v in state["version"].items()},

@@ -101,7 +101,17 @@ class RoundContract:
             object.__setattr__(self, "form", expected(self.reference, self.codec))
 
     def check(self, update: ClientUpdate) -> Rejection | None:
-        """Why `update` must be rejected (a code and its particulars), or None."""
+        """Why `update` must be rejected (a code and its particulars), or None: whose it is, then
+        its tensors' names and shapes, its encoding (decoded here, once: what the round folds
+        in), its values, its norm."""
+        problem = self._identity_problem(update)
+        if problem is None and self.masked is not None:
+            return _masked_problem(update, self.masked, self.ring_bits)
+        return (problem or self._form_problem(update) or self._decoded_problem(update)
+                or self._value_problem(update) or self._clip_problem(update))
+
+    def _identity_problem(self, update: ClientUpdate) -> Rejection | None:
+        """The round, the client, its sample counts, its training, its local score."""
         c = update.client
         if update.round != self.round:
             return Rejection("wrong-round",
@@ -125,8 +135,10 @@ class RoundContract:
             if total != self.test_samples.get(c) or not 0 <= correct <= total:
                 return Rejection("wrong-score", f"local score {correct}/{total}, but client {c} "
                                                 f"has {self.test_samples.get(c)} test rows")
-        if self.masked is not None:
-            return _masked_problem(update, self.masked, self.ring_bits)
+        return None
+
+    def _form_problem(self, update: ClientUpdate) -> Rejection | None:
+        """The wire form's tensors: their names, then each one's dtype and shape."""
         got, want = set(update.deltas), set(self.form)
         if got != want:
             extra, missing = _names(got - want), _names(want - got)
@@ -141,15 +153,24 @@ class RoundContract:
                 return Rejection("wrong-shape", (
                     f"tensor {k} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
                     f"expected {str(dtype).removeprefix('torch.')}{list(shape)}"))
-        if self.codec.name != "none":
-            problem = wire_problem(update.deltas, self.reference, self.codec,
-                                   lambda k: self.bounds.get(k, self.max_abs_delta))
-            if problem is not None:
-                return Rejection("bad-encoding", problem)
-            # decoded once here, checked below as any update: what the round folds in
-            update.upload_bytes = frame_size(update.deltas)
-            update.deltas = decode(update.deltas, {k: v.shape for k, v in self.reference.items()},
-                                   sparse=True)  # top-k: folded entry by entry
+        return None
+
+    def _decoded_problem(self, update: ClientUpdate) -> Rejection | None:
+        """A coded update (wire.up): whether it decodes safely; if so it is decoded in place,
+        once, and checked after this as any update."""
+        if self.codec.name == "none":
+            return None
+        problem = wire_problem(update.deltas, self.reference, self.codec,
+                               lambda k: self.bounds.get(k, self.max_abs_delta))
+        if problem is not None:
+            return Rejection("bad-encoding", problem)
+        update.upload_bytes = frame_size(update.deltas)
+        update.deltas = decode(update.deltas, {k: v.shape for k, v in self.reference.items()},
+                               sparse=True)  # top-k: folded entry by entry
+        return None
+
+    def _value_problem(self, update: ClientUpdate) -> Rejection | None:
+        """Every element within its tensor's bound, finite; statistics within theirs."""
         for k, ref in self.reference.items():
             d = update.deltas[k]
             if is_statistic(k):
@@ -170,14 +191,19 @@ class RoundContract:
                     f"tensor {k} has an element of magnitude {biggest:.3g} > the round's bound "
                     f"{bound:.3g} (aggregation.max_abs_delta; auto = 10 x the "
                     "model's largest parameter)"))
-        if self.clip is not None and self.codec.norm_rounding is not None:
-            # the norm the client clipped: its floating-point tensors (a counter is not clipped);
-            # a codec that does not keep it (int8, top-k) is scaled back by the noised sum
-            norm = update_norm({k: d for k, d in update.deltas.items() if d.is_floating_point()})
-            if not norm <= self.clip:
-                return Rejection("over-clip", (
-                    f"the update's L2 norm {norm:.6g} > privacy.clip_norm {self.clip:g}: the "
-                    "device did not clip it (differential privacy needs every update clipped)"))
+        return None
+
+    def _clip_problem(self, update: ClientUpdate) -> Rejection | None:
+        """[privacy]: the norm the client clipped, within privacy.clip_norm: its floating-point
+        tensors (a counter is not clipped); a codec that does not keep the norm (int8, top-k) is
+        scaled back by the noised sum instead."""
+        if self.clip is None or self.codec.norm_rounding is None:
+            return None
+        norm = update_norm({k: d for k, d in update.deltas.items() if d.is_floating_point()})
+        if not norm <= self.clip:
+            return Rejection("over-clip", (
+                f"the update's L2 norm {norm:.6g} > privacy.clip_norm {self.clip:g}: the "
+                "device did not clip it (differential privacy needs every update clipped)"))
         return None
 
 

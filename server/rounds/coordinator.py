@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from fedseq.common.algorithms import Algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate
@@ -37,6 +37,7 @@ from fedseq.common.models import BlockModel, Weights, count_params, in_blocks
 from fedseq.server.privacy.dp import check_budget, check_record_level, statement
 from fedseq.server.privacy.secure_sum import SecureSum
 from fedseq.server.rounds.checkpoint import Checkpoint, save_checkpoint
+from fedseq.server.rounds.driver import Driver, DriverFactory
 from fedseq.server.rounds.ledger import (
     Ledger,
     RoundUpdates,
@@ -75,36 +76,7 @@ class RunResult:
         return [r.to_json() for r in self.records]
 
 
-class Driver(Protocol):
-    """What makes a run's rounds: `Rounds` (synchronous) or `BufferedAsync` (buffered.py),
-    each built on the run's Ledger (`DriverFactory`)."""
-
-    def run_round(self, t: int) -> RoundRecord:
-        """Round (or server step) t: train, fold, step the server (ledger.apply), evaluate when
-        due (ledger.evaluate_if_due), and return its row (ledger.row)."""
-        ...
-
-    def rounds_done(self) -> None:
-        """After the last round, before the fine-tuning: what the driver settles."""
-        ...
-
-    def state(self) -> dict[str, Any] | None:
-        """What a checkpoint keeps of the driver (None: nothing, a synchronous run)."""
-        ...
-
-    def restore(self, state: dict[str, Any] | None) -> None:
-        """Continue from a checkpoint's `state` (a ConfigError where it is another driver's)."""
-        ...
-
-    def pool_state(self, state: PoolState) -> PoolState:
-        """The pool's state as a checkpoint keeps it (a driver may undo work not yet counted)."""
-        ...
-
-
-DriverFactory = Callable[[Ledger], Driver]
-
-
-class Rounds:
+class Rounds(Driver):
     """train.mode = "sync": per round, select clients (a pure function of seed and round), ask
     the algorithm for the plan, dispatch it, check every update against the round contract and
     fold the valid ones into a streaming aggregate as they arrive, step the server if the round

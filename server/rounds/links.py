@@ -21,6 +21,7 @@ class LinkProfile:
     loss_pct: float = 0.0
 
     def describe(self) -> str:
+        """One line: the profile's rates, delay, jitter and loss."""
         return (f"{self.name}: {self.down_mbit:g}/{self.up_mbit:g} Mbit/s down/up, "
                 f"{self.delay_ms:g} ± {self.jitter_ms:g} ms one way, {self.loss_pct:g}% loss")
 

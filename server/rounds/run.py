@@ -31,7 +31,8 @@ from typing import Any, Protocol
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.placed import ClientData
 from fedseq.server.rounds.checkpoint import Checkpoint, load_checkpoint
-from fedseq.server.rounds.coordinator import Coordinator, DriverFactory, RunResult
+from fedseq.server.rounds.coordinator import Coordinator, RunResult
+from fedseq.server.rounds.driver import DriverFactory
 from fedseq.server.rounds.experiment import Experiment, load_experiment
 from fedseq.server.rounds.pool_api import ClientPool
 from fedseq.server.rounds.records import RoundRecord

@@ -64,6 +64,7 @@ def seed_config(cfg: ExperimentConfig, seed: int, vary: tuple[str, ...]) -> Expe
 
 
 def seed_dir(out: Path, seed: int) -> Path:
+    """The run directory of one seed of a sweep: OUT/seed-S."""
     return out / f"seed-{seed}"
 
 

@@ -400,10 +400,13 @@ def test_a_block_gets_a_new_version_when_the_server_step_says_it_changed():
 
 def test_the_drivers_share_the_ledger_and_subclass_nothing():
     """Sync, buffered-async (with each source of arrivals) are built on the ledger, none a
-    subclass of another driver."""
+    subclass of another driver: each names only the protocol it implements."""
     from fedseq.server.pools.mqtt.arrivals import MqttArrivals
-    from fedseq.server.rounds.buffered import BufferedAsync, LoggedArrivals, VirtualArrivals
+    from fedseq.server.rounds.buffered import Arrivals, BufferedAsync, LoggedArrivals, VirtualArrivals
     from fedseq.server.rounds.coordinator import Rounds
+    from fedseq.server.rounds.driver import Driver
 
-    for cls in (Rounds, BufferedAsync, VirtualArrivals, LoggedArrivals, MqttArrivals):
-        assert cls.__bases__ == (object,), cls
+    for cls in (Rounds, BufferedAsync):
+        assert cls.__bases__ == (Driver,), cls
+    for cls in (VirtualArrivals, LoggedArrivals, MqttArrivals):
+        assert cls.__bases__ == (Arrivals,), cls

@@ -14,7 +14,7 @@ from fedseq.common.errors import TransportError
 from fedseq.common.text import printable
 from fedseq.server.pools.mqtt.broker_session import DeviceOffline, StepFailed
 from fedseq.server.pools.mqtt.inbox import UpdateArrived
-from fedseq.server.rounds.buffered import BufferedAsync, Flight
+from fedseq.server.rounds.buffered import Arrivals, BufferedAsync, Flight
 from fedseq.server.rounds.ledger import RoundUpdates
 from fedseq.server.rounds.pool_api import AsyncPool
 from fedseq.server.rounds.records import Rejection, RoundRecord
@@ -22,7 +22,7 @@ from fedseq.server.rounds.records import Rejection, RoundRecord
 log = logging.getLogger(__name__)
 
 
-class MqttArrivals:
+class MqttArrivals(Arrivals):
     """The arrivals of a real fleet: the devices' own pace orders them.
 
     Every fill publishes an async step: the current model version and every client in flight

@@ -92,6 +92,7 @@ class ServerSession:
         self.stashed: list[SessionEvent] = []
 
     def start(self) -> None:
+        """Connect to the broker (three attempts) and start the network thread."""
         self.link.start(attempts=3)
 
     def republish_blocks_with(self, publish: Callable[[], int]) -> None:

@@ -85,12 +85,15 @@ class LoginBudgets:
             self._left[login] = (left[0], left[1] - seconds, left[2])
 
     def known(self, login: str) -> bool:
+        """Whether `login` has a budget here."""
         return login in self._left
 
     def logins(self) -> list[str]:
+        """The logins that have a budget."""
         return list(self._left)
 
     def forget(self, login: str) -> None:
+        """Drop `login`'s budget."""
         self._left.pop(login, None)
 
 

@@ -121,6 +121,7 @@ class FloodGuard:
         self._enable(due)
 
     def disabled(self) -> list[str]:
+        """The logins disabled at the broker, sorted."""
         with self._lock:
             return sorted(self._disabled)
 

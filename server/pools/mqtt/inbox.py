@@ -157,10 +157,13 @@ class UpdateSpool:
         return 0, self.write(frame)
 
     def release(self, size: int) -> None:
+        """`size` bytes of updates held in memory are no longer held."""
         with self._lock:
             self.in_memory -= size
 
     def write(self, data: memoryview) -> Spooled:
+        """Write one chunk to the spool file's free slots; where it lies is the `Spooled`
+        returned."""
         with self._lock:
             if self._file is None:  # closed with the inbox's process; emptied every step
                 self._file = tempfile.TemporaryFile(prefix="fedseq-updates-")  # noqa: SIM115
@@ -181,6 +184,7 @@ class UpdateSpool:
         return Spilled(lambda: self.read(at), at.size, lambda: self.free(at))
 
     def read(self, at: Spooled) -> bytearray:
+        """The bytes of a chunk written in this step (`write`'s `Spooled`)."""
         with self._lock:
             assert self._file is not None and at.generation == self.generation
             out = bytearray()
@@ -196,6 +200,7 @@ class UpdateSpool:
                 self._free.extend(at.slots)
 
     def reset(self) -> None:
+        """A new step: every slot free, the file emptied; a `Spooled` of before reads no more."""
         with self._lock:
             self.generation += 1
             self._free.clear()
@@ -354,6 +359,8 @@ class Inbox:
         return a
 
     def subscriptions(self) -> list[str]:
+        """The topics the coordinator subscribes to: the devices' statuses, descriptions, updates,
+        evaluations and secure-sum stages."""
         t = self.topics
         return [t.device_status(), t.device_info(), t.update(), t.evaluation(), t.secagg()]
 

@@ -44,6 +44,7 @@ from fedseq.server.pools.mqtt.inbox import UpdateArrived
 from fedseq.server.pools.mqtt.secure_relay import SecureStages
 from fedseq.server.privacy.secure_sum import SecureSum
 from fedseq.server.rounds.pool_api import (
+    AsyncPool,
     EvalOutcome,
     FinetuneOutcome,
     PoolState,
@@ -93,7 +94,7 @@ def restored_roster(state: PoolState | None) -> list[tuple[str, ClientData]]:
     return [(str(d), ClientData.from_dict(c)) for d, c in s.get("roster", [])]
 
 
-class MqttPool:
+class MqttPool(AsyncPool):
     """The logical clients hosted by the devices online on one broker.
 
     Set-up order (fedseq-server start): `start` (connect), `wait_for_devices`, then the round
