@@ -236,35 +236,19 @@ class BufferedAsync(Driver):
         book, cfg = self.book, self.book.cfg
         start = time.perf_counter()
         began: float = book.clock
+        # 1. the step's aggregate (plain, or [privacy]'s noised sum: privacy/dp.py)
         got = book.updates(t)
-        folds: list[Fold] = []
+        # 2. collect: the arrivals the source orders (dispatching to fill the buffer), each
+        #    checked, discounted by its staleness and folded in
         self.arrived_this_step.clear()
-        for f in self.source.arrivals(t, got):
-            if cfg.privacy.client_level:
-                self.arrived_this_step.add(f.client)
-            plan = book.alg.plan(f.version)
-            book.spent(f.client, plan)
-            staleness = f.staleness(t)
-            if f.rejection is None and cfg.train.max_staleness is not None \
-                    and staleness > cfg.train.max_staleness:
-                f.rejection = Rejection("too-stale", f"dispatched on the model of step "
-                                        f"{t - staleness}, {staleness} steps ago > "
-                                        f"train.max_staleness={cfg.train.max_staleness}")
-            fold = Fold(client=f.client, version=f.version, staleness=staleness)
-            if f.rejection is not None:
-                log.warning("step %d: rejected update of client %d: %s", t, f.client, f.rejection)
-                got.rejected[f.client] = f.rejection
-                fold.refused = f.rejection.code
-            else:
-                assert f.update is not None
-                discount = staleness_discount(staleness, self.alpha)
-                book.fold(got, f.update, plan, discount * self.server_lr)
-                fold.discount = round(discount, 6)
-            folds.append(fold)
+        folds = [self._fold(t, f, got) for f in self.source.arrivals(t, got)]
         got.outliers, _ = outliers(got.norms, cfg.aggregation.outlier_factor)
+        # 3. aggregate: the server step, where the buffer has its quorum
         refused = book.apply(t, got)
         arrived_wire = self.source.wire()
+        # 4. evaluate, when due
         eval_wire = self._evaluate_if_due(t)
+        # 5. record: the step's row
         arrived = sorted({f.client for f in folds})
         rec = book.row(t, book.alg.plan(t), got, refused, arrived, arrived,
                        self.bytes_down_step, start)
@@ -280,6 +264,32 @@ class BufferedAsync(Driver):
         self.bytes_down_step, self.extra_j = 0, 0.0
         self.source.step_done(t, rec, got)
         return rec
+
+    def _fold(self, t: int, f: Flight, got: RoundUpdates) -> Fold:
+        """One arrival of step t: refused (its reason kept, too stale beyond
+        train.max_staleness), or folded into `got` with its staleness discount; its Fold row."""
+        book, cfg = self.book, self.book.cfg
+        if cfg.privacy.client_level:
+            self.arrived_this_step.add(f.client)
+        plan = book.alg.plan(f.version)
+        book.spent(f.client, plan)
+        staleness = f.staleness(t)
+        if f.rejection is None and cfg.train.max_staleness is not None \
+                and staleness > cfg.train.max_staleness:
+            f.rejection = Rejection("too-stale", f"dispatched on the model of step "
+                                    f"{t - staleness}, {staleness} steps ago > "
+                                    f"train.max_staleness={cfg.train.max_staleness}")
+        fold = Fold(client=f.client, version=f.version, staleness=staleness)
+        if f.rejection is not None:
+            log.warning("step %d: rejected update of client %d: %s", t, f.client, f.rejection)
+            got.rejected[f.client] = f.rejection
+            fold.refused = f.rejection.code
+        else:
+            assert f.update is not None
+            discount = staleness_discount(staleness, self.alpha)
+            book.fold(got, f.update, plan, discount * self.server_lr)
+            fold.discount = round(discount, 6)
+        return fold
 
     # -- what never arrived ----------------------------------------------------------------
     def _not_arrived(self) -> dict[int, Weights]:

@@ -37,6 +37,7 @@ from fedseq.common.models import BlockModel, Weights, count_params, in_blocks
 from fedseq.server.privacy.dp import check_budget, check_record_level, statement
 from fedseq.server.privacy.secure_sum import SecureSum
 from fedseq.server.rounds.checkpoint import Checkpoint, save_checkpoint
+from fedseq.server.rounds.contract import RoundContract
 from fedseq.server.rounds.driver import Driver, DriverFactory
 from fedseq.server.rounds.ledger import (
     Ledger,
@@ -86,31 +87,34 @@ class Rounds(Driver):
         self.book = book
 
     def run_round(self, t: int) -> RoundRecord:
-        """Train, aggregate and (when due) evaluate round t; returns its record."""
-        book, cfg = self.book, self.book.cfg
+        """Round t, top to bottom; returns its record."""
+        book = self.book
         start = time.perf_counter()
+        # 1. select: who trains (a pure function of seed and round) and what the plan asks
         selected = book.select(t)
         plan, needed = book.plan(t)
         down = {c: book.client_bytes_down(c, plan, needed) for c in selected}
-        bytes_down = sum(down.values())
-        # over-selection: the first clients_per_round() updates to arrive count; the others are
-        # cancelled (on a simulated fleet, by its clock: they are not trained; on a real one the
-        # pool stops waiting for them)
-        timing = self._timing(t, selected, plan, down) if book.fleet is not None else None
-        trainers, enough = selected, None
-        if len(selected) > cfg.clients_per_round() and not cfg.privacy.client_level:
-            if timing is not None:
-                first = sorted(selected, key=lambda c: (timing[c].arrival, c))
-                trainers = sorted(first[:cfg.clients_per_round()])
-            else:
-                enough = cfg.clients_per_round()
-        got = self._train(t, trainers, plan, needed, enough)
-        for c in trainers:
+        timing, trainers, enough = self._over_selection(t, selected, plan, down)
+        # 2. the round's contract (what a valid update looks like) and its aggregate: the plain
+        #    weighted sum, [privacy]'s noised sum, or [secagg]'s secure sum feeding either,
+        #    whose key stages run now (privacy/dp.py, privacy/secure_sum.py)
+        contract = book.contract(t, trainers, plan, book.offered(), book.delta_bound())
+        got = book.updates(t, trainers, contract.reference)
+        contract, relay = secure_stages(contract, got)
+        # 3. send and collect: the pool dispatches the plan; every update is checked against
+        #    the contract and the valid ones folded into the aggregate as they arrive
+        if trainers:
+            self._send_and_collect(t, trainers, plan, needed, enough, contract, relay, got)
+        for c in trainers:  # [privacy] level = "record": their DP-SGD steps count
             book.spent(c, plan)
         self._no_device_can_train(selected, got.reported, got.outcome)
+        # 4. aggregate: the server step, where the round has its quorum (the noise is added and
+        #    the secure sum unmasked here)
         refused = book.apply(t, got)
+        # 5. evaluate, when due
         wire = add_wire(got.outcome.wire, book.evaluate_if_due(t))
-        rec = book.row(t, plan, got, refused, selected, trainers, bytes_down, start)
+        # 6. record: the round's row
+        rec = book.row(t, plan, got, refused, selected, trainers, sum(down.values()), start)
         if got.outcome.deadline_s is not None:  # a fleet: its deadlines, what the devices measured
             record_transport(rec, got.outcome)
             rec.set_device_energy(got.costs)
@@ -121,6 +125,23 @@ class Rounds(Driver):
         if timing is not None:
             self._advance_clock(rec, timing, trainers)
         return rec
+
+    def _over_selection(self, t: int, selected: list[int], plan: ClientPlan, down: dict[int, int]
+                        ) -> tuple[dict[int, ClientTiming] | None, list[int], int | None]:
+        """The simulated fleet's timing of the round (None without [fleet]), who trains, and how
+        many valid updates are enough. Over-selection: the first clients_per_round() updates to
+        arrive count; the others are cancelled (on a simulated fleet by its clock: they are not
+        trained; on a real one the pool stops waiting for them, `enough`)."""
+        book, cfg = self.book, self.book.cfg
+        timing = self._timing(t, selected, plan, down) if book.fleet is not None else None
+        trainers, enough = selected, None
+        if len(selected) > cfg.clients_per_round() and not cfg.privacy.client_level:
+            if timing is not None:
+                first = sorted(selected, key=lambda c: (timing[c].arrival, c))
+                trainers = sorted(first[:cfg.clients_per_round()])
+            else:
+                enough = cfg.clients_per_round()
+        return timing, trainers, enough
 
     def _timing(self, key: int, clients: list[int], plan: ClientPlan, down: dict[int, int]
                 ) -> dict[int, ClientTiming]:
@@ -141,23 +162,14 @@ class Rounds(Driver):
         rec.set_virtual(end, book.clock + end, energy_j(book.fleet, end, trained))
         book.clock += end
 
-    def _train(self, t: int, selected: list[int], plan: ClientPlan, needed: list[str],
-               enough: int | None = None) -> RoundUpdates:
-        """Dispatch the round and fold every valid update into a fresh aggregate as it arrives
+    def _send_and_collect(self, t: int, trainers: list[int], plan: ClientPlan, needed: list[str],
+                          enough: int | None, contract: RoundContract,
+                          relay: dict[str, SecureSum], got: RoundUpdates) -> None:
+        """Dispatch the round and fold every valid update into `got`'s aggregate as it arrives
         (in client order: the same sums in simulation and deployment); `enough`: the pool stops
-        waiting once that many valid updates came (over-selection on a real fleet)."""
+        waiting once that many valid updates came (over-selection on a real fleet); `relay`:
+        the secure stages the pool relays between devices. Then the norms' outliers."""
         book = self.book
-        contract = book.contract(t, selected, plan, book.offered(), book.delta_bound())
-        got = book.updates(t, selected, contract.reference)
-        if not selected:  # Poisson sampling ([privacy]) drew nobody: nothing to dispatch
-            return got
-        # a secure round on devices: they send masked inputs, and the pool relays the stages
-        secure = got.aggregate if isinstance(got.aggregate, SecureSum) else None
-        relay: dict[str, SecureSum] = {}
-        if secure is not None and not secure.local:
-            relay["secure"] = secure
-            contract = dataclasses.replace(contract, masked=secure.setup.length,
-                                           ring_bits=secure.setup.ring_bits)
 
         def check(update: ClientUpdate) -> Rejection | None:
             reason = contract.check(update)
@@ -169,7 +181,7 @@ class Rounds(Driver):
         # The pool yields only updates that passed `check`, at most one per client, in client
         # order; `rejected` keeps every refusal, also of a client whose valid update came later.
         with torch_threads(book.collect_threads):
-            dispatch = book.pool.train(t, selected, plan,
+            dispatch = book.pool.train(t, trainers, plan,
                                        book.sent(in_blocks(book.offered(), needed)), check,
                                        enough, **relay)
             for update in dispatch:
@@ -181,7 +193,6 @@ class Rounds(Driver):
         for c in got.outliers:
             log.warning("round %d: update of client %d has norm %.4g, > %g x the round's median %.4g",
                         t, c, got.norms[c], factor, median)
-        return got
 
     @staticmethod
     def _no_device_can_train(selected: list[int], reported: list[int],
@@ -376,6 +387,18 @@ class Coordinator:
         if self.run_dir is not None:
             self.run_dir.log_round(row)
         self.on_round(row)
+
+
+def secure_stages(contract: RoundContract, got: RoundUpdates
+                  ) -> tuple[RoundContract, dict[str, SecureSum]]:
+    """[secagg] on devices: they send masked inputs (the contract then wants one vector of the
+    ring's elements) and the pool relays the secure sum's stages between them; else the contract
+    as it was and nothing to relay."""
+    secure = got.aggregate if isinstance(got.aggregate, SecureSum) else None
+    if secure is None or secure.local:
+        return contract, {}
+    return (dataclasses.replace(contract, masked=secure.setup.length,
+                                ring_bits=secure.setup.ring_bits), {"secure": secure})
 
 
 def record_transport(rec: RoundRecord, outcome: RoundOutcome) -> None:
