@@ -168,7 +168,7 @@ def new_cmd(
     algorithm (a server step and a client hook), a config.toml that runs them on the data root's
     Fashion-MNIST, a device-data.toml that runs them on data left on the devices, tests that
     pass with `python -m pytest` inside it, and a README."""
-    from fedseq.server.cli.scaffold import new_package
+    from fedseq.server.cli.new_package import new_package
 
     dest = folder if folder is not None else Path(name)
     try:

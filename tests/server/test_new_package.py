@@ -12,7 +12,7 @@ import pytest
 
 from conftest import server_only
 from fedseq.common.errors import ConfigError
-from fedseq.server.cli.scaffold import new_package
+from fedseq.server.cli.new_package import new_package
 
 pytestmark = server_only
 BIN = Path(sys.executable).parent
