@@ -168,8 +168,12 @@ def test_wrong_dtypes_and_huge_values_are_rejected(data_root, tmp_path, mosquitt
             return
         w = _upload_shapes(cfg_holder[0], step)
         # (the login's budget is bytes: the frames of an update's size first, then the double
-        # ones, which its budget or the frame size limit drop unread)
-        for c in _theirs(step):
+        # ones, which its budget or the frame size limit drop unread). One of the device's
+        # clients a step: the login holds at most two updates a client of partial frames, so
+        # forgeries for all of them fill that room, and whether the device's own update then
+        # fits depended on how fast a loaded coordinator read (it failed once under the full
+        # suite on two cores: the honest chunk "dropped: already holds ... partial frames")
+        for c in _theirs(step)[:1]:
             n = len(loaded[0].clients[c].train)
             att.forged_update(step, c, "local02", {k: torch.full_like(v, 1e30) for k, v in w.items()}, n)
             att.forged_update(step, c, "local02",
