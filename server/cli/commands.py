@@ -545,9 +545,13 @@ CampaignDevicesOpt = Annotated[int, typer.Option(
 LocalDevicesOpt = Annotated[int, typer.Option(
     help="also start N devices here: fedseq-client daemons local01, local02, ... (each holds its "
          "share of the logical clients)")]
-#: the flag's name until 0.2 (it started devices, not clients): kept for one release, hidden
+#: --local-devices' old name (it started devices, not clients): kept for one release, hidden
 LocalClientsOpt = Annotated[int | None, typer.Option(
     "--local-clients", hidden=True, help="deprecated: the old name of --local-devices")]
+
+
+MetricsHostOpt = Annotated[str, typer.Option(
+    help="the metrics' address: loopback unless a Prometheus elsewhere must scrape it")]
 
 
 def _local_devices(devices: int, old: int | None) -> int:
@@ -560,10 +564,6 @@ def _local_devices(devices: int, old: int | None) -> int:
     print(f"--local-clients is deprecated: it starts devices, not clients; use --local-devices "
           f"{old} (the old name goes in the next release)", file=sys.stderr)
     return old
-
-
-MetricsHostOpt = Annotated[str, typer.Option(
-    help="the metrics' address: loopback unless a Prometheus elsewhere must scrape it")]
 
 
 @server_app.command()
@@ -664,8 +664,8 @@ def campaign(
                     metrics.campaign(status)
 
             progress = CampaignProgress(book, publish)
-            one = _campaign_run(url, {**login, "min_devices": local_devices}, progress, metrics,
-                                client_threads, say, quiet)
+            one = _campaign_run(url, login, local_devices, progress, metrics, client_threads,
+                                say, quiet)
             _go_campaign(spec, book, one, progress)
     except FedseqError as exc:
         _fail(exc)
@@ -675,15 +675,16 @@ def campaign(
         raise typer.Exit(130) from None
 
 
-def _campaign_run(url: str, deploy: dict[str, Any], progress: Any, metrics: Any,
-                  client_threads: int | None, say: Callable[[str], None], quiet: bool) -> Any:
+def _campaign_run(url: str, login: dict[str, Any], local_devices: int, progress: Any,
+                  metrics: Any, client_threads: int | None, say: Callable[[str], None],
+                  quiet: bool) -> Any:
     """How a campaign on a standing fleet runs one of its runs: on the broker at `url`, with the
-    fleet's login and at least its local devices (`deploy`: deploy.* set over each run's)."""
+    fleet's `login` and at least its `local_devices`."""
     from fedseq.server.ops.deployment import run_deployment
 
     def one(run: Any, path: Path, mode: str, info: dict[str, Any]) -> None:
         settings = run.cfg.deploy.model_copy(update={
-            **deploy, "min_devices": max(run.cfg.deploy.min_devices, deploy["min_devices"])})
+            **login, "min_devices": max(run.cfg.deploy.min_devices, local_devices)})
         if metrics is not None:
             metrics.run_started(run.cfg, str(path))
 

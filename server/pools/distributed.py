@@ -43,7 +43,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,7 +65,7 @@ from fedseq.common.execution import ClientExecutor, InMemory
 from fedseq.common.hardware import torch_device
 from fedseq.common.models import BlockModel, Weights, personal_tensors
 from fedseq.common.text import printable
-from fedseq.server.pools.inprocess import hand_on, on_device
+from fedseq.server.pools.inprocess import on_device
 from fedseq.server.pools.membership import (
     SECRET_ENV,
     SECRET_FILE_ENV,
@@ -349,6 +349,19 @@ class StepTiming:
     kind: str
     wall_s: float
     busiest_s: float
+
+
+def hand_on(trained: Iterable[tuple[ClientUpdate, Weights]], personal: dict[int, Weights],
+            check: UpdateCheck) -> Generator[ClientUpdate, None, RoundOutcome]:
+    """The workers' clients' (update, new personal blocks), in client order: keep each client's new
+    personal blocks (a diverged client keeps its previous ones) and yield the updates the round
+    loop's check accepts."""
+    for update, blocks in trained:
+        if update.diverged_at is None:
+            personal[update.client] = blocks
+        if check(update) is None:
+            yield update
+    return RoundOutcome()
 
 
 class DistributedPool(ClientPool):

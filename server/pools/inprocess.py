@@ -1,11 +1,11 @@
 """The in-process pool: every logical client trained in this process (fedseq-sim without
---workers), and the two helpers the simulation's pools share (`hand_on`, `on_device`)."""
+--workers), and where a simulation's clients train (`on_device`, which the workers use too)."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -26,19 +26,6 @@ from fedseq.server.rounds.pool_api import (
     TrainRound,
     UpdateCheck,
 )
-
-
-def hand_on(trained: Iterable[tuple[ClientUpdate, Weights]], personal: dict[int, Weights],
-            check: UpdateCheck) -> Generator[ClientUpdate, None, RoundOutcome]:
-    """A pool's clients' (update, new personal blocks), in client order: keep each client's new
-    personal blocks (a diverged client keeps its previous ones) and yield the updates the round
-    loop's check accepts."""
-    for update, blocks in trained:
-        if update.diverged_at is None:
-            personal[update.client] = blocks
-        if check(update) is None:
-            yield update
-    return RoundOutcome()
 
 
 def on_device(model: BlockModel, data: FederatedData, device: torch.device | None

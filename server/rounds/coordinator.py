@@ -10,10 +10,10 @@ A driver decides what a round (or server step) is:
   (server/pools/mqtt/arrivals.py `MqttArrivals`) or a finished run's log (`LoggedArrivals`, --replay).
 
 Drivers do not subclass each other: each uses the run's `Ledger` (ledger.py: versions, bytes, the
-round contract, the fold, the server step, the row) and offers the `Driver` protocol below. Every
-decision of a run is here and in the ledger (who is selected, which update counts, whether a round
-has its quorum, when to evaluate, what a checkpoint holds); the ClientPool (pool_api.py) only
-transports, and the RunDir only writes.
+round contract, the fold, the server step, the row) and offers the `Driver` protocol (driver.py).
+Every decision of a run is here and in the ledger (who is selected, which update counts, whether a
+round has its quorum, when to evaluate, what a checkpoint holds); the ClientPool (pool_api.py)
+only transports, and the RunDir only writes.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class Rounds(Driver):
         contract, relay = secure_stages(contract, got)
         # 3. send and collect: the pool dispatches the plan; every update is checked against
         #    the contract and the valid ones folded into the aggregate as they arrive
-        if trainers:
+        if trainers:  # Poisson sampling ([privacy]) may draw nobody: nothing to dispatch
             self._send_and_collect(t, trainers, plan, needed, enough, contract, relay, got)
         for c in trainers:  # [privacy] level = "record": their DP-SGD steps count
             book.spent(c, plan)
