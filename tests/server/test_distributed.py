@@ -471,8 +471,17 @@ def test_two_nodes_in_network_namespaces_give_the_one_machine_run(data_root, tmp
     assert json.loads((tmp_path / written[0] / "status.json").read_text())["workers"] == 3
 
 
-def _rank_process(rank: int) -> int | None:
-    """The pid of a fedseq-sim process started by torchrun as `rank`."""
+def _parent(pid: int) -> int:
+    """The parent pid of `pid` (0 once it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
+def _rank_process(rank: int, torchrun: int) -> int | None:
+    """The pid of the fedseq-sim process that the torchrun `torchrun` started as `rank`: only
+    its descendants count, as another test's torchrun may run ranks of the same number."""
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -481,7 +490,11 @@ def _rank_process(rank: int) -> int | None:
             continue
         if b"fedseq-sim" in cmd and f"RANK={rank}".encode() in env and b"TORCHELASTIC_RUN_ID" in \
                 b"".join(env):
-            return int(pid)
+            up = int(pid)
+            while up > 1 and up != torchrun:
+                up = _parent(up)
+            if up == torchrun:
+                return int(pid)
     return None
 
 
@@ -501,7 +514,7 @@ def test_a_worker_killed_under_torchrun_max_restarts_resumes_the_run(data_root, 
         while time.monotonic() < deadline and run.poll() is None and not (
                 metrics.exists() and metrics.read_text().count("\n") >= 1):
             time.sleep(0.1)
-        victim = _rank_process(2)
+        victim = _rank_process(2, run.pid)
         assert victim is not None and run.poll() is None
         os.kill(victim, signal.SIGKILL)
         log = run.communicate(timeout=600)[0]
