@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, TypeVar, Union
@@ -544,6 +545,62 @@ class FleetConfig(_Section):
         return bool(self.devices)
 
 
+class HierarchyConfig(_Section):
+    """[hierarchy]: edge sites, HierFAVG (Liu et al. 2019): the fleet's devices grouped into sites,
+    each with an edge aggregator that folds its clients' updates and sends the coordinator one
+    partial aggregate (server/rounds/sites.py; docs/how-to/edge-sites.md). Empty (default): one
+    tier, every update goes to the coordinator."""
+
+    sites: Dict[str, List[str]] = Field(default_factory=dict, description=(
+        "Site name -> the device names it holds, e.g. {lab1 = [\"jetson01\", \"jetson02\"], "
+        "lab2 = [\"jetson03\"]}; clients are dealt to the devices of all sites as a deployment "
+        "deals them (devices by name, round-robin). In simulation with a [fleet], the names are "
+        "the fleet's (nano-00, ...)."))
+    edge_rounds: int = Field(1, ge=1, description=(
+        "k: site rounds per global round; each site averages its clients' updates k times "
+        "before it sends the coordinator its model's change (HierFAVG's kappa_1). 1: FedAvg "
+        "through two tiers, the flat run's result within float rounding."))
+    edge_aggregation: bool = Field(True, description=(
+        "false: the sites are only the network's shape, every update crosses its site's link "
+        "to the coordinator and is folded there (the flat run, timed over the same tree: the "
+        "baseline for two tiers)."))
+    links: Dict[str, str] = Field(default_factory=dict, description=(
+        "Site name -> its link to the coordinator in the simulated fleet and the rehearsal "
+        "(a link profile, e.g. \"custom:down=10,up=2,delay=20\"); a site not named: no "
+        "cost. Each device's own link ([fleet]) is then its link to its site."))
+
+    def __bool__(self) -> bool:
+        return bool(self.sites)
+
+    @field_validator("sites")
+    @classmethod
+    def _check_sites(cls, v: Dict[str, List[str]]) -> Dict[str, List[str]]:
+        seen: Dict[str, str] = {}
+        for site, devices in v.items():
+            if not re.fullmatch(r"[A-Za-z0-9_\-]{1,64}", site):
+                raise ValueError(f"site name {site!r}: use 1-64 letters, digits, _ or -")
+            if not devices:
+                raise ValueError(f"site {site!r} has no devices; list its device names")
+            for d in devices:
+                if d in seen:
+                    raise ValueError(f"device {d!r} is in sites {seen[d]!r} and {site!r}; "
+                                     "a device belongs to one site")
+                seen[d] = site
+        return v
+
+    @model_validator(mode="after")
+    def _check_links(self) -> HierarchyConfig:
+        unknown = sorted(set(self.links) - set(self.sites))
+        if unknown:
+            raise ValueError(f"hierarchy.links names {', '.join(unknown)}, not among "
+                             f"hierarchy.sites ({', '.join(self.sites) or 'none'})")
+        return self
+
+    def site_of(self) -> Dict[str, str]:
+        """device name -> its site."""
+        return {d: s for s, devices in self.sites.items() for d in devices}
+
+
 class WireConfig(_Section):
     """[wire]: the codecs of what crosses the wire (common/codecs.py): `up` for the clients'
     updates, `down` for the global blocks sent to them (the coordinator keeps its float32
@@ -686,6 +743,8 @@ class ExperimentConfig(_Section):
                                    description="[privacy]")
     secagg: SecAggConfig = Field(default_factory=lambda: SecAggConfig(), json_schema_extra=COORDINATOR,
                                  description="[secagg]")
+    hierarchy: HierarchyConfig = Field(default_factory=lambda: HierarchyConfig(),
+                                       json_schema_extra=COORDINATOR, description="[hierarchy]")
 
     def registered_names(self) -> Dict[str, str]:
         """The registry names the run uses, by group (common/registry.py): its model, dataset,
@@ -773,6 +832,30 @@ class ExperimentConfig(_Section):
         if self.privacy.client_level and self.privacy.adaptive:
             raise ValueError(f"{why}: privacy.adaptive counts every client's bit in the clear; "
                              "use a fixed privacy.clip_norm")
+        return self
+
+    @model_validator(mode="after")
+    def _check_hierarchy(self) -> ExperimentConfig:
+        if not self.hierarchy:
+            return self
+        why = "[hierarchy] (edge sites)"
+        if self.train.mode == "async":
+            raise ValueError(f"{why} runs synchronous site rounds inside every global round; "
+                             "train.mode = \"async\" has no rounds to nest: use \"sync\"")
+        if self.secagg.enabled:
+            raise ValueError(f"{why} with secagg.enabled is not supported yet (a site's secure "
+                             "sum needs the edge aggregator's key stages): run it flat")
+        if self.aggregation.rule != "mean":
+            raise ValueError(f"{why} folds a site's updates into one partial sum; "
+                             f"aggregation.rule = {self.aggregation.rule!r} needs every update "
+                             "on its own: use \"mean\" or leave [hierarchy] out")
+        if self.train.over_select != 1.0:
+            raise ValueError(f"{why}: train.over_select is not supported across sites; leave it "
+                             "at 1")
+        if self.privacy.client_level and self.hierarchy.edge_rounds > 1:
+            raise ValueError(f"{why}: privacy.enabled at the client level bounds one update per "
+                             "client and round; hierarchy.edge_rounds > 1 lets a client move "
+                             "the model k times: use edge_rounds = 1")
         return self
 
     @model_validator(mode="after")

@@ -86,6 +86,18 @@ class WeightedDeltaSum:
             self.weights[k] = self.weights.get(k, 0.0) + w
         self.clients.append(client)
 
+    def add_partial(self, deltas: Weights, weights: dict[str, float], clients: list[int]) -> None:
+        """Fold in another tier's partial aggregate (server/rounds/sites.py): per tensor its mean
+        delta and the total weight behind it, for `clients` (whose updates it folded)."""
+        for k, d in deltas.items():
+            w = float(weights[k])
+            if k in self.sums:
+                self.sums[k].add_(d, alpha=w)
+            else:
+                self.sums[k] = d.to(torch.float64) * w
+            self.weights[k] = self.weights.get(k, 0.0) + w
+        self.clients.extend(clients)
+
     def count(self) -> int:
         """How many updates were added."""
         return len(self.clients)

@@ -119,6 +119,10 @@ def run_deployment(
     """mode "resume" continues `out` after its checkpoint's last complete round, under the same
     run id (devices keep their personal state) and the same assignment."""
     _own_broker(rehearsal, broker or cfg.deploy.broker)
+    if cfg.hierarchy:
+        raise ConfigError("[hierarchy] (edge sites) runs in fedseq-sim only for now: a fleet's "
+                          "edge aggregator per site is not built yet (docs/how-to/edge-sites.md); "
+                          "leave [hierarchy] out to deploy")
     if cfg.fleet:
         announce("note: [fleet] models a simulation's time; a deployment's devices are real, "
                  "so it is ignored here")

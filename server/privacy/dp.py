@@ -251,6 +251,16 @@ class NoisedSum(WeightedDeltaSum):
             deltas = {k: d * scale if k in floats else d for k, d in deltas.items()}
         super().add(deltas, {b: 1.0 for b in weight_of}, client, device)
 
+    def add_partial(self, deltas: Weights, weights: dict[str, float], clients: list[int]) -> None:
+        """A site's partial (server/rounds/sites.py): the mean of its clients' clipped updates,
+        each of weight 1, so within C itself; one over C is brought back to C here, so no site
+        moves the sum by more than its clients' count x C."""
+        floats = {k: d for k, d in deltas.items() if d.is_floating_point()}
+        norm = update_norm(floats)
+        if norm > self.clip:
+            deltas = {k: d * (self.clip / norm) if k in floats else d for k, d in deltas.items()}
+        super().add_partial(deltas, weights, clients)
+
     def apply(self, global_weights: Weights) -> Weights:
         out = dict(global_weights)
         std = self.noise * self.clip

@@ -50,6 +50,7 @@ from fedseq.server.rounds.ledger import (
 from fedseq.server.rounds.pool_api import ClientPool, PoolState, RoundOutcome
 from fedseq.server.rounds.records import ClientEnergy, Rejection, RoundRecord, SlowestDevice
 from fedseq.server.rounds.rundir import RunDir
+from fedseq.server.rounds.sites import EdgeSites
 from fedseq.server.rounds.virtual_fleet import ClientTiming, energy_j, sync_round
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,8 @@ class Rounds(Driver):
 
     def __init__(self, book: Ledger):
         self.book = book
+        #: [hierarchy]: the run's edge sites (sites.py); None: one tier
+        self.sites = EdgeSites(book) if book.cfg.hierarchy else None
 
     def run_round(self, t: int) -> RoundRecord:
         """Round t, top to bottom; returns its record."""
@@ -106,7 +109,8 @@ class Rounds(Driver):
         if trainers:  # Poisson sampling ([privacy]) may draw nobody: nothing to dispatch
             self._send_and_collect(t, trainers, plan, needed, enough, contract, relay, got)
         for c in trainers:  # [privacy] level = "record": their DP-SGD steps count
-            book.spent(c, plan)
+            for _ in range(self._site_rounds()):
+                book.spent(c, plan)
         self._no_device_can_train(selected, got.reported, got.outcome)
         # 4. aggregate: the server step, where the round has its quorum (the noise is added and
         #    the secure sum unmasked here)
@@ -124,7 +128,30 @@ class Rounds(Driver):
         rec.cancelled = sorted(set(selected) - set(trainers)) or got.outcome.cancelled
         if timing is not None:
             self._advance_clock(rec, timing, trainers)
+        if self.sites is not None:
+            self._record_sites(t, rec, got, trainers, plan, down, needed)
         return rec
+
+    def _site_rounds(self) -> int:
+        """How often a selected client trains in a round: hierarchy.edge_rounds with edge
+        aggregation, else once."""
+        h = self.book.cfg.hierarchy
+        return h.edge_rounds if h and h.edge_aggregation else 1
+
+    def _record_sites(self, t: int, rec: RoundRecord, got: RoundUpdates, trainers: list[int],
+                      plan: ClientPlan, down: dict[int, int], needed: list[str]) -> None:
+        """[hierarchy]: what reached the coordinator, and the round on the simulated fleet
+        over the sites' tree (sites.py `EdgeSites.timing`)."""
+        assert self.sites is not None
+        book = self.book
+        if book.cfg.hierarchy.edge_aggregation:
+            rec.upstream_messages, rec.upstream_bytes = self.sites.upstream
+        else:
+            rec.upstream_messages, rec.upstream_bytes = len(got.reported), got.bytes_up
+        if book.fleet is not None and trainers:
+            end, trained = self.sites.timing(t, trainers, plan, down, needed)
+            rec.set_virtual(end, book.clock + end, energy_j(book.fleet, end, trained))
+            book.clock += end
 
     def _over_selection(self, t: int, selected: list[int], plan: ClientPlan, down: dict[int, int]
                         ) -> tuple[dict[int, ClientTiming] | None, list[int], int | None]:
@@ -133,7 +160,8 @@ class Rounds(Driver):
         arrive count; the others are cancelled (on a simulated fleet by its clock: they are not
         trained; on a real one the pool stops waiting for them, `enough`)."""
         book, cfg = self.book, self.book.cfg
-        timing = self._timing(t, selected, plan, down) if book.fleet is not None else None
+        timing = (self._timing(t, selected, plan, down)
+                  if book.fleet is not None and self.sites is None else None)
         trainers, enough = selected, None
         if len(selected) > cfg.clients_per_round() and not cfg.privacy.client_level:
             if timing is not None:
@@ -168,26 +196,33 @@ class Rounds(Driver):
         """Dispatch the round and fold every valid update into `got`'s aggregate as it arrives
         (in client order: the same sums in simulation and deployment); `enough`: the pool stops
         waiting once that many valid updates came (over-selection on a real fleet); `relay`:
-        the secure stages the pool relays between devices. Then the norms' outliers."""
+        the secure stages the pool relays between devices; with edge sites, each site's
+        rounds and its partial (sites.py). Then the norms' outliers."""
         book = self.book
 
-        def check(update: ClientUpdate) -> Rejection | None:
-            reason = contract.check(update)
-            if reason is not None:
-                log.warning("round %d: rejected update of client %d: %s", t, update.client, reason)
-                got.rejected[update.client] = reason
-            return reason
+        def checker(contract: RoundContract) -> Callable[[ClientUpdate], Rejection | None]:
+            def check(update: ClientUpdate) -> Rejection | None:
+                reason = contract.check(update)
+                if reason is not None:
+                    log.warning("round %d: rejected update of client %d: %s", t, update.client,
+                                reason)
+                    got.rejected[update.client] = reason
+                return reason
+            return check
 
         # The pool yields only updates that passed `check`, at most one per client, in client
         # order; `rejected` keeps every refusal, also of a client whose valid update came later.
         with torch_threads(book.collect_threads):
-            dispatch = book.pool.train(t, trainers, plan,
-                                       book.sent(in_blocks(book.offered(), needed)), check,
-                                       enough, **relay)
-            for update in dispatch:
-                book.fold(got, update, plan)
-                got.costs[update.client] = (update.device, update.cost)
-        got.outcome = dispatch.outcome
+            if self.sites is not None and book.cfg.hierarchy.edge_aggregation:
+                self.sites.train(t, trainers, plan, needed, contract, got, checker)
+            else:
+                dispatch = book.pool.train(t, trainers, plan,
+                                           book.sent(in_blocks(book.offered(), needed)),
+                                           checker(contract), enough, **relay)
+                for update in dispatch:
+                    book.fold(got, update, plan)
+                    got.costs[update.client] = (update.device, update.cost)
+                got.outcome = dispatch.outcome
         factor = book.cfg.aggregation.outlier_factor
         got.outliers, median = outliers(got.norms, factor)
         for c in got.outliers:

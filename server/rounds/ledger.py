@@ -226,16 +226,19 @@ class Ledger:
         """What clients may be sent: the global model and the algorithm's broadcast."""
         return {**self.global_weights, **self.extra} if self.extra else self.global_weights
 
-    def sent(self, weights: Weights, personal: tuple[str, ...] = ()) -> Weights:
+    def sent(self, weights: Weights, personal: tuple[str, ...] = (), fresh: bool = False
+             ) -> Weights:
         """`weights` as the clients receive them: each block (but those named `personal`: a
-        client's own, sent once as they are) in the downlink codec, encoded once per version."""
+        client's own, sent once as they are) in the downlink codec, encoded once per version
+        (`fresh`: encoded now, not the global version's: a site's model, sites.py)."""
         if self.down.name == "none":
             return weights
         out: Weights = {}
         for b in dict.fromkeys(map(block_of, weights)):
             tensors = in_blocks(weights, b)
-            if b in personal:
-                out.update(tensors)
+            if b in personal or fresh:
+                out.update(encode(tensors, self.down)[0] if fresh and b not in personal
+                           else tensors)
                 continue
             version = self.version.get(b, 0)
             cached = self._down_cache.get(b)
@@ -278,6 +281,27 @@ class Ledger:
                 total += self._frame_sizes[key]
                 held[b] = self.version[b]
         return total
+
+    def blocks_bytes(self, blocks: list[str]) -> int:
+        """Frame bytes of `blocks` at their current version, whoever holds what (a site's
+        model after a site round: every needed block again, sites.py)."""
+        total = 0
+        for b in blocks:
+            key = (b, self.version[b])
+            if key not in self._frame_sizes:
+                self._frame_sizes[key] = frame_size(self.sent(
+                    in_blocks(self.offered(), b), self.alg.personal_blocks()))
+            total += self._frame_sizes[key]
+        return total
+
+    def partial_size(self, plan: ClientPlan) -> int:
+        """The frame bytes of a site's partial for `plan`: its uploaded tensors in float32."""
+        key = ("partial", *plan.upload)
+        if key not in self._upload_sizes:
+            self._upload_sizes[key] = frame_size({
+                k: v.to(torch.float32) for k, v in self.offered().items()
+                if block_of(k) in plan.upload and k not in self.model.personal_keys()})
+        return self._upload_sizes[key]
 
     def upload_size(self, plan: ClientPlan) -> int:
         """The frame bytes of an update to `plan` in the uplink's codec (simulated time)."""
@@ -340,15 +364,22 @@ class Ledger:
                                                              heaviest), layout, local))
         return RoundUpdates(inner)
 
+    def site_aggregate(self, t: int) -> WeightedDeltaSum:
+        """A site's aggregate in round t ([hierarchy], sites.py): the round's rule (the mean, or
+        DP-FedAvg's clipped sum, whose noise only the coordinator adds)."""
+        aggregate = self.updates(t).aggregate
+        assert isinstance(aggregate, WeightedDeltaSum)
+        return aggregate
+
     def fold(self, got: RoundUpdates, update: ClientUpdate, plan: ClientPlan,
-             scale: float = 1.0) -> None:
-        """Fold one valid update trained under `plan` into the aggregate, its deltas scaled by
-        `scale` (an asynchronous step's staleness discount), with what the row reports of it:
-        its (unscaled) norm, local score, FLOPs, steps and bytes."""
+             scale: float = 1.0, into: Aggregator | None = None) -> None:
+        """Fold one valid update trained under `plan` into the aggregate (`into`: a site's,
+        sites.py), its deltas scaled by `scale` (an asynchronous step's staleness discount),
+        with what the row reports of it: its (unscaled) norm, local score, FLOPs, steps, bytes."""
         deltas = update.deltas if scale == 1.0 else {k: v * scale for k, v in
                                                       update.deltas.items()}
-        got.aggregate.add(deltas, self.alg.aggregation_weights(update), update.client,
-                          update.device)
+        (got.aggregate if into is None else into).add(
+            deltas, self.alg.aggregation_weights(update), update.client, update.device)
         if not self.cfg.secagg.enabled:  # a secure round's coordinator never sees it
             got.norms[update.client] = update_norm(update.deltas)
         got.reported.append(update.client)

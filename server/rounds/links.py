@@ -20,6 +20,14 @@ class LinkProfile:
     jitter_ms: float = 0.0
     loss_pct: float = 0.0
 
+    def down_s(self, nbytes: int) -> float:
+        """Seconds to receive `nbytes` (one-way delay included; simulated time)."""
+        return self.delay_ms / 1e3 + nbytes * 8 / (self.down_mbit * 1e6)
+
+    def up_s(self, nbytes: int) -> float:
+        """Seconds to send `nbytes` (one-way delay included; simulated time)."""
+        return self.delay_ms / 1e3 + nbytes * 8 / (self.up_mbit * 1e6)
+
     def describe(self) -> str:
         """One line: the profile's rates, delay, jitter and loss."""
         return (f"{self.name}: {self.down_mbit:g}/{self.up_mbit:g} Mbit/s down/up, "

@@ -211,6 +211,11 @@ class RoundRecord(_Record):
     modelled_energy_j: float | None = None
     #: over-selected clients that were not among the first to arrive (not trained)
     cancelled: list[int] = Field(default_factory=list)
+    # -- edge sites ([hierarchy]) --
+    #: messages and frame bytes that reached the coordinator in the round: one partial a site
+    #: with edge aggregation, else every counted update (simulated; server/rounds/sites.py)
+    upstream_messages: int | None = None
+    upstream_bytes: int | None = None
     # -- an asynchronous server step (train.mode = "async") --
     #: every update that arrived, in order, folded in or refused (`reported`: the folded ones)
     folds: list[Fold] = Field(default_factory=list)

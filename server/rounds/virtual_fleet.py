@@ -5,7 +5,7 @@ A device trains its clients one after another at its pace (`DeviceProfile`: effe
 FLOP/s, from the run's measured FLOPs per client-round), jittered per client-round from the run's
 training seed; it receives a round's blocks over its link before training and sends each update
 after it (`LinkProfile`, the rehearsal's). Clients are dealt to devices as a deployment deals
-them (server/pools/mqtt/mqtt_pool.py assign_clients: devices by name, round-robin).
+them (server/rounds/sites.py assign_clients: devices by name, round-robin).
 
 Energy: every device of the fleet draws its idle power for the whole run and its training power
 while it trains; transfers are counted at idle power (a Wi-Fi radio's extra draw is small beside
@@ -102,12 +102,12 @@ class Device:
     link: LinkProfile
 
     def down_s(self, nbytes: int) -> float:
-        """Seconds to receive `nbytes` (one-way delay included)."""
-        return self.link.delay_ms / 1e3 + nbytes * 8 / (self.link.down_mbit * 1e6)
+        """Seconds to receive `nbytes` over its link (one-way delay included)."""
+        return self.link.down_s(nbytes)
 
     def up_s(self, nbytes: int) -> float:
-        """Seconds to send `nbytes` (one-way delay included)."""
-        return self.link.delay_ms / 1e3 + nbytes * 8 / (self.link.up_mbit * 1e6)
+        """Seconds to send `nbytes` over its link (one-way delay included)."""
+        return self.link.up_s(nbytes)
 
 
 class VirtualFleet:

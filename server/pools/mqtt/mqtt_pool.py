@@ -53,17 +53,12 @@ from fedseq.server.rounds.pool_api import (
     TrainRound,
     UpdateCheck,
 )
+from fedseq.server.rounds.sites import assign_clients
 
 log = logging.getLogger(__name__)
 
 #: step numbers and block versions of a resumed run start this far past the checkpoint's
 RESUME_GAP = 1000
-
-
-def assign_clients(devices: list[str], num_clients: int) -> dict[str, list[int]]:
-    """Balanced and stable: devices sorted by name, clients dealt round-robin."""
-    names = sorted(devices)
-    return {d: [c for c in range(num_clients) if c % len(names) == i] for i, d in enumerate(names)}
 
 
 def warn_other_versions(online: dict[str, DeviceStatus]) -> None:

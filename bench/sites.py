@@ -1,0 +1,145 @@
+"""Edge sites ([hierarchy], server/rounds/sites.py) against one tier, in simulation.
+
+    python bench/sites.py [--data-root ../shared/data] [--part inbound fold accuracy]
+
+Three parts, each printed as one table:
+
+- inbound: what reaches the coordinator in a round, flat against two tiers: messages and frame
+  bytes (the rows' upstream_messages / upstream_bytes; flat: every counted update). 60 clients
+  on 20 devices in 4 sites (5 devices a site), join ratio 0.5, FedAvg on the CNN, 5% of
+  Fashion-MNIST. Goal: divided by the devices per site.
+- fold: the coordinator's work after the round's slowest update has arrived, in this process
+  (no broker): flat, folding that update into the sum of N updates and stepping the model;
+  two tiers, its site folding it, making its partial and the coordinator folding the sites'
+  partials and stepping. The CNN's 582,026 parameters; N = 1,000 devices flat against 10,000
+  over 10 sites. Goal: two tiers at 10,000 at most 2 s more than flat at 1,000. The MQTT part
+  of a site's round (its edge aggregator on its own broker) is not measured here.
+- accuracy: the simulated fleet's time and modelled energy to the flat run's final accuracy,
+  two sites of 5 Jetson Nanos each on wifi-good, each site behind a slow uplink to the
+  coordinator (custom:down=10,up=1,delay=20: 1 Mbit/s up), 30 clients, join ratio 0.5, FedAvg,
+  20 rounds: flat (every update crosses the uplink), two tiers with k = 1 and k = 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from conftest import quick_config  # noqa: E402
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum  # noqa: E402
+from fedseq.common.models import build_model, get_blocks  # noqa: E402
+from fedseq.server.ops.simulation import run_simulation  # noqa: E402
+from fedseq.server.rounds.sites import partial_of  # noqa: E402
+
+
+def inbound(root: Path) -> None:
+    devices = [f"d{i:02d}" for i in range(20)]
+    sites = ",".join(f's{s}=[{",".join(repr(d) for d in devices[5 * s:5 * s + 5])}]'
+                     for s in range(4)).replace("'", '"')
+    over = ("algorithm.name=fedavg", "rounds=2", "data.num_clients=60", "data.min_samples=10",
+            "train.join_ratio=0.5", "train.threads=1", "model.name=cnn")
+    print("inbound: per round (2 rounds), 60 clients on 20 devices in 4 sites")
+    print(f"{'tiers':>6} {'messages':>9} {'MB':>9} {'ratio':>6}")
+    flat = run_simulation(quick_config(root, *over), None).rows
+    two = run_simulation(quick_config(root, *over, f"hierarchy.sites={{{sites}}}"), None).rows
+    for f, t in zip(flat, two, strict=True):
+        if f.get("phase") != "train":
+            continue
+        print(f"{'flat':>6} {len(f['reported']):>9} {f['bytes_up'] / 1e6:>9.2f}")
+        print(f"{'two':>6} {t['upstream_messages']:>9} {t['upstream_bytes'] / 1e6:>9.2f} "
+              f"{f['bytes_up'] / t['upstream_bytes']:>6.1f}")
+
+
+def fold(repeats: int = 5) -> None:
+    model = build_model("cnn", (1, 28, 28), 10, generator_seed=0)
+    start = get_blocks(model, model.spec.blocks)
+    g = torch.Generator().manual_seed(0)
+    delta = {k: torch.randn(v.shape, generator=g) * 1e-3 for k, v in start.items()}
+    weights = {k.split(".")[0]: 100.0 for k in start}
+
+    def flat_after_last(n: int) -> float:
+        acc = WeightedDeltaSum()
+        for i in range(n - 1):  # the others, before the last arrives
+            acc.add(delta, weights, i)
+        t0 = time.perf_counter()
+        acc.add(delta, weights, n - 1)
+        acc.apply(start)
+        return time.perf_counter() - t0
+
+    def two_after_last(n: int, sites: int) -> float:
+        per = n // sites
+        partials = []
+        for s in range(sites - 1):  # the other sites' partials are in
+            acc = WeightedDeltaSum()
+            for i in range(per):
+                acc.add(delta, weights, s * per + i)
+            partials.append(partial_of(acc, start, start))
+        last = WeightedDeltaSum()
+        for i in range(per - 1):
+            last.add(delta, weights, i)
+        t0 = time.perf_counter()
+        last.add(delta, weights, n - 1)
+        partials.append(partial_of(last, start, start))
+        top = WeightedDeltaSum()
+        for p in partials:
+            top.add_partial(p.deltas, p.weights, p.clients)
+        top.apply(start)
+        return time.perf_counter() - t0
+
+    flat = statistics.median(flat_after_last(1000) for _ in range(repeats))
+    two = statistics.median(two_after_last(10_000, 10) for _ in range(repeats))
+    print(f"fold: after the slowest update, median of {repeats} (CNN, 582,026 parameters)")
+    print(f"  flat, 1,000 devices:            {flat * 1e3:8.1f} ms")
+    print(f"  two tiers, 10,000 over 10 sites: {two * 1e3:8.1f} ms  ({(two - flat) * 1e3:+.1f} ms)")
+
+
+def accuracy(root: Path) -> None:
+    fleet = 'fleet.devices=[{profile="nano",count=10,link="wifi-good"}]'
+    names = [f"nano-{i:02d}" for i in range(10)]
+    sites = ('hierarchy.sites={a=[' + ",".join(f'"{d}"' for d in names[:5]) + '],b=['
+             + ",".join(f'"{d}"' for d in names[5:]) + ']}')
+    links = 'hierarchy.links={a="custom:down=10,up=1,delay=20",b="custom:down=10,up=1,delay=20"}'
+    over = ("algorithm.name=fedavg", "rounds=20", "data.num_clients=30", "data.min_samples=10",
+            "train.join_ratio=0.5", "train.threads=1", "model.name=cnn", fleet, sites, links)
+    runs = {"flat": ("hierarchy.edge_aggregation=false",), "two k=1": (),
+            "two k=2": ("hierarchy.edge_rounds=2",)}
+    rows = {name: run_simulation(quick_config(root, *over, *more), None).rows
+            for name, more in runs.items()}
+    target = [r for r in rows["flat"] if r.get("phase") == "train"][-1]["global_acc"]
+    print(f"accuracy: to the flat run's final global accuracy {100 * target:.2f}% "
+          "(20 rounds, 2 sites x 5 nanos, 1 Mbit/s site uplinks)")
+    print(f"{'run':>8} {'round':>6} {'virtual_s':>10} {'energy_kJ':>10} {'final_acc':>10}")
+    for name, rs in rows.items():
+        train = [r for r in rs if r.get("phase") == "train"]
+        hit = next((r for r in train if r["global_acc"] >= target), None)
+        energy = sum(r["modelled_energy_j"] for r in train[:train.index(hit) + 1]) if hit else None
+        print(f"{name:>8} {hit['round'] if hit else '-':>6} "
+              f"{hit['virtual_time_s'] if hit else float('nan'):>10.1f} "
+              f"{energy / 1e3 if energy else float('nan'):>10.2f} "
+              f"{100 * train[-1]['global_acc']:>9.2f}%")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-root", type=Path, default=ROOT.parent / "shared" / "data")
+    ap.add_argument("--part", nargs="+", default=["inbound", "fold", "accuracy"],
+                    choices=["inbound", "fold", "accuracy"])
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    for part in args.part:
+        if part == "fold":
+            fold()
+        else:
+            globals()[part](args.data_root)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""Edge sites ([hierarchy]): HierFAVG's two tiers (Liu et al. 2019, "Client-Edge-Cloud
+Hierarchical Federated Learning") in a synchronous round.
+
+The fleet's devices are grouped into sites; clients are dealt to the devices of all sites as a
+deployment deals them (`assign_clients`: devices by name, round-robin), so a client's site is its
+device's. In a global round each site runs `hierarchy.edge_rounds` = k site rounds: its selected
+clients train from the site's model, the site folds their valid updates as the coordinator would
+(the round contract, the algorithm's weights, the codecs) and steps its model with their mean.
+After the k-th it hands the coordinator one partial aggregate: its model's change since the
+global model, in float32, with its total weight per tensor (`SitePartial`). The coordinator folds
+the partials (`WeightedDeltaSum.add_partial`) and steps the global model as after a flat round.
+
+With k = 1 a site's partial is its clients' weighted mean delta, so the two tiers give the flat
+round's aggregate within float32 rounding of the means. Site round 0 trains under the global
+round's key (the flat run's randomness); site round e > 0 under `edge_key(t, e)`.
+
+`hierarchy.edge_aggregation = false` keeps the sites as the network's shape only (every update
+crosses its site's link and is folded at the coordinator: the flat run, timed over the tree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum
+from fedseq.common.algorithms.plan import ClientPlan
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.errors import AggregationError, ConfigError
+from fedseq.common.models import Weights, in_blocks
+from fedseq.server.rounds.contract import RoundContract
+from fedseq.server.rounds.links import LinkProfile, parse_profile
+from fedseq.server.rounds.pool_api import RoundOutcome, UpdateCheck
+from fedseq.server.rounds.virtual_fleet import VirtualFleet, sync_round
+
+if TYPE_CHECKING:
+    from fedseq.server.rounds.ledger import Ledger, RoundUpdates
+
+#: site round e > 0 of global round t trains under the key t + e * EDGE_STRIDE (its own
+#: randomness, apart from every global round's)
+EDGE_STRIDE = 1 << 32
+
+
+def assign_clients(devices: list[str], num_clients: int) -> dict[str, list[int]]:
+    """Balanced and stable: devices sorted by name, clients dealt round-robin."""
+    names = sorted(devices)
+    return {d: [c for c in range(num_clients) if c % len(names) == i] for i, d in enumerate(names)}
+
+
+def edge_key(t: int, e: int) -> int:
+    """The training key of site round `e` of global round `t` (t itself for the first)."""
+    return t + e * EDGE_STRIDE
+
+
+@dataclass(frozen=True)
+class Site:
+    """One site: its name, its devices (by name), the clients they hold and its link to the
+    coordinator (None: no cost in simulated time)."""
+
+    name: str
+    devices: tuple[str, ...]
+    clients: frozenset[int]
+    link: LinkProfile | None = None
+
+
+def site_tree(cfg: ExperimentConfig, fleet: VirtualFleet | None = None) -> list[Site]:
+    """The run's sites in name order. With a simulated fleet, its devices must be the sites'
+    devices, name for name: a ConfigError listing the fleet's names otherwise."""
+    h = cfg.hierarchy
+    devices = sorted(h.site_of())
+    if fleet is not None and sorted(d.name for d in fleet.devices) != devices:
+        names = [d.name for d in fleet.devices]
+        raise ConfigError("hierarchy.sites must list the [fleet]'s devices, each in one site: "
+                          f"the fleet has {', '.join(names)}; the sites list "
+                          f"{', '.join(devices)}")
+    dealt = assign_clients(devices, cfg.data.num_clients)
+    return [Site(name, tuple(sorted(ds)), frozenset(c for d in ds for c in dealt[d]),
+                 parse_profile(h.links[name], f"hierarchy.links.{name}") if name in h.links
+                 else None)
+            for name, ds in sorted(h.sites.items())]
+
+
+@dataclass
+class SitePartial:
+    """What a site hands the coordinator after its k site rounds: its model's change since the
+    global model (float32) and its total weight per tensor, for the clients it folded."""
+
+    deltas: Weights
+    weights: dict[str, float]
+    clients: list[int]
+
+
+def partial_of(acc: WeightedDeltaSum, before: Weights, start: Weights) -> SitePartial:
+    """A site's partial after its last site round: `acc` that round's aggregate, `before` the
+    site's model it trained from, `start` the global model the global round began with. Each
+    tensor's change (before - start) + the round's mean delta is computed in float64 and sent
+    in float32; with one site round (before is start) it is the clients' weighted mean delta."""
+    deltas: Weights = {}
+    weights: dict[str, float] = {}
+    for k, s in acc.sums.items():
+        w = acc.weights[k]
+        if w <= 0:
+            continue
+        mean = s / w
+        if before is not start:
+            mean = mean + (before[k].to(torch.float64) - start[k].to(torch.float64))
+        deltas[k] = mean.to(torch.float32)
+        weights[k] = w
+    return SitePartial(deltas, weights, acc.clients_added())
+
+
+class EdgeSites:
+    """The sites of a run and their part of a synchronous round: `train` runs every site's k
+    site rounds over the run's pool and folds each site's partial into the round's aggregate,
+    with the per-client bookkeeping (norms, FLOPs, bytes) of every update a site folded."""
+
+    def __init__(self, book: Ledger):
+        self.book = book
+        self.k = book.cfg.hierarchy.edge_rounds
+        self.sites = site_tree(book.cfg, book.fleet)
+        if self.k > 1 and book.alg.own_server_step:
+            raise ConfigError(
+                f"hierarchy.edge_rounds = {self.k}: {book.alg.name} steps the server from one "
+                "round's client updates (its own server step); a site's update of k site rounds "
+                "is no such update: use edge_rounds = 1")
+        #: what reached the coordinator in the last round: (messages, frame bytes)
+        self.upstream = (0, 0)
+
+    def site_of(self, clients: list[int]) -> dict[str, list[int]]:
+        """`clients` by site (sites in name order, clients in order), sites without one left out."""
+        out: dict[str, list[int]] = {}
+        for site in self.sites:
+            mine = [c for c in clients if c in site.clients]
+            if mine:
+                out[site.name] = mine
+        return out
+
+    def train(self, t: int, trainers: list[int], plan: ClientPlan, needed: list[str],
+              contract: RoundContract, got: RoundUpdates,
+              checker: Callable[[RoundContract], UpdateCheck]) -> None:
+        """Every site's k site rounds of global round t, their partials folded into `got`."""
+        book = self.book
+        by_site = self.site_of(trainers)
+        start = book.offered()
+        accs = {s: book.site_aggregate(t) for s in by_site}
+        home = {c: s for s, cs in by_site.items() for c in cs}  # client -> its site
+        # site round 0: every site trains from the global model, so one dispatch for all
+        self._dispatch(t, trainers, plan, book.sent(in_blocks(start, needed)), checker(contract),
+                       got, {c: accs[s] for c, s in home.items()}.__getitem__)
+        partials, messages, sent = [], 0, 0
+        for site, clients in by_site.items():
+            before, acc = start, accs[site]
+            for e in range(1, self.k):
+                try:
+                    model = acc.apply(before)
+                except AggregationError as exc:
+                    got.outcome.device_failures[f"site {site}"] = str(exc)
+                    acc = book.site_aggregate(t)
+                    break
+                before, acc = model, book.site_aggregate(t)
+                key = edge_key(t, e)
+                site_contract = dataclasses.replace(
+                    contract, round=key, reference={k: model[k] for k in contract.reference})
+                self._dispatch(key, clients, plan, book.sent(in_blocks(model, needed), fresh=True),
+                               checker(site_contract), got, dict.fromkeys(clients, acc).__getitem__)
+            if acc.count():
+                partials.append(partial_of(acc, before, start))
+        for p in partials:  # in site order
+            got.aggregate.add_partial(p.deltas, p.weights, p.clients)  # type: ignore[attr-defined]
+            messages += 1
+            sent += book.update_bytes(p.deltas)
+        got.reported = list(dict.fromkeys(got.reported))  # a client counts once a round
+        self.upstream = (messages, sent)
+
+    def _dispatch(self, key: int, clients: list[int], plan: ClientPlan, weights: Weights,
+                  check: UpdateCheck, got: RoundUpdates,
+                  into: Callable[[int], WeightedDeltaSum]) -> None:
+        """One site round's step over the pool: each valid update folded into its site's
+        aggregate (`into(client)`), the step's outcome merged into the round's."""
+        book = self.book
+        dispatch = book.pool.train(key, clients, plan, weights, check)
+        for update in dispatch:
+            book.fold(got, update, plan, into=into(update.client))
+            got.costs[update.client] = (update.device, update.cost)
+        merge_outcome(got.outcome, dispatch.outcome)
+
+    def timing(self, t: int, trainers: list[int], plan: ClientPlan, down: dict[int, int],
+               needed: list[str]) -> tuple[float, dict[int, float]]:
+        """Global round t on the simulated fleet over the sites: the round's seconds, and each
+        client's seconds of training. A site receives the round's blocks over its link once,
+        then its devices over theirs. Edge aggregation: k site rounds, each until its last
+        update reached the site, each later one sending every needed block again (the site's
+        model moved); then the partial over the site's link. Without: every update crosses the
+        site's link after it reached the site, one at a time, in the order they arrive."""
+        book = self.book
+        fleet = book.fleet
+        assert fleet is not None
+        flops = {c: book.flops(c, plan) for c in trainers}
+        up = book.upload_size(plan)
+        again = book.blocks_bytes(needed)
+        end, trained = 0.0, dict[int, float]()
+        for site in self.sites:
+            mine = [c for c in trainers if c in site.clients]
+            if not mine:
+                continue
+            link = site.link
+            clock = link.down_s(max(down[c] for c in mine)) if link else 0.0
+            if book.cfg.hierarchy.edge_aggregation:
+                for e in range(self.k):
+                    sizes = down if e == 0 else dict.fromkeys(mine, again)
+                    timing = sync_round(fleet, mine, flops, sizes, up, edge_key(t, e))
+                    for c, x in timing.items():
+                        trained[c] = trained.get(c, 0.0) + x.train_s
+                    clock += max(x.arrival for x in timing.values())
+                clock += link.up_s(book.partial_size(plan)) if link else 0.0
+            else:
+                timing = sync_round(fleet, mine, flops, down, up, t)
+                free = clock
+                for x in sorted(timing.values(), key=lambda x: x.arrival):
+                    sent_at = max(clock + x.arrival, free)
+                    free = sent_at + (up * 8 / (link.up_mbit * 1e6) if link else 0.0)
+                trained.update({c: x.train_s for c, x in timing.items()})
+                clock = free + (link.delay_ms / 1e3 if link else 0.0)
+            end = max(end, clock)
+        return end, trained
+
+
+def merge_outcome(into: RoundOutcome, step: RoundOutcome) -> None:
+    """Add one site step's outcome to the round's: who could not train, who sent what."""
+    into.blocked |= step.blocked
+    into.device_failures.update(step.device_failures)
+    into.reporters.update(step.reporters)
+    into.late_updates += step.late_updates
+    into.missed_deadline += [d for d in step.missed_deadline if d not in into.missed_deadline]
+    if step.deadline_s is not None:
+        into.deadline_s = max(into.deadline_s or 0.0, step.deadline_s)
+
+
+__all__ = ["EDGE_STRIDE", "EdgeSites", "Site", "SitePartial", "assign_clients", "edge_key",
+           "merge_outcome", "partial_of", "site_tree"]

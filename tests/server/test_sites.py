@@ -1,0 +1,185 @@
+"""Edge sites ([hierarchy], server/rounds/sites.py): HierFAVG's two tiers in simulation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import quick_config, resumed_after, same_run, without_seconds
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum
+from fedseq.common.errors import ConfigError
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.rounds.sites import assign_clients, edge_key, partial_of, site_tree
+
+SITES = 'hierarchy.sites={a=["d0","d1"],b=["d2"]}'
+FLEET = 'fleet.devices=[{profile="nano",count=3,link="wifi-good"}]'
+FLEET_SITES = 'hierarchy.sites={a=["nano-00","nano-01"],b=["nano-02"]}'
+UPLINKS = 'hierarchy.links={a="custom:down=10,up=1,delay=20",b="custom:down=10,up=1,delay=20"}'
+
+
+def max_dw(a, b) -> float:
+    return max(float((a.global_weights[k].double() - b.global_weights[k].double()).abs().max())
+               for k in a.global_weights)
+
+
+def test_clients_are_dealt_to_the_sites_devices_as_a_deployment_deals_them(data_root):
+    cfg = quick_config(data_root, "data.num_clients=7", SITES)
+    tree = site_tree(cfg)
+    dealt = assign_clients(["d2", "d0", "d1"], 7)
+    assert [s.name for s in tree] == ["a", "b"]
+    assert tree[0].clients == frozenset(dealt["d0"] + dealt["d1"]) == {0, 1, 3, 4, 6}
+    assert tree[1].clients == frozenset(dealt["d2"]) == {2, 5}
+    assert edge_key(5, 0) == 5 and edge_key(5, 1) != 5 and edge_key(5, 1) != edge_key(6, 0)
+
+
+def test_a_partial_is_the_sites_mean_delta_with_its_weight():
+    """k = 1: the clients' weighted mean delta, in float32, with their total weight; folded at
+    the coordinator with another site's it gives the flat sum within float32 rounding."""
+    g = torch.Generator().manual_seed(0)
+    start = {"w": torch.randn(4, 3, generator=g)}
+    updates = [({"w": torch.randn(4, 3, generator=g)}, float(n)) for n in (10, 30, 5, 7)]
+    flat, a, b = WeightedDeltaSum(), WeightedDeltaSum(), WeightedDeltaSum()
+    for i, (d, n) in enumerate(updates):
+        flat.add(d, {"w": n}, i)
+        (a if i < 2 else b).add(d, {"w": n}, i)
+    pa, pb = partial_of(a, start, start), partial_of(b, start, start)
+    assert pa.deltas["w"].dtype == torch.float32 and pa.weights == {"w": 40.0}
+    torch.testing.assert_close(pa.deltas["w"].double(), a.sums["w"] / 40)
+    top = WeightedDeltaSum()
+    top.add_partial(pa.deltas, pa.weights, pa.clients)
+    top.add_partial(pb.deltas, pb.weights, pb.clients)
+    assert top.clients_added() == [0, 1, 2, 3] and top.count() == 4
+    assert float((top.apply(start)["w"] - flat.apply(start)["w"]).abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedseq-anti", "fedper", "fedreg", "scaffold",
+                                  "fednova", "feddyn", "fedadam"])
+def test_two_tiers_with_one_site_round_are_the_flat_round(data_root, one_thread, name):
+    """k = 1 is FedAvg through two tiers: after a round the global model is the flat run's
+    within float rounding (max |dw| <= 1e-6), for a plain, a layer-scheduled, a personal, a
+    rebalancing (FedReG's effective samples), a control-variate, a normalized, a dynamic-
+    regularizer and a server-optimizer algorithm. The rows say one message a site reached the
+    coordinator, and the clients each counted once."""
+    over = (f"algorithm.name={name}", "rounds=1", "train.threads=1")
+    flat = run_simulation(quick_config(data_root, *over), None)
+    two = run_simulation(quick_config(data_root, *over, SITES), None)
+    assert max_dw(flat, two) <= 1e-6
+    row_flat, row_two = flat.rows[0], two.rows[0]
+    assert row_two["upstream_messages"] == 2 and "upstream_messages" not in row_flat
+    assert row_two["reported"] == row_flat["reported"] == [0, 1, 2, 3, 4]
+    assert row_two["bytes_up"] == row_flat["bytes_up"]  # the devices' uploads, counted alike
+    assert row_two["upstream_bytes"] < row_flat["bytes_up"]
+
+
+def test_client_level_privacy_composes_over_sites(data_root, one_thread):
+    """DP-FedAvg: clients clip, a site sums their clipped updates, the coordinator adds the
+    noise once: the flat run's model within float rounding."""
+    over = ("algorithm.name=fedavg", "rounds=1", "privacy.enabled=true", "privacy.clip_norm=0.5",
+            "privacy.noise_multiplier=0.5", "seeds.noise=7", "train.threads=1")
+    flat = run_simulation(quick_config(data_root, *over), None)
+    two = run_simulation(quick_config(data_root, *over, SITES), None)
+    assert max_dw(flat, two) <= 1e-6
+
+
+@pytest.mark.parametrize("over,words", [
+    (("train.mode=async",), "train.mode"),
+    (("secagg.enabled=true",), "secagg.enabled"),
+    (("aggregation.rule=median",), "aggregation.rule"),
+    (("train.over_select=1.5",), "train.over_select"),
+    (("privacy.enabled=true", "hierarchy.edge_rounds=2"), "edge_rounds = 1"),
+    (('hierarchy.sites={a=["d0"],b=["d0"]}',), "belongs to one site"),
+    (('hierarchy.sites={a=[]}',), "has no devices"),
+    (('hierarchy.sites={"a/b"=["d0"]}',), "site name"),
+    (('hierarchy.links={c="lte"}',), "not among hierarchy.sites"),
+])
+def test_what_does_not_compose_is_refused_in_one_line(data_root, over, words):
+    with pytest.raises(ConfigError) as err:
+        quick_config(data_root, SITES, *over)
+    assert words in str(err.value)
+
+
+@pytest.mark.parametrize("over,words", [
+    (("algorithm.name=scaffold", SITES, "hierarchy.edge_rounds=2"), "own server step"),
+    ((FLEET, SITES), "must list the [fleet]'s devices"),
+    ((FLEET, FLEET_SITES, 'hierarchy.links={a="slow"}'), "hierarchy.links.a"),
+])
+def test_a_tree_the_run_cannot_follow_is_refused_in_one_line(data_root, over, words):
+    with pytest.raises(ConfigError) as err:
+        run_simulation(quick_config(data_root, "rounds=1", *over), None)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_k_site_rounds_train_each_client_k_times(data_root, one_thread):
+    """k = 2: each selected client trains twice a round (its FLOPs and steps count twice; it is
+    reported once), the sites' models differ from the flat run's, the downlink codec encodes
+    each site's model afresh; the run resumes bitwise after an interruption."""
+    over = ("algorithm.name=fedavg", "rounds=2", "train.threads=1", "wire.down=fp16", SITES,
+            "hierarchy.edge_rounds=2")
+    one = run_simulation(quick_config(data_root, *over[:-2]), None)
+    two = run_simulation(quick_config(data_root, *over), None)
+    assert max_dw(one, two) > 1e-3
+    assert two.rows[0]["train_flops"] == 2 * one.rows[0]["train_flops"]
+    assert two.rows[0]["client_steps"] == 2 * one.rows[0]["client_steps"]
+    assert two.rows[0]["reported"] == [0, 1, 2, 3, 4]
+    assert two.final.global_acc >= 0.3  # it learns
+
+
+@pytest.mark.slow("three simulations of 2 rounds: 15 s on 2 cores")
+def test_a_two_tier_run_resumes_bitwise(data_root, tmp_path, one_thread):
+    cfg = quick_config(data_root, "algorithm.name=fedper", "rounds=3", "train.threads=1", SITES,
+                       "hierarchy.edge_rounds=2")
+    resumed, whole = resumed_after(cfg, tmp_path / "run", 1), run_simulation(cfg, None)
+    assert all(torch.equal(resumed.global_weights[k], v) for k, v in whole.global_weights.items())
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert without_seconds(rows) == without_seconds(whole.rows)
+    assert resumed.final.per_client == whole.final.per_client
+
+
+def test_sites_as_the_networks_shape_only_give_the_flat_run(data_root, one_thread):
+    """edge_aggregation = false: every update is folded at the coordinator: the flat run's
+    weights and rows bitwise, but for the tree's transport fields (one message an update)."""
+    over = ("algorithm.name=fedavg", "rounds=2", "train.threads=1", FLEET)
+    flat = run_simulation(quick_config(data_root, *over), None)
+    relay = run_simulation(quick_config(data_root, *over, FLEET_SITES,
+                                        "hierarchy.edge_aggregation=false"), None)
+    assert all(torch.equal(flat.global_weights[k], v) for k, v in relay.global_weights.items())
+    tree_fields = {"upstream_messages", "upstream_bytes", "virtual_s", "virtual_time_s",
+                   "modelled_energy_j"}
+    def strip(rows):
+        return [{k: v for k, v in r.items() if k not in tree_fields} for r in without_seconds(rows)]
+
+    assert strip(relay.rows) == strip(flat.rows)
+    assert relay.rows[0]["upstream_messages"] == 5
+
+
+def test_a_slow_uplink_costs_a_flat_fleet_more_than_two_tiers(data_root, one_thread):
+    """The simulated fleet over the tree: with 1 Mbit/s site uplinks, every update crossing
+    them (flat) takes longer and spends more joules than one partial a site (two tiers)."""
+    over = ("algorithm.name=fedavg", "rounds=1", "train.threads=1", FLEET, FLEET_SITES, UPLINKS)
+    relay = run_simulation(quick_config(data_root, *over, "hierarchy.edge_aggregation=false"),
+                           None).rows[0]
+    two = run_simulation(quick_config(data_root, *over), None).rows[0]
+    assert two["virtual_s"] < relay["virtual_s"]
+    assert two["modelled_energy_j"] < relay["modelled_energy_j"]
+    assert two["upstream_messages"] == 2 and relay["upstream_messages"] == 5
+    # a partial crosses a 1 Mbit/s uplink in (its frame bytes x 8 / 1e6) s, plus 20 ms
+    assert two["virtual_s"] > two["upstream_bytes"] / 2 * 8 / 1e6
+
+
+@pytest.mark.slow("torch.distributed worker processes (Gloo process groups): 15 s on 2 cores")
+def test_two_tiers_are_bitwise_across_workers(data_root, one_thread):
+    cfg = quick_config(data_root, "algorithm.name=fedseq-anti", "rounds=2", "train.threads=1",
+                       SITES, "hierarchy.edge_rounds=2")
+    same_run(run_simulation(cfg, None, workers=2), run_simulation(cfg, None))
+
+
+def test_a_deployment_refuses_sites_in_one_line(data_root):
+    """The fleet's edge aggregator is not built: a deployment of a two-tier config says so
+    before it opens anything, rather than aggregate the sites at the coordinator."""
+    from fedseq.server.ops.deployment import run_deployment
+
+    with pytest.raises(ConfigError) as err:
+        run_deployment(quick_config(data_root, SITES), None, broker="mqtt://127.0.0.1:1")
+    assert "fedseq-sim only" in str(err.value) and "\n" not in str(err.value)
