@@ -14,7 +14,11 @@ Three parts, each printed as one table:
   partials and stepping. The CNN's 582,026 parameters; N = 1,000 devices flat against 10,000
   over 10 sites. Goal: two tiers at 10,000 at most 2 s more than flat at 1,000. The MQTT part
   of a site's round (its edge aggregator on its own broker) is not measured here.
-- accuracy: the simulated fleet's time and modelled energy to the flat run's final accuracy,
+- scale: fedseq-sim's wall seconds a round at 10,000 simulated devices (10,000 clients, join
+  ratio 0.01, IID rows of all Fashion-MNIST), flat against 10 sites of 1,000: what the tree's
+  bookkeeping costs the simulator.
+- accuracy: the simulated fleet's time and modelled energy to the flat run's final accuracy
+  less one point,
   two sites of 5 Jetson Nanos each on wifi-good, each site behind a slow uplink to the
   coordinator (custom:down=10,up=1,delay=20: 1 Mbit/s up), 30 clients, join ratio 0.5, FedAvg,
   20 rounds: flat (every update crosses the uplink), two tiers with k = 1 and k = 2.
@@ -101,6 +105,24 @@ def fold(repeats: int = 5) -> None:
     print(f"  two tiers, 10,000 over 10 sites: {two * 1e3:8.1f} ms  ({(two - flat) * 1e3:+.1f} ms)")
 
 
+def scale(root: Path) -> None:
+    n = 10_000
+    names = [f"nano-{i:02d}" for i in range(n)]
+    sites = "hierarchy.sites={" + ",".join(
+        f's{s}=[' + ",".join(f'"{d}"' for d in names[s * 1000:(s + 1) * 1000]) + "]"
+        for s in range(10)) + "}"
+    over = ("algorithm.name=fedavg", "rounds=3", f"data.num_clients={n}", "data.min_samples=5",
+            "data.fraction=1.0", "data.partition=iid", "train.join_ratio=0.01",
+            "train.threads=1", "model.name=cnn", "train.eval_every=100",
+            f'fleet.devices=[{{profile="nano",count={n},link="wifi-good"}}]')
+    print(f"scale: {n:,} simulated devices, 100 clients a round; wall seconds a round "
+          "(rounds 1-2; round 0 builds the caches)")
+    for name, more in (("flat", ()), ("10 sites", (sites,))):
+        seconds = [r["seconds"] for r in run_simulation(quick_config(root, *over, *more),
+                                                         None).rows if r.get("phase") == "train"]
+        print(f"  {name:>8}: {statistics.mean(seconds[1:]):.2f} s")
+
+
 def accuracy(root: Path) -> None:
     fleet = 'fleet.devices=[{profile="nano",count=10,link="wifi-good"}]'
     names = [f"nano-{i:02d}" for i in range(10)]
@@ -113,8 +135,8 @@ def accuracy(root: Path) -> None:
             "two k=2": ("hierarchy.edge_rounds=2",)}
     rows = {name: run_simulation(quick_config(root, *over, *more), None).rows
             for name, more in runs.items()}
-    target = [r for r in rows["flat"] if r.get("phase") == "train"][-1]["global_acc"]
-    print(f"accuracy: to the flat run's final global accuracy {100 * target:.2f}% "
+    target = [r for r in rows["flat"] if r.get("phase") == "train"][-1]["global_acc"] - 0.01
+    print(f"accuracy: to the flat run's final global accuracy less a point, {100 * target:.2f}% "
           "(20 rounds, 2 sites x 5 nanos, 1 Mbit/s site uplinks)")
     print(f"{'run':>8} {'round':>6} {'virtual_s':>10} {'energy_kJ':>10} {'final_acc':>10}")
     for name, rs in rows.items():
@@ -130,8 +152,8 @@ def accuracy(root: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-root", type=Path, default=ROOT.parent / "shared" / "data")
-    ap.add_argument("--part", nargs="+", default=["inbound", "fold", "accuracy"],
-                    choices=["inbound", "fold", "accuracy"])
+    ap.add_argument("--part", nargs="+", default=["inbound", "fold", "scale", "accuracy"],
+                    choices=["inbound", "fold", "scale", "accuracy"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     for part in args.part:

@@ -842,9 +842,6 @@ class ExperimentConfig(_Section):
         if self.train.mode == "async":
             raise ValueError(f"{why} runs synchronous site rounds inside every global round; "
                              "train.mode = \"async\" has no rounds to nest: use \"sync\"")
-        if self.secagg.enabled:
-            raise ValueError(f"{why} with secagg.enabled is not supported yet (a site's secure "
-                             "sum needs the edge aggregator's key stages): run it flat")
         if self.aggregation.rule != "mean":
             raise ValueError(f"{why} folds a site's updates into one partial sum; "
                              f"aggregation.rule = {self.aggregation.rule!r} needs every update "

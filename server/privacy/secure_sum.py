@@ -150,8 +150,13 @@ class SecureSum(Aggregator):
         return list(self.server.masked)
 
     def apply(self, global_weights: Weights) -> Weights:
+        """Unmask the sum (`unmask`) and step `global_weights` with the inner rule."""
+        return self.unmask(global_weights).apply(global_weights)
+
+    def unmask(self, global_weights: Weights) -> WeightedDeltaSum:
         """Unmask the sum (stage 4 with every client whose masked input counted), decode it and
-        hand it to the inner rule. AggregationError where it cannot be unmasked (too few shares:
+        hand it to the inner rule, which it returns (an edge site's partial is made of it:
+        server/rounds/sites.py). AggregationError where it cannot be unmasked (too few shares:
         the round fails, its sum unknown) or decodes outside what clamped updates can sum to."""
         requests = self.server.unmask_requests()
         shares: dict[int, Any] = {} if self.local else self.ask_unmask(requests)
@@ -174,7 +179,7 @@ class SecureSum(Aggregator):
             if weights[k] > 0:
                 inner.sums[k] = torch.from_numpy(s.reshape(global_weights[k].shape).copy())
                 inner.weights[k] = weights[k]
-        return inner.apply(global_weights)
+        return inner
 
     def _check_sum(self, sums: dict[str, np.ndarray], weights: dict[str, float]) -> None:
         """AggregationError where the unmasked sum is not what the masked clients' clamped (under

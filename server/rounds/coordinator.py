@@ -102,15 +102,15 @@ class Rounds(Driver):
         #    weighted sum, [privacy]'s noised sum, or [secagg]'s secure sum feeding either,
         #    whose key stages run now (privacy/dp.py, privacy/secure_sum.py)
         contract = book.contract(t, trainers, plan, book.offered(), book.delta_bound())
-        got = book.updates(t, trainers, contract.reference)
+        # (with edge sites, a secure sum runs within each site: sites.py)
+        got = book.updates(t, None if self._at_sites() else trainers, contract.reference)
         contract, relay = secure_stages(contract, got)
         # 3. send and collect: the pool dispatches the plan; every update is checked against
         #    the contract and the valid ones folded into the aggregate as they arrive
         if trainers:  # Poisson sampling ([privacy]) may draw nobody: nothing to dispatch
             self._send_and_collect(t, trainers, plan, needed, enough, contract, relay, got)
         for c in trainers:  # [privacy] level = "record": their DP-SGD steps count
-            for _ in range(self._site_rounds()):
-                book.spent(c, plan)
+            book.spent(c, plan)
         self._no_device_can_train(selected, got.reported, got.outcome)
         # 4. aggregate: the server step, where the round has its quorum (the noise is added and
         #    the secure sum unmasked here)
@@ -132,11 +132,9 @@ class Rounds(Driver):
             self._record_sites(t, rec, got, trainers, plan, down, needed)
         return rec
 
-    def _site_rounds(self) -> int:
-        """How often a selected client trains in a round: hierarchy.edge_rounds with edge
-        aggregation, else once."""
-        h = self.book.cfg.hierarchy
-        return h.edge_rounds if h and h.edge_aggregation else 1
+    def _at_sites(self) -> bool:
+        """Whether updates are folded at edge sites ([hierarchy] with edge aggregation)."""
+        return self.sites is not None and self.book.cfg.hierarchy.edge_aggregation
 
     def _record_sites(self, t: int, rec: RoundRecord, got: RoundUpdates, trainers: list[int],
                       plan: ClientPlan, down: dict[int, int], needed: list[str]) -> None:
@@ -146,6 +144,12 @@ class Rounds(Driver):
         book = self.book
         if book.cfg.hierarchy.edge_aggregation:
             rec.upstream_messages, rec.upstream_bytes = self.sites.upstream
+            if book.cfg.secagg.enabled and rec.status == "ok":
+                rec.secure_recovered = self.sites.recovered
+            if self.sites.excluded:
+                rec.excluded = self.sites.excluded
+            if got.outcome.device_failures and got.outcome.deadline_s is None:
+                rec.device_failures = got.outcome.device_failures  # a site's round that failed
         else:
             rec.upstream_messages, rec.upstream_bytes = len(got.reported), got.bytes_up
         if book.fleet is not None and trainers:
@@ -213,7 +217,7 @@ class Rounds(Driver):
         # The pool yields only updates that passed `check`, at most one per client, in client
         # order; `rejected` keeps every refusal, also of a client whose valid update came later.
         with torch_threads(book.collect_threads):
-            if self.sites is not None and book.cfg.hierarchy.edge_aggregation:
+            if self.sites is not None and self._at_sites():
                 self.sites.train(t, trainers, plan, needed, contract, got, checker)
             else:
                 dispatch = book.pool.train(t, trainers, plan,

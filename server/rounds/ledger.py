@@ -173,6 +173,9 @@ class Ledger:
         self.clock = 0.0
         #: [privacy] level = "record": each client's DP-SGD steps so far
         self.record_steps: dict[int, int] = {}
+        #: how often a selected client trains in a round: [hierarchy]'s site rounds, else once
+        h = cfg.hierarchy
+        self.site_rounds = h.edge_rounds if h and h.edge_aggregation else 1
         self._budget: dict[int, float | None] = {}  # over_budget's answer for one round
         #: [secagg]: clients left out of every later round, with why: a device of theirs sent
         #: shares proven bad (Ledger.exclude)
@@ -364,11 +367,13 @@ class Ledger:
                                                              heaviest), layout, local))
         return RoundUpdates(inner)
 
-    def site_aggregate(self, t: int) -> WeightedDeltaSum:
-        """A site's aggregate in round t ([hierarchy], sites.py): the round's rule (the mean, or
-        DP-FedAvg's clipped sum, whose noise only the coordinator adds)."""
-        aggregate = self.updates(t).aggregate
-        assert isinstance(aggregate, WeightedDeltaSum)
+    def site_aggregate(self, key: int, clients: list[int], reference: Weights
+                       ) -> WeightedDeltaSum | SecureSum:
+        """A site's aggregate in site round `key` over its `clients` ([hierarchy], sites.py): the
+        round's rule (the mean, or DP-FedAvg's clipped sum, whose noise only the coordinator
+        adds), under [secagg] fed by a secure sum over the site's clients alone."""
+        aggregate = self.updates(key, clients, reference).aggregate
+        assert isinstance(aggregate, (WeightedDeltaSum, SecureSum))
         return aggregate
 
     def fold(self, got: RoundUpdates, update: ClientUpdate, plan: ClientPlan,
@@ -391,7 +396,8 @@ class Ledger:
         got.flops += flops
         got.paces[update.client] = (update.train_seconds, flops)
         got.steps += plan_steps(plan, self.data, shard)
-        if not isinstance(got.aggregate, SecureSum):  # its four stages' bytes: at the row
+        if not isinstance(got.aggregate if into is None else into, SecureSum):
+            # (a secure sum's four stages' bytes: at the row, or at the site's end)
             got.bytes_up += (update.upload_bytes if update.upload_bytes is not None
                              else self.update_bytes(update.deltas))
 
@@ -490,19 +496,19 @@ class Ledger:
         if t not in self._budget:
             plan, _ = self.plan(t)
             clients = self.select(t)
-            steps = {c: self.record_steps.get(c, 0) + plan_steps(plan, self.data,
-                                                                 self.data.clients[c])
-                     for c in clients}
+            steps = {c: self.record_steps.get(c, 0) + self.site_rounds * plan_steps(
+                plan, self.data, self.data.clients[c]) for c in clients}
             reached = record_epsilon(self.cfg, steps,
                                      {c: self.data.clients[c].num_train for c in clients})
             self._budget = {t: reached if reached > p.target_epsilon else None}
         return self._budget[t]
 
     def spent(self, client: int, plan: ClientPlan) -> None:
-        """[privacy] level = "record": `client` trained `plan` (its steps count in its epsilon,
-        whether or not its update counts: the coordinator saw it)."""
+        """[privacy] level = "record": `client` trained `plan` in each of the round's site rounds
+        (its steps count in its epsilon, whether or not its update counts: the coordinator saw
+        it)."""
         if plan.record_dp is not None:
-            steps = plan_steps(plan, self.data, self.data.clients[client])
+            steps = self.site_rounds * plan_steps(plan, self.data, self.data.clients[client])
             self.record_steps[client] = self.record_steps.get(client, 0) + steps
 
     def row(self, t: int, plan: ClientPlan, got: RoundUpdates, refused: str | None,

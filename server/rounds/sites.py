@@ -21,6 +21,7 @@ crosses its site's link and is folded at the coordinator: the flat run, timed ov
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +33,7 @@ from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import AggregationError, ConfigError
 from fedseq.common.models import Weights, in_blocks
+from fedseq.server.privacy.secure_sum import SecureSum
 from fedseq.server.rounds.contract import RoundContract
 from fedseq.server.rounds.links import LinkProfile, parse_profile
 from fedseq.server.rounds.pool_api import RoundOutcome, UpdateCheck
@@ -39,6 +41,8 @@ from fedseq.server.rounds.virtual_fleet import VirtualFleet, sync_round
 
 if TYPE_CHECKING:
     from fedseq.server.rounds.ledger import Ledger, RoundUpdates
+
+log = logging.getLogger(__name__)
 
 #: site round e > 0 of global round t trains under the key t + e * EDGE_STRIDE (its own
 #: randomness, apart from every global round's)
@@ -48,7 +52,7 @@ EDGE_STRIDE = 1 << 32
 def assign_clients(devices: list[str], num_clients: int) -> dict[str, list[int]]:
     """Balanced and stable: devices sorted by name, clients dealt round-robin."""
     names = sorted(devices)
-    return {d: [c for c in range(num_clients) if c % len(names) == i] for i, d in enumerate(names)}
+    return {d: list(range(i, num_clients, len(names))) for i, d in enumerate(names)}
 
 
 def edge_key(t: int, e: int) -> int:
@@ -127,17 +131,20 @@ class EdgeSites:
                 f"hierarchy.edge_rounds = {self.k}: {book.alg.name} steps the server from one "
                 "round's client updates (its own server step); a site's update of k site rounds "
                 "is no such update: use edge_rounds = 1")
+        #: client -> its site's name
+        self.home = {c: site.name for site in self.sites for c in site.clients}
         #: what reached the coordinator in the last round: (messages, frame bytes)
         self.upstream = (0, 0)
+        #: [secagg], the last round: clients whose masks were recovered, clients left out
+        self.recovered: list[int] = []
+        self.excluded: dict[int, str] = {}
 
     def site_of(self, clients: list[int]) -> dict[str, list[int]]:
         """`clients` by site (sites in name order, clients in order), sites without one left out."""
-        out: dict[str, list[int]] = {}
-        for site in self.sites:
-            mine = [c for c in clients if c in site.clients]
-            if mine:
-                out[site.name] = mine
-        return out
+        out: dict[str, list[int]] = {site.name: [] for site in self.sites}
+        for c in clients:
+            out[self.home[c]].append(c)
+        return {s: cs for s, cs in out.items() if cs}
 
     def train(self, t: int, trainers: list[int], plan: ClientPlan, needed: list[str],
               contract: RoundContract, got: RoundUpdates,
@@ -146,39 +153,62 @@ class EdgeSites:
         book = self.book
         by_site = self.site_of(trainers)
         start = book.offered()
-        accs = {s: book.site_aggregate(t) for s in by_site}
-        home = {c: s for s, cs in by_site.items() for c in cs}  # client -> its site
+        accs = {s: book.site_aggregate(t, cs, contract.reference) for s, cs in by_site.items()}
+        self.recovered, self.excluded = [], {}
         # site round 0: every site trains from the global model, so one dispatch for all
         self._dispatch(t, trainers, plan, book.sent(in_blocks(start, needed)), checker(contract),
-                       got, {c: accs[s] for c, s in home.items()}.__getitem__)
-        partials, messages, sent = [], 0, 0
+                       got, lambda c: accs[self.home[c]])
+        partials = []
         for site, clients in by_site.items():
             before, acc = start, accs[site]
-            for e in range(1, self.k):
+            inner: WeightedDeltaSum | None = None
+            for e in range(1, self.k + 1):
                 try:
-                    model = acc.apply(before)
+                    settled = self._settle(acc, before, got, edge_key(t, e - 1))
+                    inner = settled
+                    if e == self.k or not settled.count():
+                        break
+                    model = settled.apply(before)
                 except AggregationError as exc:
+                    log.warning("round %d: site %s's round %d failed: %s", t, site, e - 1, exc)
                     got.outcome.device_failures[f"site {site}"] = str(exc)
-                    acc = book.site_aggregate(t)
+                    inner = None
                     break
-                before, acc = model, book.site_aggregate(t)
-                key = edge_key(t, e)
-                site_contract = dataclasses.replace(
-                    contract, round=key, reference={k: model[k] for k in contract.reference})
+                before, key = model, edge_key(t, e)
+                reference = {k: model[k] for k in contract.reference}
+                acc = book.site_aggregate(key, clients, reference)
                 self._dispatch(key, clients, plan, book.sent(in_blocks(model, needed), fresh=True),
-                               checker(site_contract), got, dict.fromkeys(clients, acc).__getitem__)
-            if acc.count():
-                partials.append(partial_of(acc, before, start))
+                               checker(dataclasses.replace(contract, round=key,
+                                                           reference=reference)),
+                               got, dict.fromkeys(clients, acc).__getitem__)
+            if inner is not None and inner.count():
+                partials.append(partial_of(inner, before, start))
         for p in partials:  # in site order
             got.aggregate.add_partial(p.deltas, p.weights, p.clients)  # type: ignore[attr-defined]
-            messages += 1
-            sent += book.update_bytes(p.deltas)
-        got.reported = list(dict.fromkeys(got.reported))  # a client counts once a round
-        self.upstream = (messages, sent)
+        # a client counts once a round, and only in a site's partial (a site whose round failed
+        # loses its clients' updates, as a failed round loses all)
+        counted = {c for p in partials for c in p.clients}
+        got.reported = [c for c in dict.fromkeys(got.reported) if c in counted]
+        got.local_scores = {c: x for c, x in got.local_scores.items() if c in counted}
+        self.upstream = (len(partials), sum(book.update_bytes(p.deltas) for p in partials))
+
+    def _settle(self, acc: WeightedDeltaSum | SecureSum, before: Weights, got: RoundUpdates,
+                key: int) -> WeightedDeltaSum:
+        """A site round's sum as the site knows it: under [secagg] unmasked (its clients' secure
+        stages' bytes counted, the clients who dropped after sharing keys and those proven bad
+        noted); AggregationError where it cannot be unmasked."""
+        if not isinstance(acc, SecureSum):
+            return acc
+        try:
+            return acc.unmask(before)
+        finally:
+            got.bytes_up += acc.bytes_up()
+            self.recovered += acc.recovered
+            self.excluded.update(self.book.exclude(acc.server.blamed, key))
 
     def _dispatch(self, key: int, clients: list[int], plan: ClientPlan, weights: Weights,
                   check: UpdateCheck, got: RoundUpdates,
-                  into: Callable[[int], WeightedDeltaSum]) -> None:
+                  into: Callable[[int], WeightedDeltaSum | SecureSum]) -> None:
         """One site round's step over the pool: each valid update folded into its site's
         aggregate (`into(client)`), the step's outcome merged into the round's."""
         book = self.book
@@ -203,11 +233,9 @@ class EdgeSites:
         up = book.upload_size(plan)
         again = book.blocks_bytes(needed)
         end, trained = 0.0, dict[int, float]()
-        for site in self.sites:
-            mine = [c for c in trainers if c in site.clients]
-            if not mine:
-                continue
-            link = site.link
+        links = {site.name: site.link for site in self.sites}
+        for name, mine in self.site_of(trainers).items():
+            link = links[name]
             clock = link.down_s(max(down[c] for c in mine)) if link else 0.0
             if book.cfg.hierarchy.edge_aggregation:
                 for e in range(self.k):

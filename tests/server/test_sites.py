@@ -16,6 +16,7 @@ from fedseq.server.rounds.sites import assign_clients, edge_key, partial_of, sit
 SITES = 'hierarchy.sites={a=["d0","d1"],b=["d2"]}'
 FLEET = 'fleet.devices=[{profile="nano",count=3,link="wifi-good"}]'
 FLEET_SITES = 'hierarchy.sites={a=["nano-00","nano-01"],b=["nano-02"]}'
+SECURE_SITES = 'hierarchy.sites={a=["d0"],b=["d1","d2"]}'  # clients 0, 3 and 1, 2, 4
 UPLINKS = 'hierarchy.links={a="custom:down=10,up=1,delay=20",b="custom:down=10,up=1,delay=20"}'
 
 
@@ -85,7 +86,6 @@ def test_client_level_privacy_composes_over_sites(data_root, one_thread):
 
 @pytest.mark.parametrize("over,words", [
     (("train.mode=async",), "train.mode"),
-    (("secagg.enabled=true",), "secagg.enabled"),
     (("aggregation.rule=median",), "aggregation.rule"),
     (("train.over_select=1.5",), "train.over_select"),
     (("privacy.enabled=true", "hierarchy.edge_rounds=2"), "edge_rounds = 1"),
@@ -183,3 +183,51 @@ def test_a_deployment_refuses_sites_in_one_line(data_root):
     with pytest.raises(ConfigError) as err:
         run_deployment(quick_config(data_root, SITES), None, broker="mqtt://127.0.0.1:1")
     assert "fedseq-sim only" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.slow("DP-SGD's per-example gradients, three rounds' worth: 15 s on 2 cores")
+def test_record_level_dp_counts_every_site_round(data_root, one_thread):
+    """DP-SGD on the clients: with k = 2 each client's epsilon counts its steps of both site
+    rounds, as if it had trained twice as many rounds flat."""
+    dp = ("algorithm.name=fedavg", "train.threads=1", "privacy.enabled=true",
+          "privacy.level=record", "privacy.noise_multiplier=1.0", "train.join_ratio=0.4")
+    two = run_simulation(quick_config(data_root, *dp, "rounds=1", SITES,
+                                      "hierarchy.edge_rounds=2"), None)
+    flat = run_simulation(quick_config(data_root, *dp, "rounds=2"), None)
+    assert two.rows[0]["epsilon"] == pytest.approx(flat.rows[1]["epsilon"])
+
+
+@pytest.mark.parametrize("dp", [(), ("privacy.enabled=true", "privacy.clip_norm=0.5",
+                                      "privacy.noise_multiplier=0.5", "seeds.noise=3")])
+def test_secure_aggregation_runs_within_each_site(data_root, one_thread, dp):
+    """[secagg] with sites: each site's clients mask among themselves and the site unmasks
+    their sum (what the coordinator learns: site sums); k = 1 is the flat secure round within
+    the fixed-point encoding's rounding, with DP-FedAvg's noise added once at the coordinator
+    too. The rows count the secure stages' bytes of every site's clients."""
+    over = ("algorithm.name=fedavg", "rounds=1", "train.threads=1", "secagg.enabled=true", *dp)
+    flat = run_simulation(quick_config(data_root, *over), None)
+    two = run_simulation(quick_config(data_root, *over, SECURE_SITES), None)
+    assert max_dw(flat, two) <= 1e-6
+    assert two.rows[0]["upstream_messages"] == 2 and two.rows[0]["secure_recovered"] == []
+    assert two.rows[0]["bytes_up"] > 0
+
+
+def test_a_site_whose_secure_sum_fails_costs_only_its_clients(data_root, one_thread):
+    """A site with one selected client cannot mask (SecAgg+ needs neighbours): that site's round
+    fails, its client is recorded as failed with the site's reason, the other site's partial
+    counts."""
+    over = ("algorithm.name=fedavg", "rounds=1", "train.threads=1", "secagg.enabled=true", SITES)
+    row = run_simulation(quick_config(data_root, *over), None).rows[0]
+    assert row["status"] == "ok" and row["upstream_messages"] == 1
+    assert row["failed"] == [2] and row["reported"] == [0, 1, 3, 4]
+    assert "no masked input arrived" in row["device_failures"]["site b"]
+
+
+def test_secure_site_rounds_step_each_sites_model(data_root, one_thread):
+    """k = 2 under [secagg]: each site round is a secure round of its own (its own graph and
+    keys); the run learns as the plain two-tier run does, within the encoding's rounding."""
+    over = ("algorithm.name=fedavg", "rounds=1", "train.threads=1", SECURE_SITES,
+            "hierarchy.edge_rounds=2")
+    plain = run_simulation(quick_config(data_root, *over), None)
+    secure = run_simulation(quick_config(data_root, *over, "secagg.enabled=true"), None)
+    assert max_dw(plain, secure) <= 1e-5
