@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -231,3 +232,18 @@ def test_secure_site_rounds_step_each_sites_model(data_root, one_thread):
     plain = run_simulation(quick_config(data_root, *over), None)
     secure = run_simulation(quick_config(data_root, *over, "secagg.enabled=true"), None)
     assert max_dw(plain, secure) <= 1e-5
+
+
+def test_the_example_is_the_testbed_on_two_sites():
+    """examples/sites-testbed.toml: the testbed's config with [fleet] and [hierarchy] added, its
+    10 simulated Nanos in two labs of 5, 15 clients each, each behind its own uplink."""
+    from fedseq.common.config import load_config
+    from fedseq.server.rounds.virtual_fleet import VirtualFleet
+
+    root = Path(__file__).resolve().parents[2] / "examples"
+    sites, plain = load_config(root / "sites-testbed.toml"), load_config(root / "fmnist-testbed.toml")
+    assert sites.model_copy(update={"fleet": plain.fleet, "hierarchy": plain.hierarchy}) == plain
+    tree = site_tree(sites, VirtualFleet(sites))
+    assert [(s.name, len(s.devices), len(s.clients)) for s in tree] == [("lab1", 5, 15),
+                                                                          ("lab2", 5, 15)]
+    assert all(s.link is not None and s.link.up_mbit == 1 for s in tree)
