@@ -21,7 +21,8 @@ Three parts, each printed as one table:
   less one point,
   two sites of 5 Jetson Nanos each on wifi-good, each site behind a slow uplink to the
   coordinator (custom:down=10,up=1,delay=20: 1 Mbit/s up), 30 clients, join ratio 0.5, FedAvg,
-  20 rounds: flat (every update crosses the uplink), two tiers with k = 1 and k = 2.
+  20 rounds: flat (every update crosses the uplink), two tiers with k = 1 and k = 2; one table
+  per seed (`--seeds 0 1 2`).
 """
 
 from __future__ import annotations
@@ -123,21 +124,22 @@ def scale(root: Path) -> None:
         print(f"  {name:>8}: {statistics.mean(seconds[1:]):.2f} s")
 
 
-def accuracy(root: Path) -> None:
+def accuracy(root: Path, seed: int = 0) -> None:
     fleet = 'fleet.devices=[{profile="nano",count=10,link="wifi-good"}]'
     names = [f"nano-{i:02d}" for i in range(10)]
     sites = ('hierarchy.sites={a=[' + ",".join(f'"{d}"' for d in names[:5]) + '],b=['
              + ",".join(f'"{d}"' for d in names[5:]) + ']}')
     links = 'hierarchy.links={a="custom:down=10,up=1,delay=20",b="custom:down=10,up=1,delay=20"}'
     over = ("algorithm.name=fedavg", "rounds=20", "data.num_clients=30", "data.min_samples=10",
-            "train.join_ratio=0.5", "train.threads=1", "model.name=cnn", fleet, sites, links)
+            "train.join_ratio=0.5", "train.threads=1", "model.name=cnn", f"seed={seed}", fleet,
+            sites, links)
     runs = {"flat": ("hierarchy.edge_aggregation=false",), "two k=1": (),
             "two k=2": ("hierarchy.edge_rounds=2",)}
     rows = {name: run_simulation(quick_config(root, *over, *more), None).rows
             for name, more in runs.items()}
     target = [r for r in rows["flat"] if r.get("phase") == "train"][-1]["global_acc"] - 0.01
-    print(f"accuracy: to the flat run's final global accuracy less a point, {100 * target:.2f}% "
-          "(20 rounds, 2 sites x 5 nanos, 1 Mbit/s site uplinks)")
+    print(f"accuracy, seed {seed}: to the flat run's final global accuracy less a point, "
+          f"{100 * target:.2f}% (20 rounds, 2 sites x 5 nanos, 1 Mbit/s site uplinks)")
     print(f"{'run':>8} {'round':>6} {'virtual_s':>10} {'energy_kJ':>10} {'final_acc':>10}")
     for name, rs in rows.items():
         train = [r for r in rs if r.get("phase") == "train"]
@@ -154,11 +156,16 @@ def main() -> None:
     ap.add_argument("--data-root", type=Path, default=ROOT.parent / "shared" / "data")
     ap.add_argument("--part", nargs="+", default=["inbound", "fold", "scale", "accuracy"],
                     choices=["inbound", "fold", "scale", "accuracy"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0],
+                    help="the accuracy part's seeds (each: three 20-round runs)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     for part in args.part:
         if part == "fold":
             fold()
+        elif part == "accuracy":
+            for seed in args.seeds:
+                accuracy(args.data_root, seed)
         else:
             globals()[part](args.data_root)
 
