@@ -47,6 +47,9 @@ class Algorithm:
     global_model_note: str | None = None
     #: why the algorithm cannot run asynchronously (train.mode = "async"); None: it can
     async_problem: str | None = None
+    #: why it cannot take several site rounds per global round ([hierarchy] edge_rounds > 1,
+    #: server/rounds/sites.py: a site's update is then k site rounds' model change); None: it can
+    site_rounds_problem: str | None = None
     #: its `server_update` steps the model itself (server optimizers, FedDyn, SCAFFOLD, FedNova:
     #: they read algorithm.server_lr where they have one); False: FedAvg's step, which the
     #: buffered-asynchronous loop scales by algorithm.server_lr

@@ -96,6 +96,8 @@ class FedDyn(FedAvg):
     own_server_step = True
     client_class = DynClient
     params_model = DynParams
+    site_rounds_problem = ("its server state h steps with the mean of one round's client updates, "
+                           "each from the global model; a site's k site rounds are no such update")
     async_problem = ("its server state h and each client's g_k assume every update starts from "
                      "the current global model")
 

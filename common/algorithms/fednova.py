@@ -65,6 +65,8 @@ class FedNova(FedAvg):
     name = "fednova"
     client_class = NovaClient
     own_server_step = True
+    site_rounds_problem = ("its step tau_eff normalizes one round's client updates by their local "
+                           "steps; a site's k site rounds are no such update")
     async_problem = ("its step tau_eff weighs the updates of one round's clients against each "
                      "other; buffered updates trained on older models have no such round")
 

@@ -107,6 +107,8 @@ class Scaffold(FedAvg):
     name = "scaffold"
     own_server_step = True
     client_class = ControlClient
+    site_rounds_problem = ("its control variates move with one round's client corrections, made "
+                           "with the server's c and x; a site's k site rounds move them k times")
     async_problem = ("its control variates assume every client of a round corrects its steps "
                      "with the current c and x; a stale c_i breaks the variance reduction")
 

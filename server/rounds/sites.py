@@ -126,11 +126,10 @@ class EdgeSites:
         self.book = book
         self.k = book.cfg.hierarchy.edge_rounds
         self.sites = site_tree(book.cfg, book.fleet)
-        if self.k > 1 and book.alg.own_server_step:
-            raise ConfigError(
-                f"hierarchy.edge_rounds = {self.k}: {book.alg.name} steps the server from one "
-                "round's client updates (its own server step); a site's update of k site rounds "
-                "is no such update: use edge_rounds = 1")
+        if self.k > 1 and book.alg.site_rounds_problem is not None:
+            raise ConfigError(f"hierarchy.edge_rounds = {self.k}: {book.alg.name} cannot take "
+                              f"several site rounds: {book.alg.site_rounds_problem}; use "
+                              "edge_rounds = 1")
         #: client -> its site's name
         self.home = {c: site.name for site in self.sites for c in site.clients}
         #: what reached the coordinator in the last round: (messages, frame bytes)

@@ -102,7 +102,9 @@ def test_what_does_not_compose_is_refused_in_one_line(data_root, over, words):
 
 
 @pytest.mark.parametrize("over,words", [
-    (("algorithm.name=scaffold", SITES, "hierarchy.edge_rounds=2"), "own server step"),
+    (("algorithm.name=scaffold", SITES, "hierarchy.edge_rounds=2"), "control variates"),
+    (("algorithm.name=feddyn", SITES, "hierarchy.edge_rounds=2"), "server state h"),
+    (("algorithm.name=fednova", SITES, "hierarchy.edge_rounds=2"), "tau_eff"),
     ((FLEET, SITES), "must list the [fleet]'s devices"),
     ((FLEET, FLEET_SITES, 'hierarchy.links={a="slow"}'), "hierarchy.links.a"),
 ])
@@ -247,3 +249,16 @@ def test_the_example_is_the_testbed_on_two_sites():
     assert [(s.name, len(s.devices), len(s.clients)) for s in tree] == [("lab1", 5, 15),
                                                                           ("lab2", 5, 15)]
     assert all(s.link is not None and s.link.up_mbit == 1 for s in tree)
+
+
+@pytest.mark.parametrize("name", ["fedadam", "fedper"])
+def test_a_server_optimizer_and_a_personal_algorithm_take_k_site_rounds(data_root, one_thread,
+                                                                        name):
+    """k = 2 with FedAdam (its optimizer steps along the mean of the sites' changes: HierFAVG
+    under a server optimizer) and FedPer (each client's head trained in both site rounds): the
+    run learns, and differs from k = 1."""
+    over = (f"algorithm.name={name}", "rounds=2", "train.threads=1", SITES)
+    one = run_simulation(quick_config(data_root, *over), None)
+    two = run_simulation(quick_config(data_root, *over, "hierarchy.edge_rounds=2"), None)
+    assert max_dw(one, two) > 1e-3
+    assert two.rows[-1]["status"] == "ok" and two.rows[0]["reported"] == [0, 1, 2, 3, 4]
