@@ -238,28 +238,28 @@ class NoisedSum(WeightedDeltaSum):
         self.clip, self.noise, self.expected = clip, noise, expected
         self.seed, self.round = seed, round
 
+    def _within_clip(self, deltas: Weights) -> Weights:
+        """`deltas` scaled to an L2 norm (of their floating-point tensors) of at most C."""
+        floats = {k: d for k, d in deltas.items() if d.is_floating_point()}
+        norm = update_norm(floats)
+        if norm <= self.clip:
+            return deltas
+        scale = self.clip / norm
+        return {k: d * scale if k in floats else d for k, d in deltas.items()}
+
     def add(self, deltas: Weights, weight_of: dict[str, float], client: int,
             device: str | None = None) -> None:
         """Add one update, weight 1, scaled to an L2 norm of at most C first: an update the
         contract checked is within C already (a no-op); one decoded from int8 or top-k, whose
         codec does not keep the norm its device clipped, is brought back to C here, so no
         client moves the sum by more than C whatever it sends."""
-        floats = {k: d for k, d in deltas.items() if d.is_floating_point()}
-        norm = update_norm(floats)
-        if norm > self.clip:
-            scale = self.clip / norm
-            deltas = {k: d * scale if k in floats else d for k, d in deltas.items()}
-        super().add(deltas, {b: 1.0 for b in weight_of}, client, device)
+        super().add(self._within_clip(deltas), {b: 1.0 for b in weight_of}, client, device)
 
     def add_partial(self, deltas: Weights, weights: dict[str, float], clients: list[int]) -> None:
         """A site's partial (server/rounds/sites.py): the mean of its clients' clipped updates,
         each of weight 1, so within C itself; one over C is brought back to C here, so no site
         moves the sum by more than its clients' count x C."""
-        floats = {k: d for k, d in deltas.items() if d.is_floating_point()}
-        norm = update_norm(floats)
-        if norm > self.clip:
-            deltas = {k: d * (self.clip / norm) if k in floats else d for k, d in deltas.items()}
-        super().add_partial(deltas, weights, clients)
+        super().add_partial(self._within_clip(deltas), weights, clients)
 
     def apply(self, global_weights: Weights) -> Weights:
         out = dict(global_weights)

@@ -239,9 +239,11 @@ class Ledger:
         out: Weights = {}
         for b in dict.fromkeys(map(block_of, weights)):
             tensors = in_blocks(weights, b)
-            if b in personal or fresh:
-                out.update(encode(tensors, self.down)[0] if fresh and b not in personal
-                           else tensors)
+            if b in personal:
+                out.update(tensors)
+                continue
+            if fresh:
+                out.update(encode(tensors, self.down)[0])
                 continue
             version = self.version.get(b, 0)
             cached = self._down_cache.get(b)
@@ -277,42 +279,42 @@ class Ledger:
         held = self.client_version[client]
         for b in blocks:
             if held.get(b, -1) != self.version[b]:
-                key = (b, self.version[b])
-                if key not in self._frame_sizes:
-                    self._frame_sizes[key] = frame_size(self.sent(
-                        in_blocks(self.offered(), b), self.alg.personal_blocks()))
-                total += self._frame_sizes[key]
+                total += self._block_bytes(b)
                 held[b] = self.version[b]
         return total
 
     def blocks_bytes(self, blocks: list[str]) -> int:
         """Frame bytes of `blocks` at their current version, whoever holds what (a site's
         model after a site round: every needed block again, sites.py)."""
-        total = 0
-        for b in blocks:
-            key = (b, self.version[b])
-            if key not in self._frame_sizes:
-                self._frame_sizes[key] = frame_size(self.sent(
-                    in_blocks(self.offered(), b), self.alg.personal_blocks()))
-            total += self._frame_sizes[key]
-        return total
+        return sum(self._block_bytes(b) for b in blocks)
+
+    def _block_bytes(self, block: str) -> int:
+        """The frame bytes of `block`'s current version as the clients receive it (cached)."""
+        key = (block, self.version[block])
+        if key not in self._frame_sizes:
+            self._frame_sizes[key] = frame_size(self.sent(
+                in_blocks(self.offered(), block), self.alg.personal_blocks()))
+        return self._frame_sizes[key]
+
+    def _uploaded(self, plan: ClientPlan) -> Weights:
+        """The global tensors an update to `plan` carries: its uploaded blocks', less the
+        tensors that stay with the clients."""
+        return {k: v for k, v in self.offered().items() if block_of(k) in plan.upload
+                and k not in self.model.personal_keys()}
 
     def partial_size(self, plan: ClientPlan) -> int:
         """The frame bytes of a site's partial for `plan`: its uploaded tensors in float32."""
         key = ("partial", *plan.upload)
         if key not in self._upload_sizes:
-            self._upload_sizes[key] = frame_size({
-                k: v.to(torch.float32) for k, v in self.offered().items()
-                if block_of(k) in plan.upload and k not in self.model.personal_keys()})
+            self._upload_sizes[key] = frame_size(
+                {k: v.to(torch.float32) for k, v in self._uploaded(plan).items()})
         return self._upload_sizes[key]
 
     def upload_size(self, plan: ClientPlan) -> int:
         """The frame bytes of an update to `plan` in the uplink's codec (simulated time)."""
         if plan.upload not in self._upload_sizes:
-            reference = {k: v for k, v in self.offered().items() if block_of(k) in plan.upload
-                         and k not in self.model.personal_keys()}
             coded = {k: torch.empty(shape, dtype=dtype)  # sized, never filled
-                     for k, (dtype, shape) in expected(reference, self.up).items()}
+                     for k, (dtype, shape) in expected(self._uploaded(plan), self.up).items()}
             self._upload_sizes[plan.upload] = frame_size(coded)
         return self._upload_sizes[plan.upload]
 

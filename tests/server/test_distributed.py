@@ -549,9 +549,8 @@ def _listening(pids: set[int]) -> list[str]:
 def _tree(root: int) -> set[int]:
     pids = {root}
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        with contextlib.suppress(OSError):
-            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1]) == root:
-                pids.add(int(pid))
+        if _parent(int(pid)) == root:
+            pids.add(int(pid))
     return pids
 
 
