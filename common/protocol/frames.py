@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fedseq.common.errors import ProtocolError
-from fedseq.common.protocol.messages import Message, UpdateHeader, WeightsHeader
+from fedseq.common.protocol.messages import (
+    Message,
+    SiteResultHeader,
+    SiteTaskHeader,
+    UpdateHeader,
+    WeightsHeader,
+)
 
 CHUNK_BYTES = 1 << 20  # 1 MiB: below Mosquitto's 2,000,000-byte default and amqtt's limits
 #: the largest JSON header a chunk may carry (an honest one is a few hundred bytes): a longer one
@@ -23,7 +29,7 @@ HEADER_BYTES = 8192
 #: the largest chunk message: its length prefix, header and data
 CHUNK_MESSAGE_BYTES = 4 + HEADER_BYTES + CHUNK_BYTES
 
-H = TypeVar("H", WeightsHeader, UpdateHeader)
+H = TypeVar("H", WeightsHeader, UpdateHeader, SiteTaskHeader, SiteResultHeader)
 
 
 def split_frame(frame: bytes, chunk_bytes: int = CHUNK_BYTES) -> list[memoryview]:
@@ -170,7 +176,8 @@ class FramePool:
         """Bytes of incomplete frames held, of one sender or (None) of all."""
         return sum(p.asm.size for p in self.partial.values() if sender in (None, p.sender))
 
-    def add(self, sender: str, tag: Hashable, header: WeightsHeader | UpdateHeader,
+    def add(self, sender: str, tag: Hashable,
+            header: WeightsHeader | UpdateHeader | SiteTaskHeader | SiteResultHeader,
             data: memoryview | bytes) -> memoryview | None:
         """Add one chunk; the whole frame once complete and verified, else None. Raises
         ProtocolError for a chunk that cannot belong to a legitimate frame (its frame is dropped

@@ -342,3 +342,81 @@ class UpdateHeader(Message):
     chunks: int = Field(ge=1, description="The frame's chunks.")
     size: int = Field(ge=0, description="Bytes of the whole frame.")
     sha256: str = Field(description="The whole frame's SHA-256 (hex).")
+
+
+class SiteTaskHeader(Message):
+    """Header of one chunk of a site task ([hierarchy] on a fleet): the coordinator asks the edge
+    aggregator of `site` for a step over its devices, the frame holding the blocks it needs (the
+    global model as the round offers it). train: `edge_rounds` site rounds of round `round` over
+    `clients`, answered with one partial aggregate; evaluate, finetune: the site's clients'
+    scores; idle: the run is over. Coordinator to edge only: no device reads it."""
+
+    run_id: str
+    site: str = Field(max_length=64)
+    seq: int = Field(ge=0, description="Strictly increasing within a run, over every site.")
+    kind: Literal["train", "evaluate", "finetune", "idle"]
+    round: int = Field(-1, description="train: the global round.")
+    clients: List[int] = Field(default_factory=list, description="train: the site's clients.")
+    plan: Optional[Dict[str, Any]] = Field(None, description="train, finetune: the ClientPlan.")
+    needed: List[str] = Field(default_factory=list, description="train: the blocks sent.")
+    bound: float = Field(0.0, ge=0, description="train: the round's bound on a delta.")
+    clip: Optional[float] = Field(None, description="train, [privacy]: the round's clip norm.")
+    eval_heads: List[str] = Field(default_factory=list, description="evaluate, finetune.")
+    personal: List[str] = Field(default_factory=list, description="The personal blocks.")
+    chunk: int = Field(ge=0, description="This chunk's index.")
+    chunks: int = Field(ge=1, description="The frame's chunks.")
+    size: int = Field(ge=0, description="Bytes of the whole frame.")
+    sha256: str = Field(description="The whole frame's SHA-256 (hex).")
+
+
+class SiteClient(BaseModel):
+    """What a site's partial says of one client whose update it folded (the coordinator checks
+    the counts against its own and recomputes the client's weight from them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    client: int = Field(ge=0)
+    device: str = Field(max_length=64)
+    num_samples: int = Field(ge=0)
+    effective_samples: Optional[int] = Field(None, ge=0)
+    train_seconds: float = Field(0.0, ge=0)
+    local_correct: Optional[int] = Field(None, ge=0)
+    local_total: Optional[int] = Field(None, ge=0)
+    upload_bytes: int = Field(0, ge=0, description="What its update measured on the site's wire.")
+    under_clip: Optional[bool] = None
+    norm: Optional[float] = Field(None, ge=0, description="Its update's L2 norm (no [secagg]).")
+    folds: int = Field(1, ge=1, le=1000, description="Its updates the site folded (its site rounds).")
+
+
+class SiteResultHeader(Message):
+    """Header of one chunk of an edge aggregator's answer to a site task (edge to coordinator).
+    train: the frame holds the site's partial aggregate (its model's change since the global
+    model after its site rounds, float32), `weights` its total weight per tensor, `clients` the
+    clients folded in it; evaluate, finetune: an empty frame and `scores`."""
+
+    run_id: str
+    site: str = Field(max_length=64)
+    seq: int = Field(ge=0, description="The site task it answers.")
+    round: int = -1
+    weights: Dict[str, float] = Field(default_factory=dict)
+    clients: List[SiteClient] = Field(default_factory=list, max_length=1_000_000)
+    rejected: Dict[int, str] = Field(default_factory=dict, description=(
+        "Clients whose update the site refused, with why."))
+    failures: Dict[str, str] = Field(default_factory=dict, description=(
+        "Devices (or the site's own rounds) that could not run the step, with why."))
+    blocked: List[int] = Field(default_factory=list, description="Clients of devices that failed.")
+    bytes_up: int = Field(0, ge=0, description="Update bytes the site's devices sent it.")
+    scores: Dict[int, Tuple[int, int]] = Field(default_factory=dict, description=(
+        "evaluate, finetune: client -> (correct, total)."))
+    diverged: Dict[int, int] = Field(default_factory=dict, description="finetune.")
+    chunk: int = Field(ge=0, description="This chunk's index.")
+    chunks: int = Field(ge=1, description="The frame's chunks.")
+    size: int = Field(ge=0, description="Bytes of the whole frame.")
+    sha256: str = Field(description="The whole frame's SHA-256 (hex).")
+
+
+class SiteStatus(Message):
+    """An edge aggregator's presence (retained; its last will says offline)."""
+
+    site: str = Field(max_length=64)
+    state: Literal["online", "offline"]
+    devices: List[str] = Field(default_factory=list, description="Its devices online.")

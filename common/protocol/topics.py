@@ -16,8 +16,10 @@ class TopicRef:
     """A parsed topic: its kind and the names its levels carry (empty where it has none).
 
     kind: server_status, campaign, device_status, device_info, assignment, run_config, step,
-    weights, update, eval, secagg, secagg_relay, control. Levels are kept as text: a chunk level
-    that is not a number is the message handler's to refuse, with its reason."""
+    weights, update, eval, secagg, secagg_relay, control; site_status, site_run, site_task,
+    site_result (an edge aggregator's topics, where `device` names its site). Levels are kept
+    as text: a chunk level that is not a number is the message handler's to refuse, with its
+    reason."""
 
     kind: str
     device: str = ""
@@ -90,6 +92,11 @@ class Topics:
         """The coordinator's control messages to every device (abort)."""
         return f"{self.root}/control"
 
+    def site(self, site: str, what: str) -> str:
+        """[hierarchy] on a fleet, the coordinator's broker: an edge aggregator's `status`
+        (retained, last will), the `task`s the coordinator gives it, its `result`s."""
+        return f"{self.root}/site/{site}/{what}"
+
     def parse(self, topic: str) -> Optional[TopicRef]:
         """The topic's kind and levels; None for a topic outside this tree or of no known shape."""
         if not topic.startswith(self.root + "/"):
@@ -116,4 +123,7 @@ class Topics:
             return TopicRef("secagg", device=p[1])
         if shape == ("eval", 2):
             return TopicRef("eval", device=p[1])
+        if shape == ("site", 3) and p[2] in ("status", "run", "task", "result") \
+                and DEVICE_NAME.fullmatch(p[1]):
+            return TopicRef("site_" + p[2], device=p[1])  # [hierarchy]: `device` names the site
         return None

@@ -859,6 +859,67 @@ class _Printer:
 
 
 @server_app.command()
+def edge(
+    site: Annotated[str, typer.Option(help="this site's name, as hierarchy.sites names it")],
+    broker: Annotated[str, typer.Option(help="mqtt://HOST:PORT of the site's broker (its "
+                                             "devices' broker)")],
+    upstream: Annotated[str, typer.Option(help="mqtt://HOST:PORT of the coordinator's broker")],
+    data_dir: Annotated[Path | None, typer.Option(
+        help="the data root on this host (the partition's sizes; default: the one data root "
+             "of every command)")] = None,
+    topic_root: Annotated[str, typer.Option(help="deploy.topic_root of the runs")] = "fedseq",
+    username: UsernameOpt = None,
+    password_file: PasswordFileOpt = None,
+    ca_file: CaFileOpt = None,
+    cert_file: CertFileOpt = None,
+    key_file: KeyFileOpt = None,
+    no_verify_hostname: NoVerifyOpt = False,
+    upstream_username: Annotated[str | None, typer.Option(
+        help="the coordinator's broker: this edge's login")] = None,
+    upstream_password_file: Annotated[Path | None, typer.Option(
+        help="the coordinator's broker: the file of this edge's password")] = None,
+    upstream_ca_file: Annotated[Path | None, typer.Option(
+        help="the coordinator's broker, mqtts://: its CA's PEM file")] = None,
+    upstream_cert_file: Annotated[Path | None, typer.Option(
+        help="the coordinator's broker, mutual TLS: this edge's certificate")] = None,
+    upstream_key_file: Annotated[Path | None, typer.Option(
+        help="the coordinator's broker, mutual TLS: the certificate's key")] = None,
+    log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
+) -> None:
+    """Run a site's edge aggregator ([hierarchy]): to the coordinator one participant holding
+    the site's clients, to the site's devices their coordinator; it folds their updates and
+    sends one partial aggregate a round (docs/how-to/edge-sites.md). Runs until stopped."""
+    import signal
+    import threading
+
+    from fedseq.common.files import read_secret
+    from fedseq.common.protocol.link import TlsOptions
+    from fedseq.server.ops.edge import EdgeAggregator, Login
+    from fedseq.server.pools.mqtt.edges import site_name_problem
+
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    why = site_name_problem(site)
+    if why is not None:
+        _fail(ConfigError(why))
+    try:
+        verify = not no_verify_hostname
+        down = Login(username, read_secret(password_file, "--password-file"),
+                     TlsOptions(ca_file, cert_file, key_file, verify))
+        up = Login(upstream_username,
+                   read_secret(upstream_password_file, "--upstream-password-file"),
+                   TlsOptions(upstream_ca_file, upstream_cert_file, upstream_key_file, verify))
+        aggregator = EdgeAggregator(site, upstream, broker, data_dir, topic_root, up, down)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        aggregator.serve(stop)
+    except FedseqError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        pass
+
+
+@server_app.command()
 def passwd(
     file: Annotated[Path, typer.Argument(help="amqtt password file to create or update")],
     user: Annotated[str, typer.Argument(help="account name (a device's name, or the coordinator's)")],

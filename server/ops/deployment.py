@@ -48,19 +48,19 @@ def local_device_names(n: int) -> list[str]:
 
 
 def spawn_local_devices(n: int, url: str, cfg: ExperimentConfig, state_dir: Path,
-                        threads: int | None = None, rehearsal: Rehearsal | None = None
-                        ) -> list[subprocess.Popen]:
-    """Start n fedseq-client daemons (local01..) as child processes. By default they share the
-    cores (cores // n torch threads each): oversubscribed OpenMP threads spin and slow every
-    process down several times over. In a rehearsal each runs in its device's network namespace,
-    behind its link, under its CPU quota."""
+                        threads: int | None = None, rehearsal: Rehearsal | None = None,
+                        names: list[str] | None = None) -> list[subprocess.Popen]:
+    """Start n fedseq-client daemons (local01..; `names`: those of the n) as child processes.
+    By default they share the cores (cores // n torch threads each): oversubscribed OpenMP
+    threads spin and slow every process down several times over. In a rehearsal each runs in its
+    device's network namespace, behind its link, under its CPU quota."""
     threads = threads or max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ)
     env.setdefault("MALLOC_ARENA_MAX", "2")  # as the systemd unit: less memory per daemon
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     procs = []
-    for name in local_device_names(n):
+    for name in names if names is not None else local_device_names(n):
         # data.placement = "device": each local device's own folder under data.devices_root
         data = cfg.data.devices_root / name if cfg.data.devices_root is not None else cfg.data.root
         cmd = [sys.executable, "-m", "fedseq.client.cli", "--device", name, "--broker", url,
@@ -119,15 +119,19 @@ def run_deployment(
     """mode "resume" continues `out` after its checkpoint's last complete round, under the same
     run id (devices keep their personal state) and the same assignment."""
     _own_broker(rehearsal, broker or cfg.deploy.broker)
-    if cfg.hierarchy:
-        raise ConfigError("[hierarchy] (edge sites) runs in fedseq-sim only for now: a fleet's "
-                          "edge aggregator per site is not built yet (docs/how-to/edge-sites.md); "
-                          "leave [hierarchy] out to deploy")
     if cfg.fleet:
         announce("note: [fleet] models a simulation's time; a deployment's devices are real, "
                  "so it is ignored here")
         cfg = cfg.model_copy(update={"fleet": FleetConfig()})
-    fleet = MqttTransport(cfg, out, broker, local_devices, announce, client_threads, rehearsal)
+    fleet: Transport
+    if cfg.hierarchy:  # a fleet of sites: an edge aggregator per site (sites_fleet.py)
+        from fedseq.server.ops.sites_fleet import SitesTransport
+
+        fleet = SitesTransport(cfg, out, broker, local_devices, announce, client_threads,
+                               rehearsal)
+    else:
+        fleet = MqttTransport(cfg, out, broker, local_devices, announce, client_threads,
+                              rehearsal)
     driver: DriverFactory | None = None
     if cfg.train.mode == "async":  # the devices' own pace orders the arrivals
         driver = functools.partial(BufferedAsync, arrivals=MqttArrivals)

@@ -115,6 +115,14 @@ class RoundUpdates:
     costs: dict[int, tuple[str | None, DeviceCost | None]] = field(default_factory=dict)
     outcome: RoundOutcome = field(default_factory=RoundOutcome)
     within: int = 0  # [privacy] adaptive clipping: counted updates within the clip norm
+    #: client -> the (num_samples, effective_samples) its folded update said (sites.py: what a
+    #: site's partial claims), and how often it was folded this round (its site rounds)
+    samples: dict[int, tuple[int, int | None]] = field(default_factory=dict)
+    folds: dict[int, int] = field(default_factory=dict)
+    #: client -> its updates' bytes as they came, this round (where they are counted)
+    uploads: dict[int, int] = field(default_factory=dict)
+    #: [privacy] adaptive clipping: client -> whether its last update was within the clip norm
+    under_clip: dict[int, bool] = field(default_factory=dict)
 
 
 class Ledger:
@@ -385,12 +393,30 @@ class Ledger:
         with what the row reports of it: its (unscaled) norm, local score, FLOPs, steps, bytes."""
         deltas = update.deltas if scale == 1.0 else {k: v * scale for k, v in
                                                       update.deltas.items()}
-        (got.aggregate if into is None else into).add(
-            deltas, self.alg.aggregation_weights(update), update.client, update.device)
-        if not self.cfg.secagg.enabled:  # a secure round's coordinator never sees it
-            got.norms[update.client] = update_norm(update.deltas)
-        got.reported.append(update.client)
+        target = got.aggregate if into is None else into
+        target.add(deltas, self.alg.aggregation_weights(update), update.client, update.device)
+        # (a secure round's coordinator never sees the norm; a secure sum's four stages' bytes
+        # are counted at the row, or at the site's end)
+        secure = isinstance(target, SecureSum)
+        self.account(got, update, plan, None if self.cfg.secagg.enabled else
+                     update_norm(update.deltas),
+                     None if secure else update.upload_bytes if update.upload_bytes is not None
+                     else self.update_bytes(update.deltas))
+
+    def account(self, got: RoundUpdates, update: ClientUpdate, plan: ClientPlan,
+                norm: float | None, upload_bytes: int | None) -> None:
+        """What the row reports of one folded update: its norm (None: unseen), local score,
+        FLOPs, steps and bytes (None: counted elsewhere); its deltas are not read (a site's
+        partial says these of the updates it folded, sites.py)."""
+        c = update.client
+        if norm is not None:
+            got.norms[c] = norm
+        got.samples[c] = (update.num_samples, update.effective_samples)
+        got.folds[c] = got.folds.get(c, 0) + 1
+        got.reported.append(c)
         got.within += bool(update.under_clip)
+        if update.under_clip is not None:
+            got.under_clip[c] = update.under_clip
         if update.local_score is not None:
             got.local_scores[update.client] = update.local_score
         shard = self.data.clients[update.client]
@@ -398,10 +424,9 @@ class Ledger:
         got.flops += flops
         got.paces[update.client] = (update.train_seconds, flops)
         got.steps += plan_steps(plan, self.data, shard)
-        if not isinstance(got.aggregate if into is None else into, SecureSum):
-            # (a secure sum's four stages' bytes: at the row, or at the site's end)
-            got.bytes_up += (update.upload_bytes if update.upload_bytes is not None
-                             else self.update_bytes(update.deltas))
+        if upload_bytes is not None:
+            got.bytes_up += upload_bytes
+            got.uploads[c] = got.uploads.get(c, 0) + upload_bytes
 
     def apply(self, t: int, got: RoundUpdates) -> str | None:
         """Step the server with the round's aggregate if the round counts; else say why it does

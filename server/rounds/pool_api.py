@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights
+from fedseq.common.protocol.messages import SiteResultHeader
 
 if TYPE_CHECKING:
+    from fedseq.server.rounds.contract import RoundContract
     from fedseq.server.rounds.records import Rejection
 
 #: the round loop's verdict on one update: None = valid, else why it is rejected
@@ -152,6 +154,32 @@ class ClientPool(Protocol):
 
     def restore(self, state: PoolState) -> None:
         """Continue from a checkpoint's `snapshot()` (before `open`)."""
+        ...
+
+
+@dataclass
+class SiteRounds:
+    """What the edge aggregators answered for a round: each answering site's result (its header,
+    as validated on receipt, and its partial's deltas) and why each other site sent none; the
+    outcome's deadline and wire bytes."""
+
+    answers: dict[str, tuple[SiteResultHeader, Weights]] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)
+    outcome: RoundOutcome = field(default_factory=RoundOutcome)
+
+
+@runtime_checkable
+class SiteAggregators(Protocol):
+    """A pool whose sites fold their own clients' updates: [hierarchy] on a fleet, an edge
+    aggregator per site (server/pools/mqtt/edges.py). The round loop's EdgeSites (sites.py)
+    asks it for the sites' partials instead of running the site rounds itself."""
+
+    def site_rounds(self, round: int, by_site: dict[str, list[int]], plan: ClientPlan,
+                    needed: list[str], start: Weights, contract: RoundContract) -> SiteRounds:
+        """Have each site run its k site rounds of global round `round` over its selected
+        clients (`by_site`) from the global model `start` (`needed`: the blocks its clients
+        receive; `contract`: the round's bound on a delta and clip norm), and hand back what
+        each site answered; the round loop checks every partial (sites.py `check_partial`)."""
         ...
 
 

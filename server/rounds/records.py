@@ -47,6 +47,7 @@ Refusal = Literal[
     "too-stale",  # trained on a model more than train.max_staleness server steps old (async)
     "bad-version",  # names a model version it cannot have trained on (async, on a fleet)
     "over-clip",  # an L2 norm above privacy.clip_norm: not clipped on its device
+    "at-site",  # refused by its site's edge aggregator ([hierarchy]; the particulars say why)
 ]
 
 

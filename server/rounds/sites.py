@@ -28,15 +28,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedseq.common.algorithms.aggregate import WeightedDeltaSum
+from fedseq.common.algorithms import Algorithm
+from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import AggregationError, ConfigError
-from fedseq.common.models import Weights, in_blocks
+from fedseq.common.models import Weights, block_of, in_blocks, is_statistic
 from fedseq.server.privacy.secure_sum import SecureSum
-from fedseq.server.rounds.contract import RoundContract
+from fedseq.server.rounds.contract import RoundContract, statistic_problem
 from fedseq.server.rounds.links import LinkProfile, parse_profile
-from fedseq.server.rounds.pool_api import RoundOutcome, UpdateCheck
+from fedseq.server.rounds.pool_api import RoundOutcome, SiteAggregators, UpdateCheck
+from fedseq.server.rounds.records import Rejection
 from fedseq.server.rounds.virtual_fleet import VirtualFleet, sync_round
 
 if TYPE_CHECKING:
@@ -117,6 +119,65 @@ def partial_of(acc: WeightedDeltaSum, before: Weights, start: Weights) -> SitePa
     return SitePartial(deltas, weights, acc.clients_added())
 
 
+def check_partial(p: SitePartial, counts: dict[int, tuple[int, int | None]], site: Site,
+                  contract: RoundContract, alg: Algorithm, k: int, unit_weights: bool
+                  ) -> str | None:
+    """Why a partial an edge aggregator sent for `site` cannot count (None: it can), before
+    anything of it is folded. `counts`: each client it claims -> the (num_samples,
+    effective_samples) it says it folded with. The claimed clients must be the round's and the
+    site's, once each, with the sample counts the coordinator knows; each tensor's weight must
+    be the one their counts give (the algorithm's per-block weights, or 1 per client under
+    DP-FedAvg: `unit_weights`), so a site cannot weigh itself up; its tensors must be the round's
+    uploaded ones in float32, and each change within k x the round's bound on a delta (k site
+    rounds); a statistic within its own rules. DP-FedAvg's clip is applied when it is folded
+    (NoisedSum.add_partial)."""
+    claimed = p.clients
+    if len(set(claimed)) != len(claimed) or set(claimed) != set(counts):
+        return "it names a client more than once, or its clients and their counts differ"
+    foreign = sorted(set(claimed) - (contract.selected & site.clients))
+    if foreign:
+        return (f"it claims client(s) {', '.join(map(str, foreign[:10]))} that are not this "
+                f"round's clients at site {site.name}")
+    for c in claimed:
+        n, eff = counts[c]
+        want = contract.effective_samples.get(c) if contract.effective_samples else None
+        if n != contract.num_samples[c] or eff != want:
+            return (f"client {c}'s sample counts ({n}, {eff}) are not the coordinator's "
+                    f"({contract.num_samples[c]}, {want})")
+    extra = sorted(set(p.deltas) - set(contract.reference))
+    if extra or set(p.deltas) != set(p.weights):
+        return ("its tensors are not the round's uploaded ones "
+                f"({', '.join(extra[:5]) or 'weights and deltas differ'})")
+    expected: dict[str, float] = {}
+    for c in claimed:
+        n, eff = counts[c]
+        per_block = alg.aggregation_weights(
+            ClientUpdate(c, contract.round, p.deltas, n, eff)) if not unit_weights else None
+        for key in p.deltas:
+            expected[key] = expected.get(key, 0.0) + (
+                1.0 if per_block is None else per_block[block_of(key)])
+    for key, d in p.deltas.items():
+        ref = contract.reference[key]
+        w = expected[key]
+        if abs(p.weights[key] - w) > 1e-9 * max(1.0, w):
+            return f"tensor {key}'s weight {p.weights[key]:g} is not its clients' {w:g}"
+        if d.dtype != torch.float32 or d.shape != ref.shape:
+            return (f"tensor {key} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
+                    f"expected float32{list(ref.shape)}")
+        if not bool(torch.isfinite(d).all()):
+            return f"tensor {key} contains NaN or Inf"
+        if is_statistic(key):
+            problem = statistic_problem(key, ref, d)
+            if problem is not None:
+                return problem.text
+            continue
+        bound = k * contract.bounds.get(key, contract.max_abs_delta)
+        top = float(d.abs().max()) if d.numel() else 0.0
+        if top > bound:
+            return f"tensor {key} moves by {top:.3g}, more than {k} x the round's bound {bound / k:g}"
+    return None
+
+
 class EdgeSites:
     """The sites of a run and their part of a synchronous round: `train` runs every site's k
     site rounds over the run's pool and folds each site's partial into the round's aggregate,
@@ -132,6 +193,7 @@ class EdgeSites:
                               "edge_rounds = 1")
         #: client -> its site's name
         self.home = {c: site.name for site in self.sites for c in site.clients}
+        self.sites_by_name = {site.name: site for site in self.sites}
         #: what reached the coordinator in the last round: (messages, frame bytes)
         self.upstream = (0, 0)
         #: [secagg], the last round: clients whose masks were recovered, clients left out
@@ -148,15 +210,98 @@ class EdgeSites:
     def train(self, t: int, trainers: list[int], plan: ClientPlan, needed: list[str],
               contract: RoundContract, got: RoundUpdates,
               checker: Callable[[RoundContract], UpdateCheck]) -> None:
-        """Every site's k site rounds of global round t, their partials folded into `got`."""
+        """Every site's k site rounds of global round t, their partials folded into `got`: run
+        here over the run's pool, or on a fleet by each site's edge aggregator (the pool's
+        `SiteAggregators`). Every partial passes `check_partial` first; one that does not costs
+        its site's clients the round, recorded with why."""
+        book = self.book
+        start = book.offered()
+        if isinstance(book.pool, SiteAggregators):
+            made = self._remote(t, trainers, plan, needed, start, contract, got)
+        else:
+            made = [(p, got.samples) for p in self.partials(
+                t, trainers, plan, needed, contract, got, checker, start,
+                book.sent(in_blocks(start, needed)))]
+        partials = []
+        for p, samples in made:
+            site = self.sites_by_name[self.home[p.clients[0]]] if p.clients else None
+            why = None if site is None else check_partial(
+                p, {c: samples[c] for c in p.clients if c in samples}, site, contract, book.alg,
+                self.k, book.cfg.privacy.client_level)
+            if site is None or why is not None:
+                name = site.name if site is not None else "?"
+                log.warning("round %d: site %s's partial is refused: %s", t, name, why)
+                got.outcome.device_failures[f"site {name}"] = f"its partial was refused: {why}"
+                continue
+            partials.append(p)
+        for p in partials:  # in site order
+            got.aggregate.add_partial(p.deltas, p.weights, p.clients)  # type: ignore[attr-defined]
+        # a client counts once a round, and only in a site's partial (a site whose round failed
+        # loses its clients' updates, as a failed round loses all)
+        counted = {c for p in partials for c in p.clients}
+        got.reported = [c for c in sorted(dict.fromkeys(got.reported)) if c in counted]
+        got.local_scores = {c: x for c, x in got.local_scores.items() if c in counted}
+        self.upstream = (len(partials), sum(book.update_bytes(p.deltas) for p in partials))
+
+    def _remote(self, t: int, trainers: list[int], plan: ClientPlan, needed: list[str],
+                start: Weights, contract: RoundContract, got: RoundUpdates
+                ) -> list[tuple[SitePartial, dict[int, tuple[int, int | None]]]]:
+        """A fleet's edge aggregators run the sites' rounds: each answering site's partial with
+        the sample counts it claims; what it says of its clients noted in `got` as the
+        updates it folded (their FLOPs counted once per site round), a silent site's clients
+        recorded as missing with why."""
+        book = self.book
+        pool = book.pool
+        assert isinstance(pool, SiteAggregators)
+        by_site = self.site_of(trainers)
+        answered = pool.site_rounds(t, by_site, plan, needed, start, contract)
+        got.outcome = answered.outcome
+        out = []
+        for site, clients in by_site.items():
+            if site not in answered.answers:
+                why = answered.missing.get(site, "it sent nothing")
+                log.warning("round %d: site %s sent no partial: %s", t, site, why)
+                got.outcome.device_failures[f"site {site}"] = why
+                got.outcome.blocked |= set(clients)
+                continue
+            head, deltas = answered.answers[site]
+            mine = set(clients)
+            for f in head.clients:
+                if f.client not in mine:
+                    continue  # check_partial refuses the partial: nothing of it is noted
+                update = ClientUpdate(f.client, t, {}, f.num_samples, f.effective_samples,
+                                      f.train_seconds,
+                                      None if f.local_correct is None or f.local_total is None
+                                      else (f.local_correct, f.local_total),
+                                      device=f.device, under_clip=f.under_clip)
+                for e in range(max(1, f.folds)):
+                    book.account(got, update, plan, f.norm, None if e else f.upload_bytes)
+                got.costs[f.client] = (f.device, None)
+                got.outcome.reporters[f.client] = f.device
+            for c, why in head.rejected.items():
+                if c in mine:
+                    got.rejected[c] = Rejection("at-site", f"site {site}: {why}")
+            got.outcome.device_failures.update(head.failures)
+            got.outcome.blocked |= set(head.blocked) & mine
+            out.append((SitePartial(deltas, dict(head.weights), [f.client for f in head.clients]),
+                        {f.client: (f.num_samples, f.effective_samples) for f in head.clients}))
+        return out
+
+    def partials(self, t: int, trainers: list[int], plan: ClientPlan, needed: list[str],
+                 contract: RoundContract, got: RoundUpdates,
+                 checker: Callable[[RoundContract], UpdateCheck], start: Weights,
+                 first: Weights) -> list[SitePartial]:
+        """The k site rounds of global round t of every site holding one of `trainers` (an
+        edge aggregator: its own), from the model `start` (`first`: its needed blocks as the
+        clients receive them); each site's partial, in site order (none for a site whose
+        rounds failed or folded nothing). What the sites folded is noted in `got`."""
         book = self.book
         by_site = self.site_of(trainers)
-        start = book.offered()
         accs = {s: book.site_aggregate(t, cs, contract.reference) for s, cs in by_site.items()}
         self.recovered, self.excluded = [], {}
         # site round 0: every site trains from the global model, so one dispatch for all
-        self._dispatch(t, trainers, plan, book.sent(in_blocks(start, needed)), checker(contract),
-                       got, lambda c: accs[self.home[c]])
+        self._dispatch(t, trainers, plan, first, checker(contract), got,
+                       lambda c: accs[self.home[c]])
         partials = []
         for site, clients in by_site.items():
             before, acc = start, accs[site]
@@ -182,14 +327,7 @@ class EdgeSites:
                                got, dict.fromkeys(clients, acc).__getitem__)
             if inner is not None and inner.count():
                 partials.append(partial_of(inner, before, start))
-        for p in partials:  # in site order
-            got.aggregate.add_partial(p.deltas, p.weights, p.clients)  # type: ignore[attr-defined]
-        # a client counts once a round, and only in a site's partial (a site whose round failed
-        # loses its clients' updates, as a failed round loses all)
-        counted = {c for p in partials for c in p.clients}
-        got.reported = [c for c in dict.fromkeys(got.reported) if c in counted]
-        got.local_scores = {c: x for c, x in got.local_scores.items() if c in counted}
-        self.upstream = (len(partials), sum(book.update_bytes(p.deltas) for p in partials))
+        return partials
 
     def _settle(self, acc: WeightedDeltaSum | SecureSum, before: Weights, got: RoundUpdates,
                 key: int) -> WeightedDeltaSum:
@@ -268,4 +406,4 @@ def merge_outcome(into: RoundOutcome, step: RoundOutcome) -> None:
 
 
 __all__ = ["EDGE_STRIDE", "EdgeSites", "Site", "SitePartial", "assign_clients", "edge_key",
-           "merge_outcome", "partial_of", "site_tree"]
+           "check_partial", "merge_outcome", "partial_of", "site_tree"]

@@ -178,14 +178,19 @@ def test_two_tiers_are_bitwise_across_workers(data_root, one_thread):
     same_run(run_simulation(cfg, None, workers=2), run_simulation(cfg, None))
 
 
-def test_a_deployment_refuses_sites_in_one_line(data_root):
-    """The fleet's edge aggregator is not built: a deployment of a two-tier config says so
-    before it opens anything, rather than aggregate the sites at the coordinator."""
+@pytest.mark.parametrize("setting, words", [
+    ("secagg.enabled=true", "[secagg] with [hierarchy]"),
+    ("hierarchy.edge_aggregation=false", "simulation's baseline"),
+    ("data.placement='device'", "data.placement"),
+])
+def test_a_fleet_of_sites_refuses_what_does_not_compose_in_one_line(data_root, setting, words):
+    """What a fleet's edge aggregators cannot run is refused before anything opens (the broker
+    below does not exist), in one line."""
     from fedseq.server.ops.deployment import run_deployment
 
     with pytest.raises(ConfigError) as err:
-        run_deployment(quick_config(data_root, SITES), None, broker="mqtt://127.0.0.1:1")
-    assert "fedseq-sim only" in str(err.value) and "\n" not in str(err.value)
+        run_deployment(quick_config(data_root, SITES, setting), None, broker="mqtt://127.0.0.1:1")
+    assert words in str(err.value) and "\n" not in str(err.value)
 
 
 @pytest.mark.slow("DP-SGD's per-example gradients, three rounds' worth: 15 s on 2 cores")

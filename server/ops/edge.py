@@ -1,0 +1,294 @@
+"""fedseq-server edge: a site's edge aggregator ([hierarchy] on a fleet).
+
+Upstream, on the coordinator's broker, it is one participant holding its site's clients: it
+reads the run (`<root>/site/<name>/run`) and the coordinator's tasks, and answers each train task
+with one partial aggregate (server/pools/mqtt/edges.py has the coordinator's side). Downstream,
+on its site's broker, it is the coordinator its devices already speak to: an MqttPool over the
+site's devices, holding the clients the run's deal gives them (sites.py `site_tree`). Between
+the two it runs the site's k site rounds with the round loop's own code (sites.py
+`EdgeSites.partials` over a Ledger of its own): the round contract, the algorithm's weights, the
+codecs, the same sums in the same order as a simulation's site, so two tiers on a fleet give the
+simulation's numbers.
+
+It serves run after run until stopped (a systemd unit on the site's host); a restarted edge
+reads the run again from its retained message and answers the next task (the round it missed
+costs its site's clients that round, recorded by the coordinator with why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum
+from fedseq.common.algorithms.plan import plan_from_dict
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.errors import ConfigError, FedseqError, ProtocolError, validation_problem
+from fedseq.common.models import Weights, in_blocks
+from fedseq.common.protocol.frames import FramePool, unpack_chunk
+from fedseq.common.protocol.link import Link, TlsOptions, session_id
+from fedseq.common.protocol.messages import (
+    RunConfig,
+    SiteClient,
+    SiteResultHeader,
+    SiteStatus,
+    SiteTaskHeader,
+)
+from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
+from fedseq.common.protocol.topics import Topics
+from fedseq.common.registry import REGISTRY
+from fedseq.common.text import printable
+from fedseq.server.pools.mqtt.mqtt_pool import MqttPool
+from fedseq.server.rounds.contract import RoundContract
+from fedseq.server.rounds.experiment import load_experiment
+from fedseq.server.rounds.ledger import Ledger, RoundUpdates
+from fedseq.server.rounds.records import Rejection
+from fedseq.server.rounds.sites import EdgeSites, assign_clients, site_tree
+
+log = logging.getLogger(__name__)
+
+#: the largest task frame an edge takes (the global model, float32): 2 GiB
+MAX_TASK_BYTES = 1 << 31
+
+
+@dataclass(frozen=True)
+class Login:
+    """A broker login: user name, password, TLS options."""
+
+    username: str | None = None
+    password: str | None = None
+    tls: TlsOptions | None = None
+
+
+class EdgeRun:
+    """One run at the site: its experiment (the partition's sizes, the model, the algorithm),
+    the MqttPool over the site's devices and the round loop's bookkeeping for its site rounds."""
+
+    def __init__(self, site: str, cfg: ExperimentConfig, run_id: str, broker: str,
+                 login: Login):
+        names = [s.name for s in site_tree(cfg)]
+        if site not in names:
+            raise ConfigError(f"run {run_id} has no site {site!r} (hierarchy.sites: "
+                              f"{', '.join(names)})")
+        self.site = next(s for s in site_tree(cfg) if s.name == site)
+        self.run_id = run_id
+        # the coordinator counts devices over all sites; here a step waits for this site's
+        cfg.deploy.min_devices = 1
+        exp = load_experiment(cfg, test_images_only=True)
+        dealt = assign_clients(sorted(cfg.hierarchy.site_of()), cfg.data.num_clients)
+        self.pool = MqttPool(cfg, broker, run_id, login.username, login.password, login.tls,
+                             dealt={d: dealt[d] for d in self.site.devices})
+        self.pool.start()
+        try:
+            self.book = Ledger(cfg, exp.algorithm, exp.model, exp.data, self.pool,
+                               collect_threads=1)
+            self.sites = EdgeSites(self.book)
+        except BaseException:
+            self.pool.close()
+            raise
+        self.opened = False
+
+    def devices(self) -> list[str]:
+        """The site's devices online now (their statuses applied first)."""
+        session = self.pool.session
+        session.set_aside(session.drain(0.0))
+        return sorted(d for d in session.online if d in self.site.devices)
+
+    def _open(self, weights: Weights, personal: list[str]) -> None:
+        if not self.opened:
+            self.pool.wait_for_devices(1, self.book.cfg.deploy.wait_devices_s)
+            self.pool.open(weights, tuple(personal))
+            self.opened = True
+
+    def train(self, h: SiteTaskHeader, start: Weights) -> tuple[dict[str, Any], Weights]:
+        """The site's k site rounds of global round h.round: the result's fields and its
+        partial's deltas (none where the site folded nothing)."""
+        self._open(start, h.personal)
+        book = self.book
+        plan = plan_from_dict(h.plan or {})
+        mine = [c for c in h.clients if c in self.site.clients]
+        contract = book.contract(h.round, mine, plan, start, h.bound)
+        got = RoundUpdates(WeightedDeltaSum())
+
+        def checker(contract: RoundContract) -> Any:
+            def check(update: ClientUpdate) -> Rejection | None:
+                reason = contract.check(update)
+                if reason is not None:
+                    log.warning("round %d: rejected update of client %d: %s", h.round,
+                                update.client, reason)
+                    got.rejected[update.client] = reason
+                return reason
+            return check
+
+        partials = self.sites.partials(h.round, mine, plan, h.needed, contract, got, checker,
+                                       start, book.sent(in_blocks(start, h.needed), fresh=True))
+        fields: dict[str, Any] = {
+            "round": h.round, "rejected": {c: str(r) for c, r in got.rejected.items()},
+            "failures": dict(got.outcome.device_failures),
+            "blocked": sorted(got.outcome.blocked), "bytes_up": got.bytes_up}
+        if not partials:
+            return fields, {}
+        p = partials[0]
+        fields["weights"] = p.weights
+        fields["clients"] = [SiteClient(
+            client=c, device=got.outcome.reporters.get(c, ""), num_samples=got.samples[c][0],
+            effective_samples=got.samples[c][1], train_seconds=got.paces[c][0],
+            local_correct=got.local_scores[c][0] if c in got.local_scores else None,
+            local_total=got.local_scores[c][1] if c in got.local_scores else None,
+            upload_bytes=got.uploads.get(c, 0), norm=got.norms.get(c),
+            under_clip=got.under_clip.get(c), folds=got.folds.get(c, 1)) for c in p.clients]
+        return fields, p.deltas
+
+    def scores(self, h: SiteTaskHeader, weights: Weights) -> dict[str, Any]:
+        """An evaluate or finetune task: its clients' scores (the coordinator checks them)."""
+        self._open(weights, h.personal)
+        if h.kind == "evaluate":
+            report = self.pool.evaluate(weights, tuple(h.eval_heads), lambda c, k, n: None).report
+            return {"scores": report.per_client}
+        done = self.pool.finetune(plan_from_dict(h.plan or {}), weights, tuple(h.eval_heads),
+                                  lambda c, k, n: None, lambda done, total: None)
+        return {"scores": done.scores, "diverged": done.diverged}
+
+    def close(self, abort: str | None = None) -> None:
+        """The devices hear the run is over (or why it ended); disconnect."""
+        self.pool.close(abort)
+
+
+class EdgeAggregator:
+    """A site's edge aggregator (module docstring): `serve` until `stop` is set."""
+
+    def __init__(self, site: str, upstream: str, broker: str, data_root: Path | None,
+                 topic_root: str = "fedseq", up: Login | None = None,
+                 down: Login | None = None):
+        self.site, self.broker, self.data_root = site, broker, data_root
+        self.topics = Topics(topic_root)
+        self.down = down or Login()
+        up = up or Login()
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.frames = FramePool(max_frame=MAX_TASK_BYTES, per_sender=MAX_TASK_BYTES)
+        self.run: EdgeRun | None = None
+        self.said: tuple[str, tuple[str, ...]] | None = None
+        will = SiteStatus(site=site, state="offline").encode()
+        self.link = Link(session_id(f"fedseq-edge-{site}"), upstream,
+                         [self.topics.site(site, "run"), self.topics.site(site, "task")],
+                         self._on_message, will=(self.topics.site(site, "status"), will),
+                         username=up.username, password=up.password, tls=up.tls)
+        self.link.on_connect(lambda: self.events.put(("connected", None)))
+
+    # -- network thread --------------------------------------------------------------------
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        ref = self.topics.parse(topic)
+        if ref is None or ref.device != self.site:
+            return
+        try:
+            if ref.kind == "site_run" and payload:
+                self.events.put(("run", RunConfig.decode(payload)))
+            elif ref.kind == "site_task":
+                head, data = unpack_chunk(payload, SiteTaskHeader)
+                if head.site != self.site:
+                    raise ProtocolError(f"a task for site {printable(head.site, 64)}")
+                frame = self.frames.add("coordinator", (head.run_id, head.seq), head, data)
+                if frame is not None:
+                    weights = decode_tensors(frame) if head.size else {}
+                    self.events.put(("task", (head, weights)))
+        except ProtocolError as exc:
+            log.warning("an invalid message on %s: %s", topic, printable(exc, 300))
+
+    # -- main thread -----------------------------------------------------------------------
+    def serve(self, stop: threading.Event) -> None:
+        """Connect upstream (retrying until it can), then follow the coordinator's runs."""
+        self.link.start(attempts=None)
+        try:
+            while not stop.is_set():
+                try:
+                    what, body = self.events.get(timeout=1.0)
+                except queue.Empty:
+                    what, body = "", None
+                if what == "run":
+                    self._join(body)
+                elif what == "task":
+                    self._task(*body)
+                elif what == "connected":
+                    self.said = None  # say it again: the broker may have lost it
+                self._say_status()
+        finally:
+            if self.run is not None:
+                self.run.close("the site's edge aggregator stopped")
+            with contextlib.suppress(Exception):
+                self.link.publish(self.topics.site(self.site, "status"),
+                                  SiteStatus(site=self.site, state="offline"), retain=True,
+                                  wait=True)
+            self.link.stop()
+
+    def _say_status(self) -> None:
+        """Publish this edge's presence and its devices online when they changed."""
+        devices = tuple(self.run.devices()) if self.run is not None else ()
+        now = ("online", devices)
+        if now != self.said and self.link.connected.is_set():
+            self.link.publish(self.topics.site(self.site, "status"), SiteStatus(
+                site=self.site, state="online", devices=list(devices)), retain=True)
+            self.said = now
+
+    def _join(self, rc: RunConfig) -> None:
+        """A run from the coordinator: its config validated here (a model, dataset or plugin
+        not installed or not allowed here is said in one line), the site's pool opened."""
+        if self.run is not None and self.run.run_id == rc.run_id:
+            return
+        if self.run is not None:
+            self.run.close()
+            self.run = None
+        try:
+            cfg = ExperimentConfig.model_validate(rc.config)
+            why = REGISTRY.pin_problem(rc.plugins)
+            if why is not None:
+                raise ConfigError(why)
+            if self.data_root is not None:
+                cfg.data.root = self.data_root  # this host's files, never the coordinator's
+            self.run = EdgeRun(self.site, cfg, rc.run_id, self.broker, self.down)
+        except ValidationError as exc:
+            p = validation_problem(exc)
+            log.error("site %s cannot follow run %s: %s: %s", self.site, rc.run_id, p.where, p.msg)
+        except FedseqError as exc:
+            log.error("site %s cannot follow run %s: %s", self.site, rc.run_id,
+                      printable(exc, 500))
+        else:
+            log.info("site %s joined run %s (%d clients on %s)", self.site, rc.run_id,
+                     len(self.run.site.clients), ", ".join(self.run.site.devices))
+
+    def _task(self, h: SiteTaskHeader, weights: Weights) -> None:
+        """Run a task of the current run and answer it (a task of another run is ignored)."""
+        run = self.run
+        if run is None or h.run_id != run.run_id:
+            log.warning("task %d of run %s ignored: this site follows %s", h.seq, h.run_id,
+                        run.run_id if run else "no run")
+            return
+        if h.kind == "idle":
+            run.close()
+            self.run = None
+            return
+        deltas: Weights = {}
+        try:
+            if h.kind == "train":
+                fields, deltas = run.train(h, weights)
+            else:
+                fields = run.scores(h, weights)
+        except FedseqError as exc:
+            log.error("site %s: task %d (%s) failed: %s", self.site, h.seq, h.kind,
+                      printable(exc, 500))
+            fields = {"failures": {f"site {self.site}": printable(exc, 300)}}
+        frame = encode_tensors(deltas)
+        self.link.publish_frame(
+            lambda i: self.topics.site(self.site, "result"),
+            lambda **chunk: SiteResultHeader(run_id=h.run_id, site=self.site, seq=h.seq,
+                                             **fields, **chunk),
+            frame)
+
+
+__all__ = ["EdgeAggregator", "EdgeRun", "Login"]

@@ -1,0 +1,145 @@
+"""fedseq-server start with [hierarchy]: a fleet of sites, each with its broker, its devices and
+its edge aggregator (server/ops/edge.py), the coordinator on its own broker (EdgePool).
+
+With `--local-devices N` the whole tree starts here, for a newcomer's first run and the tests:
+an embedded broker per site on loopback, an edge aggregator per site (`fedseq-server edge`, a
+child process) and the sites' devices (fedseq-client daemons, named as hierarchy.sites names
+them: the first N of them in site order), each on its site's broker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.placed import ClientData
+from fedseq.common.errors import ConfigError
+from fedseq.server.ops.broker import EmbeddedBroker, coordinator_login
+from fedseq.server.ops.deployment import embedded_broker, spawn_local_devices
+from fedseq.server.ops.rehearsal import Rehearsal
+from fedseq.server.pools.mqtt.edges import EdgePool
+from fedseq.server.pools.processes import die_with_parent, stop_children
+from fedseq.server.rounds.checkpoint import Checkpoint
+from fedseq.server.rounds.experiment import Experiment
+from fedseq.server.rounds.rundir import RunDir
+from fedseq.server.rounds.sites import site_tree
+
+
+def edge_command(site: str, broker: str, upstream: str, cfg: ExperimentConfig) -> list[str]:
+    """The command line of a local site's edge aggregator."""
+    return [sys.executable, "-c", "from fedseq.server.cli.launch import server_main; "
+            "server_main()", "edge", "--site", site, "--broker", broker, "--upstream", upstream,
+            "--data-dir", str(cfg.data.root), "--topic-root", cfg.deploy.topic_root,
+            "--log-level", "WARNING"]
+
+
+class SitesTransport:
+    """The sites over MQTT (module docstring): a `Transport` (server/rounds/run.py)."""
+
+    remote = True  # the coordinator scores the global model on the test rows itself
+    collect_threads = 1
+
+    def __init__(self, cfg: ExperimentConfig, out: Path | None, broker: str | None,
+                 local_devices: int, announce: Callable[[str], None],
+                 client_threads: int | None, rehearsal: Rehearsal | None):
+        if rehearsal is not None:
+            raise ConfigError("a rehearsal (--link, --cpu-quota) of [hierarchy] runs in "
+                              "fedseq-sim's simulated fleet for now (hierarchy.links); leave "
+                              "out --link and --cpu-quota")
+        if cfg.secagg.enabled:
+            raise ConfigError("[secagg] with [hierarchy] runs in fedseq-sim only for now: an edge "
+                              "aggregator does not relay a secure round's stages yet; leave "
+                              "[secagg] out to deploy sites")
+        if not cfg.hierarchy.edge_aggregation:
+            raise ConfigError("hierarchy.edge_aggregation = false is a simulation's baseline (the "
+                              "flat run timed over the tree); a fleet of sites aggregates at "
+                              "its edges")
+        if cfg.data.placement == "device":
+            raise ConfigError("data.placement = \"device\" with [hierarchy] on a fleet is not "
+                              "supported yet (the sites' devices would announce their clients "
+                              "to their edge, not to the coordinator that numbers them)")
+        if cfg.deploy.embedded_broker == "mosquitto" and local_devices:
+            raise ConfigError("--local-devices with [hierarchy] starts an embedded amqtt broker "
+                              "per site; set deploy.embedded_broker = \"amqtt\" (a Mosquitto "
+                              "per site is the ansible roles' site layer)")
+        self.cfg, self.out, self.url = cfg, out, broker or cfg.deploy.broker
+        self.local_devices, self.client_threads = local_devices, client_threads
+        self.announce = announce
+        self.run_id = ""
+        self.sites = site_tree(cfg)
+        names = [d for s in self.sites for d in s.devices]
+        if local_devices > len(names):
+            raise ConfigError(f"--local-devices {local_devices}: hierarchy.sites names "
+                              f"{len(names)} devices")
+
+    def connect(self, stack: contextlib.ExitStack, ckpt: Checkpoint | None) -> None:
+        """The coordinator's broker (embedded if none is given) and the pool's connection."""
+        cfg = self.cfg
+        if ckpt is not None and ckpt.pool.state is None:
+            raise ConfigError("--resume: that run was simulated; resume it with fedseq-sim")
+        login: dict[str, Any] = {}
+        if self.url is None:
+            self.url, login = embedded_broker(stack, cfg.deploy, None, self.announce, "run")
+        deploy = cfg.deploy.model_copy(update=login) if login else cfg.deploy
+        pool_state = ckpt.pool.state if ckpt is not None else None
+        self.run_id = (pool_state["run_id"] if pool_state
+                       else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+        self.pool = stack.enter_context(EdgePool(cfg, self.url, self.run_id,
+                                                 *coordinator_login(deploy)))
+        if self.local_devices:
+            self._local_sites(stack)
+
+    def _local_sites(self, stack: contextlib.ExitStack) -> None:
+        """A broker, an edge aggregator and the devices of every site, here (module docstring)."""
+        assert self.url is not None
+        cfg = self.cfg
+        state = (Path(self.out) / "local-devices" if self.out is not None else
+                 Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-local-"))))
+        names = [d for s in self.sites for d in s.devices][:self.local_devices]
+        threads = self.client_threads or max(1, (os.cpu_count() or 1) // len(names))
+        mine = {s.name: [d for d in s.devices if d in names] for s in self.sites}
+        urls = {name: stack.enter_context(EmbeddedBroker(cfg.deploy.host, 0, None, True)).url
+                for name, devices in mine.items() if devices}
+        local: list[subprocess.Popen] = []
+        stack.callback(stop_children, local)  # before the sites' brokers close
+        for site, url in urls.items():
+            local.append(subprocess.Popen(edge_command(site, url, self.url, cfg),
+                                          preexec_fn=die_with_parent))
+            local += spawn_local_devices(len(mine[site]), url, cfg, state, threads,
+                                         names=mine[site])
+            self.announce(f"site {site}: broker {url}, its edge aggregator and "
+                          f"{len(mine[site])} devices ({', '.join(mine[site])})")
+
+    def announced(self, ckpt: Checkpoint | None) -> list[ClientData] | None:
+        return None  # refused in __init__: data.placement = "device"
+
+    def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
+                  ) -> EdgePool:
+        """The sites' edge aggregators online, with deploy.min_devices devices between them."""
+        d = self.cfg.deploy
+        devices = self.pool.wait_for_sites(max(d.min_devices, self.local_devices),
+                                           d.wait_devices_s)
+        self.announce(f"run {self.run_id}: {len(self.pool.online())} sites, {len(devices)} "
+                      f"devices ({', '.join(devices)})"
+                      + (f", resumed at round {ckpt.next_round}" if ckpt else ""))
+        return self.pool
+
+    def info(self) -> dict[str, Any]:
+        """status.json's: the run id, the coordinator's broker, the sites."""
+        return {"run_id": self.run_id, "broker": self.url,
+                "sites": {s.name: list(s.devices) for s in self.sites}}
+
+    def started(self, stack: contextlib.ExitStack, run_dir: RunDir) -> None:
+        """Nothing beside the run directory: the devices' stacks are their sites' to record."""
+
+
+__all__ = ["SitesTransport", "edge_command"]

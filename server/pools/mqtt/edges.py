@@ -1,0 +1,342 @@
+"""EdgePool: [hierarchy] on a fleet, the coordinator's side of the sites' edge aggregators.
+
+Each site runs its own broker, its devices and one edge aggregator (`fedseq-server edge`,
+server/ops/edge.py). The coordinator's broker carries only what crosses between the tiers, on
+`<root>/site/<name>/...`: the run (`run`, retained: the run's whole config, which the edge needs
+to fold as the coordinator would), the coordinator's tasks (`task`: a train step's k site rounds,
+an evaluation, a fine-tuning, the end of the run; the frame holds the global model), the edge's
+answers (`result`: one partial aggregate per round, or its clients' scores) and its presence
+(`status`, retained, last will). The round loop checks every partial (sites.py `check_partial`)
+before it is folded; a site whose edge is offline or silent past the deadline costs its clients
+that round, recorded with why.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from typing import Any
+
+from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
+from fedseq.common.config import ExperimentConfig
+from fedseq.common.errors import ConfigError, ProtocolError, TransportError
+from fedseq.common.evaluation import EvalReport
+from fedseq.common.models import Weights
+from fedseq.common.protocol.frames import FramePool, unpack_chunk
+from fedseq.common.protocol.link import Link, TlsOptions, session_id
+from fedseq.common.protocol.messages import (
+    RunConfig,
+    ServerStatus,
+    SiteResultHeader,
+    SiteStatus,
+    SiteTaskHeader,
+)
+from fedseq.common.protocol.tensors import decode_tensors, encode_tensors, frame_size
+from fedseq.common.protocol.topics import DEVICE_NAME, Topics
+from fedseq.common.registry import REGISTRY
+from fedseq.common.text import printable
+from fedseq.server.rounds.contract import RoundContract
+from fedseq.server.rounds.pool_api import (
+    EvalOutcome,
+    FinetuneOutcome,
+    PoolState,
+    Progress,
+    RoundOutcome,
+    ScoreCheck,
+    SiteRounds,
+    TrainRound,
+    UpdateCheck,
+)
+from fedseq.server.rounds.sites import site_tree
+
+log = logging.getLogger(__name__)
+
+#: seconds past the sites' own deadlines (k site rounds) the coordinator waits for a partial
+SLACK_S = 60.0
+
+
+def site_config(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The run's config as an edge aggregator gets it: whole (it folds as the coordinator does:
+    the aggregation rule, the bounds, the clip norm, the sites), but for the privacy noise's
+    pinned seed, which only the coordinator may know."""
+    out = cfg.model_dump(mode="json")
+    out.get("seeds", {}).pop("noise", None)
+    return out
+
+
+class EdgePool:
+    """The coordinator's ClientPool over the sites' edge aggregators (module docstring): a
+    `SiteAggregators` pool. Set-up order as MqttPool's: `start`, `wait_for_sites`, `open`."""
+
+    def __init__(self, cfg: ExperimentConfig, url: str, run_id: str,
+                 username: str | None = None, password: str | None = None,
+                 tls: TlsOptions | None = None):
+        self.cfg, self.run_id = cfg, run_id
+        self.topics = Topics(cfg.deploy.topic_root)
+        self.sites = {s.name: s for s in site_tree(cfg)}
+        self.k = cfg.hierarchy.edge_rounds
+        self.personal: tuple[str, ...] = ()
+        self.seq = 0
+        self.status: dict[str, SiteStatus] = {}
+        self.events: queue.Queue[tuple[str, str, Any]] = queue.Queue()
+        self.frames = FramePool(max_frame=1, per_sender=1)  # sized by open()
+        self.reference: Weights = {}
+        self.late = 0
+        will = ServerStatus(state="offline", run_id=run_id).encode()
+        self.link = Link(session_id("fedseq-server"), url,
+                         [self.topics.site("+", "status"), self.topics.site("+", "result")],
+                         self._on_message, will=(self.topics.server_status, will),
+                         username=username, password=password, tls=tls)
+        self.link.on_connect(self._republish)
+        self._run: bytes | None = None
+        self._wire_seen = (0, 0)
+
+    # -- set-up ----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connect to the coordinator's broker (three attempts)."""
+        self.link.start(attempts=3)
+
+    def __enter__(self) -> EdgePool:
+        self.start()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        self.close()
+
+    def _republish(self) -> None:
+        """Network thread, after every (re)connect: the coordinator's status and the run."""
+        self.link.publish(self.topics.server_status, ServerStatus(
+            state="online", run_id=self.run_id, broker=self.link.url).encode(), retain=True)
+        if self._run is not None:
+            for name in self.sites:
+                self.link.publish(self.topics.site(name, "run"), self._run, retain=True)
+
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        """Network thread: the edges' statuses and results, as events (a malformed one is
+        logged in a line and dropped)."""
+        ref = self.topics.parse(topic)
+        if ref is None or ref.device not in self.sites:
+            return
+        try:
+            if ref.kind == "site_status":
+                if payload:
+                    st = SiteStatus.decode(payload)
+                    if st.site != ref.device:
+                        raise ProtocolError(f"a status of site {printable(st.site, 64)}")
+                    self.events.put(("status", ref.device, st))
+            elif ref.kind == "site_result":
+                head, data = unpack_chunk(payload, SiteResultHeader)
+                if head.site != ref.device or head.run_id != self.run_id:
+                    return  # another run's, or another site's words on this site's topic
+                frame = self.frames.add(ref.device, head.seq, head, data)
+                if frame is not None:
+                    deltas = decode_tensors(frame, max_tensors=4 * len(self.reference) + 16)
+                    self.events.put(("result", ref.device, (head, deltas)))
+        except ProtocolError as exc:
+            log.warning("site %s sent an invalid message on %s: %s", ref.device, topic,
+                        printable(exc, 300))
+
+    def _take(self, timeout: float) -> tuple[str, str, Any] | None:
+        """The next event within `timeout` seconds (a status is applied here, and returned)."""
+        try:
+            ev = self.events.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            return None
+        if ev[0] == "status":
+            self.status[ev[1]] = ev[2]
+        return ev
+
+    def online(self) -> dict[str, list[str]]:
+        """The sites whose edge aggregator is online -> their devices online."""
+        return {s: list(st.devices) for s, st in self.status.items() if st.state == "online"}
+
+    def wait_for_sites(self, minimum_devices: int, timeout: float) -> list[str]:
+        """The devices online at every site once each site's edge aggregator is online with at
+        least one device, and `minimum_devices` devices are online over all sites
+        (deploy.min_devices counts devices wherever they are); after `timeout` seconds, what
+        is online if that is enough, else a TransportError naming what is missing."""
+        self._run = RunConfig(run_id=self.run_id, config=site_config(self.cfg),
+                              plugins=REGISTRY.pins(self.cfg.registered_names())).encode()
+        for name in self.sites:  # the edges join the run and open their sites' pools
+            self.link.publish(self.topics.site(name, "run"), self._run, retain=True)
+        deadline = time.monotonic() + timeout
+
+        def devices() -> list[str]:
+            return sorted(d for ds in self.online().values() for d in ds)
+
+        while time.monotonic() < deadline:
+            up = self.online()
+            if all(up.get(s) for s in self.sites) and len(devices()) >= minimum_devices:
+                return devices()
+            self._take(min(0.5, deadline - time.monotonic()))
+        up = self.online()
+        if up and len(devices()) >= max(1, minimum_devices):
+            missing = sorted(set(self.sites) - set(up))
+            if missing:
+                log.warning("no edge aggregator online for site(s) %s: their clients miss every "
+                            "round until one is", ", ".join(missing))
+            return devices()
+        raise TransportError(
+            f"{len(devices())} devices online at {len(up)} of {len(self.sites)} sites after "
+            f"{timeout:.0f} s (deploy.min_devices = {minimum_devices}): start each site's "
+            "broker, its devices and its edge aggregator (fedseq-server edge --site NAME "
+            f"--broker mqtt://SITE_BROKER --upstream {self.link.url}; docs/how-to/edge-sites.md)")
+
+    def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
+        """Before the first task (the run was published by `wait_for_sites`): the results'
+        frames are bounded by the model's size (a partial holds at most every tensor in
+        float32)."""
+        self.personal = personal
+        self.reference = weights
+        biggest = frame_size(weights) + 65536
+        self.frames = FramePool(max_frame=biggest, per_sender=2 * biggest)
+        log.info("run %s: %d sites (%s)", self.run_id, len(self.sites), ", ".join(self.sites))
+
+    def snapshot(self) -> PoolState:
+        return PoolState({"run_id": self.run_id, "seq": self.seq})
+
+    def restore(self, state: PoolState) -> None:
+        """A resumed run: task numbers continue past the checkpoint's (an edge skips none)."""
+        self.seq = int((state.state or {}).get("seq", 0)) + 1000
+
+    def close(self) -> None:
+        """Tell every site the run is over (an idle task), then disconnect. Never raises."""
+        try:
+            if self._run is not None:
+                self._send("idle", list(self.sites), {}, b"")
+            self.link.publish(self.topics.server_status, ServerStatus(
+                state="offline", run_id=self.run_id).encode(), retain=True, wait=True)
+        except Exception as exc:  # noqa: BLE001 - closing must not hide the run's own outcome
+            log.warning("closing the sites' run: %s", exc)
+        finally:
+            self.link.stop()
+
+    def wire_bytes(self) -> tuple[int, int]:
+        """Payload bytes (sent, received) on this connection since the last call."""
+        out, got = self.link.bytes_out, self.link.bytes_in
+        before, self._wire_seen = self._wire_seen, (out, got)
+        return out - before[0], got - before[1]
+
+    # -- tasks -----------------------------------------------------------------------------
+    def _send(self, kind: str, sites: list[str], fields: dict[str, Any], frame: bytes) -> int:
+        """Publish a task of `kind` to each of `sites` (one frame, its chunks); its number."""
+        self.seq += 1
+        for name in sites:
+            self.link.publish_frame(
+                lambda i, name=name: self.topics.site(name, "task"),
+                lambda name=name, **chunk: SiteTaskHeader(
+                    run_id=self.run_id, site=name, seq=self.seq, kind=kind,
+                    personal=list(self.personal), **fields.get(name, {}), **chunk),
+                frame)
+        return self.seq
+
+    def _collect(self, seq: int, sites: list[str], wait_s: float
+                 ) -> tuple[dict[str, tuple[SiteResultHeader, Weights]], dict[str, str]]:
+        """The sites' answers to task `seq` until each answered, went offline, or `wait_s`
+        passed: (answers, site -> why it sent none)."""
+        answers: dict[str, tuple[SiteResultHeader, Weights]] = {}
+        missing: dict[str, str] = {}
+        deadline = time.monotonic() + wait_s
+        for s in sites:
+            if s not in self.online():
+                missing[s] = "its edge aggregator is offline"
+        while len(answers) + len(missing) < len(sites):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ev = self._take(min(left, 1.0))
+            if ev is None:
+                continue
+            what, site, body = ev
+            if site not in sites or site in answers or site in missing:
+                continue
+            if what == "status" and body.state == "offline":
+                missing[site] = "its edge aggregator went offline during the step"
+            elif what == "result":
+                head, deltas = body
+                if head.seq != seq:
+                    self.late += 1
+                    continue
+                answers[site] = (head, deltas)
+        for s in sites:
+            if s not in answers and s not in missing:
+                missing[s] = f"no answer within {wait_s:.0f} s"
+        return answers, missing
+
+    def _step_wait(self) -> float:
+        """Seconds a site may take for its k site rounds: each within the devices' deadline."""
+        d = self.cfg.deploy
+        return self.k * (d.round_timeout_s or d.round_timeout_max_s) + SLACK_S
+
+    def site_rounds(self, round: int, by_site: dict[str, list[int]], plan: ClientPlan,
+                    needed: list[str], start: Weights, contract: RoundContract) -> SiteRounds:
+        """Each site's k site rounds of global round `round` (pool_api.SiteAggregators)."""
+        sites = list(by_site)
+        fields = {s: {"round": round, "clients": cs, "plan": plan_to_dict(plan),
+                      "needed": list(needed), "bound": contract.max_abs_delta,
+                      "clip": contract.clip} for s, cs in by_site.items()}
+        wait_s = self._step_wait()
+        seq = self._send("train", [s for s in sites if s in self.online()], fields,
+                         encode_tensors(start))
+        answers, missing = self._collect(seq, sites, wait_s)
+        devices = sum(len(ds) for ds in self.online().values())
+        outcome = RoundOutcome(deadline_s=wait_s, wire=self.wire_bytes(), able_devices=devices,
+                               late_updates=self.late)
+        self.late = 0
+        return SiteRounds(answers, missing, outcome)
+
+    def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
+              check: UpdateCheck, enough: int | None = None, secure: Any = None) -> TrainRound:
+        raise ConfigError("a fleet of sites trains through its edge aggregators "
+                          "(EdgeSites.train), never one client at a time from the coordinator")
+
+    def _scores(self, kind: str, fields: dict[str, Any], weights: Weights, check: ScoreCheck,
+                wait_s: float) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+        """An evaluate or finetune task to every site online; the scores `check` accepts, and
+        the clients whose fine-tuning diverged."""
+        sites = sorted(self.online())
+        seq = self._send(kind, sites, dict.fromkeys(sites, fields), encode_tensors(weights))
+        answers, missing = self._collect(seq, sites, wait_s + SLACK_S)
+        for s, why in sorted(missing.items()):
+            log.warning("site %s: no scores: %s", s, why)
+        scores: dict[int, tuple[int, int]] = {}
+        diverged: dict[int, int] = {}
+        for s, (head, _) in sorted(answers.items()):
+            for c, (correct, total) in head.scores.items():
+                if c not in self.sites[s].clients:
+                    log.warning("site %s sent a score of client %d, not one of its own", s, c)
+                    continue
+                why = check(c, correct, total)
+                if why is None:
+                    scores[c] = (correct, total)
+                else:
+                    log.warning("site %s: score of client %d refused: %s", s, c, why)
+            diverged.update({c: b for c, b in head.diverged.items() if c in scores})
+        return scores, diverged
+
+    def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
+                 ) -> EvalOutcome:
+        scores, _ = self._scores("evaluate", {"eval_heads": list(eval_heads)}, weights, check,
+                                 self.cfg.deploy.eval_timeout_s)
+        return EvalOutcome(EvalReport(None, None, scores), self.wire_bytes())
+
+    def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
+                 check: ScoreCheck, progress: Progress) -> FinetuneOutcome:
+        scores, diverged = self._scores(
+            "finetune", {"plan": plan_to_dict(plan), "eval_heads": list(eval_heads)}, weights,
+            check, self.cfg.deploy.finetune_timeout_s)
+        progress(len(scores), self.cfg.data.num_clients)
+        return FinetuneOutcome(scores, diverged)
+
+
+def site_name_problem(name: str) -> str | None:
+    """Why `name` cannot name a site on the wire (None: it can)."""
+    if not DEVICE_NAME.fullmatch(name):
+        return (f"site name {printable(name, 80)!r} must be 1-64 letters, digits, '-' or '_' "
+                "(it is a topic level)")
+    return None
+
+
+__all__ = ["EdgePool", "site_config", "site_name_problem"]
