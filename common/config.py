@@ -556,10 +556,10 @@ class HierarchyConfig(_Section):
         "lab2 = [\"jetson03\"]}; clients are dealt to the devices of all sites as a deployment "
         "deals them (devices by name, round-robin). In simulation with a [fleet], the names are "
         "the fleet's (nano-00, ...)."))
-    edge_rounds: int = Field(1, ge=1, description=(
+    edge_rounds: int = Field(1, ge=1, le=100, description=(
         "k: site rounds per global round; each site averages its clients' updates k times "
         "before it sends the coordinator its model's change (HierFAVG's kappa_1). 1: FedAvg "
-        "through two tiers, the flat run's result within float rounding."))
+        "through two tiers, the flat run's result within float rounding. At most 100."))
     edge_aggregation: bool = Field(True, description=(
         "false: the sites are only the network's shape, every update crosses its site's link "
         "to the coordinator and is folded there (the flat run, timed over the same tree: the "
@@ -586,6 +586,10 @@ class HierarchyConfig(_Section):
                     raise ValueError(f"device {d!r} is in sites {seen[d]!r} and {site!r}; "
                                      "a device belongs to one site")
                 seen[d] = site
+        clash = sorted(set(v) & set(seen))
+        if clash:  # a site's edge aggregator logs in as its site: a device cannot be it
+            raise ValueError(f"{', '.join(map(repr, clash))} names both a site and a device; "
+                             "give sites names of their own")
         return v
 
     @model_validator(mode="after")

@@ -31,7 +31,7 @@ from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum
 from fedseq.common.algorithms.plan import plan_from_dict
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import ConfigError, FedseqError, ProtocolError, validation_problem
-from fedseq.common.models import Weights, in_blocks
+from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
 from fedseq.common.protocol.link import Link, TlsOptions, session_id
 from fedseq.common.protocol.messages import (
@@ -49,6 +49,7 @@ from fedseq.server.pools.mqtt.mqtt_pool import MqttPool
 from fedseq.server.rounds.contract import RoundContract
 from fedseq.server.rounds.experiment import load_experiment
 from fedseq.server.rounds.ledger import Ledger, RoundUpdates
+from fedseq.server.rounds.pool_api import PoolState
 from fedseq.server.rounds.records import Rejection
 from fedseq.server.rounds.sites import EdgeSites, assign_clients, site_tree
 
@@ -56,6 +57,12 @@ log = logging.getLogger(__name__)
 
 #: the largest task frame an edge takes (the global model, float32): 2 GiB
 MAX_TASK_BYTES = 1 << 31
+#: an edge's pool opens at step number and block version (its first task's number) x this,
+#: past what an edge of the same run before it can have published (a task publishes at most
+#: hierarchy.edge_rounds <= 100 steps and versions of a block), so the site's devices, which
+#: skip a step number they have run and a block version older than one they hold, follow an
+#: edge aggregator restarted mid-run
+TASK_STRIDE = 1000
 
 
 @dataclass(frozen=True)
@@ -83,8 +90,8 @@ class EdgeRun:
         cfg.deploy.min_devices = 1
         exp = load_experiment(cfg, test_images_only=True)
         dealt = assign_clients(sorted(cfg.hierarchy.site_of()), cfg.data.num_clients)
-        self.pool = MqttPool(cfg, broker, run_id, login.username, login.password, login.tls,
-                             dealt={d: dealt[d] for d in self.site.devices})
+        self.dealt = {d: dealt[d] for d in self.site.devices}
+        self.pool = MqttPool(cfg, broker, run_id, login.username, login.password, login.tls)
         self.pool.start()
         try:
             self.book = Ledger(cfg, exp.algorithm, exp.model, exp.data, self.pool,
@@ -101,16 +108,24 @@ class EdgeRun:
         session.set_aside(session.drain(0.0))
         return sorted(d for d in session.online if d in self.site.devices)
 
-    def _open(self, weights: Weights, personal: list[str]) -> None:
-        if not self.opened:
-            self.pool.wait_for_devices(1, self.book.cfg.deploy.wait_devices_s)
-            self.pool.open(weights, tuple(personal))
-            self.opened = True
+    def _open(self, h: SiteTaskHeader, weights: Weights) -> None:
+        """Before the first task: the site's devices online, its pool opened on the clients
+        the run's deal gives them, its step numbers and block versions past any an edge of
+        this run before it published (TASK_STRIDE)."""
+        if self.opened:
+            return
+        self.pool.wait_for_devices(1, self.book.cfg.deploy.wait_devices_s)
+        floor = h.seq * TASK_STRIDE
+        self.pool.restore(PoolState({
+            "run_id": self.run_id, "seq": floor, "assignment": self.dealt,
+            "published": {b: [floor, ""] for b in dict.fromkeys(map(block_of, weights))}}))
+        self.pool.open(weights, tuple(h.personal))
+        self.opened = True
 
     def train(self, h: SiteTaskHeader, start: Weights) -> tuple[dict[str, Any], Weights]:
         """The site's k site rounds of global round h.round: the result's fields and its
         partial's deltas (none where the site folded nothing)."""
-        self._open(start, h.personal)
+        self._open(h, start)
         book = self.book
         plan = plan_from_dict(h.plan or {})
         mine = [c for c in h.clients if c in self.site.clients]
@@ -148,7 +163,7 @@ class EdgeRun:
 
     def scores(self, h: SiteTaskHeader, weights: Weights) -> dict[str, Any]:
         """An evaluate or finetune task: its clients' scores (the coordinator checks them)."""
-        self._open(weights, h.personal)
+        self._open(h, weights)
         if h.kind == "evaluate":
             report = self.pool.evaluate(weights, tuple(h.eval_heads), lambda c, k, n: None).report
             return {"scores": report.per_client}

@@ -34,6 +34,8 @@ from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import AggregationError, ConfigError
 from fedseq.common.models import Weights, block_of, in_blocks, is_statistic
+from fedseq.common.protocol.messages import SiteResultHeader
+from fedseq.common.text import printable
 from fedseq.server.privacy.secure_sum import SecureSum
 from fedseq.server.rounds.contract import RoundContract, statistic_problem
 from fedseq.server.rounds.links import LinkProfile, parse_profile
@@ -98,9 +100,11 @@ class SitePartial:
     deltas: Weights
     weights: dict[str, float]
     clients: list[int]
+    site: str = ""  # the site that sent it
 
 
-def partial_of(acc: WeightedDeltaSum, before: Weights, start: Weights) -> SitePartial:
+def partial_of(acc: WeightedDeltaSum, before: Weights, start: Weights, site: str = ""
+               ) -> SitePartial:
     """A site's partial after its last site round: `acc` that round's aggregate, `before` the
     site's model it trained from, `start` the global model the global round began with. Each
     tensor's change (before - start) + the round's mean delta is computed in float64 and sent
@@ -116,7 +120,7 @@ def partial_of(acc: WeightedDeltaSum, before: Weights, start: Weights) -> SitePa
             mean = mean + (before[k].to(torch.float64) - start[k].to(torch.float64))
         deltas[k] = mean.to(torch.float32)
         weights[k] = w
-    return SitePartial(deltas, weights, acc.clients_added())
+    return SitePartial(deltas, weights, acc.clients_added(), site)
 
 
 def check_partial(p: SitePartial, counts: dict[int, tuple[int, int | None]], site: Site,
@@ -219,20 +223,21 @@ class EdgeSites:
         if isinstance(book.pool, SiteAggregators):
             made = self._remote(t, trainers, plan, needed, start, contract, got)
         else:
-            made = [(p, got.samples) for p in self.partials(
+            made = [(p, got.samples, None) for p in self.partials(
                 t, trainers, plan, needed, contract, got, checker, start,
                 book.sent(in_blocks(start, needed)))]
         partials = []
-        for p, samples in made:
-            site = self.sites_by_name[self.home[p.clients[0]]] if p.clients else None
-            why = None if site is None else check_partial(
-                p, {c: samples[c] for c in p.clients if c in samples}, site, contract, book.alg,
-                self.k, book.cfg.privacy.client_level)
-            if site is None or why is not None:
-                name = site.name if site is not None else "?"
-                log.warning("round %d: site %s's partial is refused: %s", t, name, why)
-                got.outcome.device_failures[f"site {name}"] = f"its partial was refused: {why}"
+        for p, samples, head in made:
+            why = check_partial(p, {c: samples[c] for c in p.clients if c in samples},
+                                self.sites_by_name[p.site], contract, book.alg, self.k,
+                                book.cfg.privacy.client_level)
+            if why is not None:
+                log.warning("round %d: site %s's partial is refused: %s", t, p.site, why)
+                got.outcome.device_failures[f"site {p.site}"] = f"its partial was refused: {why}"
+                got.outcome.blocked |= set(self.site_of(trainers).get(p.site, []))
                 continue
+            if head is not None:
+                self._note(t, got, head, plan, contract)
             partials.append(p)
         for p in partials:  # in site order
             got.aggregate.add_partial(p.deltas, p.weights, p.clients)  # type: ignore[attr-defined]
@@ -245,18 +250,18 @@ class EdgeSites:
 
     def _remote(self, t: int, trainers: list[int], plan: ClientPlan, needed: list[str],
                 start: Weights, contract: RoundContract, got: RoundUpdates
-                ) -> list[tuple[SitePartial, dict[int, tuple[int, int | None]]]]:
-        """A fleet's edge aggregators run the sites' rounds: each answering site's partial with
-        the sample counts it claims; what it says of its clients noted in `got` as the
-        updates it folded (their FLOPs counted once per site round), a silent site's clients
-        recorded as missing with why."""
-        book = self.book
-        pool = book.pool
+                ) -> list[tuple[SitePartial, dict[int, tuple[int, int | None]],
+                                SiteResultHeader | None]]:
+        """A fleet's edge aggregators run the sites' rounds: each answering site's partial,
+        the sample counts it claims and its result (what it says of its clients, noted once
+        the partial passed its check); a silent site's clients recorded as missing with why."""
+        pool = self.book.pool
         assert isinstance(pool, SiteAggregators)
         by_site = self.site_of(trainers)
         answered = pool.site_rounds(t, by_site, plan, needed, start, contract)
         got.outcome = answered.outcome
-        out = []
+        out: list[tuple[SitePartial, dict[int, tuple[int, int | None]],
+                        SiteResultHeader | None]] = []
         for site, clients in by_site.items():
             if site not in answered.answers:
                 why = answered.missing.get(site, "it sent nothing")
@@ -265,27 +270,39 @@ class EdgeSites:
                 got.outcome.blocked |= set(clients)
                 continue
             head, deltas = answered.answers[site]
-            mine = set(clients)
-            for f in head.clients:
-                if f.client not in mine:
-                    continue  # check_partial refuses the partial: nothing of it is noted
-                update = ClientUpdate(f.client, t, {}, f.num_samples, f.effective_samples,
-                                      f.train_seconds,
-                                      None if f.local_correct is None or f.local_total is None
-                                      else (f.local_correct, f.local_total),
-                                      device=f.device, under_clip=f.under_clip)
-                for e in range(max(1, f.folds)):
-                    book.account(got, update, plan, f.norm, None if e else f.upload_bytes)
-                got.costs[f.client] = (f.device, None)
-                got.outcome.reporters[f.client] = f.device
-            for c, why in head.rejected.items():
-                if c in mine:
-                    got.rejected[c] = Rejection("at-site", f"site {site}: {why}")
             got.outcome.device_failures.update(head.failures)
-            got.outcome.blocked |= set(head.blocked) & mine
-            out.append((SitePartial(deltas, dict(head.weights), [f.client for f in head.clients]),
-                        {f.client: (f.num_samples, f.effective_samples) for f in head.clients}))
+            got.outcome.blocked |= set(head.blocked) & set(clients)
+            for c, why in head.rejected.items():
+                if c in clients:
+                    got.rejected[c] = Rejection("at-site", f"site {site}: {printable(why, 300)}")
+            out.append((SitePartial(deltas, dict(head.weights), [f.client for f in head.clients],
+                                    site),
+                        {f.client: (f.num_samples, f.effective_samples) for f in head.clients},
+                        head))
         return out
+
+    def _note(self, t: int, got: RoundUpdates, head: SiteResultHeader, plan: ClientPlan,
+              contract: RoundContract) -> None:
+        """What a site's partial (checked) says of the updates it folded, noted in the round's
+        row as the coordinator notes the updates it folds itself (their FLOPs and steps counted
+        once per site round); a local score that cannot be the client's is left out."""
+        tests = contract.test_samples or {}
+        for f in head.clients:
+            score = None
+            if f.local_correct is not None and f.local_total is not None:
+                if f.local_total == tests.get(f.client) and f.local_correct <= f.local_total:
+                    score = (f.local_correct, f.local_total)
+                else:
+                    log.warning("round %d: site %s's local score of client %d (%d of %d) does "
+                                "not fit its test rows; left out", t, head.site, f.client,
+                                f.local_correct, f.local_total)
+            update = ClientUpdate(f.client, t, {}, f.num_samples, f.effective_samples,
+                                  f.train_seconds, score, device=f.device,
+                                  under_clip=f.under_clip)
+            for e in range(f.folds):
+                self.book.account(got, update, plan, f.norm, None if e else f.upload_bytes)
+            got.costs[f.client] = (f.device, None)
+            got.outcome.reporters[f.client] = f.device
 
     def partials(self, t: int, trainers: list[int], plan: ClientPlan, needed: list[str],
                  contract: RoundContract, got: RoundUpdates,
@@ -326,7 +343,7 @@ class EdgeSites:
                                                            reference=reference)),
                                got, dict.fromkeys(clients, acc).__getitem__)
             if inner is not None and inner.count():
-                partials.append(partial_of(inner, before, start))
+                partials.append(partial_of(inner, before, start, site))
         return partials
 
     def _settle(self, acc: WeightedDeltaSum | SecureSum, before: Weights, got: RoundUpdates,

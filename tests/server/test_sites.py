@@ -267,3 +267,47 @@ def test_a_server_optimizer_and_a_personal_algorithm_take_k_site_rounds(data_roo
     two = run_simulation(quick_config(data_root, *over, "hierarchy.edge_rounds=2"), None)
     assert max_dw(one, two) > 1e-3
     assert two.rows[-1]["status"] == "ok" and two.rows[0]["reported"] == [0, 1, 2, 3, 4]
+
+
+class _SampleWeights:
+    """An algorithm's default weights: a client's sample count per block."""
+
+    @staticmethod
+    def aggregation_weights(update):
+        return {k: float(update.num_samples) for k in update.deltas}
+
+
+@pytest.mark.parametrize("change, why", [
+    ({}, None),
+    ({"clients": [0, 2]}, "not this round's clients at site a"),
+    ({"clients": [0, 5]}, "not this round's clients at site a"),
+    ({"clients": [0, 0]}, "more than once"),
+    ({"weights": {"w": 300.0}}, "weight 300 is not its clients' 30"),
+    ({"counts": {0: (100, None), 1: (20, None)}}, "sample counts (100, None)"),
+    ({"counts": {0: (10, 4), 1: (20, None)}}, "sample counts (10, 4)"),
+    ({"deltas": {"w": torch.full((3, 2), 5.0)}}, "moves by 5"),
+    ({"deltas": {"w": torch.full((3, 2), 5.0)}, "k": 5}, None),
+    ({"deltas": {"w": torch.zeros(3, 2, dtype=torch.float64)}}, "expected float32[3, 2]"),
+    ({"deltas": {"w": torch.zeros(2, 3)}}, "expected float32[3, 2]"),
+    ({"deltas": {"w": torch.full((3, 2), float("nan"))}}, "NaN or Inf"),
+    ({"deltas": {"w": torch.zeros(3, 2), "v": torch.zeros(1)},
+      "weights": {"w": 30.0, "v": 30.0}}, "not the round's uploaded ones (v)"),
+])
+def test_a_partial_is_checked_before_it_counts(change, why):
+    """What an edge aggregator claims is held to what the coordinator knows: its clients (the
+    round's, its site's, once each), their sample counts, each tensor's weight recomputed from
+    them, the tensors' names, dtypes and shapes, and their size within k x the round's bound."""
+    from fedseq.server.rounds.contract import RoundContract
+    from fedseq.server.rounds.sites import Site, SitePartial, check_partial
+
+    contract = RoundContract(0, frozenset({0, 1, 2}), {"w": torch.zeros(3, 2)},
+                             {0: 10, 1: 20, 2: 5}, None, 1.0)
+    site = Site("a", ("d0", "d1"), frozenset({0, 1, 5}))
+    p = SitePartial(change.get("deltas", {"w": torch.full((3, 2), 0.1)}),
+                    change.get("weights", {"w": 30.0}), change.get("clients", [0, 1]), "a")
+    counts = change.get("counts", {c: ({0: 10, 1: 20, 2: 5, 5: 7}[c], None) for c in p.clients})
+    got = check_partial(p, counts, site, contract, _SampleWeights(), change.get("k", 1), False)
+    if why is None:
+        assert got is None
+    else:
+        assert got is not None and why in got, got

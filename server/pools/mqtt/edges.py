@@ -56,12 +56,23 @@ log = logging.getLogger(__name__)
 SLACK_S = 60.0
 
 
+#: the coordinator's own accounts, files and paths: an edge aggregator uses its own (its
+#: command line's logins, its --data-dir), never a path of another host
+NOT_FOR_SITES = {
+    "deploy": ("host", "broker", "username", "password_file", "ca_file", "cert_file", "key_file",
+               "guard_username", "guard_password_file", "broker_password_file"),
+    "data": ("root", "devices_root", "validation"),
+    "seeds": ("noise",),  # the privacy noise's pinned seed: the coordinator's secret alone
+}
+
+
 def site_config(cfg: ExperimentConfig) -> dict[str, Any]:
-    """The run's config as an edge aggregator gets it: whole (it folds as the coordinator does:
-    the aggregation rule, the bounds, the clip norm, the sites), but for the privacy noise's
-    pinned seed, which only the coordinator may know."""
+    """The run's config as an edge aggregator gets it: whole, since it folds as the coordinator
+    does (the aggregation rule, the bounds, the clip norm, the sites), less NOT_FOR_SITES."""
     out = cfg.model_dump(mode="json")
-    out.get("seeds", {}).pop("noise", None)
+    for section, keys in NOT_FOR_SITES.items():
+        for key in keys:
+            out.get(section, {}).pop(key, None)
     return out
 
 
@@ -83,6 +94,10 @@ class EdgePool:
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized by open()
         self.reference: Weights = {}
         self.late = 0
+        #: site -> seconds the run may still wait for its edge aggregator (each site's share of
+        #: deploy.wait_devices_s over the whole run, as a device's: one gone for good costs one
+        #: wait)
+        self.wait_left = dict.fromkeys(self.sites, cfg.deploy.wait_devices_s)
         will = ServerStatus(state="offline", run_id=run_id).encode()
         self.link = Link(session_id("fedseq-server"), url,
                          [self.topics.site("+", "status"), self.topics.site("+", "result")],
@@ -270,10 +285,30 @@ class EdgePool:
         d = self.cfg.deploy
         return self.k * (d.round_timeout_s or d.round_timeout_max_s) + SLACK_S
 
+    def await_sites(self, sites: list[str]) -> None:
+        """Before a task: wait for the edges of `sites` that are offline (restarting, or their
+        host rebooting), each within what is left of its share of deploy.wait_devices_s."""
+        began = last = time.monotonic()
+        waiting = [s for s in sites if s not in self.online() and self.wait_left[s] > 0]
+        if not waiting:
+            return
+        log.warning("waiting up to %.0f s for the edge aggregators of %s",
+                    max(self.wait_left[s] for s in waiting), ", ".join(waiting))
+        while waiting:
+            self._take(0.5)
+            now = time.monotonic()
+            for s in waiting:
+                self.wait_left[s] -= now - last
+            last = now
+            waiting = [s for s in waiting if s not in self.online() and self.wait_left[s] > 0]
+        log.warning("waited %.1f s for edge aggregators; %d of %d sites online",
+                    time.monotonic() - began, sum(s in self.online() for s in sites), len(sites))
+
     def site_rounds(self, round: int, by_site: dict[str, list[int]], plan: ClientPlan,
                     needed: list[str], start: Weights, contract: RoundContract) -> SiteRounds:
         """Each site's k site rounds of global round `round` (pool_api.SiteAggregators)."""
         sites = list(by_site)
+        self.await_sites(sites)
         fields = {s: {"round": round, "clients": cs, "plan": plan_to_dict(plan),
                       "needed": list(needed), "bound": contract.max_abs_delta,
                       "clip": contract.clip} for s, cs in by_site.items()}
@@ -296,6 +331,7 @@ class EdgePool:
                 wait_s: float) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
         """An evaluate or finetune task to every site online; the scores `check` accepts, and
         the clients whose fine-tuning diverged."""
+        self.await_sites(list(self.sites))
         sites = sorted(self.online())
         seq = self._send(kind, sites, dict.fromkeys(sites, fields), encode_tensors(weights))
         answers, missing = self._collect(seq, sites, wait_s + SLACK_S)

@@ -100,11 +100,8 @@ class MqttPool(AsyncPool):
 
     def __init__(self, cfg: ExperimentConfig, url: str, run_id: str,
                  username: str | None = None, password: str | None = None,
-                 tls: TlsOptions | None = None, dealt: dict[str, list[int]] | None = None):
-        """`dealt`: the clients each device holds, where they are dealt elsewhere (an edge
-        aggregator's site: its devices' share of the run's deal); None: dealt here."""
+                 tls: TlsOptions | None = None):
         self.cfg = cfg
-        self.dealt = dealt
         self.run_id = run_id
         self.personal: tuple[str, ...] = ()  # the algorithm's personal blocks (open)
         self.topics = Topics(cfg.deploy.topic_root)
@@ -214,8 +211,7 @@ class MqttPool(AsyncPool):
             self.assignment = {d: [c for c, (dd, _) in enumerate(self.roster) if dd == d]
                                for d in self.devices}
         elif not resumed:
-            self.assignment = (dict(self.dealt) if self.dealt is not None
-                               else assign_clients(self.devices, self.cfg.data.num_clients))
+            self.assignment = assign_clients(self.devices, self.cfg.data.num_clients)
         self.owner = {c: d for d, cs in self.assignment.items() for c in cs}
         warn_other_versions({d: self.session.online[d] for d in self.devices
                              if d in self.session.online})

@@ -1,0 +1,216 @@
+"""Edge sites on a fleet ([hierarchy] with fedseq-server start): a broker, an edge aggregator
+(fedseq-server edge) and devices per site, the coordinator on its own broker."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import signal
+import subprocess
+import threading
+from pathlib import Path
+
+import paho.mqtt.client as mqtt
+import pytest
+import torch
+
+from conftest import quick_config
+from fedseq.common.algorithms.plan import plan_from_dict
+from fedseq.common.protocol.frames import Reassembler, pack_chunk, split_frame, unpack_chunk
+from fedseq.common.protocol.messages import (
+    SiteClient,
+    SiteResultHeader,
+    SiteStatus,
+    SiteTaskHeader,
+    Step,
+)
+from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
+from fedseq.common.protocol.topics import Topics
+from fedseq.server.ops.deployment import run_deployment
+from fedseq.server.ops.simulation import run_simulation
+from fedseq.server.ops.sites_fleet import edge_command
+
+TWO_SITES = 'hierarchy.sites={a=["local01","local02"],b=["local03"]}'  # a: 0, 1, 3, 4; b: 2
+
+
+def _children(pattern: str) -> list[int]:
+    """This process's children whose command line matches `pattern`."""
+    out = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid() and re.search(pattern, cmd):
+            out.append(int(pid))
+    return out
+
+
+@pytest.mark.slow("a fleet of two sites: three brokers, two edges, three daemons: 15 s on 2 cores")
+@pytest.mark.parametrize("algorithm, k", [("fedavg", 2), ("fedper", 1)])
+def test_a_fleet_of_sites_is_the_simulation_bitwise(data_root, tmp_path, one_thread, algorithm, k):
+    """Two sites, each with its broker, its edge aggregator and its devices: the global model,
+    the accuracies and the rows' client accounting are the simulation's, bitwise (the edges
+    fold with the round loop's own code in the same order); one message a site reached the
+    coordinator each round."""
+    cfg = quick_config(data_root, f"algorithm.name={algorithm}", "rounds=2", "deploy.port=0",
+                       "train.threads=1", TWO_SITES, f"hierarchy.edge_rounds={k}")
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=3, client_threads=1,
+                         announce=lambda m: None)
+    sim = run_simulation(cfg, None)
+    for k_, v in sim.global_weights.items():
+        assert torch.equal(dep.global_weights[k_], v), k_
+    for d, s in zip(dep.rows, sim.rows, strict=True):
+        assert d["reported"] == s["reported"] == [0, 1, 2, 3, 4]
+        assert d["upstream_messages"] == s["upstream_messages"] == 2
+        assert d["global_acc"] == s["global_acc"] and d["personal_acc"] == s["personal_acc"]
+        assert d["train_flops"] == s["train_flops"] and d["bytes_up"] == s["bytes_up"]
+        assert not d.get("device_failures")
+
+
+def _site_url(lines: list[str], site: str) -> str:
+    (url,) = [re.search(r"broker (mqtt://\S+),", x).group(1) for x in lines
+              if x.startswith(f"site {site}:")]
+    return url
+
+
+@pytest.mark.slow("a fleet of two sites, an edge killed and restarted: 25 s on 2 cores")
+def test_an_edge_killed_mid_round_costs_its_sites_clients_that_round_only(data_root, tmp_path,
+                                                                          one_thread):
+    """Site a's edge aggregator is killed (SIGKILL) once its devices were given round 1 and
+    restarted, as its systemd unit would: round 1 counts site b's clients alone, and the row
+    says why site a's are missing; the restarted edge reads the run again (its steps numbered
+    past the killed one's, so the site's devices follow it) and round 2 has every client."""
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=3", "deploy.port=0",
+                       "train.threads=1", TWO_SITES, "deploy.wait_devices_s=120")
+    lines: list[str] = []
+    restarted: list[subprocess.Popen] = []
+    killed = threading.Event()
+
+    def kill_and_restart() -> None:
+        for pid in _children(r"server_main\(\) edge --site a "):
+            os.kill(pid, signal.SIGKILL)
+        coordinator = re.search(r"(mqtt://\S+)", lines[0]).group(1)
+        restarted.append(subprocess.Popen(edge_command("a", _site_url(lines, "a"), coordinator,
+                                                       cfg)))
+
+    def watch(url: str) -> None:  # site a's broker: once round 1 is dispatched there
+        host, port = url.split("://")[1].rsplit(":", 1)
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watch")
+
+        def on_message(client, userdata, msg):
+            step = Step.decode(msg.payload) if msg.payload else None
+            if step and step.kind == "train" and step.round == 1 and not killed.is_set():
+                killed.set()
+                threading.Thread(target=kill_and_restart, daemon=True).start()
+
+        c.on_message = on_message
+        c.on_connect = lambda client, *a: client.subscribe("fedseq/step", qos=1)
+        c.connect(host, int(port))
+        c.loop_start()
+
+    def announce(line: str) -> None:
+        lines.append(line)
+        if line.startswith("site a:"):
+            threading.Thread(target=watch, args=(_site_url(lines, "a"),), daemon=True).start()
+
+    try:
+        dep = run_deployment(cfg, tmp_path / "dep", local_devices=3, client_threads=1,
+                             announce=announce)
+    finally:
+        for p in restarted:
+            p.kill()
+            p.wait()
+    rows = dep.rows
+    assert killed.is_set() and len(restarted) == 1
+    assert rows[0]["reported"] == [0, 1, 2, 3, 4] and rows[0]["upstream_messages"] == 2
+    assert rows[1]["reported"] == [2] and rows[1]["upstream_messages"] == 1
+    assert "edge aggregator" in rows[1]["device_failures"]["site a"]
+    assert rows[1]["status"] == "ok"
+    assert rows[2]["reported"] == [0, 1, 2, 3, 4] and rows[2]["upstream_messages"] == 2
+    assert rows[2]["personal_acc"] is not None  # every site's clients evaluated again
+    assert all(torch.isfinite(v).all() for v in dep.global_weights.values())
+
+
+class ForgedEdge:
+    """A program posing as site b's edge aggregator on the coordinator's broker: it says it is
+    online with site b's device, and answers every train task with a partial that claims site
+    a's client 0 with a weight of 10,000."""
+
+    def __init__(self, url: str):
+        self.topics = Topics("fedseq")
+        host, port = url.split("://")[1].rsplit(":", 1)
+        self.c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="forged-b")
+        self.c.on_connect = lambda client, *a: (
+            client.subscribe(self.topics.site("b", "task"), qos=1),
+            client.publish(self.topics.site("b", "status"), SiteStatus(
+                site="b", state="online", devices=["local03"]).encode(), qos=1, retain=True))
+        self.c.on_message = self.on_task
+        self.c.connect(host, int(port))
+        self.c.loop_start()
+        self.answered = 0
+        self.parts: dict[int, Reassembler] = {}
+
+    def on_task(self, client, userdata, msg) -> None:
+        head, data = unpack_chunk(msg.payload, SiteTaskHeader)
+        if head.seq not in self.parts:
+            self.parts[head.seq] = Reassembler(head.size, head.sha256, head.chunks)
+        whole = self.parts[head.seq].add(head.chunk, bytes(data))
+        if whole is None:
+            return
+        if head.kind != "train":
+            scores = {}
+            frame = encode_tensors({})
+        else:
+            start = decode_tensors(whole)
+            plan = plan_from_dict(head.plan)
+            up = [k for k in start if k.split(".")[0] in plan.upload]
+            frame = encode_tensors({k: torch.zeros_like(start[k]) + 0.001 for k in up})
+            scores = None
+        fields = {} if scores is not None else {
+            "round": head.round, "weights": {k: 10_000.0 for k in decode_tensors(frame)},
+            "clients": [SiteClient(client=0, device="local03", num_samples=10_000)]}
+        parts = split_frame(frame)
+        for i, part in enumerate(parts):
+            result = SiteResultHeader(run_id=head.run_id, site="b", seq=head.seq, chunk=i,
+                                      chunks=len(parts), size=len(frame),
+                                      sha256=hashlib.sha256(frame).hexdigest(), **fields)
+            client.publish(self.topics.site("b", "result"), pack_chunk(result, part), qos=1)
+        self.answered += 1
+
+    def stop(self) -> None:
+        self.c.loop_stop()
+        self.c.disconnect()
+
+
+@pytest.mark.slow("a fleet of one real site and a forged one: 15 s on 2 cores")
+def test_an_edge_cannot_claim_another_sites_clients(data_root, tmp_path, one_thread):
+    """A forged site b claims site a's client 0 with an inflated weight: its partial is refused
+    before anything of it is folded (the row names why), and the round is site a's alone: the
+    same global model as a run in which site b sent nothing."""
+    cfg = quick_config(data_root, "algorithm.name=fedavg", "rounds=1", "deploy.port=0",
+                       "train.threads=1", TWO_SITES, "deploy.round_timeout_max_s=60")
+    forged: list[ForgedEdge] = []
+
+    def announce(line: str) -> None:
+        if line.startswith("embedded MQTT broker at"):
+            forged.append(ForgedEdge(re.search(r"(mqtt://\S+)", line).group(1)))
+
+    try:
+        dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1,
+                             announce=announce)
+    finally:
+        for f in forged:
+            f.stop()
+    assert forged[0].answered >= 1
+    row = dep.rows[0]
+    why = row["device_failures"]["site b"]
+    assert "refused" in why and "client(s) 0" in why
+    assert row["reported"] == [0, 1, 3, 4]
+    assert row["upstream_messages"] == 1
+    for v in dep.global_weights.values():
+        assert torch.isfinite(v).all()
