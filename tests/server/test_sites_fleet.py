@@ -3,19 +3,22 @@
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import os
 import re
 import signal
 import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
 import torch
 
-from conftest import quick_config
+from conftest import MOSQUITTO, PROJECT_ACL, ROOT, device_process, quick_config
 from fedseq.common.algorithms.plan import plan_from_dict
 from fedseq.common.protocol.frames import Reassembler, pack_chunk, split_frame, unpack_chunk
 from fedseq.common.protocol.messages import (
@@ -27,6 +30,7 @@ from fedseq.common.protocol.messages import (
 )
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
 from fedseq.common.protocol.topics import Topics
+from fedseq.server.ops.broker import free_port, write_local_mosquitto
 from fedseq.server.ops.deployment import run_deployment
 from fedseq.server.ops.simulation import run_simulation
 from fedseq.server.ops.sites_fleet import edge_command
@@ -214,3 +218,106 @@ def test_an_edge_cannot_claim_another_sites_clients(data_root, tmp_path, one_thr
     assert row["upstream_messages"] == 1
     for v in dep.global_weights.values():
         assert torch.isfinite(v).all()
+
+
+def _render(template: str, **values) -> str:
+    import jinja2
+
+    return jinja2.Template((ROOT / "deploy" / "mosquitto" / template).read_text(),
+                           trim_blocks=True).render(**values)
+
+
+def _start_mosquitto(conf: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)
+    if proc.poll() is not None:
+        pytest.fail(f"mosquitto did not start: {proc.stderr.read()}")
+    return proc
+
+
+def _retained(port: int, password: str, topic: str, wait: float = 2.0) -> dict[str, bytes]:
+    """What Mosquitto on `port` retains under `topic` (the coordinator's login)."""
+    got: dict[str, bytes] = {}
+    c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"look-{time.monotonic_ns()}")
+    c.username_pw_set("coordinator", password)
+    c.on_connect = lambda client, *a: client.subscribe(topic, qos=1)
+    c.on_message = lambda client, userdata, msg: got.__setitem__(msg.topic, msg.payload)
+    c.connect("127.0.0.1", port)
+    c.loop_start()
+    time.sleep(wait)
+    c.loop_stop()
+    c.disconnect()
+    return got
+
+
+@pytest.mark.slow("two Mosquittos bridged, an edge, two daemons, a run: 25 s on 2 cores")
+def test_a_site_on_mosquitto_bridged_to_the_coordinators(data_root, tmp_path, one_thread):
+    """The project's broker.conf and ACL on both tiers: the coordinator's Mosquitto, and a site's
+    with its bridge (site-bridge.conf.j2) forwarding its devices' statuses up, the edge logging
+    in upstream as its site (the ACL's site patterns, site-bridges.acl.j2). The run is the
+    simulation's bitwise; the coordinator's broker holds every device's status and not one
+    weight, step or update; the site's login cannot write another site's topics or a device's
+    status that is not its own."""
+    if not Path(MOSQUITTO).exists():
+        pytest.fail("mosquitto is not installed (apt-get install mosquitto); .ci/run installs it")
+    top, site = tmp_path / "coordinator-broker", tmp_path / "site-broker"
+    top.mkdir()
+    site.mkdir()
+    top_port, site_port = free_port(), free_port()
+    acl = top / "fedseq.acl"
+    acl.write_text(PROJECT_ACL.read_text() + _render(
+        "site-bridges.acl.j2", sites={"a": ["local01", "local02"]}))
+    top_users = {"coordinator": "c-pw", "a": "a-pw", "b": "b-pw"}
+    site_users = {"coordinator": "s-pw", "local01": "d1-pw", "local02": "d2-pw"}
+    conf = write_local_mosquitto(top, top_port, top_users, ROOT / "broker.conf", acl,
+                                 getpass.getuser())
+    site_conf = write_local_mosquitto(site, site_port, site_users, ROOT / "broker.conf",
+                                      PROJECT_ACL, getpass.getuser())
+    site_conf.write_text(site_conf.read_text() + _render(
+        "site-bridge.conf.j2", site="a", upstream_host="127.0.0.1", upstream_port=top_port,
+        password="a-pw", cafile=""))
+    for home, users in ((top, top_users), (site, site_users)):
+        for user, pw in users.items():
+            (home / f"{user}.pw").write_text(pw + "\n")
+            (home / f"{user}.pw").chmod(0o600)
+    procs = [_start_mosquitto(conf), _start_mosquitto(site_conf)]
+    procs += [device_process(d, site_port, site, data_root) for d in ("local01", "local02")]
+    procs.append(subprocess.Popen(
+        [sys.executable, "-c", "from fedseq.server.cli.launch import server_main; server_main()",
+         "edge", "--site", "a", "--broker", f"mqtt://127.0.0.1:{site_port}", "--upstream",
+         f"mqtt://127.0.0.1:{top_port}", "--data-dir", str(data_root), "--username",
+         "coordinator", "--password-file", str(site / "coordinator.pw"), "--upstream-username",
+         "a", "--upstream-password-file", str(top / "a.pw"), "--log-level", "WARNING"]))
+    over = ("algorithm.name=fedavg", "rounds=2", "train.threads=1", "hierarchy.edge_rounds=2",
+            'hierarchy.sites={a=["local01","local02"]}', "deploy.username=coordinator",
+            f"deploy.password_file={str(top / 'coordinator.pw')!r}")
+    try:
+        cfg = quick_config(data_root, *over)
+        dep = run_deployment(cfg, tmp_path / "dep", broker=f"mqtt://127.0.0.1:{top_port}",
+                             announce=lambda m: None)
+        up = _retained(top_port, "c-pw", "fedseq/#")
+        # the site's login tries what the ACL denies it: another site's result, a status of a
+        # device not its own
+        c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="site-a-tries")
+        c.username_pw_set("a", "a-pw")
+        c.connect("127.0.0.1", top_port)
+        c.loop_start()
+        for topic in ("fedseq/site/b/result", "fedseq/site/b/status",
+                      "fedseq/device/local03/status"):
+            c.publish(topic, b"x", qos=1, retain=True).wait_for_publish(5)
+        c.loop_stop()
+        c.disconnect()
+        after = _retained(top_port, "c-pw", "fedseq/#")
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(10)
+    sim = run_simulation(cfg, None)
+    for k, v in sim.global_weights.items():
+        assert torch.equal(dep.global_weights[k], v), k
+    assert [r["reported"] for r in dep.rows] == [[0, 1, 2, 3, 4]] * 2
+    assert {"fedseq/device/local01/status", "fedseq/device/local02/status"} <= set(up)
+    assert not [t for t in up if t.startswith(("fedseq/weights", "fedseq/step", "fedseq/update"))]
+    assert "fedseq/site/a/status" in up
+    assert not {"fedseq/site/b/result", "fedseq/site/b/status",
+                "fedseq/device/local03/status"} & set(after)
