@@ -15,7 +15,14 @@ from typing import Any
 
 from fedseq.common.errors import ProtocolError
 from fedseq.common.protocol.link import Link, TlsOptions, session_id
-from fedseq.common.protocol.messages import DeviceInfo, DeviceStatus, RunConfig, ServerStatus, Step
+from fedseq.common.protocol.messages import (
+    DeviceInfo,
+    DeviceStatus,
+    RunConfig,
+    ServerStatus,
+    SiteStatus,
+    Step,
+)
 from fedseq.common.protocol.topics import Topics
 from fedseq.common.text import printable
 
@@ -31,6 +38,10 @@ class FleetView:
     stacks: dict[str, DeviceInfo] = field(default_factory=dict)  # what each device trains with
     campaign: Any = None  # a campaign.CampaignStatus: the last progress a campaign published
     invalid: list[str] = field(default_factory=list)
+    #: [hierarchy]: each site's edge aggregator as it said (its devices online), and the site of
+    #: each device as the run's config names it (the sites' devices' statuses are bridged here)
+    sites: dict[str, SiteStatus] = field(default_factory=dict)
+    site_of: dict[str, str] = field(default_factory=dict)
 
 
 def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None,
@@ -62,6 +73,14 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
                     status = DeviceStatus.decode(payload)
                     if topic == t.device_status(status.device):
                         view.devices[status.device] = status
+                elif kind == "site_status":
+                    site = SiteStatus.decode(payload)
+                    if topic == t.site(site.site, "status"):
+                        view.sites[site.site] = site
+                elif kind == "site_run":  # a fleet of sites: the run is given to each site
+                    view.run = RunConfig.decode(payload)
+                    sites = view.run.config.get("hierarchy", {}).get("sites", {})
+                    view.site_of = {str(d): str(s) for s, ds in sites.items() for d in ds}
                 # anything else (amqtt replays other retained messages too: weights,
                 # assignments) is not what status reads
         except ProtocolError as exc:
@@ -69,7 +88,7 @@ def read_fleet(url: str, topic_root: str = "fedseq", username: str | None = None
 
     link = Link(session_id("fedseq-status"), url,
                 [t.server_status, t.campaign, t.run_config, t.step, t.device_status(),
-                 t.device_info()],
+                 t.device_info(), t.site("+", "status"), t.site("+", "run")],
                 on_message,
                 username=username, password=password, tls=tls)
     link.start(attempts=1)
@@ -190,6 +209,11 @@ def format_fleet(view: FleetView, url: str, every: bool = False) -> list[str]:
         c = view.run.config
         lines.append(f"run {view.run.run_id}: {c.get('algorithm', {}).get('name')} on "
                      f"{c.get('data', {}).get('dataset')}, {c.get('rounds')} rounds")
+    for name, site in sorted(view.sites.items()):
+        lines.append(f"site {printable(name, 64)}: edge aggregator {site.state}"
+                     + (f", {len(site.devices)} devices online "
+                        f"({printable(', '.join(site.devices), 300)})"
+                        if site.state == "online" else ""))
     if view.step is not None:
         st = view.step
         where = f", round {st.round}" if st.kind == "train" else ""
@@ -205,6 +229,9 @@ def format_fleet(view: FleetView, url: str, every: bool = False) -> list[str]:
     if len(view.devices) > SUMMARY_ABOVE and not every:
         summary, shown = _summarized(view, shown)
     rows += [_device_row(view, name, d) for name, d in shown]
+    if view.site_of:  # a fleet of sites: each device's site beside its name
+        rows = [(f"{r[0]} ({view.site_of.get(r[0], '?')})" if i else r[0],) + r[1:]
+                for i, r in enumerate(rows)]
     # every cell is a device's words: one line of plain text, of bounded length
     rows = [tuple(printable(v, 40) for v in r[:-1]) + (printable(r[-1], 120),) for r in rows]
     lines += summary

@@ -34,6 +34,7 @@ from fedseq.server.ops.broker import free_port, write_local_mosquitto
 from fedseq.server.ops.deployment import run_deployment
 from fedseq.server.ops.simulation import run_simulation
 from fedseq.server.ops.sites_fleet import edge_command
+from fedseq.server.ops.status import format_fleet, read_fleet
 
 TWO_SITES = 'hierarchy.sites={a=["local01","local02"],b=["local03"]}'  # a: 0, 1, 3, 4; b: 2
 
@@ -296,6 +297,8 @@ def test_a_site_on_mosquitto_bridged_to_the_coordinators(data_root, tmp_path, on
         dep = run_deployment(cfg, tmp_path / "dep", broker=f"mqtt://127.0.0.1:{top_port}",
                              announce=lambda m: None)
         up = _retained(top_port, "c-pw", "fedseq/#")
+        shown = format_fleet(read_fleet(f"mqtt://127.0.0.1:{top_port}", "fedseq",
+                                        "coordinator", "c-pw"), "here")
         # the site's login tries what the ACL denies it: another site's result, a status of a
         # device not its own
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="site-a-tries")
@@ -319,5 +322,8 @@ def test_a_site_on_mosquitto_bridged_to_the_coordinators(data_root, tmp_path, on
     assert {"fedseq/device/local01/status", "fedseq/device/local02/status"} <= set(up)
     assert not [t for t in up if t.startswith(("fedseq/weights", "fedseq/step", "fedseq/update"))]
     assert "fedseq/site/a/status" in up
+    # fedseq-server status on the coordinator's broker: the site, and every device by site
+    assert any(x.startswith("site a: edge aggregator online") for x in shown), shown
+    assert sum(x.startswith(("local01 (a) ", "local02 (a) ")) for x in shown) == 2, shown
     assert not {"fedseq/site/b/result", "fedseq/site/b/status",
                 "fedseq/device/local03/status"} & set(after)
