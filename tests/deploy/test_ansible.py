@@ -222,6 +222,67 @@ def test_broker_role_confines_plain_mqtt_binds_certificates_and_revokes(tmp_path
         broker.wait(10)
 
 
+@pytest.mark.slow("ansible-playbook on the broker role, twice, and Mosquitto: 25 s on 2 cores")
+def test_broker_role_bridges_a_site_and_lets_each_site_forward_its_own_devices(tmp_path):
+    """A fleet of sites: on a site's broker the role appends the bridge (its devices' statuses
+    out, as the site's login, its password in a file the broker's group alone reads); on the
+    coordinator's, the ACL lets each site's login forward its own devices' statuses. Twice: the
+    second run changes nothing; Mosquitto takes the configuration."""
+    from conftest import MOSQUITTO
+
+    play = tmp_path / "broker.yml"
+    play.write_text(
+        "- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n"
+        "    - {ansible.builtin.include_role: {name: fedseq_broker, tasks_from: config.yml}}\n")
+    env = {**os.environ, "ANSIBLE_NOCOLOR": "1", "ANSIBLE_ROLES_PATH": str(ANSIBLE / "roles")}
+    common = {"fedseq_broker_user": getpass.getuser(), "fedseq_broker_manage_service": False,
+              "fedseq_broker_guard_password": "", "ansible_python_interpreter": sys.executable}
+    site_etc, top_etc = tmp_path / "site", tmp_path / "top"
+    runs = (
+        (site_etc, {"fedseq_broker_bridge_site": "lab1", "fedseq_broker_bridge_host": "127.0.0.1",
+                    "fedseq_broker_bridge_port": free_port(),
+                    "fedseq_broker_bridge_password": "lab1-secret"}),
+        (top_etc, {"fedseq_broker_sites": {"lab1": ["jetson01", "jetson02"], "lab2": ["jetson03"]}}))
+    for etc, extra in runs:
+        etc.mkdir()
+        for _ in range(2):
+            r = subprocess.run(["ansible-playbook", "-i", "localhost,", str(play), "-e",
+                                json.dumps({**common, **extra, "fedseq_broker_etc": str(etc)})],
+                               capture_output=True, text=True, timeout=300, env=env)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+        assert re.search(r"localhost\s*:\s*ok=\d+\s+changed=0\s", r.stdout), r.stdout[-1500:]
+        assert "lab1-secret" not in r.stdout + r.stderr
+    conf = (site_etc / "mosquitto.conf").read_text()
+    assert "connection fedseq-site-lab1" in conf and "remote_username lab1" in conf
+    bridged = re.findall(r"^topic (\S+) (\w+) 1$", conf, re.M)
+    assert bridged == [("fedseq/device/+/status", "out"), ("fedseq/device/+/info", "out")]
+    assert (site_etc / "mosquitto.conf").stat().st_mode & 0o077 == 0o040
+    acl = (top_etc / "fedseq.acl").read_text()
+    assert acl.startswith((ROOT / "deploy" / "mosquitto" / "fedseq.acl").read_text().strip())
+    blocks = re.findall(r"^user (\S+)\n((?:topic .*\n)+)", acl, re.M)
+    assert [(u, t.split()) for u, t in blocks[1:]] == [
+        ("lab1", ["topic", "write", "fedseq/device/jetson01/status", "topic", "write",
+                  "fedseq/device/jetson01/info", "topic", "write", "fedseq/device/jetson02/status",
+                  "topic", "write", "fedseq/device/jetson02/info"]),
+        ("lab2", ["topic", "write", "fedseq/device/jetson03/status", "topic", "write",
+                  "fedseq/device/jetson03/info"])]
+    port = free_port()
+    run = conf.replace("listener 1883 0.0.0.0", f"listener {port} 127.0.0.1")
+    run = run.replace("/var/lib/mosquitto/", f"{tmp_path}/").replace("log_dest syslog",
+                                                                     "log_dest stderr")
+    run = run.replace(f"{site_etc}/fedseq.passwd", str(tmp_path / "passwd"))
+    (tmp_path / "passwd").write_text("")
+    (tmp_path / "run.conf").write_text(run + f"\nuser {getpass.getuser()}\n")
+    broker = subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "run.conf")],
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)
+        assert broker.poll() is None, broker.stderr.read()
+    finally:
+        broker.terminate()
+        broker.wait(10)
+
+
 def _crl(ca_cert, ca_key, revoked_cert) -> bytes:
     """A CRL signed by the CA that lists `revoked_cert` (all PEM files)."""
     import datetime as dt

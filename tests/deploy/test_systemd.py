@@ -21,9 +21,12 @@ def test_units_verify_clean(tmp_path):
     text = (UNITS / "fedseq-server.service").read_text()
     (tmp_path / "fedseq-server.service").write_text(
         text.replace("/opt/fedseq/venv/bin/fedseq-server", server))
+    text = (UNITS / "fedseq-edge@.service").read_text()
+    (tmp_path / "fedseq-edge@lab1.service").write_text(
+        text.replace("/opt/fedseq/venv/bin/fedseq-server", server))
     r = subprocess.run(["systemd-analyze", "verify", "fedseq-client@jetson01.service",
-                        "fedseq-server.service"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=60)
+                        "fedseq-server.service", "fedseq-edge@lab1.service"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=60)
     problems = [line for line in (r.stdout + r.stderr).splitlines() if "fedseq" in line]
     assert not problems, problems
 
@@ -37,7 +40,8 @@ def test_client_unit_keeps_gpu_devices_visible():
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
-@pytest.mark.parametrize("unit", ["fedseq-client@.service", "fedseq-server.service"])
+@pytest.mark.parametrize("unit", ["fedseq-client@.service", "fedseq-server.service",
+                                  "fedseq-edge@.service"])
 def test_units_are_rated_ok_by_systemd_analyze_security(unit):
     """Hardening III, finding 9: both units were rated 9.2 UNSAFE (the client 7.1 with an
     optional drop-in the role never installed); the hardening is in the units themselves now."""
