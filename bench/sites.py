@@ -23,6 +23,13 @@ Three parts, each printed as one table:
   coordinator (custom:down=10,up=1,delay=20: 1 Mbit/s up), 30 clients, join ratio 0.5, FedAvg,
   20 rounds: flat (every update crosses the uplink), two tiers with k = 1 and k = 2; one table
   per seed (`--seeds 0 1 2`).
+- fleet: inbound on a real fleet, on this machine: fedseq-server start with 6 local devices
+  (fedseq-client daemons) on the embedded amqtt, flat, against the same devices in 2 sites of 3
+  (a broker and an edge aggregator each, fedseq-server edge): the payload bytes the coordinator's
+  own connection received each round (wire_bytes_in: updates or partials, statuses, scores)
+  and the frames that carried the round's training (flat: an update per client; two tiers: a
+  partial per site). 12 clients, all of them a round, FedAvg on the CNN, 5% of Fashion-MNIST,
+  2 rounds. Not in the default parts (it takes the machine's cores for a minute or two).
 """
 
 from __future__ import annotations
@@ -61,6 +68,30 @@ def inbound(root: Path) -> None:
         print(f"{'flat':>6} {len(f['reported']):>9} {f['bytes_up'] / 1e6:>9.2f}")
         print(f"{'two':>6} {t['upstream_messages']:>9} {t['upstream_bytes'] / 1e6:>9.2f} "
               f"{f['bytes_up'] / t['upstream_bytes']:>6.1f}")
+
+
+def fleet(root: Path) -> None:
+    from fedseq.server.ops.deployment import run_deployment
+
+    names = [f"local{i:02d}" for i in range(1, 7)]
+    sites = 'hierarchy.sites={a=["local01","local02","local03"],b=["local04","local05","local06"]}'
+    over = ("algorithm.name=fedavg", "rounds=2", "data.num_clients=12", "data.min_samples=10",
+            "train.join_ratio=1.0", "train.threads=1", "model.name=cnn", "deploy.port=0")
+    print(f"fleet: per round, 12 clients on {len(names)} local devices; flat on one amqtt, "
+          "two tiers in 2 sites of 3 (a broker and an edge each)")
+    print(f"{'tiers':>6} {'round':>5} {'frames':>7} {'MB in':>9} {'ratio':>6} {'seconds':>8}")
+    flat = run_deployment(quick_config(root, *over), None, local_devices=6, client_threads=1,
+                          announce=lambda m: None).rows
+    two = run_deployment(quick_config(root, *over, sites), None, local_devices=6,
+                         client_threads=1, announce=lambda m: None).rows
+    for f, t in zip(flat, two, strict=True):
+        if f.get("phase") != "train":
+            continue
+        print(f"{'flat':>6} {f['round']:>5} {len(f['reported']):>7} "
+              f"{f['wire_bytes_in'] / 1e6:>9.2f} {'':>6} {f['seconds']:>8.1f}")
+        print(f"{'two':>6} {t['round']:>5} {t['upstream_messages']:>7} "
+              f"{t['wire_bytes_in'] / 1e6:>9.2f} {f['wire_bytes_in'] / t['wire_bytes_in']:>6.1f} "
+              f"{t['seconds']:>8.1f}")
 
 
 def fold(repeats: int = 5) -> None:
@@ -155,7 +186,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-root", type=Path, default=ROOT.parent / "shared" / "data")
     ap.add_argument("--part", nargs="+", default=["inbound", "fold", "scale", "accuracy"],
-                    choices=["inbound", "fold", "scale", "accuracy"])
+                    choices=["inbound", "fold", "scale", "accuracy", "fleet"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
                     help="the accuracy part's seeds (each: three 20-round runs)")
     args = ap.parse_args()
