@@ -239,7 +239,7 @@ class EdgeAggregator:
             with contextlib.suppress(Exception):
                 self.link.publish(self.topics.site(self.site, "status"),
                                   SiteStatus(site=self.site, state="offline"), retain=True,
-                                  wait=True)
+                                  wait=True, timeout=5.0)
             self.link.stop()
 
     def _say_status(self) -> None:

@@ -96,9 +96,11 @@ def test_an_edge_killed_mid_round_costs_its_sites_clients_that_round_only(data_r
     restarted: list[subprocess.Popen] = []
     killed = threading.Event()
 
-    def kill_and_restart() -> None:
+    def kill() -> None:
         for pid in _children(r"server_main\(\) edge --site a "):
             os.kill(pid, signal.SIGKILL)
+
+    def restart() -> None:
         coordinator = re.search(r"(mqtt://\S+)", lines[0]).group(1)
         restarted.append(subprocess.Popen(edge_command("a", _site_url(lines, "a"), coordinator,
                                                        cfg)))
@@ -110,8 +112,9 @@ def test_an_edge_killed_mid_round_costs_its_sites_clients_that_round_only(data_r
         def on_message(client, userdata, msg):
             step = Step.decode(msg.payload) if msg.payload else None
             if step and step.kind == "train" and step.round == 1 and not killed.is_set():
+                kill()  # at once: before the site's devices can have trained
                 killed.set()
-                threading.Thread(target=kill_and_restart, daemon=True).start()
+                threading.Thread(target=restart, daemon=True).start()
 
         c.on_message = on_message
         c.on_connect = lambda client, *a: client.subscribe("fedseq/step", qos=1)
@@ -251,6 +254,64 @@ def _retained(port: int, password: str, topic: str, wait: float = 2.0) -> dict[s
     return got
 
 
+class TwoTiers:
+    """The coordinator's Mosquitto and site a's, both from the project's broker.conf and ACL, the
+    site's bridged to the coordinator's (site-bridge.conf.j2; site-bridges.acl.j2 on top), site
+    a's two daemons on its broker and its edge aggregator with a login on each."""
+
+    def __init__(self, tmp_path: Path, data_root: Path):
+        if not Path(MOSQUITTO).exists():
+            pytest.fail("mosquitto is not installed (apt-get install mosquitto); .ci/run "
+                        "installs it")
+        self.top, self.site = tmp_path / "coordinator-broker", tmp_path / "site-broker"
+        self.top.mkdir()
+        self.site.mkdir()
+        self.top_port, self.site_port = free_port(), free_port()
+        acl = self.top / "fedseq.acl"
+        acl.write_text(PROJECT_ACL.read_text() + _render(
+            "site-bridges.acl.j2", sites={"a": ["local01", "local02"]}))
+        top_users = {"coordinator": "c-pw", "a": "a-pw", "b": "b-pw"}
+        site_users = {"coordinator": "s-pw", "local01": "d1-pw", "local02": "d2-pw"}
+        self.conf = write_local_mosquitto(self.top, self.top_port, top_users,
+                                          ROOT / "broker.conf", acl, getpass.getuser())
+        self.site_conf = write_local_mosquitto(self.site, self.site_port, site_users,
+                                               ROOT / "broker.conf", PROJECT_ACL,
+                                               getpass.getuser())
+        self.site_conf.write_text(self.site_conf.read_text() + _render(
+            "site-bridge.conf.j2", site="a", upstream_host="127.0.0.1",
+            upstream_port=self.top_port, password="a-pw", cafile=""))
+        for home, users in ((self.top, top_users), (self.site, site_users)):
+            for user, pw in users.items():
+                (home / f"{user}.pw").write_text(pw + "\n")
+                (home / f"{user}.pw").chmod(0o600)
+        self.brokers = [_start_mosquitto(self.conf), _start_mosquitto(self.site_conf)]
+        self.others = [device_process(d, self.site_port, self.site, data_root)
+                       for d in ("local01", "local02")]
+        self.others.append(subprocess.Popen(
+            [sys.executable, "-c",
+             "from fedseq.server.cli.launch import server_main; server_main()", "edge",
+             "--site", "a", "--broker", f"mqtt://127.0.0.1:{self.site_port}", "--upstream",
+             f"mqtt://127.0.0.1:{self.top_port}", "--data-dir", str(data_root), "--username",
+             "coordinator", "--password-file", str(self.site / "coordinator.pw"),
+             "--upstream-username", "a", "--upstream-password-file", str(self.top / "a.pw"),
+             "--log-level", "WARNING"]))
+        self.login = ("deploy.username=coordinator",
+                      f"deploy.password_file={str(self.top / 'coordinator.pw')!r}")
+        self.url = f"mqtt://127.0.0.1:{self.top_port}"
+
+    def restart_site_broker(self) -> None:
+        """SIGTERM (Mosquitto saves its retained messages), then the same config again."""
+        self.brokers[1].terminate()
+        self.brokers[1].wait(10)
+        time.sleep(1.0)
+        self.brokers[1] = _start_mosquitto(self.site_conf)
+
+    def stop(self) -> None:
+        for p in [*reversed(self.others), *reversed(self.brokers)]:
+            p.terminate()
+            p.wait(10)
+
+
 @pytest.mark.slow("two Mosquittos bridged, an edge, two daemons, a run: 25 s on 2 cores")
 def test_a_site_on_mosquitto_bridged_to_the_coordinators(data_root, tmp_path, one_thread):
     """The project's broker.conf and ACL on both tiers: the coordinator's Mosquitto, and a site's
@@ -259,46 +320,15 @@ def test_a_site_on_mosquitto_bridged_to_the_coordinators(data_root, tmp_path, on
     simulation's bitwise; the coordinator's broker holds every device's status and not one
     weight, step or update; the site's login cannot write another site's topics or a device's
     status that is not its own."""
-    if not Path(MOSQUITTO).exists():
-        pytest.fail("mosquitto is not installed (apt-get install mosquitto); .ci/run installs it")
-    top, site = tmp_path / "coordinator-broker", tmp_path / "site-broker"
-    top.mkdir()
-    site.mkdir()
-    top_port, site_port = free_port(), free_port()
-    acl = top / "fedseq.acl"
-    acl.write_text(PROJECT_ACL.read_text() + _render(
-        "site-bridges.acl.j2", sites={"a": ["local01", "local02"]}))
-    top_users = {"coordinator": "c-pw", "a": "a-pw", "b": "b-pw"}
-    site_users = {"coordinator": "s-pw", "local01": "d1-pw", "local02": "d2-pw"}
-    conf = write_local_mosquitto(top, top_port, top_users, ROOT / "broker.conf", acl,
-                                 getpass.getuser())
-    site_conf = write_local_mosquitto(site, site_port, site_users, ROOT / "broker.conf",
-                                      PROJECT_ACL, getpass.getuser())
-    site_conf.write_text(site_conf.read_text() + _render(
-        "site-bridge.conf.j2", site="a", upstream_host="127.0.0.1", upstream_port=top_port,
-        password="a-pw", cafile=""))
-    for home, users in ((top, top_users), (site, site_users)):
-        for user, pw in users.items():
-            (home / f"{user}.pw").write_text(pw + "\n")
-            (home / f"{user}.pw").chmod(0o600)
-    procs = [_start_mosquitto(conf), _start_mosquitto(site_conf)]
-    procs += [device_process(d, site_port, site, data_root) for d in ("local01", "local02")]
-    procs.append(subprocess.Popen(
-        [sys.executable, "-c", "from fedseq.server.cli.launch import server_main; server_main()",
-         "edge", "--site", "a", "--broker", f"mqtt://127.0.0.1:{site_port}", "--upstream",
-         f"mqtt://127.0.0.1:{top_port}", "--data-dir", str(data_root), "--username",
-         "coordinator", "--password-file", str(site / "coordinator.pw"), "--upstream-username",
-         "a", "--upstream-password-file", str(top / "a.pw"), "--log-level", "WARNING"]))
+    tiers = TwoTiers(tmp_path, data_root)
+    top_port = tiers.top_port
     over = ("algorithm.name=fedavg", "rounds=2", "train.threads=1", "hierarchy.edge_rounds=2",
-            'hierarchy.sites={a=["local01","local02"]}', "deploy.username=coordinator",
-            f"deploy.password_file={str(top / 'coordinator.pw')!r}")
+            'hierarchy.sites={a=["local01","local02"]}', *tiers.login)
     try:
         cfg = quick_config(data_root, *over)
-        dep = run_deployment(cfg, tmp_path / "dep", broker=f"mqtt://127.0.0.1:{top_port}",
-                             announce=lambda m: None)
+        dep = run_deployment(cfg, tmp_path / "dep", broker=tiers.url, announce=lambda m: None)
         up = _retained(top_port, "c-pw", "fedseq/#")
-        shown = format_fleet(read_fleet(f"mqtt://127.0.0.1:{top_port}", "fedseq",
-                                        "coordinator", "c-pw"), "here")
+        shown = format_fleet(read_fleet(tiers.url, "fedseq", "coordinator", "c-pw"), "here")
         # the site's login tries what the ACL denies it: another site's result, a status of a
         # device not its own
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="site-a-tries")
@@ -312,9 +342,7 @@ def test_a_site_on_mosquitto_bridged_to_the_coordinators(data_root, tmp_path, on
         c.disconnect()
         after = _retained(top_port, "c-pw", "fedseq/#")
     finally:
-        for p in reversed(procs):
-            p.terminate()
-            p.wait(10)
+        tiers.stop()
     sim = run_simulation(cfg, None)
     for k, v in sim.global_weights.items():
         assert torch.equal(dep.global_weights[k], v), k
@@ -327,3 +355,33 @@ def test_a_site_on_mosquitto_bridged_to_the_coordinators(data_root, tmp_path, on
     assert sum(x.startswith(("local01 (a) ", "local02 (a) ")) for x in shown) == 2, shown
     assert not {"fedseq/site/b/result", "fedseq/site/b/status",
                 "fedseq/device/local03/status"} & set(after)
+
+
+@pytest.mark.slow("two Mosquittos bridged, an edge, two daemons, a site broker restart: 30 s")
+def test_a_site_brokers_restart_is_a_broker_restart(data_root, tmp_path, one_thread):
+    """The site's Mosquitto restarts between rounds: the edge and the devices reconnect and
+    resync from its retained (persisted) messages, the edge's pool publishes the run's state
+    again, and every later round has every client: the simulation's run, bitwise."""
+    tiers = TwoTiers(tmp_path, data_root)
+    restarted: list[int] = []
+
+    def on_round(row) -> None:
+        if row.round == 0 and not restarted:
+            tiers.restart_site_broker()
+            restarted.append(row.round)
+
+    over = ("algorithm.name=fedper", "rounds=3", "train.threads=1", "deploy.round_timeout_s=60",
+            "deploy.eval_timeout_s=60", 'hierarchy.sites={a=["local01","local02"]}',
+            *tiers.login)
+    try:
+        cfg = quick_config(data_root, *over)
+        dep = run_deployment(cfg, None, broker=tiers.url, announce=lambda m: None,
+                             on_round=on_round)
+    finally:
+        tiers.stop()
+    assert restarted == [0]
+    assert [r["reported"] for r in dep.rows] == [[0, 1, 2, 3, 4]] * 3
+    assert len(dep.final.per_client) == 5
+    sim = run_simulation(cfg, None)
+    for k, v in sim.global_weights.items():
+        assert torch.equal(dep.global_weights[k], v), k
