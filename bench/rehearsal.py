@@ -29,7 +29,8 @@ from pathlib import Path
 
 from fedseq.common.config import load_config
 from fedseq.server.ops import rehearsal as rh
-from fedseq.server.ops.deployment import local_device_names, run_deployment
+from fedseq.server.ops.deployment import run_deployment
+from fedseq.server.ops.local_fleet import local_device_names
 from fedseq.server.rounds import links as ln
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -790,7 +790,7 @@ def _rehearsal(local_devices: int, links: list[str], quotas: list[str]) -> Any:
     import contextlib
 
     from fedseq.server.ops import rehearsal as rh
-    from fedseq.server.ops.deployment import local_device_names
+    from fedseq.server.ops.local_fleet import local_device_names
     from fedseq.server.rounds import links as ln
 
     if not links and not quotas:

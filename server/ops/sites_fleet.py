@@ -24,7 +24,7 @@ from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.placed import ClientData
 from fedseq.common.errors import ConfigError
 from fedseq.server.ops.broker import EmbeddedBroker, coordinator_login
-from fedseq.server.ops.deployment import embedded_broker, spawn_local_devices
+from fedseq.server.ops.local_fleet import embedded_broker, spawn_local_devices
 from fedseq.server.ops.rehearsal import Rehearsal
 from fedseq.server.pools.mqtt.edges import EdgePool
 from fedseq.server.pools.processes import die_with_parent, stop_children

@@ -35,7 +35,8 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 STATED = tomllib.loads((EXAMPLES / "papers" / "stated.toml").read_text())
 NOT_PAPERS = {"quickstart", "dp-fmnist",  # a first experiment; the headline DP experiment
               "secagg-testbed",  # fmnist-testbed.toml plus [secagg] (tests/server/test_secure.py)
-              "sites-testbed"}  # fmnist-testbed.toml plus [fleet], [hierarchy] (test_sites.py)
+              "sites-testbed",  # fmnist-testbed.toml plus [fleet], [hierarchy] (test_sites.py)
+              "sites-fleet"}  # a fleet of two sites, as deploy/ansible/inventory/sites.yml rolls out
 
 ALWAYS = ("rounds", "data.dataset", "data.partition", "data.num_clients", "data.train_fraction",
           "data.normalize", "model.name", "train.join_ratio", "train.local_epochs",
