@@ -884,6 +884,10 @@ def edge(
         help="the coordinator's broker, mutual TLS: this edge's certificate")] = None,
     upstream_key_file: Annotated[Path | None, typer.Option(
         help="the coordinator's broker, mutual TLS: the certificate's key")] = None,
+    guard_username: Annotated[str | None, typer.Option(
+        help="the site's broker: the flood guard's login (fedseq-guard; docs/security.md)")] = None,
+    guard_password_file: Annotated[Path | None, typer.Option(
+        help="the site's broker: the file of the flood guard's password")] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
 ) -> None:
     """Run a site's edge aggregator ([hierarchy]): to the coordinator one participant holding
@@ -905,7 +909,8 @@ def edge(
     try:
         verify = not no_verify_hostname
         down = Login(username, read_secret(password_file, "--password-file"),
-                     TlsOptions(ca_file, cert_file, key_file, verify))
+                     TlsOptions(ca_file, cert_file, key_file, verify), guard_username,
+                     guard_password_file)
         up = Login(upstream_username,
                    read_secret(upstream_password_file, "--upstream-password-file"),
                    TlsOptions(upstream_ca_file, upstream_cert_file, upstream_key_file, verify))

@@ -67,11 +67,14 @@ TASK_STRIDE = 1000
 
 @dataclass(frozen=True)
 class Login:
-    """A broker login: user name, password, TLS options."""
+    """A broker login: user name, password, TLS options; on the site's broker, the flood
+    guard's login and its password file (deploy.guard_username, deploy.guard_password_file)."""
 
     username: str | None = None
     password: str | None = None
     tls: TlsOptions | None = None
+    guard_username: str | None = None
+    guard_password_file: Path | None = None
 
 
 class EdgeRun:
@@ -86,8 +89,11 @@ class EdgeRun:
                               f"{', '.join(names)})")
         self.site = next(s for s in site_tree(cfg) if s.name == site)
         self.run_id = run_id
-        # the coordinator counts devices over all sites; here a step waits for this site's
+        # the coordinator counts devices over all sites; here a step waits for this site's. The
+        # site broker's flood guard is this host's (the run's config carries none)
         cfg.deploy.min_devices = 1
+        cfg.deploy.guard_username = login.guard_username
+        cfg.deploy.guard_password_file = login.guard_password_file
         exp = load_experiment(cfg, test_images_only=True)
         dealt = assign_clients(sorted(cfg.hierarchy.site_of()), cfg.data.num_clients)
         self.dealt = {d: dealt[d] for d in self.site.devices}

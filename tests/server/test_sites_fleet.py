@@ -55,15 +55,22 @@ def _children(pattern: str) -> list[int]:
     return out
 
 
+DP = ("privacy.enabled=true", "privacy.clip_norm=0.5", "privacy.noise_multiplier=0.5",
+      "seeds.noise=7")
+
+
 @pytest.mark.slow("a fleet of two sites: three brokers, two edges, three daemons: 15 s on 2 cores")
-@pytest.mark.parametrize("algorithm, k", [("fedavg", 2), ("fedper", 1)])
-def test_a_fleet_of_sites_is_the_simulation_bitwise(data_root, tmp_path, one_thread, algorithm, k):
+@pytest.mark.parametrize("algorithm, k, extra", [("fedavg", 2, ()), ("fedper", 1, ()),
+                                                 ("fedavg", 1, DP)])
+def test_a_fleet_of_sites_is_the_simulation_bitwise(data_root, tmp_path, one_thread, algorithm, k,
+                                                    extra):
     """Two sites, each with its broker, its edge aggregator and its devices: the global model,
     the accuracies and the rows' client accounting are the simulation's, bitwise (the edges
     fold with the round loop's own code in the same order); one message a site reached the
-    coordinator each round."""
+    coordinator each round. DP-FedAvg: the devices clip, the sites sum, the coordinator alone
+    adds the noise (the edges never get its seed)."""
     cfg = quick_config(data_root, f"algorithm.name={algorithm}", "rounds=2", "deploy.port=0",
-                       "train.threads=1", TWO_SITES, f"hierarchy.edge_rounds={k}")
+                       "train.threads=1", TWO_SITES, f"hierarchy.edge_rounds={k}", *extra)
     dep = run_deployment(cfg, tmp_path / "dep", local_devices=3, client_threads=1,
                          announce=lambda m: None)
     sim = run_simulation(cfg, None)
@@ -74,6 +81,7 @@ def test_a_fleet_of_sites_is_the_simulation_bitwise(data_root, tmp_path, one_thr
         assert d["upstream_messages"] == s["upstream_messages"] == 2
         assert d["global_acc"] == s["global_acc"] and d["personal_acc"] == s["personal_acc"]
         assert d["train_flops"] == s["train_flops"] and d["bytes_up"] == s["bytes_up"]
+        assert d.get("epsilon") == s.get("epsilon")
         assert not d.get("device_failures")
 
 
