@@ -393,3 +393,47 @@ def test_a_site_brokers_restart_is_a_broker_restart(data_root, tmp_path, one_thr
     sim = run_simulation(cfg, None)
     for k, v in sim.global_weights.items():
         assert torch.equal(dep.global_weights[k], v), k
+
+
+@pytest.mark.slow("two Mosquittos, an edge, two daemons, a coordinator killed and resumed: 30 s")
+def test_a_fleet_of_sites_resumes_after_the_coordinator_is_killed(data_root, tmp_path,
+                                                                   one_thread):
+    """The coordinator is SIGKILLed while it writes round 1's checkpoint; the edge and the
+    devices stay up. `--resume` continues the run under the same run id (the edge keeps its
+    site's pool: the run it gets again is the one it follows) and ends with the uninterrupted
+    simulation's weights, every round with every client."""
+    from test_resume import CRASH, _rows, _server_sets, _status
+
+    from fedseq.common.protocol.tensors import decode_tensors
+
+    tiers = TwoTiers(tmp_path, data_root)
+    out = tmp_path / "run"
+    over = ["algorithm.name=fedper", "rounds=3", "train.threads=1", "train.join_ratio=1.0",
+            "deploy.round_timeout_s=120",
+            "deploy.eval_timeout_s=120", 'hierarchy.sites={a=["local01","local02"]}']
+    cfg = quick_config(data_root, *over)
+    cred = ["--set", tiers.login[0], "--set", tiers.login[1]]
+    first = ["start", "-q", "--broker", tiers.url, "--out", str(out), *_server_sets(cfg, over),
+             *cred]
+    again = ["start", "-q", "--broker", tiers.url, "--resume", str(out)]
+    try:
+        r = subprocess.run([sys.executable, *CRASH, "mid-checkpoint", *first],
+                           capture_output=True, text=True, timeout=400)
+        assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-2000:])
+        assert _status(out) == "running"
+        start = time.monotonic()
+        r = subprocess.run([sys.executable, *CRASH, "none", *again], capture_output=True,
+                           text=True, timeout=600)
+        took = time.monotonic() - start
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        tiers.stop()
+    rows = _rows(out)
+    train = [x for x in rows if x["phase"] == "train"]
+    assert [x["round"] for x in train] == [0, 1, 2]
+    assert all(x["reported"] == [0, 1, 2, 3, 4] for x in train), train
+    assert took < 100, took  # no deadline waited out
+    sim = run_simulation(cfg, None)
+    saved = decode_tensors((out / "model.safetensors").read_bytes())
+    for k, v in sim.global_weights.items():
+        assert torch.equal(saved[k], v), k
