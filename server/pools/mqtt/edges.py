@@ -54,6 +54,8 @@ log = logging.getLogger(__name__)
 
 #: seconds past the sites' own deadlines (k site rounds) the coordinator waits for a partial
 SLACK_S = 60.0
+#: events (statuses, complete results) waiting for the coordinator's thread, at most
+EVENTS = 4096
 
 
 #: the coordinator's own accounts, files and paths: an edge aggregator uses its own (its
@@ -90,7 +92,12 @@ class EdgePool:
         self.personal: tuple[str, ...] = ()
         self.seq = 0
         self.status: dict[str, SiteStatus] = {}
-        self.events: queue.Queue[tuple[str, str, Any]] = queue.Queue()
+        #: what the network thread hands over; bounded (a site's login that floods its status
+        #: topic loses its own excess, nothing else)
+        self.events: queue.Queue[tuple[str, str, Any]] = queue.Queue(maxsize=EVENTS)
+        #: the task whose results are collected now (-1: none): a result of any other is dropped
+        #: on arrival, before its frame is held or decoded
+        self.awaiting = -1
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized by open()
         self.reference: Weights = {}
         self.late = 0
@@ -140,18 +147,29 @@ class EdgePool:
                     st = SiteStatus.decode(payload)
                     if st.site != ref.device:
                         raise ProtocolError(f"a status of site {printable(st.site, 64)}")
-                    self.events.put(("status", ref.device, st))
+                    self._hand_over(("status", ref.device, st))
             elif ref.kind == "site_result":
                 head, data = unpack_chunk(payload, SiteResultHeader)
                 if head.site != ref.device or head.run_id != self.run_id:
                     return  # another run's, or another site's words on this site's topic
+                if head.seq != self.awaiting:
+                    self.late += head.chunk == 0  # a task's answer after its collection ended
+                    return
                 frame = self.frames.add(ref.device, head.seq, head, data)
                 if frame is not None:
                     deltas = decode_tensors(frame, max_tensors=4 * len(self.reference) + 16)
-                    self.events.put(("result", ref.device, (head, deltas)))
+                    self._hand_over(("result", ref.device, (head, deltas)))
         except ProtocolError as exc:
             log.warning("site %s sent an invalid message on %s: %s", ref.device, topic,
                         printable(exc, 300))
+
+    def _hand_over(self, event: tuple[str, str, Any]) -> None:
+        """Network thread: queue an event for the coordinator's thread (dropped, with a line,
+        when EVENTS wait already)."""
+        try:
+            self.events.put_nowait(event)
+        except queue.Full:
+            log.warning("site %s: event dropped, %d wait already", event[1], EVENTS)
 
     def _take(self, timeout: float) -> tuple[str, str, Any] | None:
         """The next event within `timeout` seconds (a status is applied here, and returned)."""
@@ -236,8 +254,10 @@ class EdgePool:
 
     # -- tasks -----------------------------------------------------------------------------
     def _send(self, kind: str, sites: list[str], fields: dict[str, Any], frame: bytes) -> int:
-        """Publish a task of `kind` to each of `sites` (one frame, its chunks); its number."""
+        """Publish a task of `kind` to each of `sites` (one frame, its chunks); its number (its
+        results are collected from now on)."""
         self.seq += 1
+        self.awaiting = self.seq
         for name in sites:
             self.link.publish_frame(
                 lambda i, name=name: self.topics.site(name, "task"),
@@ -269,12 +289,9 @@ class EdgePool:
                 continue
             if what == "status" and body.state == "offline":
                 missing[site] = "its edge aggregator went offline during the step"
-            elif what == "result":
-                head, deltas = body
-                if head.seq != seq:
-                    self.late += 1
-                    continue
-                answers[site] = (head, deltas)
+            elif what == "result" and body[0].seq == seq:
+                answers[site] = body
+        self.awaiting = -1
         for s in sites:
             if s not in answers and s not in missing:
                 missing[s] = f"no answer within {wait_s:.0f} s"
