@@ -893,35 +893,27 @@ def edge(
     """Run a site's edge aggregator ([hierarchy]): to the coordinator one participant holding
     the site's clients, to the site's devices their coordinator; it folds their updates and
     sends one partial aggregate a round (docs/how-to/edge-sites.md). Runs until stopped."""
-    import signal
-    import threading
-
     from fedseq.common.files import read_secret
     from fedseq.common.protocol.link import TlsOptions
-    from fedseq.server.ops.edge import EdgeAggregator, Login
+    from fedseq.server.ops.edge import Login, serve_until_stopped
     from fedseq.server.pools.mqtt.edges import site_name_problem
 
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    why = site_name_problem(site)
-    if why is not None:
-        _fail(ConfigError(why))
     try:
+        if (why := site_name_problem(site)) is not None:
+            raise ConfigError(why)
         verify = not no_verify_hostname
-        down = Login(username, read_secret(password_file, "--password-file"),
-                     TlsOptions(ca_file, cert_file, key_file, verify), guard_username,
-                     guard_password_file)
-        up = Login(upstream_username,
-                   read_secret(upstream_password_file, "--upstream-password-file"),
-                   TlsOptions(upstream_ca_file, upstream_cert_file, upstream_key_file, verify))
-        aggregator = EdgeAggregator(site, upstream, broker, data_dir, topic_root, up, down)
-        stop = threading.Event()
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        aggregator.serve(stop)
+        serve_until_stopped(
+            site, upstream, broker, data_dir, topic_root,
+            Login(upstream_username, read_secret(upstream_password_file,
+                                                 "--upstream-password-file"),
+                  TlsOptions(upstream_ca_file, upstream_cert_file, upstream_key_file, verify)),
+            Login(username, read_secret(password_file, "--password-file"),
+                  TlsOptions(ca_file, cert_file, key_file, verify), guard_username,
+                  guard_password_file))
     except FedseqError as exc:
         _fail(exc)
-    except KeyboardInterrupt:
-        pass
 
 
 @server_app.command()

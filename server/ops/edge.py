@@ -312,4 +312,16 @@ class EdgeAggregator:
             frame)
 
 
-__all__ = ["EdgeAggregator", "EdgeRun", "Login"]
+def serve_until_stopped(site: str, upstream: str, broker: str, data_root: Path | None,
+                        topic_root: str, up: Login, down: Login) -> None:
+    """fedseq-server edge: serve until SIGTERM (systemd's stop) or Ctrl-C."""
+    import signal
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    aggregator = EdgeAggregator(site, upstream, broker, data_root, topic_root, up, down)
+    with contextlib.suppress(KeyboardInterrupt):
+        aggregator.serve(stop)
+
+
+__all__ = ["EdgeAggregator", "EdgeRun", "Login", "serve_until_stopped"]

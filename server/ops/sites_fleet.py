@@ -120,7 +120,8 @@ class SitesTransport:
                           f"{len(mine[site])} devices ({', '.join(mine[site])})")
 
     def announced(self, ckpt: Checkpoint | None) -> list[ClientData] | None:
-        return None  # refused in __init__: data.placement = "device"
+        """None: data.placement = "device" is refused for sites (__init__)."""
+        return None
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> EdgePool:

@@ -228,6 +228,7 @@ class EdgePool:
         log.info("run %s: %d sites (%s)", self.run_id, len(self.sites), ", ".join(self.sites))
 
     def snapshot(self) -> PoolState:
+        """What a checkpoint holds: the run id and the task number reached."""
         return PoolState({"run_id": self.run_id, "seq": self.seq})
 
     def restore(self, state: PoolState) -> None:
@@ -341,6 +342,7 @@ class EdgePool:
 
     def train(self, round: int, clients: list[int], plan: ClientPlan, weights: Weights,
               check: UpdateCheck, enough: int | None = None, secure: Any = None) -> TrainRound:
+        """Not a fleet of sites' way: its rounds are the sites' (`site_rounds`)."""
         raise ConfigError("a fleet of sites trains through its edge aggregators "
                           "(EdgeSites.train), never one client at a time from the coordinator")
 
@@ -371,12 +373,14 @@ class EdgePool:
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
                  ) -> EvalOutcome:
+        """Every site scores its clients' personalized models (the coordinator the global)."""
         scores, _ = self._scores("evaluate", {"eval_heads": list(eval_heads)}, weights, check,
                                  self.cfg.deploy.eval_timeout_s)
         return EvalOutcome(EvalReport(None, None, scores), self.wire_bytes())
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
                  check: ScoreCheck, progress: Progress) -> FinetuneOutcome:
+        """Every site's clients fine-tune and report their scores."""
         scores, diverged = self._scores(
             "finetune", {"plan": plan_to_dict(plan), "eval_heads": list(eval_heads)}, weights,
             check, self.cfg.deploy.finetune_timeout_s)
