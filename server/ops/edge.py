@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum
+from fedseq.common.algorithms.aggregate import WeightedDeltaSum
 from fedseq.common.algorithms.plan import plan_from_dict
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import ConfigError, FedseqError, ProtocolError, validation_problem
@@ -46,11 +46,9 @@ from fedseq.common.protocol.topics import Topics
 from fedseq.common.registry import REGISTRY
 from fedseq.common.text import printable
 from fedseq.server.pools.mqtt.mqtt_pool import MqttPool
-from fedseq.server.rounds.contract import RoundContract
 from fedseq.server.rounds.experiment import load_experiment
 from fedseq.server.rounds.ledger import Ledger, RoundUpdates
 from fedseq.server.rounds.pool_api import PoolState
-from fedseq.server.rounds.records import Rejection
 from fedseq.server.rounds.sites import EdgeSites, assign_clients, site_tree
 
 log = logging.getLogger(__name__)
@@ -137,19 +135,9 @@ class EdgeRun:
         mine = [c for c in h.clients if c in self.site.clients]
         contract = book.contract(h.round, mine, plan, start, h.bound)
         got = RoundUpdates(WeightedDeltaSum())
-
-        def checker(contract: RoundContract) -> Any:
-            def check(update: ClientUpdate) -> Rejection | None:
-                reason = contract.check(update)
-                if reason is not None:
-                    log.warning("round %d: rejected update of client %d: %s", h.round,
-                                update.client, reason)
-                    got.rejected[update.client] = reason
-                return reason
-            return check
-
-        partials = self.sites.partials(h.round, mine, plan, h.needed, contract, got, checker,
-                                       start, book.sent(in_blocks(start, h.needed), fresh=True))
+        partials = self.sites.partials(h.round, mine, plan, h.needed, contract, got,
+                                       got.checker(h.round), start,
+                                       book.sent(in_blocks(start, h.needed), fresh=True))
         fields: dict[str, Any] = {
             "round": h.round, "rejected": {c: str(r) for c, r in got.rejected.items()},
             "failures": dict(got.outcome.device_failures),

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedseq.common.algorithms import Algorithm
-from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
@@ -48,7 +47,7 @@ from fedseq.server.rounds.ledger import (
     torch_threads,
 )
 from fedseq.server.rounds.pool_api import ClientPool, PoolState, RoundOutcome
-from fedseq.server.rounds.records import ClientEnergy, Rejection, RoundRecord, SlowestDevice
+from fedseq.server.rounds.records import ClientEnergy, RoundRecord, SlowestDevice
 from fedseq.server.rounds.rundir import RunDir
 from fedseq.server.rounds.sites import EdgeSites
 from fedseq.server.rounds.virtual_fleet import ClientTiming, energy_j, sync_round
@@ -204,15 +203,7 @@ class Rounds(Driver):
         rounds and its partial (sites.py). Then the norms' outliers."""
         book = self.book
 
-        def checker(contract: RoundContract) -> Callable[[ClientUpdate], Rejection | None]:
-            def check(update: ClientUpdate) -> Rejection | None:
-                reason = contract.check(update)
-                if reason is not None:
-                    log.warning("round %d: rejected update of client %d: %s", t, update.client,
-                                reason)
-                    got.rejected[update.client] = reason
-                return reason
-            return check
+        checker = got.checker(t)
 
         # The pool yields only updates that passed `check`, at most one per client, in client
         # order; `rejected` keeps every refusal, also of a client whose valid update came later.

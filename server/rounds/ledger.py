@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +54,7 @@ from fedseq.server.rounds.contract import (
     round_contract,
     score_problem,
 )
-from fedseq.server.rounds.pool_api import ClientPool, RoundOutcome
+from fedseq.server.rounds.pool_api import ClientPool, RoundOutcome, UpdateCheck
 from fedseq.server.rounds.records import Rejection, RoundRecord
 from fedseq.server.rounds.virtual_fleet import VirtualFleet
 
@@ -123,6 +123,20 @@ class RoundUpdates:
     uploads: dict[int, int] = field(default_factory=dict)
     #: [privacy] adaptive clipping: client -> whether its last update was within the clip norm
     under_clip: dict[int, bool] = field(default_factory=dict)
+
+    def checker(self, t: int) -> Callable[[RoundContract], UpdateCheck]:
+        """For a contract of round t (or a site round of it), the check a pool applies to each
+        update: the contract's verdict, every refusal logged and kept in `rejected`."""
+        def check_with(contract: RoundContract) -> UpdateCheck:
+            def check(update: ClientUpdate) -> Rejection | None:
+                reason = contract.check(update)
+                if reason is not None:
+                    log.warning("round %d: rejected update of client %d: %s", t, update.client,
+                                reason)
+                    self.rejected[update.client] = reason
+                return reason
+            return check
+        return check_with
 
 
 class Ledger:
