@@ -1,8 +1,9 @@
-"""Edge sites ([hierarchy], server/rounds/sites.py) against one tier, in simulation.
+"""Edge sites ([hierarchy], server/rounds/sites.py) against one tier: in simulation, on a fleet
+on this machine, on a rehearsed fleet.
 
     python bench/sites.py [--data-root ../shared/data] [--part inbound fold accuracy]
 
-Three parts, each printed as one table:
+Parts, each printed as one table:
 
 - inbound: what reaches the coordinator in a round, flat against two tiers: messages and frame
   bytes (the rows' upstream_messages / upstream_bytes; flat: every counted update). 60 clients
@@ -30,6 +31,18 @@ Three parts, each printed as one table:
   and the frames that carried the round's training (flat: an update per client; two tiers: a
   partial per site). 12 clients, all of them a round, FedAvg on the CNN, 5% of Fashion-MNIST,
   2 rounds. Not in the default parts (it takes the machine's cores for a minute or two).
+- rehearsal: the accuracy part on a rehearsed fleet (root; server/ops/rehearsal.py): 6 local
+  devices (fedseq-client daemons) in network namespaces on wifi-good links, in two sites of 3,
+  each site a gateway namespace (its broker, its edge aggregator) behind a slow uplink to the
+  coordinator (custom:down=10,up=4: tc's tbf rate, this kernel has no netem), the coordinator's
+  broker a Mosquitto from the project's broker.conf and ACL. 12 clients, join ratio 0.5,
+  FedAvg on the CNN, 20 rounds: flat over the tree (hierarchy.edge_aggregation = false: every
+  update crosses its site's uplink), two tiers with k = 1 and k = 2. Time: the rows' measured
+  round seconds, summed to the round that reaches the flat run's final global accuracy less a
+  point. Energy: modelled from those measured times with the Jetson Nano's watts (10 W
+  training, 2 W idle; this machine has no power sensor): every device idle all round plus
+  training's extra draw for the training seconds the devices reported (the rows' paces). Not
+  in the default parts (about 15 minutes of both cores).
 """
 
 from __future__ import annotations
@@ -182,11 +195,57 @@ def accuracy(root: Path, seed: int = 0) -> None:
               f"{100 * train[-1]['global_acc']:>9.2f}%")
 
 
+def rehearsal(root: Path) -> None:
+    from fedseq.server.ops import rehearsal as rh
+    from fedseq.server.ops.deployment import run_deployment
+    from fedseq.server.rounds import links as ln
+    from fedseq.server.rounds.virtual_fleet import PROFILES
+
+    names = [f"local{i:02d}" for i in range(1, 7)]
+    tree = {"a": names[:3], "b": names[3:]}
+    uplink = "custom:down=10,up=4"
+    over = ("algorithm.name=fedavg", "rounds=20", "data.num_clients=12", "data.min_samples=10",
+            "train.join_ratio=0.5", "train.threads=1", "model.name=cnn", "deploy.port=0",
+            "deploy.embedded_broker=mosquitto",
+            "hierarchy.sites={" + ",".join(f"{s}=[{','.join(repr(d) for d in ds)}]"
+                                           for s, ds in tree.items()).replace("'", '"') + "}",
+            f'hierarchy.links={{a="{uplink}",b="{uplink}"}}')
+    runs = {"flat": ("hierarchy.edge_aggregation=false",), "two k=1": (),
+            "two k=2": ("hierarchy.edge_rounds=2",)}
+    nano = PROFILES["nano"]
+    rows = {}
+    for name, more in runs.items():
+        with rh.Rehearsal(names, {d: ln.PROFILES["wifi-good"] for d in names}, None, tree,
+                          {s: ln.parse_profile(uplink) for s in tree}) as r:
+            said = r.describe()
+            rows[name] = [x for x in run_deployment(
+                quick_config(root, *over, *more), None, local_devices=len(names),
+                client_threads=1, announce=lambda m: None, rehearsal=r).rows
+                if x.get("phase") == "train"]
+    target = rows["flat"][-1]["global_acc"] - 0.01
+    print(f"rehearsal: to the flat run's final global accuracy less a point, {100 * target:.2f}% "
+          f"(20 rounds, 2 sites x 3 devices, 4 Mbit/s site uplinks)\n  {said}")
+    print(f"{'run':>8} {'round':>6} {'seconds':>8} {'energy_kJ':>10} {'final_acc':>10} "
+          f"{'MB_up/round':>12}")
+    for name, train in rows.items():
+        hit = next((i for i, x in enumerate(train) if x["global_acc"] >= target), None)
+        upto = train[:hit + 1] if hit is not None else []
+        seconds = sum(x["seconds"] for x in upto)
+        joules = sum(len(names) * nano.idle_w * x["seconds"]
+                     + sum((nano.train_w - nano.idle_w) * s for s, _ in x["paces"].values())
+                     for x in upto)
+        up = statistics.mean(x["upstream_bytes"] for x in train) / 1e6
+        print(f"{name:>8} {train[hit]['round'] if upto else '-':>6} "
+              f"{seconds if upto else float('nan'):>8.1f} "
+              f"{joules / 1e3 if upto else float('nan'):>10.2f} "
+              f"{100 * train[-1]['global_acc']:>9.2f}% {up:>12.2f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data-root", type=Path, default=ROOT.parent / "shared" / "data")
     ap.add_argument("--part", nargs="+", default=["inbound", "fold", "scale", "accuracy"],
-                    choices=["inbound", "fold", "scale", "accuracy", "fleet"])
+                    choices=["inbound", "fold", "scale", "accuracy", "fleet", "rehearsal"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0],
                     help="the accuracy part's seeds (each: three 20-round runs)")
     args = ap.parse_args()

@@ -51,6 +51,12 @@ def _data_root() -> Path:
 DATA_ROOT = _data_root()
 os.environ["FEDSEQ_DATA"] = str(DATA_ROOT)
 
+# The full tier runs two test processes on the machine's cores (-n 2): each runs torch on one
+# thread, as a simulation does by default. Two threads each oversubscribe the cores, and torch's
+# OpenMP barriers then wait on descheduled threads: a 1.4 s test took 21.7 s in CI beside a heavy one.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 def _server_stack() -> bool:
     """The coordinator's stack: Python >= 3.10, torch >= 2.1 and the server extra. The device's

@@ -378,7 +378,7 @@ class SiteClient(BaseModel):
     device: str = Field(max_length=64)
     num_samples: int = Field(ge=0)
     effective_samples: Optional[int] = Field(None, ge=0)
-    train_seconds: float = Field(0.0, ge=0)
+    train_seconds: float = Field(0.0, ge=0, description="Its training, over all its site rounds.")
     local_correct: Optional[int] = Field(None, ge=0)
     local_total: Optional[int] = Field(None, ge=0)
     upload_bytes: int = Field(0, ge=0, description="What its update measured on the site's wire.")

@@ -599,7 +599,7 @@ def start(
     _login_flags(cfg, no_verify_hostname, username=username, password_file=password_file,
                  ca_file=ca_file, cert_file=cert_file, key_file=key_file)
     try:
-        with _rehearsal(local_devices, link or [], cpu_quota or []) as rehearsal, \
+        with _rehearsal(local_devices, link or [], cpu_quota or [], cfg) as rehearsal, \
                 _metrics(metrics_port, metrics_host) as metrics:
             if metrics is not None:
                 metrics.run_started(cfg, str(out))
@@ -653,7 +653,7 @@ def campaign(
 
     say = lambda s: print(s, file=sys.stderr)  # noqa: E731
     try:
-        with _rehearsal(local_devices, link or [], cpu_quota or []) as rehearsal, \
+        with _rehearsal(local_devices, link or [], cpu_quota or [], runs[0].cfg) as rehearsal, \
                 standing_fleet(runs[0].cfg, out, broker, local_devices, client_threads, say,
                                rehearsal) as (url, login, _), \
                 _metrics(metrics_port, metrics_host) as metrics, \
@@ -785,8 +785,11 @@ def _campaign_beacon(cfg: ExperimentConfig, url: str, login: dict[str, Any],
         link.stop()
 
 
-def _rehearsal(local_devices: int, links: list[str], quotas: list[str]) -> Any:
-    """The rehearsal --link / --cpu-quota ask for (a context manager), or a null context."""
+def _rehearsal(local_devices: int, links: list[str], quotas: list[str],
+               cfg: ExperimentConfig) -> Any:
+    """The rehearsal --link / --cpu-quota ask for (a context manager), or a null context. With
+    [hierarchy], a tree: the local devices are the sites' first N, each site behind its uplink
+    (hierarchy.links)."""
     import contextlib
 
     from fedseq.server.ops import rehearsal as rh
@@ -797,9 +800,18 @@ def _rehearsal(local_devices: int, links: list[str], quotas: list[str]) -> Any:
         return contextlib.nullcontext()
     if not local_devices:
         raise ConfigError("--link and --cpu-quota shape the local devices: add --local-devices N")
-    names = local_device_names(local_devices)
+    h = cfg.hierarchy
+    names = ([d for ds in h.sites.values() for d in ds][:local_devices] if h
+             else local_device_names(local_devices))
+    if len(names) < local_devices:
+        raise ConfigError(f"--local-devices {local_devices}: hierarchy.sites names {len(names)} "
+                          "devices")
+    sites = {s: [d for d in ds if d in names] for s, ds in h.sites.items()}
+    sites = {s: ds for s, ds in sites.items() if ds}
     return rh.Rehearsal(names, rh.per_device(links, names, ln.parse_profile, "--link"),
-                        rh.per_device(quotas, names, rh.parse_quota, "--cpu-quota"))
+                        rh.per_device(quotas, names, rh.parse_quota, "--cpu-quota"), sites,
+                        {s: ln.parse_profile(h.links[s], f"hierarchy.links.{s}")
+                         for s in sites if s in h.links})
 
 
 def _left(seconds: float) -> str:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import ipaddress
 import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -71,6 +73,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+CLONE_NEWNET = 0x40000000  # <sched.h>
+
+
+def enter_netns(name: str) -> None:
+    """Move the calling thread into the network namespace `name` (`ip netns add NAME`'s
+    /run/netns/NAME; needs root): the sockets it opens from then on live there."""
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if hasattr(os, "setns"):  # Python >= 3.12
+            os.setns(fd, CLONE_NEWNET)
+        elif ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into {name}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` only listens on this machine."""
     if host == "localhost":
@@ -111,7 +130,7 @@ class EmbeddedBroker:
     unless anonymous logins are explicitly allowed."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 18830, password_file: Path | None = None,
-                 allow_anonymous: bool = False):
+                 allow_anonymous: bool = False, netns: str | None = None):
         if password_file is None and not is_loopback(host) and not allow_anonymous:
             raise TransportError(
                 f"the embedded broker on {host} would accept anyone on the network: give "
@@ -125,16 +144,25 @@ class EmbeddedBroker:
                         host)
         self.password_file = password_file
         self.host = host
+        #: a rehearsed site's broker listens in its gateway's network namespace (ip netns)
+        self.netns = netns
+        if netns is not None and not port:
+            raise TransportError("a broker in a network namespace needs its port given")
         self.port = port or free_port(host)
         self._loop = asyncio.new_event_loop()
         self._broker = None
-        self._thread = threading.Thread(target=self._loop.run_forever, name="amqtt", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="amqtt", daemon=True)
         self._notice = SlowLinkNotice()
 
     @property
     def url(self) -> str:
         """Where devices and the coordinator reach it: mqtt://HOST:PORT."""
         return f"mqtt://{self.host}:{self.port}"
+
+    def _serve(self) -> None:
+        if self.netns is not None:  # the sockets this thread opens live there
+            enter_netns(self.netns)
+        self._loop.run_forever()
 
     def start(self) -> None:
         """Start amqtt on its own event-loop thread and wait until it listens; a port in use is a

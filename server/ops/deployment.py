@@ -71,7 +71,9 @@ def run_deployment(
                  "so it is ignored here")
         cfg = cfg.model_copy(update={"fleet": FleetConfig()})
     fleet: Transport
-    if cfg.hierarchy:  # a fleet of sites: an edge aggregator per site (sites_fleet.py)
+    if cfg.hierarchy and (cfg.hierarchy.edge_aggregation or rehearsal is None):
+        # a fleet of sites: an edge aggregator per site (sites_fleet.py); without edge
+        # aggregation a rehearsal's sites are its network's shape, the run a flat one
         from fedseq.server.ops.sites_fleet import SitesTransport
 
         fleet = SitesTransport(cfg, out, broker, local_devices, announce, client_threads,

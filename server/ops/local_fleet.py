@@ -36,14 +36,17 @@ def spawn_local_devices(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
     """Start n fedseq-client daemons (local01..; `names`: those of the n) as child processes.
     By default they share the cores (cores // n torch threads each): oversubscribed OpenMP
     threads spin and slow every process down several times over. In a rehearsal each runs in its
-    device's network namespace, behind its link, under its CPU quota."""
+    device's network namespace, behind its link, under its CPU quota (by default the n are the
+    rehearsal's first n devices)."""
     threads = threads or max(1, (os.cpu_count() or 1) // n)
     env = dict(os.environ)
     env.setdefault("MALLOC_ARENA_MAX", "2")  # as the systemd unit: less memory per daemon
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     procs = []
-    for name in names if names is not None else local_device_names(n):
+    if names is None:
+        names = rehearsal.devices[:n] if rehearsal is not None else local_device_names(n)
+    for name in names:
         # data.placement = "device": each local device's own folder under data.devices_root
         data = cfg.data.devices_root / name if cfg.data.devices_root is not None else cfg.data.root
         cmd = [sys.executable, "-m", "fedseq.client.cli", "--device", name, "--broker", url,

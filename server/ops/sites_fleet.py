@@ -2,9 +2,13 @@
 its edge aggregator (server/ops/edge.py), the coordinator on its own broker (EdgePool).
 
 With `--local-devices N` the whole tree starts here, for a newcomer's first run and the tests:
-an embedded broker per site on loopback, an edge aggregator per site (`fedseq-server edge`, a
-child process) and the sites' devices (fedseq-client daemons, named as hierarchy.sites names
-them: the first N of them in site order), each on its site's broker.
+the coordinator's broker as deploy.embedded_broker says, an embedded amqtt per site on loopback,
+an edge aggregator per site (`fedseq-server edge`, a child process) and the sites' devices
+(fedseq-client daemons, named as hierarchy.sites names them: the first N of them in site order),
+each on its site's broker. In a rehearsal (`--link`, `--cpu-quota`; server/ops/rehearsal.py) the
+tree is a network's: each site's broker listens in its gateway's namespace, its edge aggregator
+runs there, behind the site's uplink (hierarchy.links), and its devices in their own namespaces
+behind their links.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.placed import ClientData
 from fedseq.common.errors import ConfigError
-from fedseq.server.ops.broker import EmbeddedBroker, coordinator_login
+from fedseq.server.ops.broker import EmbeddedBroker, coordinator_login, one_run_login
 from fedseq.server.ops.local_fleet import embedded_broker, spawn_local_devices
 from fedseq.server.ops.rehearsal import Rehearsal
 from fedseq.server.pools.mqtt.edges import EdgePool
@@ -51,29 +55,21 @@ class SitesTransport:
     def __init__(self, cfg: ExperimentConfig, out: Path | None, broker: str | None,
                  local_devices: int, announce: Callable[[str], None],
                  client_threads: int | None, rehearsal: Rehearsal | None):
-        if rehearsal is not None:
-            raise ConfigError("a rehearsal (--link, --cpu-quota) of [hierarchy] runs in "
-                              "fedseq-sim's simulated fleet for now (hierarchy.links); leave "
-                              "out --link and --cpu-quota")
         if cfg.secagg.enabled:
             raise ConfigError("[secagg] with [hierarchy] runs in fedseq-sim only for now: an edge "
                               "aggregator does not relay a secure round's stages yet; leave "
                               "[secagg] out to deploy sites")
-        if not cfg.hierarchy.edge_aggregation:
-            raise ConfigError("hierarchy.edge_aggregation = false is a simulation's baseline (the "
-                              "flat run timed over the tree); a fleet of sites aggregates at "
-                              "its edges")
+        if not cfg.hierarchy.edge_aggregation:  # deployment.py rehearses it as a flat fleet
+            raise ConfigError("hierarchy.edge_aggregation = false is the flat run timed over the "
+                              "tree: simulate it, or rehearse it (--local-devices with --link); "
+                              "a fleet of sites aggregates at its edges")
         if cfg.data.placement == "device":
             raise ConfigError("data.placement = \"device\" with [hierarchy] on a fleet is not "
                               "supported yet (the sites' devices would announce their clients "
                               "to their edge, not to the coordinator that numbers them)")
-        if cfg.deploy.embedded_broker == "mosquitto" and local_devices:
-            raise ConfigError("--local-devices with [hierarchy] starts an embedded amqtt broker "
-                              "per site; set deploy.embedded_broker = \"amqtt\" (a Mosquitto "
-                              "per site is the ansible roles' site layer)")
         self.cfg, self.out, self.url = cfg, out, broker or cfg.deploy.broker
         self.local_devices, self.client_threads = local_devices, client_threads
-        self.announce = announce
+        self.announce, self.rehearsal = announce, rehearsal
         self.run_id = ""
         self.sites = site_tree(cfg)
         names = [d for s in self.sites for d in s.devices]
@@ -88,8 +84,10 @@ class SitesTransport:
             raise ConfigError("--resume: that run was simulated; resume it with fedseq-sim")
         login: dict[str, Any] = {}
         if self.url is None:
-            self.url, login = embedded_broker(stack, cfg.deploy, None, self.announce, "run")
+            self.url, login = embedded_broker(stack, cfg.deploy, self.rehearsal, self.announce,
+                                              "run")
         deploy = cfg.deploy.model_copy(update=login) if login else cfg.deploy
+        self.upstream_login = deploy  # a rehearsal's edges log in as the coordinator does
         pool_state = ckpt.pool.state if ckpt is not None else None
         self.run_id = (pool_state["run_id"] if pool_state
                        else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
@@ -107,17 +105,32 @@ class SitesTransport:
         names = [d for s in self.sites for d in s.devices][:self.local_devices]
         threads = self.client_threads or max(1, (os.cpu_count() or 1) // len(names))
         mine = {s.name: [d for d in s.devices if d in names] for s in self.sites}
-        urls = {name: stack.enter_context(EmbeddedBroker(cfg.deploy.host, 0, None, True)).url
-                for name, devices in mine.items() if devices}
+        rh, device_cfg, logins, up = self.rehearsal, cfg, [], self.upstream_login
+        if up.username is not None and up.password_file is not None:  # Mosquitto's, a rehearsal's
+            logins += ["--upstream-username", up.username,
+                       "--upstream-password-file", str(up.password_file)]
+        if rh is not None:  # the sites' brokers take one login made for this run
+            auth = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-sites-")))
+            passwords, secret = one_run_login(auth)
+            device_cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(
+                update={"username": "rehearsal", "password_file": secret})})
+            logins += ["--username", "rehearsal", "--password-file", str(secret)]
+        urls = {name: stack.enter_context(
+            EmbeddedBroker(cfg.deploy.host, 0, None, True) if rh is None else
+            EmbeddedBroker(rh.site_host(name), 1883, passwords, netns=rh.site_ns(name))).url
+            for name, devices in mine.items() if devices}
         local: list[subprocess.Popen] = []
         stack.callback(stop_children, local)  # before the sites' brokers close
         for site, url in urls.items():
-            local.append(subprocess.Popen(edge_command(site, url, self.url, cfg),
+            cmd = [*edge_command(site, url, self.url, cfg), *logins]
+            local.append(subprocess.Popen(cmd if rh is None else rh.site_command(site, cmd),
                                           preexec_fn=die_with_parent))
-            local += spawn_local_devices(len(mine[site]), url, cfg, state, threads,
-                                         names=mine[site])
+            local += spawn_local_devices(len(mine[site]), url, device_cfg, state, threads,
+                                         rehearsal=rh, names=mine[site])
             self.announce(f"site {site}: broker {url}, its edge aggregator and "
                           f"{len(mine[site])} devices ({', '.join(mine[site])})")
+        if rh is not None:
+            self.announce(rh.describe())
 
     def announced(self, ckpt: Checkpoint | None) -> list[ClientData] | None:
         """None: data.placement = "device" is refused for sites (__init__)."""

@@ -110,7 +110,8 @@ class RoundUpdates:
     flops: int = 0
     steps: int = 0
     bytes_up: int = 0
-    #: client -> (its training seconds where it trained, the FLOPs counted for it)
+    #: client -> (its training seconds where it trained, the FLOPs counted for it), summed over
+    #: the round's site rounds ([hierarchy]: a client trained k times counts both k times)
     paces: dict[int, tuple[float, int]] = field(default_factory=dict)
     costs: dict[int, tuple[str | None, DeviceCost | None]] = field(default_factory=dict)
     outcome: RoundOutcome = field(default_factory=RoundOutcome)
@@ -436,7 +437,8 @@ class Ledger:
         shard = self.data.clients[update.client]
         flops = self.flops(update.client, plan)
         got.flops += flops
-        got.paces[update.client] = (update.train_seconds, flops)
+        seconds, counted = got.paces.get(update.client, (0.0, 0))
+        got.paces[update.client] = (seconds + update.train_seconds, counted + flops)
         got.steps += plan_steps(plan, self.data, shard)
         if upload_bytes is not None:
             got.bytes_up += upload_bytes

@@ -296,10 +296,10 @@ class EdgeSites:
                     log.warning("round %d: site %s's local score of client %d (%d of %d) does "
                                 "not fit its test rows; left out", t, head.site, f.client,
                                 f.local_correct, f.local_total)
-            update = ClientUpdate(f.client, t, {}, f.num_samples, f.effective_samples,
-                                  f.train_seconds, score, device=f.device,
-                                  under_clip=f.under_clip)
-            for e in range(f.folds):
+            for e in range(f.folds):  # its seconds (of all its site rounds) and bytes once
+                update = ClientUpdate(f.client, t, {}, f.num_samples, f.effective_samples,
+                                      0.0 if e else f.train_seconds, score, device=f.device,
+                                      under_clip=f.under_clip)
                 self.book.account(got, update, plan, f.norm, None if e else f.upload_bytes)
             got.costs[f.client] = (f.device, None)
             got.outcome.reporters[f.client] = f.device

@@ -180,7 +180,7 @@ def test_two_tiers_are_bitwise_across_workers(data_root, one_thread):
 
 @pytest.mark.parametrize("setting, words", [
     ("secagg.enabled=true", "[secagg] with [hierarchy]"),
-    ("hierarchy.edge_aggregation=false", "simulation's baseline"),
+    ("hierarchy.edge_aggregation=false", "the flat run timed over the tree: simulate it, or rehearse it"),
     ("data.placement='device'", "data.placement"),
 ])
 def test_a_fleet_of_sites_refuses_what_does_not_compose_in_one_line(data_root, setting, words):
