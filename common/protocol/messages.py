@@ -405,6 +405,10 @@ class SiteResultHeader(Message):
         "Devices (or the site's own rounds) that could not run the step, with why."))
     blocked: List[int] = Field(default_factory=list, description="Clients of devices that failed.")
     bytes_up: int = Field(0, ge=0, description="Update bytes the site's devices sent it.")
+    recovered: List[int] = Field(default_factory=list, max_length=1_000_000, description=(
+        "[secagg]: clients whose masks the site recovered (they dropped after sharing keys)."))
+    excluded: Dict[int, str] = Field(default_factory=dict, description=(
+        "[secagg]: clients the site's secure rounds proved bad, left out of the rest of the run."))
     scores: Dict[int, Tuple[int, int]] = Field(default_factory=dict, description=(
         "evaluate, finetune: client -> (correct, total)."))
     diverged: Dict[int, int] = Field(default_factory=dict, description="finetune.")

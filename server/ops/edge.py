@@ -141,7 +141,8 @@ class EdgeRun:
         fields: dict[str, Any] = {
             "round": h.round, "rejected": {c: str(r) for c, r in got.rejected.items()},
             "failures": dict(got.outcome.device_failures),
-            "blocked": sorted(got.outcome.blocked), "bytes_up": got.bytes_up}
+            "blocked": sorted(got.outcome.blocked), "bytes_up": got.bytes_up,
+            "recovered": self.sites.recovered, "excluded": self.sites.excluded}
         if not partials:
             return fields, {}
         p = partials[0]

@@ -55,10 +55,6 @@ class SitesTransport:
     def __init__(self, cfg: ExperimentConfig, out: Path | None, broker: str | None,
                  local_devices: int, announce: Callable[[str], None],
                  client_threads: int | None, rehearsal: Rehearsal | None):
-        if cfg.secagg.enabled:
-            raise ConfigError("[secagg] with [hierarchy] runs in fedseq-sim only for now: an edge "
-                              "aggregator does not relay a secure round's stages yet; leave "
-                              "[secagg] out to deploy sites")
         if not cfg.hierarchy.edge_aggregation:  # deployment.py rehearses it as a flat fleet
             raise ConfigError("hierarchy.edge_aggregation = false is the flat run timed over the "
                               "tree: simulate it, or rehearse it (--local-devices with --link); "

@@ -8,6 +8,7 @@ never touches the model or displaces a valid update.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from fedseq.common.data.federated import FederatedData
 from fedseq.common.models import Weights, block_of, is_statistic
 from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.text import printable
+from fedseq.server.privacy.secure_sum import SecureSum
 from fedseq.server.rounds.records import Rejection
 
 #: running statistics (BatchNorm buffers, model.norm = "running" or "fedbn") are bounded by rules
@@ -273,3 +275,15 @@ def _names(names: set[str], shown: int = 5) -> str:
     first = sorted(names)[:shown]
     more = f" (+{len(names) - shown} more)" if len(names) > shown else ""
     return ("[" + ", ".join(repr(printable(n, 60)) for n in first) + "]" + more) if names else ""
+
+
+def secure_stages(contract: RoundContract, aggregate: object
+                  ) -> tuple[RoundContract, dict[str, SecureSum]]:
+    """[secagg] on devices (a round's, or a site round's aggregate a SecureSum they mask for):
+    they send masked inputs (the contract then wants one vector of the ring's elements) and the
+    pool relays the secure sum's stages between them; else the contract as it was and nothing
+    to relay."""
+    if not isinstance(aggregate, SecureSum) or aggregate.local:
+        return contract, {}
+    return (dataclasses.replace(contract, masked=aggregate.setup.length,
+                                ring_bits=aggregate.setup.ring_bits), {"secure": aggregate})

@@ -18,7 +18,6 @@ only transports, and the RunDir only writes.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from fedseq.common.models import BlockModel, Weights, count_params, in_blocks
 from fedseq.server.privacy.dp import check_budget, check_record_level, statement
 from fedseq.server.privacy.secure_sum import SecureSum
 from fedseq.server.rounds.checkpoint import Checkpoint, save_checkpoint
-from fedseq.server.rounds.contract import RoundContract
+from fedseq.server.rounds.contract import RoundContract, secure_stages
 from fedseq.server.rounds.driver import Driver, DriverFactory
 from fedseq.server.rounds.ledger import (
     Ledger,
@@ -103,7 +102,7 @@ class Rounds(Driver):
         contract = book.contract(t, trainers, plan, book.offered(), book.delta_bound())
         # (with edge sites, a secure sum runs within each site: sites.py)
         got = book.updates(t, None if self._at_sites() else trainers, contract.reference)
-        contract, relay = secure_stages(contract, got)
+        contract, relay = secure_stages(contract, got.aggregate)
         # 3. send and collect: the pool dispatches the plan; every update is checked against
         #    the contract and the valid ones folded into the aggregate as they arrive
         if trainers:  # Poisson sampling ([privacy]) may draw nobody: nothing to dispatch
@@ -417,18 +416,6 @@ class Coordinator:
         if self.run_dir is not None:
             self.run_dir.log_round(row)
         self.on_round(row)
-
-
-def secure_stages(contract: RoundContract, got: RoundUpdates
-                  ) -> tuple[RoundContract, dict[str, SecureSum]]:
-    """[secagg] on devices: they send masked inputs (the contract then wants one vector of the
-    ring's elements) and the pool relays the secure sum's stages between them; else the contract
-    as it was and nothing to relay."""
-    secure = got.aggregate if isinstance(got.aggregate, SecureSum) else None
-    if secure is None or secure.local:
-        return contract, {}
-    return (dataclasses.replace(contract, masked=secure.setup.length,
-                                ring_bits=secure.setup.ring_bits), {"secure": secure})
 
 
 def record_transport(rec: RoundRecord, outcome: RoundOutcome) -> None:

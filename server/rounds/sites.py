@@ -37,7 +37,7 @@ from fedseq.common.models import Weights, block_of, in_blocks, is_statistic
 from fedseq.common.protocol.messages import SiteResultHeader
 from fedseq.common.text import printable
 from fedseq.server.privacy.secure_sum import SecureSum
-from fedseq.server.rounds.contract import RoundContract, statistic_problem
+from fedseq.server.rounds.contract import RoundContract, secure_stages, statistic_problem
 from fedseq.server.rounds.links import LinkProfile, parse_profile
 from fedseq.server.rounds.pool_api import RoundOutcome, SiteAggregators, UpdateCheck
 from fedseq.server.rounds.records import Rejection
@@ -260,6 +260,7 @@ class EdgeSites:
         by_site = self.site_of(trainers)
         answered = pool.site_rounds(t, by_site, plan, needed, start, contract)
         got.outcome = answered.outcome
+        self.recovered, self.excluded = [], {}
         out: list[tuple[SitePartial, dict[int, tuple[int, int | None]],
                         SiteResultHeader | None]] = []
         for site, clients in by_site.items():
@@ -272,6 +273,12 @@ class EdgeSites:
             head, deltas = answered.answers[site]
             got.outcome.device_failures.update(head.failures)
             got.outcome.blocked |= set(head.blocked) & set(clients)
+            # [secagg]: what the site's secure rounds recovered and proved, of its own clients
+            self.recovered += [c for c in head.recovered if c in clients]
+            left = {c: printable(why, 300) for c, why in head.excluded.items()
+                    if c in clients and c not in self.book.excluded}
+            self.book.excluded.update(left)
+            self.excluded.update(left)
             for c, why in head.rejected.items():
                 if c in clients:
                     got.rejected[c] = Rejection("at-site", f"site {site}: {printable(why, 300)}")
@@ -287,6 +294,8 @@ class EdgeSites:
         row as the coordinator notes the updates it folds itself (their FLOPs and steps counted
         once per site round); a local score that cannot be the client's is left out."""
         tests = contract.test_samples or {}
+        if self.book.cfg.secagg.enabled:  # its clients' secure stages' bytes, counted there
+            got.bytes_up += head.bytes_up
         for f in head.clients:
             score = None
             if f.local_correct is not None and f.local_total is not None:
@@ -317,7 +326,7 @@ class EdgeSites:
         accs = {s: book.site_aggregate(t, cs, contract.reference) for s, cs in by_site.items()}
         self.recovered, self.excluded = [], {}
         # site round 0: every site trains from the global model, so one dispatch for all
-        self._dispatch(t, trainers, plan, first, checker(contract), got,
+        self._dispatch(t, trainers, plan, first, contract, checker, got,
                        lambda c: accs[self.home[c]])
         partials = []
         for site, clients in by_site.items():
@@ -339,9 +348,8 @@ class EdgeSites:
                 reference = {k: model[k] for k in contract.reference}
                 acc = book.site_aggregate(key, clients, reference)
                 self._dispatch(key, clients, plan, book.sent(in_blocks(model, needed), fresh=True),
-                               checker(dataclasses.replace(contract, round=key,
-                                                           reference=reference)),
-                               got, dict.fromkeys(clients, acc).__getitem__)
+                               dataclasses.replace(contract, round=key, reference=reference),
+                               checker, got, dict.fromkeys(clients, acc).__getitem__)
             if inner is not None and inner.count():
                 partials.append(partial_of(inner, before, start, site))
         return partials
@@ -361,12 +369,17 @@ class EdgeSites:
             self.excluded.update(self.book.exclude(acc.server.blamed, key))
 
     def _dispatch(self, key: int, clients: list[int], plan: ClientPlan, weights: Weights,
-                  check: UpdateCheck, got: RoundUpdates,
-                  into: Callable[[int], WeightedDeltaSum | SecureSum]) -> None:
-        """One site round's step over the pool: each valid update folded into its site's
-        aggregate (`into(client)`), the step's outcome merged into the round's."""
+                  contract: RoundContract, checker: Callable[[RoundContract], UpdateCheck],
+                  got: RoundUpdates, into: Callable[[int], WeightedDeltaSum | SecureSum]) -> None:
+        """One site round's step over the pool, its updates checked against `contract`: each
+        valid update folded into its site's aggregate (`into(client)`), the step's outcome
+        merged into the round's. Under [secagg] an edge aggregator's pool of devices relays
+        its site's secure sum's stages, its devices sending masked inputs (an in-process pool
+        plays the clients' side: nothing to relay)."""
         book = self.book
-        dispatch = book.pool.train(key, clients, plan, weights, check)
+        sums = list({id(a): a for a in map(into, clients)}.values())
+        contract, relay = secure_stages(contract, sums[0] if len(sums) == 1 else None)
+        dispatch = book.pool.train(key, clients, plan, weights, checker(contract), **relay)
         for update in dispatch:
             book.fold(got, update, plan, into=into(update.client))
             got.costs[update.client] = (update.device, update.cost)

@@ -179,7 +179,6 @@ def test_two_tiers_are_bitwise_across_workers(data_root, one_thread):
 
 
 @pytest.mark.parametrize("setting, words", [
-    ("secagg.enabled=true", "[secagg] with [hierarchy]"),
     ("hierarchy.edge_aggregation=false", "the flat run timed over the tree: simulate it, or rehearse it"),
     ("data.placement='device'", "data.placement"),
 ])
