@@ -87,7 +87,7 @@ def test_a_fleet_of_sites_is_the_simulation_bitwise(data_root, tmp_path, one_thr
         assert d["train_flops"] == s["train_flops"]
         # a secure round's key and share stages: as the devices sent them, and as a simulation
         # counts them (a flat secure fleet's rows differ from its simulation's the same way)
-        assert d["bytes_up"] == (pytest.approx(s["bytes_up"], rel=1e-3) if SECURE == extra
+        assert d["bytes_up"] == (pytest.approx(s["bytes_up"], rel=1e-3) if extra == SECURE
                                  else s["bytes_up"])
         assert d.get("epsilon") == s.get("epsilon")
         assert d.get("secure_recovered") == s.get("secure_recovered")
