@@ -248,3 +248,23 @@ def test_a_rehearsed_fleet_of_sites_pays_its_uplinks(data_root, tmp_path, one_th
         assert bridge not in os.popen("ip -o link").read()
         assert not [n for n in os.popen("ip netns list").read().split() if n.startswith(bridge)]
     assert seconds[True] > seconds[False], seconds
+
+
+@root_only
+def test_the_command_line_rehearses_the_sites_tree(data_root):
+    """`fedseq-server start --link` with [hierarchy]: the local devices are the sites' first N,
+    in site order, each site behind its hierarchy.links uplink; N above the sites' devices is
+    refused in one line. (Nothing is built until the run enters the rehearsal.)"""
+    from fedseq.server.cli.commands import _rehearsal
+
+    cfg = quick_config(data_root, 'hierarchy.sites={a=["d1","d2"],b=["d3"]}',
+                       'hierarchy.links={b="lte"}')
+    r = _rehearsal(2, ["wifi-good"], [], cfg)
+    assert r.devices == ["d1", "d2"] and r.sites == {"a": ["d1", "d2"]} and not r.uplinks
+    r = _rehearsal(3, ["wifi-good", "d3=3g-fast"], ["0.5"], cfg)
+    assert r.sites == {"a": ["d1", "d2"], "b": ["d3"]} and r.uplinks == {"b": ln.PROFILES["lte"]}
+    assert r.links["d3"] == ln.PROFILES["3g-fast"] and r.quotas == dict.fromkeys(r.devices, 0.5)
+    assert (r.site_ns("b"), r.site_host("b")) == (f"fsq{r.id}-s2", "10.78.2.1")
+    with pytest.raises(ConfigError, match="hierarchy.sites names 3 devices") as err:
+        _rehearsal(4, ["wifi-good"], [], cfg)
+    assert "\n" not in str(err.value)
