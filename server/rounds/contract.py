@@ -120,20 +120,33 @@ class RoundContract:
                              f"update is for round {update.round}, this is round {self.round}")
         if c not in self.selected:
             return Rejection("not-selected", f"client {c} is not selected in round {self.round}")
-        if update.num_samples != self.num_samples.get(c):
-            return Rejection("wrong-samples", f"num_samples={update.num_samples}, but client {c} "
-                                              f"has {self.num_samples.get(c)} training rows")
-        if self.effective_samples is not None and (
-                update.effective_samples != self.effective_samples.get(c)):
-            return Rejection("wrong-samples", (
-                f"effective_samples={update.effective_samples}, but client {c}'s rebalanced set "
-                f"holds {self.effective_samples.get(c)} original rows"))
+        problem = self.samples_problem(c, update.num_samples, update.effective_samples)
+        if problem is not None:
+            return problem
         if update.diverged_at is not None:
             return Rejection("diverged", (
                 f"training diverged: the loss was NaN or Inf at batch {update.diverged_at} "
                 "(lower train.lr, or check the client's data)"))
-        if update.local_score is not None and self.test_samples is not None:
-            correct, total = update.local_score
+        return self.score_problem(c, update.local_score)
+
+    def samples_problem(self, c: int, num_samples: int, effective: int | None
+                        ) -> Rejection | None:
+        """Client c's claimed sample counts against its own: its training rows and (FedReG)
+        its rebalanced set's original rows. Also a site's claim of its clients (sites.py)."""
+        if num_samples != self.num_samples.get(c):
+            return Rejection("wrong-samples", f"num_samples={num_samples}, but client {c} "
+                                              f"has {self.num_samples.get(c)} training rows")
+        if self.effective_samples is not None and effective != self.effective_samples.get(c):
+            return Rejection("wrong-samples", (
+                f"effective_samples={effective}, but client {c}'s rebalanced set "
+                f"holds {self.effective_samples.get(c)} original rows"))
+        return None
+
+    def score_problem(self, c: int, score: tuple[int, int] | None) -> Rejection | None:
+        """Client c's local score (correct, total) against its test rows (None: no score, or
+        no test rows known here). Also what a site says of its clients (sites.py)."""
+        if score is not None and self.test_samples is not None:
+            correct, total = score
             if total != self.test_samples.get(c) or not 0 <= correct <= total:
                 return Rejection("wrong-score", f"local score {correct}/{total}, but client {c} "
                                                 f"has {self.test_samples.get(c)} test rows")

@@ -144,10 +144,11 @@ def check_partial(p: SitePartial, counts: dict[int, tuple[int, int | None]], sit
                 f"round's clients at site {site.name}")
     for c in claimed:
         n, eff = counts[c]
-        want = contract.effective_samples.get(c) if contract.effective_samples else None
-        if n != contract.num_samples[c] or eff != want:
-            return (f"client {c}'s sample counts ({n}, {eff}) are not the coordinator's "
-                    f"({contract.num_samples[c]}, {want})")
+        wrong: object = contract.samples_problem(c, n, eff)
+        if wrong is None and contract.effective_samples is None and eff is not None:
+            wrong = f"effective_samples={eff}, but this round has no rebalanced sets"
+        if wrong is not None:
+            return f"its sample counts are not the coordinator's: {wrong}"
     extra = sorted(set(p.deltas) - set(contract.reference))
     if extra or set(p.deltas) != set(p.weights):
         return ("its tensors are not the round's uploaded ones "
@@ -293,18 +294,18 @@ class EdgeSites:
         """What a site's partial (checked) says of the updates it folded, noted in the round's
         row as the coordinator notes the updates it folds itself (their FLOPs and steps counted
         once per site round); a local score that cannot be the client's is left out."""
-        tests = contract.test_samples or {}
         if self.book.cfg.secagg.enabled:  # its clients' secure stages' bytes, counted there
             got.bytes_up += head.bytes_up
         for f in head.clients:
             score = None
             if f.local_correct is not None and f.local_total is not None:
-                if f.local_total == tests.get(f.client) and f.local_correct <= f.local_total:
-                    score = (f.local_correct, f.local_total)
-                else:
-                    log.warning("round %d: site %s's local score of client %d (%d of %d) does "
-                                "not fit its test rows; left out", t, head.site, f.client,
-                                f.local_correct, f.local_total)
+                score = (f.local_correct, f.local_total)
+                wrong = (contract.score_problem(f.client, score) if contract.test_samples
+                         is not None else "its test rows are not known here")
+                if wrong is not None:
+                    log.warning("round %d: site %s's local score of client %d is left out: %s",
+                                t, head.site, f.client, wrong)
+                    score = None
             for e in range(f.folds):  # its seconds (of all its site rounds) and bytes once
                 update = ClientUpdate(f.client, t, {}, f.num_samples, f.effective_samples,
                                       0.0 if e else f.train_seconds, score, device=f.device,
