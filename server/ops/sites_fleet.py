@@ -38,12 +38,12 @@ from fedseq.server.rounds.rundir import RunDir
 from fedseq.server.rounds.sites import site_tree
 
 
-def edge_command(site: str, broker: str, upstream: str, cfg: ExperimentConfig) -> list[str]:
-    """The command line of a local site's edge aggregator."""
+def edge_command(site: str, broker: str, upstream: str, data_root: Path,
+                 topic_root: str = "fedseq") -> list[str]:
+    """The command line of a local site's edge aggregator (its logins: add their options)."""
     return [sys.executable, "-c", "from fedseq.server.cli.launch import server_main; "
             "server_main()", "edge", "--site", site, "--broker", broker, "--upstream", upstream,
-            "--data-dir", str(cfg.data.root), "--topic-root", cfg.deploy.topic_root,
-            "--log-level", "WARNING"]
+            "--data-dir", str(data_root), "--topic-root", topic_root, "--log-level", "WARNING"]
 
 
 class SitesTransport:
@@ -118,7 +118,8 @@ class SitesTransport:
         local: list[subprocess.Popen] = []
         stack.callback(stop_children, local)  # before the sites' brokers close
         for site, url in urls.items():
-            cmd = [*edge_command(site, url, self.url, cfg), *logins]
+            cmd = [*edge_command(site, url, self.url, cfg.data.root, cfg.deploy.topic_root),
+                   *logins]
             local.append(subprocess.Popen(cmd if rh is None else rh.site_command(site, cmd),
                                           preexec_fn=die_with_parent))
             local += spawn_local_devices(len(mine[site]), url, device_cfg, state, threads,

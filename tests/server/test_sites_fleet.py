@@ -120,7 +120,7 @@ def test_an_edge_killed_mid_round_costs_its_sites_clients_that_round_only(data_r
     def restart() -> None:
         coordinator = re.search(r"(mqtt://\S+)", lines[0]).group(1)
         restarted.append(subprocess.Popen(edge_command("a", _site_url(lines, "a"), coordinator,
-                                                       cfg)))
+                                                       cfg.data.root)))
 
     def watch(url: str) -> None:  # site a's broker: once round 1 is dispatched there
         host, port = url.split("://")[1].rsplit(":", 1)
@@ -304,14 +304,11 @@ class TwoTiers:
         self.brokers = [_start_mosquitto(self.conf), _start_mosquitto(self.site_conf)]
         self.others = [device_process(d, self.site_port, self.site, data_root)
                        for d in ("local01", "local02")]
-        self.others.append(subprocess.Popen(
-            [sys.executable, "-c",
-             "from fedseq.server.cli.launch import server_main; server_main()", "edge",
-             "--site", "a", "--broker", f"mqtt://127.0.0.1:{self.site_port}", "--upstream",
-             f"mqtt://127.0.0.1:{self.top_port}", "--data-dir", str(data_root), "--username",
-             "coordinator", "--password-file", str(self.site / "coordinator.pw"),
-             "--upstream-username", "a", "--upstream-password-file", str(self.top / "a.pw"),
-             "--log-level", "WARNING"]))
+        self.others.append(subprocess.Popen([
+            *edge_command("a", f"mqtt://127.0.0.1:{self.site_port}",
+                          f"mqtt://127.0.0.1:{self.top_port}", data_root),
+            "--username", "coordinator", "--password-file", str(self.site / "coordinator.pw"),
+            "--upstream-username", "a", "--upstream-password-file", str(self.top / "a.pw")]))
         self.login = ("deploy.username=coordinator",
                       f"deploy.password_file={str(self.top / 'coordinator.pw')!r}")
         self.url = f"mqtt://127.0.0.1:{self.top_port}"
