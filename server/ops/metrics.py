@@ -1,8 +1,9 @@
 """Prometheus metrics of the coordinator (`fedseq-server start|campaign --metrics-port PORT`),
 with the prometheus_client library: the run and its round, its accuracies, the devices that
-reported or failed, updates counted and refused, bytes, seconds per round, energy, and a
-campaign's progress. Served on 127.0.0.1 unless --metrics-host says otherwise; deploy/prometheus/
-holds the scrape config and deploy/grafana/ a dashboard of these series."""
+reported or failed (by site with [hierarchy]), updates counted and refused, bytes, seconds per
+round, energy, and a campaign's progress. Served on 127.0.0.1 unless --metrics-host says
+otherwise; deploy/prometheus/ holds the scrape config and deploy/grafana/ a dashboard of these
+series."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ NAMES = ("fedseq_run", "fedseq_round", "fedseq_rounds", "fedseq_accuracy", "feds
          "fedseq_updates", "fedseq_updates_refused", "fedseq_bytes", "fedseq_round_seconds",
          "fedseq_energy_joules", "fedseq_campaign_run", "fedseq_campaign_runs",
          "fedseq_campaign_finished", "fedseq_campaign_failed", "fedseq_campaign_left_seconds",
-         "fedseq_privacy_epsilon")
+         "fedseq_privacy_epsilon", "fedseq_site_devices", "fedseq_site_partial")
 
 
 class Metrics:
@@ -48,6 +49,14 @@ class Metrics:
                              "published and received)", ["direction"], registry=r)
         self.seconds = Gauge("fedseq_round_seconds", "Seconds the last round took", registry=r)
         self.energy = Counter("fedseq_energy_joules", "Joules the devices measured", registry=r)
+        self.site_devices = Gauge("fedseq_site_devices", "[hierarchy]: each site's devices by "
+                                  "state in the last round: reported (an update of theirs "
+                                  "counted), failed (a device failure in the round)",
+                                  ["site", "state"], registry=r)
+        self.site_partial = Gauge("fedseq_site_partial", "[hierarchy]: 1 if the site's partial "
+                                  "counted in the last round it had clients in, 0 if it was "
+                                  "refused or never came", ["site"], registry=r)
+        self.site_of: dict[str, str] = {}  # [hierarchy]: device -> its site
         self.epsilon = Gauge("fedseq_privacy_epsilon", "[privacy]: epsilon spent so far (at "
                              "privacy.delta)", registry=r)
         self.campaign_run = Gauge("fedseq_campaign_run", "The campaign's run going on, from 1",
@@ -73,6 +82,9 @@ class Metrics:
                        "dataset": cfg.data.dataset, "model": cfg.model.name})
         self.rounds.set(cfg.rounds)
         self.round.set(-1)
+        self.site_of = cfg.hierarchy.site_of()
+        self.site_devices.clear()
+        self.site_partial.clear()
 
     def row(self, row: RoundRecord) -> None:
         """One round's row (train, evaluate or finetune)."""
@@ -85,6 +97,8 @@ class Metrics:
             devices = set((row.reporters or {}).values())
             self.devices.labels("reported").set(len(devices))
             self.devices.labels("failed").set(len(row.device_failures or {}))
+            if self.site_of:
+                self._sites(row)
         for kind, value in (("global", row.global_acc), ("personal", row.personal_acc),
                             ("local", row.local_acc)):
             if value is not None:
@@ -97,6 +111,26 @@ class Metrics:
             self.energy.inc(row.energy_j)
         if row.epsilon is not None:
             self.epsilon.set(row.epsilon)
+
+    def _sites(self, row: RoundRecord) -> None:
+        """[hierarchy]: a train row's devices by site, and which sites' partials counted (a
+        site's own failure is its row entry `site NAME`)."""
+        sites = sorted(set(self.site_of.values()))
+        reported: dict[str, set[str]] = {s: set() for s in sites}
+        failed: dict[str, set[str]] = {s: set() for s in sites}
+        for device in (row.reporters or {}).values():
+            if device in self.site_of:
+                reported[self.site_of[device]].add(device)
+        for name in row.device_failures or {}:
+            if name in self.site_of:
+                failed[self.site_of[name]].add(name)
+        for s in sites:
+            self.site_devices.labels(s, "reported").set(len(reported[s]))
+            self.site_devices.labels(s, "failed").set(len(failed[s]))
+            if reported[s]:
+                self.site_partial.labels(s).set(1)
+            elif f"site {s}" in (row.device_failures or {}):
+                self.site_partial.labels(s).set(0)
 
     def device_status(self, status: Any) -> None:
         """A device's DeviceStatus arrived: the online/offline counts from every device's last

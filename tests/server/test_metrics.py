@@ -171,3 +171,37 @@ def test_the_campaign_beacon_reads_statuses_under_the_run_s_caps(monkeypatch):
     assert "jetson01" in metrics._heard
     assert all(n <= STATUS_BYTES for n in parsed)
     assert parsed.count(7) < 400  # the flooding name's budget, not its 2,000 messages
+
+
+def test_metrics_show_each_sites_devices_and_whether_its_partial_counted():
+    """[hierarchy]: fedseq_site_devices by site and state from the rows' reporters and device
+    failures; fedseq_site_partial 0 once a site's round failed (its row entry `site NAME`)."""
+    from fedseq.common.config import load_config
+    from fedseq.server.ops.metrics import Metrics
+    from fedseq.server.rounds.records import RoundRecord
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics.port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    metrics = Metrics(0)
+    try:
+        metrics.run_started(load_config(None, ['hierarchy.sites={a=["d1","d2"],b=["d3"]}']))
+        metrics.row(RoundRecord(round=0, phase="train", reported=[0, 1, 2],
+                                reporters={0: "d1", 1: "d2", 2: "d3"}))
+        first = scrape()
+        metrics.row(RoundRecord(round=1, phase="train", reported=[0], reporters={0: "d1"},
+                                device_failures={"d2": "it went offline",
+                                                 "site b": "it sent nothing"}))
+        second = scrape()
+    finally:
+        metrics.close()
+    for line in ('fedseq_site_devices{site="a",state="reported"} 2.0',
+                 'fedseq_site_devices{site="b",state="reported"} 1.0',
+                 'fedseq_site_partial{site="a"} 1.0', 'fedseq_site_partial{site="b"} 1.0'):
+        assert line in first, line
+    for line in ('fedseq_site_devices{site="a",state="reported"} 1.0',
+                 'fedseq_site_devices{site="a",state="failed"} 1.0',
+                 'fedseq_site_devices{site="b",state="reported"} 0.0',
+                 'fedseq_site_partial{site="a"} 1.0', 'fedseq_site_partial{site="b"} 0.0'):
+        assert line in second, line
