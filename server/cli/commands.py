@@ -795,23 +795,24 @@ def _rehearsal(local_devices: int, links: list[str], quotas: list[str],
     from fedseq.server.ops import rehearsal as rh
     from fedseq.server.ops.local_fleet import local_device_names
     from fedseq.server.rounds import links as ln
+    from fedseq.server.rounds.sites import site_tree
 
     if not links and not quotas:
         return contextlib.nullcontext()
     if not local_devices:
         raise ConfigError("--link and --cpu-quota shape the local devices: add --local-devices N")
-    h = cfg.hierarchy
-    names = ([d for ds in h.sites.values() for d in ds][:local_devices] if h
+    # the sites' tree as the run deals it (sites.py site_tree): the devices SitesTransport starts
+    tree = site_tree(cfg) if cfg.hierarchy else []
+    names = ([d for s in tree for d in s.devices][:local_devices] if tree
              else local_device_names(local_devices))
     if len(names) < local_devices:
         raise ConfigError(f"--local-devices {local_devices}: hierarchy.sites names {len(names)} "
                           "devices")
-    sites = {s: [d for d in ds if d in names] for s, ds in h.sites.items()}
+    sites = {s.name: [d for d in s.devices if d in names] for s in tree}
     sites = {s: ds for s, ds in sites.items() if ds}
     return rh.Rehearsal(names, rh.per_device(links, names, ln.parse_profile, "--link"),
                         rh.per_device(quotas, names, rh.parse_quota, "--cpu-quota"), sites,
-                        {s: ln.parse_profile(h.links[s], f"hierarchy.links.{s}")
-                         for s in sites if s in h.links})
+                        {s.name: s.link for s in tree if s.name in sites and s.link is not None})
 
 
 def _left(seconds: float) -> str:
