@@ -554,7 +554,8 @@ class HierarchyConfig(_Section):
     sites: Dict[str, List[str]] = Field(default_factory=dict, description=(
         "Site name -> the device names it holds, e.g. {lab1 = [\"jetson01\", \"jetson02\"], "
         "lab2 = [\"jetson03\"]}; clients are dealt to the devices of all sites as a deployment "
-        "deals them (devices by name, round-robin). In simulation with a [fleet], the names are "
+        "deals them (devices by name, round-robin), or with data.placement = \"device\" are the "
+        "clients each device holds. In simulation with a [fleet], the names are "
         "the fleet's (nano-00, ...)."))
     edge_rounds: int = Field(1, ge=1, le=100, description=(
         "k: site rounds per global round; each site averages its clients' updates k times "

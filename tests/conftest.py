@@ -138,6 +138,25 @@ def same_run(a, b):
     assert a.final.per_client == b.final.per_client
 
 
+def placed_run_is_simulated(out: Path, cfg) -> list[dict]:
+    """A data.placement = "device" run directory against fedseq-sim of `cfg`: training rounds
+    0.. in order, the saved global model bitwise the simulation's, the same federated scores;
+    the run's rows."""
+    import json
+
+    from fedseq.common.protocol.tensors import decode_tensors
+    from fedseq.server.ops.simulation import run_simulation
+
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["round"] for x in rows if x["phase"] == "train"] == list(range(cfg.rounds))
+    sim = run_simulation(cfg, None)
+    saved = decode_tensors((out / "model.safetensors").read_bytes())
+    assert all(torch.equal(saved[k], v) for k, v in sim.global_weights.items())
+    assert [x.get("federated_acc") for x in rows] == [x.get("federated_acc") for x in sim.rows]
+    assert [x.get("reported") for x in rows] == [x.get("reported") for x in sim.rows]
+    return rows
+
+
 def resumed_after(cfg, out: Path, stop_round: int):
     """A simulation of `cfg` into `out` interrupted after round `stop_round`'s row (as by ^C),
     then resumed there: its RunResult."""

@@ -73,6 +73,9 @@ class FederatedData:
     #: data.validation's rows (data.placement = "device"): the global model's score; None: the
     #: union of the clients' test rows is
     validation: torch.Tensor | None = None
+    #: data.placement = "device": the device holding each client, in client-id order (a site's
+    #: clients are its devices', server/rounds/sites.py); None: clients are dealt to devices
+    owners: tuple[str, ...] | None = None
 
     @functools.cached_property
     def _pixel_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,11 +152,11 @@ def client_indices(labels: np.ndarray, cfg: DataConfig, seed: int) -> list[np.nd
 
 
 def placed_data(cfg: DataConfig, parts: dict[int, RawDataset], num_clients: int,
-                validation: RawDataset | None = None, shape: tuple[int, int, int] | None = None
-                ) -> FederatedData:
+                validation: RawDataset | None = None, shape: tuple[int, int, int] | None = None,
+                owners: tuple[str, ...] | None = None) -> FederatedData:
     """data.placement = "device": the rows of the clients in `parts` (client -> its train then
     test rows), each client's rows together, in client order, then the validation rows; every
-    other client of the run's `num_clients` holds none here."""
+    other client of the run's `num_clients` holds none here. `owners`: each client's device."""
     from fedseq.common.data.datasets import describe
 
     held = [parts[c] for c in sorted(parts)] + ([validation] if validation is not None else [])
@@ -175,21 +178,22 @@ def placed_data(cfg: DataConfig, parts: dict[int, RawDataset], num_clients: int,
     rows = None if validation is None else torch.arange(at, at + len(validation.labels))
     stats = CHANNEL_STATS[cfg.dataset] if cfg.normalize == "channel" else None
     return FederatedData(_images_tensor(x), torch.from_numpy(y.astype(np.int64)), num_classes,
-                         tuple(shards), channel_stats=stats, validation=rows)
+                         tuple(shards), channel_stats=stats, validation=rows, owners=owners)
 
 
-def announced_data(cfg: DataConfig, clients: list, validation: RawDataset | None
-                   ) -> FederatedData:
+def announced_data(cfg: DataConfig, clients: list, validation: RawDataset | None,
+                   owners: tuple[str, ...] | None = None) -> FederatedData:
     """The coordinator's view of data.placement = "device": every client's announced sizes and
-    class counts (`clients`: ClientData in client-id order, common/data/placed.py) and the
-    validation rows, the only rows it holds."""
+    class counts (`clients`: ClientData in client-id order, common/data/placed.py; `owners`:
+    the device announcing each) and the validation rows, the only rows it holds."""
     data = placed_data(cfg, {}, 0, validation)
     empty = torch.empty(0, dtype=torch.int64)
     shards = tuple(ClientShard(i, empty, empty, (c.train, c.test),
                                torch.tensor(c.counts, dtype=torch.int64))
                    for i, c in enumerate(clients))
     return FederatedData(data.x, data.y, data.num_classes, shards,
-                         channel_stats=data.channel_stats, validation=data.validation)
+                         channel_stats=data.channel_stats, validation=data.validation,
+                         owners=owners)
 
 
 def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None,

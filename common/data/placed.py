@@ -215,4 +215,5 @@ def simulated_data(cfg: DataConfig, only: Optional[List[int]] = None):
                            "folders; start it again instead of resuming it)")
     parts = {i: read_client(cfg, folder) for i, (_, _, folder) in enumerate(clients)
              if only is None or i in only}
-    return placed_data(cfg, parts, len(clients), read_validation(cfg) if only is None else None)
+    return placed_data(cfg, parts, len(clients), read_validation(cfg) if only is None else None,
+                       owners=tuple(d for d, _, _ in clients))

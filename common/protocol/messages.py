@@ -187,7 +187,7 @@ class RunConfig(Message):
     """The run's whole experiment config (retained): devices derive the partition, the model
     and the seeds from it."""
 
-    since_current = ("plugins",)
+    since_current: ClassVar[Tuple[str, ...]] = ("plugins",)
 
     run_id: str
     config: Dict[str, Any] = Field(description=(
@@ -412,6 +412,9 @@ class SiteResultHeader(Message):
     scores: Dict[int, Tuple[int, int]] = Field(default_factory=dict, description=(
         "evaluate, finetune: client -> (correct, total)."))
     diverged: Dict[int, int] = Field(default_factory=dict, description="finetune.")
+    global_score: Optional[Tuple[int, int]] = Field(None, description=(
+        "data.placement = \"device\", evaluate: the global model on the test rows of the "
+        "clients in `scores`, together, as the site's devices scored it (correct, total)."))
     chunk: int = Field(ge=0, description="This chunk's index.")
     chunks: int = Field(ge=1, description="The frame's chunks.")
     size: int = Field(ge=0, description="Bytes of the whole frame.")
@@ -421,6 +424,34 @@ class SiteResultHeader(Message):
 class SiteStatus(Message):
     """An edge aggregator's presence (retained; its last will says offline)."""
 
+    since_current = ("run_id", "clients", "refused")
+
     site: str = Field(max_length=64)
     state: Literal["online", "offline"]
     devices: List[str] = Field(default_factory=list, description="Its devices online.")
+    run_id: Optional[str] = Field(None, max_length=100, description=(
+        "data.placement = \"device\": the run whose clients `clients` and `refused` tell."))
+    clients: Dict[str, List[ClientSizes]] = Field(default_factory=dict, description=(
+        "data.placement = \"device\", before the run has its roster: each of its devices -> "
+        "the clients it announced for run `run_id` (as the device's status says them)."))
+    refused: Dict[str, str] = Field(default_factory=dict, description=(
+        "data.placement = \"device\": its devices that cannot follow run `run_id`, with why."))
+
+
+class RosterClient(ClientSizes):
+    """data.placement = "device": one client of a run's roster, with the device holding it."""
+
+    device: str = Field(max_length=64)
+
+
+class SiteRun(RunConfig):
+    """The run as an edge aggregator gets it (retained on `<root>/site/<site>/run`): the whole
+    experiment config, and with data.placement = "device" the clients the coordinator numbered
+    from every site's announcements."""
+
+    since_current: ClassVar[Tuple[str, ...]] = ("plugins", "roster")
+
+    roster: Optional[List[RosterClient]] = Field(None, max_length=1_000_000, description=(
+        "data.placement = \"device\": every client of the run, in client-id order, with its "
+        "device; None while the coordinator gathers the sites' announcements (each edge then "
+        "publishes the run to its devices and says what they announce in its status)."))

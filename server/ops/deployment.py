@@ -141,7 +141,7 @@ class MqttTransport(Transport):
         self.pool = stack.enter_context(MqttPool(
             cfg, self.url, self.run_id, *coordinator_login(self.cfg_login.deploy)))
 
-    def announced(self, ckpt: Checkpoint | None) -> list[ClientData]:
+    def announced(self, ckpt: Checkpoint | None) -> list[tuple[str, ClientData]]:
         """data.placement = "device": the devices online, then the clients they announce (a
         resumed run: its checkpoint's, the devices coming online in `open_pool`)."""
         if ckpt is not None:
@@ -155,7 +155,7 @@ class MqttTransport(Transport):
             update={"num_clients": len(found)})})
         self.cfg = self.pool.cfg = cfg
         self.pool.roster = found
-        return [c for _, c in found]
+        return found
 
     def _devices_online(self, ckpt: Checkpoint | None) -> None:
         """The local devices started, and the fleet's devices online (once)."""

@@ -4,7 +4,8 @@ Upstream, on the coordinator's broker, it is one participant holding its site's 
 reads the run (`<root>/site/<name>/run`) and the coordinator's tasks, and answers each train task
 with one partial aggregate (server/pools/mqtt/edges.py has the coordinator's side). Downstream,
 on its site's broker, it is the coordinator its devices already speak to: an MqttPool over the
-site's devices, holding the clients the run's deal gives them (sites.py `site_tree`). Between
+site's devices, holding the clients the run's deal gives them (sites.py `site_tree`), or with
+data.placement = "device" those they announced (the coordinator's roster numbers them). Between
 the two it runs the site's k site rounds with the round loop's own code (sites.py
 `EdgeSites.partials` over a Ledger of its own): the round contract, the algorithm's weights, the
 codecs, the same sums in the same order as a simulation's site, so two tiers on a fleet give the
@@ -30,14 +31,16 @@ from pydantic import ValidationError
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum
 from fedseq.common.algorithms.plan import plan_from_dict
 from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.placed import ClientData, announcement_problem
 from fedseq.common.errors import ConfigError, FedseqError, ProtocolError, validation_problem
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
 from fedseq.common.protocol.link import Link, TlsOptions, session_id
 from fedseq.common.protocol.messages import (
-    RunConfig,
+    ClientSizes,
     SiteClient,
     SiteResultHeader,
+    SiteRun,
     SiteStatus,
     SiteTaskHeader,
 )
@@ -49,7 +52,7 @@ from fedseq.server.pools.mqtt.mqtt_pool import MqttPool
 from fedseq.server.rounds.experiment import load_experiment
 from fedseq.server.rounds.ledger import Ledger, RoundUpdates
 from fedseq.server.rounds.pool_api import PoolState
-from fedseq.server.rounds.sites import EdgeSites, assign_clients, site_tree
+from fedseq.server.rounds.sites import EdgeSites, deal, site_tree
 
 log = logging.getLogger(__name__)
 
@@ -77,40 +80,84 @@ class Login:
 
 class EdgeRun:
     """One run at the site: its experiment (the partition's sizes, the model, the algorithm),
-    the MqttPool over the site's devices and the round loop's bookkeeping for its site rounds."""
+    the MqttPool over the site's devices and the round loop's bookkeeping for its site rounds.
+    With data.placement = "device" and no roster yet, the run is first published to the site's
+    devices, whose announcements the edge's status carries upstream (`announcements`); the
+    coordinator's roster then settles it (`settle`)."""
 
     def __init__(self, site: str, cfg: ExperimentConfig, run_id: str, broker: str,
-                 login: Login):
+                 login: Login, roster: list[tuple[str, ClientData]] | None = None):
         names = [s.name for s in site_tree(cfg)]
         if site not in names:
             raise ConfigError(f"run {run_id} has no site {site!r} (hierarchy.sites: "
                               f"{', '.join(names)})")
-        self.site = next(s for s in site_tree(cfg) if s.name == site)
-        self.run_id = run_id
-        # the coordinator counts devices over all sites; here a step waits for this site's. The
-        # site broker's flood guard is this host's (the run's config carries none)
-        cfg.deploy.min_devices = 1
-        cfg.deploy.guard_username = login.guard_username
-        cfg.deploy.guard_password_file = login.guard_password_file
-        exp = load_experiment(cfg, test_images_only=True)
-        dealt = assign_clients(sorted(cfg.hierarchy.site_of()), cfg.data.num_clients)
-        self.dealt = {d: dealt[d] for d in self.site.devices}
+        self.name, self.run_id, self.login = site, run_id, login
+        self.listed = set(cfg.hierarchy.sites[site])
+        self.book: Ledger | None = None
+        self.opened = False
+        self._configure(cfg)
         self.pool = MqttPool(cfg, broker, run_id, login.username, login.password, login.tls)
         self.pool.start()
         try:
-            self.book = Ledger(cfg, exp.algorithm, exp.model, exp.data, self.pool,
-                               collect_threads=1)
-            self.sites = EdgeSites(self.book)
+            if cfg.data.placement == "device" and roster is None:  # the devices announce first
+                self.pool.session.retain(self.pool.topics.run_config,
+                                         self.pool.run_config().encode())
+            else:
+                self.settle(cfg, roster)
         except BaseException:
             self.pool.close()
             raise
-        self.opened = False
+
+    def _configure(self, cfg: ExperimentConfig) -> None:
+        """The coordinator counts devices over all sites; here a step waits for this site's.
+        The site broker's flood guard is this host's (the run's config carries none)."""
+        cfg.deploy.min_devices = 1
+        cfg.deploy.guard_username = self.login.guard_username
+        cfg.deploy.guard_password_file = self.login.guard_password_file
+
+    def settle(self, cfg: ExperimentConfig, roster: list[tuple[str, ClientData]] | None) -> None:
+        """The run's experiment loaded (with data.placement = "device" from the coordinator's
+        `roster`: every client's device and sizes, in client-id order), the site's clients and
+        the round loop's bookkeeping over its pool."""
+        if roster is not None and len(roster) != cfg.data.num_clients:
+            raise ConfigError(f"run {self.run_id}: its roster lists {len(roster)} clients, its "
+                              f"config {cfg.data.num_clients}")
+        self._configure(cfg)
+        exp = load_experiment(cfg, test_images_only=True, announced=roster)
+        self.site = next(s for s in site_tree(cfg, owners=exp.data.owners) if s.name == self.name)
+        dealt = deal(cfg, exp.data.owners)
+        self.dealt = {d: dealt[d] for d in self.site.devices}
+        self.pool.cfg, self.pool.roster = cfg, list(roster or [])
+        self.book = Ledger(cfg, exp.algorithm, exp.model, exp.data, self.pool, collect_threads=1)
+        self.sites = EdgeSites(self.book)
+
+    def announcements(self) -> tuple[dict[str, list[ClientSizes]], dict[str, str]]:
+        """Before the roster (data.placement = "device"): what each of the site's devices online
+        announced for this run, and those that cannot follow it, with why (an announcement that
+        cannot be true is one). Empty once the run has its roster."""
+        if self.book is not None:
+            return {}, {}
+        session = self.pool.session
+        clients: dict[str, list[ClientSizes]] = {}
+        refused: dict[str, str] = {}
+        for d in self.devices():
+            report = session.online[d].data
+            if d in session.incompatible:
+                refused[d] = session.incompatible[d]
+            elif report is not None and report.run_id == self.run_id:
+                why = announcement_problem(self.pool.cfg.data, [
+                    ClientData(c.folder, c.train, c.test, tuple(c.counts)) for c in report.clients])
+                if why is None:
+                    clients[d] = list(report.clients)
+                else:
+                    refused[d] = why
+        return clients, refused
 
     def devices(self) -> list[str]:
         """The site's devices online now (their statuses applied first)."""
         session = self.pool.session
         session.set_aside(session.drain(0.0))
-        return sorted(d for d in session.online if d in self.site.devices)
+        return sorted(d for d in session.online if d in self.listed)
 
     def _open(self, h: SiteTaskHeader, weights: Weights) -> None:
         """Before the first task: the site's devices online, its pool opened on the clients
@@ -118,11 +165,16 @@ class EdgeRun:
         this run before it published (TASK_STRIDE)."""
         if self.opened:
             return
+        if self.book is None:
+            raise ConfigError(f"run {self.run_id} has no roster here yet (data.placement = "
+                              "\"device\": the coordinator publishes it once the sites' devices "
+                              "have announced their clients)")
         self.pool.wait_for_devices(1, self.book.cfg.deploy.wait_devices_s)
         floor = h.seq * TASK_STRIDE
         self.pool.restore(PoolState({
             "run_id": self.run_id, "seq": floor, "assignment": self.dealt,
-            "published": {b: [floor, ""] for b in dict.fromkeys(map(block_of, weights))}}))
+            "published": {b: [floor, ""] for b in dict.fromkeys(map(block_of, weights))},
+            "roster": [[d, c.to_dict()] for d, c in self.pool.roster]}))
         self.pool.open(weights, tuple(h.personal))
         self.opened = True
 
@@ -131,6 +183,7 @@ class EdgeRun:
         partial's deltas (none where the site folded nothing)."""
         self._open(h, start)
         book = self.book
+        assert book is not None
         plan = plan_from_dict(h.plan or {})
         mine = [c for c in h.clients if c in self.site.clients]
         contract = book.contract(h.round, mine, plan, start, h.bound)
@@ -161,7 +214,11 @@ class EdgeRun:
         self._open(h, weights)
         if h.kind == "evaluate":
             report = self.pool.evaluate(weights, tuple(h.eval_heads), lambda c, k, n: None).report
-            return {"scores": report.per_client}
+            if report.global_total is None:
+                return {"scores": report.per_client}
+            # data.placement = "device": the devices scored the global model on their test rows
+            return {"scores": report.per_client,
+                    "global_score": (int(report.global_correct or 0), report.global_total)}
         done = self.pool.finetune(plan_from_dict(h.plan or {}), weights, tuple(h.eval_heads),
                                   lambda c, k, n: None, lambda done, total: None)
         return {"scores": done.scores, "diverged": done.diverged}
@@ -184,7 +241,7 @@ class EdgeAggregator:
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.frames = FramePool(max_frame=MAX_TASK_BYTES, per_sender=MAX_TASK_BYTES)
         self.run: EdgeRun | None = None
-        self.said: tuple[str, tuple[str, ...]] | None = None
+        self.said: bytes | None = None
         will = SiteStatus(site=site, state="offline").encode()
         self.link = Link(session_id(f"fedseq-edge-{site}"), upstream,
                          [self.topics.site(site, "run"), self.topics.site(site, "task")],
@@ -199,7 +256,7 @@ class EdgeAggregator:
             return
         try:
             if ref.kind == "site_run" and payload:
-                self.events.put(("run", RunConfig.decode(payload)))
+                self.events.put(("run", SiteRun.decode(payload)))
             elif ref.kind == "site_task":
                 head, data = unpack_chunk(payload, SiteTaskHeader)
                 if head.site != self.site:
@@ -238,30 +295,39 @@ class EdgeAggregator:
             self.link.stop()
 
     def _say_status(self) -> None:
-        """Publish this edge's presence and its devices online when they changed."""
-        devices = tuple(self.run.devices()) if self.run is not None else ()
-        now = ("online", devices)
+        """Publish this edge's presence and its devices online when they changed (before a
+        data.placement = "device" run has its roster, with what they announced)."""
+        status = SiteStatus(site=self.site, state="online")
+        if self.run is not None:
+            status.devices = self.run.devices()
+            if self.run.book is None:
+                status.run_id = self.run.run_id
+                status.clients, status.refused = self.run.announcements()
+        now = status.encode()
         if now != self.said and self.link.connected.is_set():
-            self.link.publish(self.topics.site(self.site, "status"), SiteStatus(
-                site=self.site, state="online", devices=list(devices)), retain=True)
+            self.link.publish(self.topics.site(self.site, "status"), now, retain=True)
             self.said = now
 
-    def _join(self, rc: RunConfig) -> None:
+    def _join(self, rc: SiteRun) -> None:
         """A run from the coordinator: its config validated here (a model, dataset or plugin
-        not installed or not allowed here is said in one line), the site's pool opened."""
-        if self.run is not None and self.run.run_id == rc.run_id:
+        not installed or not allowed here is said in one line), the site's pool opened; the
+        same run again with its roster (data.placement = "device") settles it."""
+        run = self.run
+        if run is not None and run.run_id == rc.run_id and (run.book is not None
+                                                            or rc.roster is None):
             return
-        if self.run is not None:
-            self.run.close()
-            self.run = None
         try:
-            cfg = ExperimentConfig.model_validate(rc.config)
-            why = REGISTRY.pin_problem(rc.plugins)
-            if why is not None:
-                raise ConfigError(why)
-            if self.data_root is not None:
-                cfg.data.root = self.data_root  # this host's files, never the coordinator's
-            self.run = EdgeRun(self.site, cfg, rc.run_id, self.broker, self.down)
+            cfg = self._config(rc)
+            roster = None if rc.roster is None else [
+                (e.device, ClientData(e.folder, e.train, e.test, tuple(e.counts)))
+                for e in rc.roster]
+            if run is not None and run.run_id == rc.run_id:
+                run.settle(cfg, roster)
+            else:
+                if run is not None:
+                    self.run = None
+                    run.close()
+                self.run = EdgeRun(self.site, cfg, rc.run_id, self.broker, self.down, roster)
         except ValidationError as exc:
             p = validation_problem(exc)
             log.error("site %s cannot follow run %s: %s: %s", self.site, rc.run_id, p.where, p.msg)
@@ -269,8 +335,20 @@ class EdgeAggregator:
             log.error("site %s cannot follow run %s: %s", self.site, rc.run_id,
                       printable(exc, 500))
         else:
-            log.info("site %s joined run %s (%d clients on %s)", self.site, rc.run_id,
-                     len(self.run.site.clients), ", ".join(self.run.site.devices))
+            if self.run is not None and self.run.book is not None:
+                log.info("site %s joined run %s (%d clients on %s)", self.site, rc.run_id,
+                         len(self.run.site.clients), ", ".join(self.run.site.devices))
+
+    def _config(self, rc: SiteRun) -> ExperimentConfig:
+        """The run's config as this host runs it: its plugins' versions checked, its data root
+        this host's."""
+        cfg = ExperimentConfig.model_validate(rc.config)
+        why = REGISTRY.pin_problem(rc.plugins)
+        if why is not None:
+            raise ConfigError(why)
+        if self.data_root is not None:
+            cfg.data.root = self.data_root  # this host's files, never the coordinator's
+        return cfg
 
     def _task(self, h: SiteTaskHeader, weights: Weights) -> None:
         """Run a task of the current run and answer it (a task of another run is ignored)."""

@@ -31,6 +31,7 @@ from fedseq.server.ops.broker import EmbeddedBroker, coordinator_login, one_run_
 from fedseq.server.ops.local_fleet import embedded_broker, spawn_local_devices
 from fedseq.server.ops.rehearsal import Rehearsal
 from fedseq.server.pools.mqtt.edges import EdgePool
+from fedseq.server.pools.mqtt.mqtt_pool import restored_roster
 from fedseq.server.pools.processes import die_with_parent, stop_children
 from fedseq.server.rounds.checkpoint import Checkpoint
 from fedseq.server.rounds.experiment import Experiment
@@ -59,10 +60,6 @@ class SitesTransport:
             raise ConfigError("hierarchy.edge_aggregation = false is the flat run timed over the "
                               "tree: simulate it, or rehearse it (--local-devices with --link); "
                               "a fleet of sites aggregates at its edges")
-        if cfg.data.placement == "device":
-            raise ConfigError("data.placement = \"device\" with [hierarchy] on a fleet is not "
-                              "supported yet (the sites' devices would announce their clients "
-                              "to their edge, not to the coordinator that numbers them)")
         self.cfg, self.out, self.url = cfg, out, broker or cfg.deploy.broker
         self.local_devices, self.client_threads = local_devices, client_threads
         self.announce, self.rehearsal = announce, rehearsal
@@ -129,9 +126,22 @@ class SitesTransport:
         if rh is not None:
             self.announce(rh.describe())
 
-    def announced(self, ckpt: Checkpoint | None) -> list[ClientData] | None:
-        """None: data.placement = "device" is refused for sites (__init__)."""
-        return None
+    def announced(self, ckpt: Checkpoint | None) -> list[tuple[str, ClientData]]:
+        """data.placement = "device": the clients the sites' devices announced, numbered as a
+        flat fleet's (a resumed run: its checkpoint's); each site then holds its devices'."""
+        if ckpt is not None:
+            found = restored_roster(ckpt.pool)
+        else:
+            d = self.cfg.deploy
+            found = self.pool.gather_clients(max(d.min_devices, self.local_devices),
+                                             d.wait_devices_s)
+            devices = sorted({dev for dev, _ in found})
+            self.announce(f"run {self.run_id}: {len(found)} clients on {len(devices)} devices "
+                          f"({', '.join(devices)})")
+        self.cfg = self.cfg.model_copy(update={"data": self.cfg.data.model_copy(
+            update={"num_clients": len(found)})})
+        self.pool.use_roster(self.cfg, found)
+        return found
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None
                   ) -> EdgePool:

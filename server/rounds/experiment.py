@@ -23,16 +23,17 @@ class Experiment:
 
 
 def load_experiment(cfg: ExperimentConfig, test_images_only: bool = False,
-                    announced: list[ClientData] | None = None) -> Experiment:
+                    announced: list[tuple[str, ClientData]] | None = None) -> Experiment:
     """Load and partition the dataset, build the model and the algorithm. `test_images_only`:
     the coordinator of a deployment needs the test rows' images (its global evaluation) and the
     partition's sizes, never a training image. `announced` (data.placement = "device" on a
-    fleet): the clients as their devices announced them, in client-id order; the coordinator
+    fleet): (device, client) as the devices announced them, in client-id order; the coordinator
     then holds data.validation's rows and nothing else."""
     # the algorithm first: its checks against the model's blocks fail before the data loads
     algorithm = make_algorithm(cfg, run_model_spec(cfg))
     if announced is not None:
-        data = announced_data(cfg.data, announced, read_validation(cfg.data))
+        data = announced_data(cfg.data, [c for _, c in announced], read_validation(cfg.data),
+                              tuple(d for d, _ in announced))
     else:
         data = load_federated(cfg.data, cfg.seed_for("data"), test_images_only=test_images_only)
     model = run_model(cfg, data.input_shape, data.num_classes)

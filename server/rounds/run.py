@@ -51,10 +51,10 @@ class Transport(Protocol):
         """Before the experiment loads: what can fail fast (a broker's address or password)."""
         ...
 
-    def announced(self, ckpt: Checkpoint | None) -> list[ClientData] | None:
-        """data.placement = "device": the clients its devices announced, in client-id order
-        (a resumed run's, from its checkpoint); None where the clients' rows are read in this
-        machine's processes (a simulation reads --devices-data)."""
+    def announced(self, ckpt: Checkpoint | None) -> list[tuple[str, ClientData]] | None:
+        """data.placement = "device": (device, client) as its devices announced them, in
+        client-id order (a resumed run's, from its checkpoint); None where the clients' rows are
+        read in this machine's processes (a simulation reads --devices-data)."""
         ...
 
     def open_pool(self, stack: contextlib.ExitStack, exp: Experiment, ckpt: Checkpoint | None

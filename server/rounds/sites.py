@@ -2,10 +2,11 @@
 Hierarchical Federated Learning") in a synchronous round.
 
 The fleet's devices are grouped into sites; clients are dealt to the devices of all sites as a
-deployment deals them (`assign_clients`: devices by name, round-robin), so a client's site is its
-device's. In a global round each site runs `hierarchy.edge_rounds` = k site rounds: its selected
-clients train from the site's model, the site folds their valid updates as the coordinator would
-(the round contract, the algorithm's weights, the codecs) and steps its model with their mean.
+deployment deals them (`assign_clients`: devices by name, round-robin), or with data.placement =
+"device" are the clients each device holds (`deal`), so a client's site is its device's. In a
+global round each site runs `hierarchy.edge_rounds` = k site rounds: its selected clients train
+from the site's model, the site folds their valid updates as the coordinator would (the round
+contract, the algorithm's weights, the codecs) and steps its model with their mean.
 After the k-th it hands the coordinator one partial aggregate: its model's change since the
 global model, in float32, with its total weight per tensor (`SitePartial`). The coordinator folds
 the partials (`WeightedDeltaSum.add_partial`) and steps the global model as after a flat round.
@@ -75,9 +76,11 @@ class Site:
     link: LinkProfile | None = None
 
 
-def site_tree(cfg: ExperimentConfig, fleet: VirtualFleet | None = None) -> list[Site]:
+def site_tree(cfg: ExperimentConfig, fleet: VirtualFleet | None = None,
+              owners: tuple[str, ...] | None = None) -> list[Site]:
     """The run's sites in name order. With a simulated fleet, its devices must be the sites'
-    devices, name for name: a ConfigError listing the fleet's names otherwise."""
+    devices, name for name: a ConfigError listing the fleet's names otherwise. `owners`
+    (data.placement = "device"): each client's device, whose site holds it (`deal`)."""
     h = cfg.hierarchy
     devices = sorted(h.site_of())
     if fleet is not None and sorted(d.name for d in fleet.devices) != devices:
@@ -85,11 +88,28 @@ def site_tree(cfg: ExperimentConfig, fleet: VirtualFleet | None = None) -> list[
         raise ConfigError("hierarchy.sites must list the [fleet]'s devices, each in one site: "
                           f"the fleet has {', '.join(names)}; the sites list "
                           f"{', '.join(devices)}")
-    dealt = assign_clients(devices, cfg.data.num_clients)
+    dealt = deal(cfg, owners)
     return [Site(name, tuple(sorted(ds)), frozenset(c for d in ds for c in dealt[d]),
                  parse_profile(h.links[name], f"hierarchy.links.{name}") if name in h.links
                  else None)
             for name, ds in sorted(h.sites.items())]
+
+
+def deal(cfg: ExperimentConfig, owners: tuple[str, ...] | None = None) -> dict[str, list[int]]:
+    """Each device of the sites -> its clients: dealt round-robin (`assign_clients`), or with
+    data.placement = "device" the clients each device holds (`owners`: each client's device, in
+    client-id order), where a device outside every site is a ConfigError."""
+    devices = sorted(cfg.hierarchy.site_of())
+    if owners is None:
+        return assign_clients(devices, cfg.data.num_clients)
+    stray = sorted(set(owners) - set(devices))
+    if stray:
+        raise ConfigError(f"device(s) {', '.join(stray[:10])} hold clients (data.placement = "
+                          "\"device\") but are in no site: list each in hierarchy.sites")
+    out: dict[str, list[int]] = {d: [] for d in devices}
+    for c, d in enumerate(owners):
+        out[d].append(c)
+    return out
 
 
 @dataclass
@@ -191,7 +211,7 @@ class EdgeSites:
     def __init__(self, book: Ledger):
         self.book = book
         self.k = book.cfg.hierarchy.edge_rounds
-        self.sites = site_tree(book.cfg, book.fleet)
+        self.sites = site_tree(book.cfg, book.fleet, book.data.owners)
         if self.k > 1 and book.alg.site_rounds_problem is not None:
             raise ConfigError(f"hierarchy.edge_rounds = {self.k}: {book.alg.name} cannot take "
                               f"several site rounds: {book.alg.site_rounds_problem}; use "
@@ -436,5 +456,5 @@ def merge_outcome(into: RoundOutcome, step: RoundOutcome) -> None:
         into.deadline_s = max(into.deadline_s or 0.0, step.deadline_s)
 
 
-__all__ = ["EDGE_STRIDE", "EdgeSites", "Site", "SitePartial", "assign_clients", "edge_key",
-           "check_partial", "merge_outcome", "partial_of", "site_tree"]
+__all__ = ["EDGE_STRIDE", "EdgeSites", "Site", "SitePartial", "assign_clients", "check_partial",
+           "deal", "edge_key", "merge_outcome", "partial_of", "site_tree"]

@@ -107,14 +107,11 @@ def test_the_round_contract_holds_a_client_to_its_announced_sizes():
 def test_a_resumed_run_keeps_the_clients_it_numbered(tmp_path, mosquitto, one_thread):
     """The coordinator dies after round 1's aggregate; `--resume` numbers no client again (its
     checkpoint holds who is where) and ends bitwise fedseq-sim --devices-data of the folders."""
-    import json
     import subprocess
     import sys
     from pathlib import Path
 
-    from conftest import device_process
-    from fedseq.common.protocol.tensors import decode_tensors
-    from fedseq.server.ops.simulation import run_simulation
+    from conftest import device_process, placed_run_is_simulated
     from fedseq.server.pools.processes import stop_children
 
     port, home, _ = mosquitto
@@ -138,9 +135,4 @@ def test_a_resumed_run_keeps_the_clients_it_numbered(tmp_path, mosquitto, one_th
         assert r.returncode == 0, r.stderr[-3000:]
     finally:
         stop_children(devices)
-    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["round"] for x in rows if x["phase"] == "train"] == [0, 1, 2]
-    sim = run_simulation(placed_config(root, *sets), None)
-    saved = decode_tensors((out / "model.safetensors").read_bytes())
-    assert all(torch.equal(saved[k], v) for k, v in sim.global_weights.items())
-    assert [x.get("federated_acc") for x in rows] == [x.get("federated_acc") for x in sim.rows]
+    placed_run_is_simulated(out, placed_config(root, *sets))

@@ -12,7 +12,7 @@ from conftest import quick_config, resumed_after, same_run, without_seconds
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum
 from fedseq.common.errors import ConfigError
 from fedseq.server.ops.simulation import run_simulation
-from fedseq.server.rounds.sites import assign_clients, edge_key, partial_of, site_tree
+from fedseq.server.rounds.sites import EdgeSites, assign_clients, edge_key, partial_of, site_tree
 
 SITES = 'hierarchy.sites={a=["d0","d1"],b=["d2"]}'
 FLEET = 'fleet.devices=[{profile="nano",count=3,link="wifi-good"}]'
@@ -34,6 +34,36 @@ def test_clients_are_dealt_to_the_sites_devices_as_a_deployment_deals_them(data_
     assert tree[0].clients == frozenset(dealt["d0"] + dealt["d1"]) == {0, 1, 3, 4, 6}
     assert tree[1].clients == frozenset(dealt["d2"]) == {2, 5}
     assert edge_key(5, 0) == 5 and edge_key(5, 1) != 5 and edge_key(5, 1) != edge_key(6, 0)
+
+
+def test_with_data_on_the_devices_a_site_holds_its_own_devices_clients(tmp_path, one_thread,
+                                                                      monkeypatch):
+    """data.placement = "device": a client's site is the site of the device holding it (not a
+    round-robin deal): in the tree, in a simulation's rounds (--devices-data), and a device
+    holding clients outside every site is refused in one line."""
+    from conftest import fmnist_devices, placed_config
+
+    root = fmnist_devices(tmp_path / "devices", {"local01": ["."], "local02": ["cam-a", "cam-b"],
+                                                 "local03": ["x", "y"]}, rows=40)
+    cfg = placed_config(root, 'hierarchy.sites={a=["local01","local03"],b=["local02"]}',
+                        "data.num_clients=5", "rounds=1")
+    owners = ("local01", "local02", "local02", "local03", "local03")
+    assert {s.name: sorted(s.clients) for s in site_tree(cfg, owners=owners)} == {
+        "a": [0, 3, 4], "b": [1, 2]}
+    assert {s.name: sorted(s.clients) for s in site_tree(cfg)} == {"a": [0, 2, 3], "b": [1, 4]}
+    seen: list[tuple[str, list[int]]] = []
+    real = EdgeSites.partials
+
+    def spy(self, t, trainers, *a):
+        seen.extend(self.site_of(trainers).items())
+        return real(self, t, trainers, *a)
+
+    monkeypatch.setattr(EdgeSites, "partials", spy)
+    run_simulation(cfg, None)
+    assert seen == [("a", [0, 3, 4]), ("b", [1, 2])]
+    with pytest.raises(ConfigError) as err:
+        site_tree(cfg, owners=(*owners[:4], "local09"))
+    assert "local09 hold clients" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_a_partial_is_the_sites_mean_delta_with_its_weight():
@@ -180,7 +210,6 @@ def test_two_tiers_are_bitwise_across_workers(data_root, one_thread):
 
 @pytest.mark.parametrize("setting, words", [
     ("hierarchy.edge_aggregation=false", "the flat run timed over the tree: simulate it, or rehearse it"),
-    ("data.placement='device'", "data.placement"),
 ])
 def test_a_fleet_of_sites_refuses_what_does_not_compose_in_one_line(data_root, setting, words):
     """What a fleet's edge aggregators cannot run is refused before anything opens (the broker

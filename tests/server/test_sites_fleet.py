@@ -18,7 +18,16 @@ import paho.mqtt.client as mqtt
 import pytest
 import torch
 
-from conftest import MOSQUITTO, PROJECT_ACL, ROOT, device_process, quick_config
+from conftest import (
+    MOSQUITTO,
+    PROJECT_ACL,
+    ROOT,
+    device_process,
+    fmnist_devices,
+    placed_config,
+    placed_run_is_simulated,
+    quick_config,
+)
 from fedseq.common.algorithms.plan import plan_from_dict
 from fedseq.common.protocol.frames import Reassembler, pack_chunk, split_frame, unpack_chunk
 from fedseq.common.protocol.messages import (
@@ -92,6 +101,86 @@ def test_a_fleet_of_sites_is_the_simulation_bitwise(data_root, tmp_path, one_thr
         assert d.get("epsilon") == s.get("epsilon")
         assert d.get("secure_recovered") == s.get("secure_recovered")
         assert not d.get("device_failures")
+
+
+PLACED_SITES = 'hierarchy.sites={a=["local01","local03"],b=["local02"]}'
+#: three devices' folders: clients 0 (local01), 1-2 (local02), 3-4 (local03)
+PLACED = {"local01": ["."], "local02": ["cam-a", "cam-b"], "local03": ["x", "y"]}
+
+
+@pytest.mark.slow("a fleet of two sites with the data on its devices: 10 s on 2 cores")
+@pytest.mark.parametrize("algorithm, k", [("fedper", 1), ("fedavg", 2)],
+                         ids=["fedper-k1", "fedavg-k2"])
+def test_data_on_the_devices_of_a_fleet_of_sites_is_the_simulation_bitwise(tmp_path, one_thread,
+                                                                           algorithm, k):
+    """data.placement = "device" over two sites: each device announces its own folders to its
+    site's edge, which says them upstream; the coordinator numbers every site's clients as a
+    flat fleet's (device, then folder) and each site holds its own devices' clients (site a:
+    0, 3, 4). The run is fedseq-sim --devices-data of the same folders and sites, bitwise: the
+    global model, the validation score (the coordinator's), the federated score (the devices'
+    on their test rows, pooled by the sites), the personalized and local scores."""
+    root = fmnist_devices(tmp_path / "devices", PLACED)
+    cfg = placed_config(root, f"algorithm.name={algorithm}", "algorithm.finetune_epochs=1",
+                        PLACED_SITES, f"hierarchy.edge_rounds={k}", "train.threads=1")
+    lines: list[str] = []
+    dep = run_deployment(cfg, tmp_path / "dep", local_devices=3, client_threads=1,
+                         announce=lines.append)
+    sim = run_simulation(cfg, None)
+    for k_, v in sim.global_weights.items():
+        assert torch.equal(dep.global_weights[k_], v), k_
+    scores = ("global_acc", "federated_acc", "personal_acc", "local_acc", "reported",
+              "upstream_messages", "train_flops")
+    assert [{k_: r.get(k_) for k_ in scores} for r in dep.rows] == [
+        {k_: r.get(k_) for k_ in scores} for r in sim.rows]
+    assert dep.rows[-1]["federated_acc"] is not None and dep.rows[-1]["reported"] == [0, 1, 2, 3, 4]
+    assert dep.final.per_client == sim.final.per_client
+    assert any("5 clients on 3 devices (local01, local02, local03)" in x for x in lines), lines
+    assert "num_clients = 5" in (tmp_path / "dep" / "config.toml").read_text()
+
+
+@pytest.mark.slow("a fleet of two sites, one device without its data folder: 10 s on 2 cores")
+def test_a_sites_device_without_its_data_says_why_at_the_coordinator(tmp_path, one_thread,
+                                                                     caplog):
+    """local03 (site a) has no data folder: it tells its edge, whose status says why upstream;
+    the coordinator names it in one line and runs the other devices' clients, numbered
+    without it."""
+    import logging
+
+    root = fmnist_devices(tmp_path / "devices", {"local01": ["."], "local02": ["cam-a"]})
+    cfg = placed_config(root, PLACED_SITES, "train.threads=1", "deploy.min_devices=3",
+                        "deploy.wait_devices_s=60")
+    with caplog.at_level(logging.WARNING, logger="fedseq"):
+        dep = run_deployment(cfg, None, local_devices=3, client_threads=1,
+                             announce=lambda m: None)
+    why = [r.getMessage() for r in caplog.records if "local03 cannot follow run" in r.getMessage()]
+    assert why and why[0].startswith("site a: ") and "no such data folder" in why[0], why
+    assert "\n" not in why[0]
+    assert all(r["reported"] == [0, 1] for r in dep.rows if r["phase"] == "train")
+
+
+@pytest.mark.slow("a fleet of sites with data on its devices, SIGKILLed and resumed: 30 s")
+def test_a_resumed_fleet_of_sites_keeps_the_clients_it_numbered(tmp_path, one_thread):
+    """data.placement = "device" over two local sites: the coordinator is SIGKILLed while it
+    writes round 1's checkpoint (its sites' brokers, edges and devices die with it). `--resume`
+    starts them again; the edges load the run from the roster the checkpoint kept (no device
+    announces again) and the run ends bitwise fedseq-sim --devices-data of the folders."""
+    root = fmnist_devices(tmp_path / "devices", PLACED)
+    sets = ['data.placement="device"', 'data.dataset="npz"', "data.options.shape=[1,28,28]",
+            "data.options.classes=10", f"data.devices_root={str(root)!r}",
+            f"data.validation={str(root / 'validation.npz')!r}", "algorithm.name=fedper",
+            "rounds=3", "train.join_ratio=0.7", "train.local_epochs=1", "train.threads=1",
+            "deploy.port=0", PLACED_SITES]
+    crash = [sys.executable, str(ROOT / "tests" / "crash_server.py")]
+    out = tmp_path / "run"
+    local = ["--local-devices", "3", "--client-threads", "1"]
+    r = subprocess.run([*crash, "mid-checkpoint", "start", "-q", *local, "--out", str(out),
+                        *[a for x in sets for a in ("--set", x)]],
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    r = subprocess.run([*crash, "none", "start", "-q", *local, "--resume", str(out)],
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    placed_run_is_simulated(out, placed_config(root, *sets))
 
 
 def _site_url(lines: list[str], site: str) -> str:

@@ -9,6 +9,12 @@ answers (`result`: one partial aggregate per round, or its clients' scores) and 
 (`status`, retained, last will). The round loop checks every partial (sites.py `check_partial`)
 before it is folded; a site whose edge is offline or silent past the deadline costs its clients
 that round, recorded with why.
+
+With data.placement = "device" the run is published twice: first without a roster, and each
+edge publishes it to its devices and says in its status what they announce; the coordinator
+numbers every site's clients as a flat fleet's (`gather_clients`) and publishes the run again
+with the roster, from which each edge loads its run (every client's sizes: the algorithm and the
+round contract are the coordinator's). The roster is in the coordinator's checkpoint.
 """
 
 from __future__ import annotations
@@ -20,15 +26,17 @@ from typing import Any
 
 from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.placed import ClientData, announcement_problem, roster
 from fedseq.common.errors import ConfigError, ProtocolError, TransportError
 from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
 from fedseq.common.protocol.link import Link, TlsOptions, session_id
 from fedseq.common.protocol.messages import (
-    RunConfig,
+    RosterClient,
     ServerStatus,
     SiteResultHeader,
+    SiteRun,
     SiteStatus,
     SiteTaskHeader,
 )
@@ -48,7 +56,7 @@ from fedseq.server.rounds.pool_api import (
     TrainRound,
     UpdateCheck,
 )
-from fedseq.server.rounds.sites import site_tree
+from fedseq.server.rounds.sites import Site, site_tree
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +96,8 @@ class EdgePool:
         self.cfg, self.run_id = cfg, run_id
         self.topics = Topics(cfg.deploy.topic_root)
         self.sites = {s.name: s for s in site_tree(cfg)}
+        #: data.placement = "device": (device, its client) in client-id order (`use_roster`)
+        self.roster: list[tuple[str, ClientData]] = []
         self.k = cfg.hierarchy.edge_rounds
         self.personal: tuple[str, ...] = ()
         self.seq = 0
@@ -190,10 +200,7 @@ class EdgePool:
         least one device, and `minimum_devices` devices are online over all sites
         (deploy.min_devices counts devices wherever they are); after `timeout` seconds, what
         is online if that is enough, else a TransportError naming what is missing."""
-        self._run = RunConfig(run_id=self.run_id, config=site_config(self.cfg),
-                              plugins=REGISTRY.pins(self.cfg.registered_names())).encode()
-        for name in self.sites:  # the edges join the run and open their sites' pools
-            self.link.publish(self.topics.site(name, "run"), self._run, retain=True)
+        self._publish_run()  # the edges join the run and open their sites' pools
         deadline = time.monotonic() + timeout
 
         def devices() -> list[str]:
@@ -217,6 +224,88 @@ class EdgePool:
             "broker, its devices and its edge aggregator (fedseq-server edge --site NAME "
             f"--broker mqtt://SITE_BROKER --upstream {self.link.url}; docs/how-to/edge-sites.md)")
 
+    def _publish_run(self, gathering: bool = False) -> None:
+        """The run to every site (retained; again after a reconnect): with data.placement =
+        "device" its roster, or none while `gathering` the sites' announcements."""
+        listed = None
+        if self.cfg.data.placement == "device" and not gathering:
+            listed = [RosterClient(device=d, folder=c.folder, train=c.train, test=c.test,
+                                   counts=list(c.counts)) for d, c in self.roster]
+        self._run = SiteRun(run_id=self.run_id, config=site_config(self.cfg),
+                            plugins=REGISTRY.pins(self.cfg.registered_names()),
+                            roster=listed).encode()
+        for name in self.sites:
+            self.link.publish(self.topics.site(name, "run"), self._run, retain=True)
+
+    def gather_clients(self, minimum_devices: int, timeout: float
+                       ) -> list[tuple[str, ClientData]]:
+        """data.placement = "device": publish the run without a roster, then wait (at most
+        `timeout` s) until every site's edge aggregator is online, `minimum_devices` devices are
+        online over all sites, and each site has said what every device of it online announced
+        (or why it cannot follow the run); the clients numbered as a flat fleet's (device name,
+        then folder: `roster`). A device's announcement is checked here again; one that cannot
+        be true, or comes from a device of another site, is left out in one line."""
+        self._publish_run(gathering=True)
+        deadline = time.monotonic() + timeout
+
+        def told(site: str) -> bool:
+            st = self.status.get(site)
+            return (st is not None and st.state == "online" and st.run_id == self.run_id
+                    and all(d in st.clients or d in st.refused for d in st.devices))
+
+        def devices() -> int:
+            return sum(len(ds) for ds in self.online().values())
+
+        while time.monotonic() < deadline and not (
+                all(told(s) for s in self.sites) and devices() >= minimum_devices):
+            self._take(min(0.5, deadline - time.monotonic()))
+        found: dict[str, list[ClientData]] = {}
+        for name, site in self.sites.items():
+            found.update(self._announced(name, site, told(name), timeout))
+        if not found or devices() < minimum_devices:
+            raise TransportError(
+                f"{len(found)} devices announced clients for run {self.run_id} at "
+                f"{len(self.online())} of {len(self.sites)} sites after {timeout:.0f} s "
+                f"(deploy.min_devices = {minimum_devices}; data.placement = \"device\": each "
+                "device reads its fedseq-client --data-dir; the lines above say why)")
+        return roster(found)
+
+    def _announced(self, name: str, site: Site, told: bool, timeout: float
+                   ) -> dict[str, list[ClientData]]:
+        """What site `name`'s status says its devices announced that can be true, each left
+        out with a line saying why."""
+        st = self.status.get(name)
+        if st is None or st.state != "online" or st.run_id != self.run_id:
+            log.warning("site %s said no clients within %.0f s (deploy.wait_devices_s): its "
+                        "devices take no part in run %s", name, timeout, self.run_id)
+            return {}
+        if not told:
+            log.warning("site %s: device(s) %s announced no clients within %.0f s: they take no "
+                        "part in run %s", name, ", ".join(sorted(
+                            set(st.devices) - set(st.clients) - set(st.refused))), timeout,
+                        self.run_id)
+        out: dict[str, list[ClientData]] = {}
+        for d, why in sorted(st.refused.items()):
+            log.warning("site %s: %s cannot follow run %s: %s", name, printable(d, 64),
+                        self.run_id, printable(why, 300))
+        for d, sizes in sorted(st.clients.items()):
+            clients = [ClientData(c.folder, c.train, c.test, tuple(c.counts)) for c in sizes]
+            wrong = (f"{printable(d, 64)} is not a device of site {name}"
+                     if d not in site.devices else announcement_problem(self.cfg.data, clients))
+            if wrong is None:
+                out[d] = clients
+            else:
+                log.warning("site %s: %s cannot follow run %s: %s", name, printable(d, 64),
+                            self.run_id, printable(wrong, 300))
+        return out
+
+    def use_roster(self, cfg: ExperimentConfig, found: list[tuple[str, ClientData]]) -> None:
+        """data.placement = "device": the run's clients as numbered (`cfg` has their number);
+        each site holds its own devices' clients."""
+        self.cfg, self.roster = cfg, found
+        owners = tuple(d for d, _ in found)
+        self.sites = {s.name: s for s in site_tree(cfg, owners=owners)}
+
     def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
         """Before the first task (the run was published by `wait_for_sites`): the results'
         frames are bounded by the model's size (a partial holds at most every tensor in
@@ -228,11 +317,16 @@ class EdgePool:
         log.info("run %s: %d sites (%s)", self.run_id, len(self.sites), ", ".join(self.sites))
 
     def snapshot(self) -> PoolState:
-        """What a checkpoint holds: the run id and the task number reached."""
-        return PoolState({"run_id": self.run_id, "seq": self.seq})
+        """What a checkpoint holds: the run id, the task number reached and, with
+        data.placement = "device", the roster (who holds which client)."""
+        state: dict[str, Any] = {"run_id": self.run_id, "seq": self.seq}
+        if self.roster:
+            state["roster"] = [[d, c.to_dict()] for d, c in self.roster]
+        return PoolState(state)
 
     def restore(self, state: PoolState) -> None:
-        """A resumed run: task numbers continue past the checkpoint's (an edge skips none)."""
+        """A resumed run: task numbers continue past the checkpoint's (an edge skips none); the
+        roster is the transport's (`use_roster`, from the checkpoint)."""
         self.seq = int((state.state or {}).get("seq", 0)) + 1000
 
     def close(self) -> None:
@@ -347,9 +441,12 @@ class EdgePool:
                           "(EdgeSites.train), never one client at a time from the coordinator")
 
     def _scores(self, kind: str, fields: dict[str, Any], weights: Weights, check: ScoreCheck,
-                wait_s: float) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
-        """An evaluate or finetune task to every site online; the scores `check` accepts, and
-        the clients whose fine-tuning diverged."""
+                wait_s: float) -> tuple[dict[int, tuple[int, int]], dict[int, int],
+                                        tuple[int, int] | None]:
+        """An evaluate or finetune task to every site online; the scores `check` accepts, the
+        clients whose fine-tuning diverged and (data.placement = "device", evaluate) the global
+        model on the test rows of the sites whose scores all passed, as their devices scored
+        it."""
         self.await_sites(list(self.sites))
         sites = sorted(self.online())
         seq = self._send(kind, sites, dict.fromkeys(sites, fields), encode_tensors(weights))
@@ -358,30 +455,42 @@ class EdgePool:
             log.warning("site %s: no scores: %s", s, why)
         scores: dict[int, tuple[int, int]] = {}
         diverged: dict[int, int] = {}
+        pooled: list[tuple[int, int]] = []
         for s, (head, _) in sorted(answers.items()):
+            refused = 0
             for c, (correct, total) in head.scores.items():
-                if c not in self.sites[s].clients:
-                    log.warning("site %s sent a score of client %d, not one of its own", s, c)
-                    continue
-                why = check(c, correct, total)
+                why = (check(c, correct, total) if c in self.sites[s].clients
+                       else "not one of its own clients")
                 if why is None:
                     scores[c] = (correct, total)
                 else:
+                    refused += 1
                     log.warning("site %s: score of client %d refused: %s", s, c, why)
             diverged.update({c: b for c, b in head.diverged.items() if c in scores})
-        return scores, diverged
+            if head.global_score is not None:
+                correct, total = head.global_score
+                rows = sum(t for _, t in head.scores.values())
+                if refused or total != rows or not 0 <= correct <= total:
+                    log.warning("site %s: its global score %d/%d is left out (its clients' "
+                                "scores hold %d test rows, %d of them refused)", s, correct,
+                                total, rows, refused)
+                else:
+                    pooled.append((correct, total))
+        glob = ((sum(c for c, _ in pooled), sum(t for _, t in pooled)) if pooled else None)
+        return scores, diverged, glob
 
     def evaluate(self, weights: Weights, eval_heads: tuple[str, ...], check: ScoreCheck
                  ) -> EvalOutcome:
-        """Every site scores its clients' personalized models (the coordinator the global)."""
-        scores, _ = self._scores("evaluate", {"eval_heads": list(eval_heads)}, weights, check,
-                                 self.cfg.deploy.eval_timeout_s)
-        return EvalOutcome(EvalReport(None, None, scores), self.wire_bytes())
+        """Every site scores its clients' personalized models; the global model is the
+        coordinator's to score, or with data.placement = "device" the devices' (pooled)."""
+        scores, _, glob = self._scores("evaluate", {"eval_heads": list(eval_heads)}, weights,
+                                       check, self.cfg.deploy.eval_timeout_s)
+        return EvalOutcome(EvalReport(*(glob or (None, None)), scores), self.wire_bytes())
 
     def finetune(self, plan: ClientPlan, weights: Weights, eval_heads: tuple[str, ...],
                  check: ScoreCheck, progress: Progress) -> FinetuneOutcome:
         """Every site's clients fine-tune and report their scores."""
-        scores, diverged = self._scores(
+        scores, diverged, _ = self._scores(
             "finetune", {"plan": plan_to_dict(plan), "eval_heads": list(eval_heads)}, weights,
             check, self.cfg.deploy.finetune_timeout_s)
         progress(len(scores), self.cfg.data.num_clients)
