@@ -431,10 +431,11 @@ class SiteStatus(Message):
     devices: List[str] = Field(default_factory=list, description="Its devices online.")
     run_id: Optional[str] = Field(None, max_length=100, description=(
         "data.placement = \"device\": the run whose clients `clients` and `refused` tell."))
-    clients: Dict[str, List[ClientSizes]] = Field(default_factory=dict, description=(
+    clients: Dict[str, List[ClientSizes]] = Field(default_factory=dict, max_length=10_000,
+                                                  description=(
         "data.placement = \"device\", before the run has its roster: each of its devices -> "
         "the clients it announced for run `run_id` (as the device's status says them)."))
-    refused: Dict[str, str] = Field(default_factory=dict, description=(
+    refused: Dict[str, str] = Field(default_factory=dict, max_length=10_000, description=(
         "data.placement = \"device\": its devices that cannot follow run `run_id`, with why."))
 
 
