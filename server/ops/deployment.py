@@ -7,8 +7,6 @@ import functools
 import logging
 import subprocess
 import tempfile
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +19,7 @@ from fedseq.server.ops.local_fleet import embedded_broker, spawn_local_devices
 from fedseq.server.ops.rehearsal import Rehearsal
 from fedseq.server.pools.mqtt import MqttPool
 from fedseq.server.pools.mqtt.arrivals import MqttArrivals
-from fedseq.server.pools.mqtt.mqtt_pool import restored_roster
+from fedseq.server.pools.mqtt.mqtt_pool import fleet_run_id, restored_roster
 from fedseq.server.pools.processes import stop_children
 from fedseq.server.rounds.buffered import BufferedAsync
 from fedseq.server.rounds.checkpoint import Checkpoint
@@ -134,9 +132,7 @@ class MqttTransport(Transport):
                 tempfile.TemporaryDirectory(prefix="fedseq-local-")))
         self.children: list[subprocess.Popen] = []
         stack.callback(stop_children, self.children)
-        pool_state = ckpt.pool.state if ckpt is not None else None
-        self.run_id = (pool_state["run_id"] if pool_state
-                       else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+        self.run_id = fleet_run_id(ckpt.pool if ckpt is not None else None)
         # connected now; on the way out the devices hear why the run ended (MqttPool.__exit__)
         self.pool = stack.enter_context(MqttPool(
             cfg, self.url, self.run_id, *coordinator_login(self.cfg_login.deploy)))

@@ -30,6 +30,20 @@ def local_device_names(n: int) -> list[str]:
     return [f"local{i:02d}" for i in range(1, n + 1)]
 
 
+def login_options(d: DeployConfig, prefix: str = "") -> list[str]:
+    """The command-line options logging a process started here in as `d` says: its user name,
+    password file and TLS files (--PREFIXusername, --PREFIXpassword-file, ...), and
+    --no-verify-hostname where `d` turns that check off."""
+    out = ["--" + prefix + "username", d.username] if d.username else []
+    for flag, value in (("password-file", d.password_file), ("ca-file", d.ca_file),
+                        ("cert-file", d.cert_file), ("key-file", d.key_file)):
+        if value is not None:
+            out += ["--" + prefix + flag, str(value)]
+    if not d.tls_verify_hostname:
+        out.append("--no-verify-hostname")
+    return out
+
+
 def spawn_local_devices(n: int, url: str, cfg: ExperimentConfig, state_dir: Path,
                         threads: int | None = None, rehearsal: Rehearsal | None = None,
                         names: list[str] | None = None) -> list[subprocess.Popen]:
@@ -55,15 +69,8 @@ def spawn_local_devices(n: int, url: str, cfg: ExperimentConfig, state_dir: Path
                "--log-level", "WARNING"]  # their progress is the coordinator's to show
         if threads:
             cmd += ["--threads", str(threads)]
-        d = cfg.deploy
-        if d.username:  # an authenticated embedded broker: local devices use the coordinator's login
-            cmd += ["--username", d.username]
-        for flag, value in (("--password-file", d.password_file), ("--ca-file", d.ca_file),
-                            ("--cert-file", d.cert_file), ("--key-file", d.key_file)):
-            if value is not None:
-                cmd += [flag, str(value)]
-        if not d.tls_verify_hostname:
-            cmd.append("--no-verify-hostname")
+        # an authenticated embedded broker: local devices use the coordinator's login
+        cmd += login_options(cfg.deploy)
         for plugin in cfg.plugins():  # this machine's own environment, the operator's own run
             cmd += ["--allow-plugin", plugin]
         if rehearsal is not None:

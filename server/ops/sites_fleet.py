@@ -18,8 +18,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,10 +26,10 @@ from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.placed import ClientData
 from fedseq.common.errors import ConfigError
 from fedseq.server.ops.broker import EmbeddedBroker, coordinator_login, one_run_login
-from fedseq.server.ops.local_fleet import embedded_broker, spawn_local_devices
+from fedseq.server.ops.local_fleet import embedded_broker, login_options, spawn_local_devices
 from fedseq.server.ops.rehearsal import Rehearsal
 from fedseq.server.pools.mqtt.edges import EdgePool
-from fedseq.server.pools.mqtt.mqtt_pool import restored_roster
+from fedseq.server.pools.mqtt.mqtt_pool import fleet_run_id, restored_roster
 from fedseq.server.pools.processes import die_with_parent, stop_children
 from fedseq.server.rounds.checkpoint import Checkpoint
 from fedseq.server.rounds.experiment import Experiment
@@ -81,9 +79,7 @@ class SitesTransport:
                                               "run")
         deploy = cfg.deploy.model_copy(update=login) if login else cfg.deploy
         self.upstream_login = deploy  # a rehearsal's edges log in as the coordinator does
-        pool_state = ckpt.pool.state if ckpt is not None else None
-        self.run_id = (pool_state["run_id"] if pool_state
-                       else time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6])
+        self.run_id = fleet_run_id(ckpt.pool if ckpt is not None else None)
         self.pool = stack.enter_context(EdgePool(cfg, self.url, self.run_id,
                                                  *coordinator_login(deploy)))
         if self.local_devices:
@@ -98,16 +94,20 @@ class SitesTransport:
         names = [d for s in self.sites for d in s.devices][:self.local_devices]
         threads = self.client_threads or max(1, (os.cpu_count() or 1) // len(names))
         mine = {s.name: [d for d in s.devices if d in names] for s in self.sites}
-        rh, device_cfg, logins, up = self.rehearsal, cfg, [], self.upstream_login
-        if up.username is not None and up.password_file is not None:  # Mosquitto's, a rehearsal's
-            logins += ["--upstream-username", up.username,
-                       "--upstream-password-file", str(up.password_file)]
-        if rh is not None:  # the sites' brokers take one login made for this run
+        rh = self.rehearsal
+        # the sites' brokers are embedded amqtt, without TLS; in a rehearsal they take one login
+        # made for this run, else any
+        site_login: dict[str, Any] = {**dict.fromkeys(
+            ("username", "password_file", "ca_file", "cert_file", "key_file")),
+            "tls_verify_hostname": True}
+        if rh is not None:
             auth = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="fedseq-sites-")))
             passwords, secret = one_run_login(auth)
-            device_cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(
-                update={"username": "rehearsal", "password_file": secret})})
-            logins += ["--username", "rehearsal", "--password-file", str(secret)]
+            site_login.update(username="rehearsal", password_file=secret)
+        device_cfg = cfg.model_copy(update={"deploy": cfg.deploy.model_copy(update=site_login)})
+        # upstream, the edges log in as the coordinator does (Mosquitto's login, a rehearsal's)
+        logins = [*login_options(self.upstream_login, "upstream-"),
+                  *login_options(device_cfg.deploy)]
         urls = {name: stack.enter_context(
             EmbeddedBroker(cfg.deploy.host, 0, None, True) if rh is None else
             EmbeddedBroker(rh.site_host(name), 1883, passwords, netns=rh.site_ns(name))).url

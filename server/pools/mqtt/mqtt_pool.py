@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Collection
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,14 @@ def guard_password(path: Path | None) -> str:
                           f"password ({HOW_TO_MAKE_A_SECRET}; docs/security.md)")
     return read_private_secret(path, f"deploy.guard_password_file {path}",
                                "it can be guessed, and its login administers the broker")
+
+
+def fleet_run_id(state: PoolState | None) -> str:
+    """A fleet run's id: its checkpoint's pool state's (a resumed run keeps it: the devices
+    hold their personal state under it), else a new one (the time, then 6 random hex digits)."""
+    if state is not None and state.state:
+        return str(state.state["run_id"])
+    return time.strftime("%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
 
 
 def restored_roster(state: PoolState | None) -> list[tuple[str, ClientData]]:
