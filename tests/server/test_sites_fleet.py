@@ -409,6 +409,14 @@ class TwoTiers:
         time.sleep(1.0)
         self.brokers[1] = _start_mosquitto(self.site_conf)
 
+    def kill_coordinators_broker(self) -> None:
+        """SIGKILL the coordinator's Mosquitto (what it did not save is lost), then start it
+        again with the same config."""
+        self.brokers[0].kill()
+        self.brokers[0].wait(10)
+        time.sleep(1.0)
+        self.brokers[0] = _start_mosquitto(self.conf)
+
     def stop(self) -> None:
         for p in [*reversed(self.others), *reversed(self.brokers)]:
             p.terminate()
@@ -488,6 +496,43 @@ def test_a_site_brokers_restart_is_a_broker_restart(data_root, tmp_path, one_thr
     sim = run_simulation(cfg, None)
     for k, v in sim.global_weights.items():
         assert torch.equal(dep.global_weights[k], v), k
+
+
+@pytest.mark.slow("two Mosquittos bridged, an edge, two daemons, the top broker killed: 30 s")
+def test_the_coordinators_broker_killed_while_a_site_trains_loses_no_round(data_root, tmp_path,
+                                                                          one_thread):
+    """The coordinator's Mosquitto is SIGKILLed (and started again) once site a's devices were
+    given round 1: the edge, still training, sends its partial when it is back, and round 1 has
+    every client in seconds, not at its deadline."""
+    tiers = TwoTiers(tmp_path, data_root)
+    killed = threading.Event()
+
+    def on_step(client, userdata, msg) -> None:
+        step = Step.decode(msg.payload) if msg.payload else None
+        if step and step.kind == "train" and step.round == 1 and not killed.is_set():
+            killed.set()
+            threading.Thread(target=tiers.kill_coordinators_broker, daemon=True).start()
+
+    watch = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="watch-site")
+    watch.username_pw_set("coordinator", "s-pw")
+    watch.on_message = on_step
+    watch.on_connect = lambda client, *a: client.subscribe("fedseq/step", qos=1)
+    watch.connect("127.0.0.1", tiers.site_port)
+    watch.loop_start()
+    over = ("algorithm.name=fedavg", "rounds=3", "train.threads=1", "train.join_ratio=1.0",
+            "deploy.round_timeout_s=120", "deploy.eval_timeout_s=120",
+            'hierarchy.sites={a=["local01","local02"]}', *tiers.login)
+    try:
+        cfg = quick_config(data_root, *over)
+        dep = run_deployment(cfg, None, broker=tiers.url, announce=lambda m: None)
+    finally:
+        watch.loop_stop()
+        tiers.stop()
+    assert killed.is_set()
+    r1 = dep.rows[1]
+    assert r1["reported"] == [0, 1, 2, 3, 4], r1
+    assert r1["seconds"] < 60, r1["seconds"]
+    assert all(r["reported"] == [0, 1, 2, 3, 4] for r in dep.rows)
 
 
 @pytest.mark.slow("two Mosquittos, an edge, two daemons, a coordinator killed and resumed: 30 s")
