@@ -270,3 +270,13 @@ def test_the_command_line_rehearses_the_sites_tree(data_root):
     with pytest.raises(ConfigError, match="hierarchy.sites names 3 devices") as err:
         _rehearsal(4, ["wifi-good"], [], cfg)
     assert "\n" not in str(err.value)
+    # sites and devices listed out of name order: the devices SitesTransport starts (sites by
+    # name, their devices by name), behind their own site's uplink
+    from fedseq.server.ops.sites_fleet import SitesTransport
+
+    cfg = quick_config(data_root, 'hierarchy.sites={z=["d9","d1"],a=["d5"]}',
+                       'hierarchy.links={z="lte"}')
+    r = _rehearsal(2, ["wifi-good"], [], cfg)
+    started = SitesTransport(cfg, None, None, 2, print, None, None).sites
+    assert r.devices == [d for s in started for d in s.devices][:2] == ["d5", "d1"]
+    assert r.sites == {"a": ["d5"], "z": ["d1"]} and r.uplinks == {"z": ln.PROFILES["lte"]}
