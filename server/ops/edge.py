@@ -313,20 +313,21 @@ class EdgeAggregator:
         not installed or not allowed here is said in one line), the site's pool opened; the
         same run again with its roster (data.placement = "device") settles it."""
         run = self.run
-        if run is not None and run.run_id == rc.run_id and (run.book is not None
-                                                            or rc.roster is None):
-            return
+        if run is not None and run.run_id == rc.run_id:
+            if run.book is not None or rc.roster is None:
+                return
+        elif run is not None:  # another run: this one is over
+            self.run = None
+            run.close()
+            run = None
         try:
             cfg = self._config(rc)
             roster = None if rc.roster is None else [
                 (e.device, ClientData(e.folder, e.train, e.test, tuple(e.counts)))
                 for e in rc.roster]
-            if run is not None and run.run_id == rc.run_id:
+            if run is not None:
                 run.settle(cfg, roster)
             else:
-                if run is not None:
-                    self.run = None
-                    run.close()
                 self.run = EdgeRun(self.site, cfg, rc.run_id, self.broker, self.down, roster)
         except ValidationError as exc:
             p = validation_problem(exc)
