@@ -242,6 +242,9 @@ class EdgeAggregator:
         self.frames = FramePool(max_frame=MAX_TASK_BYTES, per_sender=MAX_TASK_BYTES)
         self.run: EdgeRun | None = None
         self.said: bytes | None = None
+        #: the last task answered, (run id, seq), with its answer: sent again if that task comes
+        #: again (the coordinator asks again after its connection was down)
+        self.answer: tuple[tuple[str, int], dict[str, Any], bytes] | None = None
         will = SiteStatus(site=site, state="offline").encode()
         self.link = Link(session_id(f"fedseq-edge-{site}"), upstream,
                          [self.topics.site(site, "run"), self.topics.site(site, "task")],
@@ -362,6 +365,11 @@ class EdgeAggregator:
             run.close()
             self.run = None
             return
+        if self.answer is not None and self.answer[0] == (h.run_id, h.seq):
+            log.info("site %s: task %d again (the coordinator's connection was down): its "
+                     "answer sent again", self.site, h.seq)
+            self._answer(h, *self.answer[1:])
+            return
         deltas: Weights = {}
         try:
             if h.kind == "train":
@@ -373,6 +381,11 @@ class EdgeAggregator:
                       printable(exc, 500))
             fields = {"failures": {f"site {self.site}": printable(exc, 300)}}
         frame = encode_tensors(deltas)
+        self.answer = ((h.run_id, h.seq), fields, frame)
+        self._answer(h, fields, frame)
+
+    def _answer(self, h: SiteTaskHeader, fields: dict[str, Any], frame: bytes) -> None:
+        """Publish the answer to task `h`."""
         self.link.publish_frame(
             lambda i: self.topics.site(self.site, "result"),
             lambda **chunk: SiteResultHeader(run_id=h.run_id, site=self.site, seq=h.seq,

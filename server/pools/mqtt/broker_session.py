@@ -12,7 +12,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -52,6 +52,38 @@ SessionEvent: TypeAlias = (UpdateArrived | EvalArrived | SecAggArrived | DeviceO
                             | StepFailed)
 
 
+class WaitShares:
+    """Each participant's share of deploy.wait_devices_s over a whole run (a device's, or a
+    site's edge aggregator's), spent only while the run waits for it: one gone for good costs one
+    wait, and one that goes offline before every step and comes back after it (flapping) costs
+    no more."""
+
+    def __init__(self, wait_s: float):
+        self.wait_s = wait_s
+        self.left: dict[str, float] = {}
+
+    def waitable(self, absent: Iterable[str]) -> set[str]:
+        """Those of `absent` whose share is not spent."""
+        return {a for a in absent if self.left.get(a, self.wait_s) > 0}
+
+    def most(self, who: Iterable[str]) -> float:
+        """The longest share left of `who`."""
+        return max((self.left.get(a, self.wait_s) for a in who), default=0.0)
+
+    def wait(self, missing: Callable[[], set[str]], enough: Callable[[], bool],
+             poll: Callable[[float], object]) -> float:
+        """`poll` (half a second at a time) until `enough()`, each wait charged to those
+        `missing()` then; the seconds waited."""
+        began = last = time.monotonic()
+        while not enough():
+            poll(0.5)
+            now = time.monotonic()
+            for a in missing():
+                self.left[a] = self.left.get(a, self.wait_s) - (now - last)
+            last = now
+        return time.monotonic() - began
+
+
 class ServerSession:
     """Connects first (`start`), so a broker problem is known before the dataset is loaded."""
 
@@ -67,7 +99,7 @@ class ServerSession:
         self.incompatible: dict[str, str] = {}  # device -> why it cannot run any step of this run
         # device -> seconds the run may still wait for it (await_devices): each device's share,
         # deploy.wait_devices_s over the whole run, however often it goes and comes back
-        self.wait_left: dict[str, float] = {}
+        self.shares = WaitShares(0.0)  # the devices' (await_devices)
         self._lock = threading.Lock()
         self._retained: dict[str, bytes] = {}
         self._republish_blocks: Callable[[], int] = lambda: 0
@@ -251,14 +283,13 @@ class ServerSession:
     def await_devices(self, assigned: set[str], minimum: int, wait_s: float) -> None:
         """Before a step: after a broker restart or a network drop, devices come back within
         seconds; wait for `minimum` of the assigned ones instead of failing the step (their
-        events while waiting only update presence). Each device has `wait_s` seconds of waiting
-        for the whole run, spent while the run waits for it: one that is gone for good costs one
-        wait, and one that goes offline before every step and comes back after it (flapping)
-        costs no more; a device whose share is spent is not waited for again."""
+        events while waiting only update presence), each within its share of `wait_s`
+        (`WaitShares`: a device whose share is spent is not waited for again)."""
         self.set_aside(self.drain(0.0))
+        self.shares.wait_s = wait_s
 
         def missing() -> set[str]:
-            return {d for d in assigned - set(self.online) if self.wait_left.get(d, wait_s) > 0}
+            return self.shares.waitable(assigned - set(self.online))
 
         def enough() -> bool:
             waitable = len(assigned & set(self.online)) + len(missing())
@@ -267,21 +298,14 @@ class ServerSession:
         if enough():
             return
         log.warning("waiting up to %.0f s for devices: %d of %d assigned online (%s missing)",
-                    max(self.wait_left.get(d, wait_s) for d in missing()),
-                    len(assigned & set(self.online)), len(assigned),
+                    self.shares.most(missing()), len(assigned & set(self.online)), len(assigned),
                     ", ".join(sorted(missing())))
-        began = last = time.monotonic()
-        while not enough():
-            self.set_aside(self.drain(0.5))
-            now = time.monotonic()
-            for d in missing():  # the time just waited is charged to every device waited for
-                self.wait_left[d] = self.wait_left.get(d, wait_s) - (now - last)
-            last = now
-        spent = sorted(d for d in assigned - set(self.online) if self.wait_left.get(d, wait_s) <= 0)
+        took = self.shares.wait(missing, enough, lambda s: self.set_aside(self.drain(s)))
+        spent = sorted(assigned - set(self.online) - missing())
         if not spent:
             time.sleep(0.5)  # let the others that reconnect together announce themselves
             self.set_aside(self.drain(0.0))
-        log.warning("waited %.1f s for devices; continuing with %d online%s", time.monotonic() - began,
+        log.warning("waited %.1f s for devices; continuing with %d online%s", took,
                     len(assigned & set(self.online)),
                     f"; not waiting again this run for {', '.join(spent)} (its share of "
                     f"deploy.wait_devices_s={wait_s:.0f} is spent)" if spent else "")

@@ -44,6 +44,7 @@ from fedseq.common.protocol.tensors import decode_tensors, encode_tensors, frame
 from fedseq.common.protocol.topics import DEVICE_NAME, Topics
 from fedseq.common.registry import REGISTRY
 from fedseq.common.text import printable
+from fedseq.server.pools.mqtt.broker_session import WaitShares
 from fedseq.server.rounds.contract import RoundContract
 from fedseq.server.rounds.pool_api import (
     EvalOutcome,
@@ -111,10 +112,8 @@ class EdgePool:
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized by open()
         self.reference: Weights = {}
         self.late = 0
-        #: site -> seconds the run may still wait for its edge aggregator (each site's share of
-        #: deploy.wait_devices_s over the whole run, as a device's: one gone for good costs one
-        #: wait)
-        self.wait_left = dict.fromkeys(self.sites, cfg.deploy.wait_devices_s)
+        #: each site's edge aggregator's share of deploy.wait_devices_s over the whole run
+        self.shares = WaitShares(cfg.deploy.wait_devices_s)
         will = ServerStatus(state="offline", run_id=run_id).encode()
         self.link = Link(session_id("fedseq-server"), url,
                          [self.topics.site("+", "status"), self.topics.site("+", "result")],
@@ -122,6 +121,7 @@ class EdgePool:
                          username=username, password=password, tls=tls)
         self.link.on_connect(self._republish)
         self._run: bytes | None = None
+        self._task: tuple[str, dict[str, Any], bytes] = ("idle", {}, b"")  # `_send`'s last
         self._wire_seen = (0, 0)
 
     # -- set-up ----------------------------------------------------------------------------
@@ -138,12 +138,16 @@ class EdgePool:
         self.close()
 
     def _republish(self) -> None:
-        """Network thread, after every (re)connect: the coordinator's status and the run."""
+        """Network thread, after every (re)connect: the coordinator's status and the run, and
+        (on the coordinator's thread) the task being collected."""
         self.link.publish(self.topics.server_status, ServerStatus(
             state="online", run_id=self.run_id, broker=self.link.url).encode(), retain=True)
         if self._run is not None:
             for name in self.sites:
                 self.link.publish(self.topics.site(name, "run"), self._run, retain=True)
+        # the task being collected goes again to the sites yet to answer (`_collect`): what they
+        # sent while this connection was down may be lost with a broker that restarted
+        self._hand_over(("connected", "", None))
 
     def _on_message(self, topic: str, payload: bytes) -> None:
         """Network thread: the edges' statuses and results, as events (a malformed one is
@@ -353,6 +357,13 @@ class EdgePool:
         results are collected from now on)."""
         self.seq += 1
         self.awaiting = self.seq
+        self._task = (kind, fields, frame)
+        self._publish_task(sites)
+        return self.seq
+
+    def _publish_task(self, sites: list[str]) -> None:
+        """The task being collected (`_send`'s), to each of `sites`."""
+        kind, fields, frame = self._task
         for name in sites:
             self.link.publish_frame(
                 lambda i, name=name: self.topics.site(name, "task"),
@@ -360,7 +371,6 @@ class EdgePool:
                     run_id=self.run_id, site=name, seq=self.seq, kind=kind,
                     personal=list(self.personal), **fields.get(name, {}), **chunk),
                 frame)
-        return self.seq
 
     def _collect(self, seq: int, sites: list[str], wait_s: float
                  ) -> tuple[dict[str, tuple[SiteResultHeader, Weights]], dict[str, str]]:
@@ -380,6 +390,12 @@ class EdgePool:
             if ev is None:
                 continue
             what, site, body = ev
+            if what == "connected":  # this connection was down: the task again, to whom owes
+                owing = [s for s in sites if s not in answers and s not in missing]
+                log.warning("task %d: the connection to %s was down; sent again to %s", seq,
+                            self.link.url, ", ".join(owing) or "no site")
+                self._publish_task(owing)
+                continue
             if site not in sites or site in answers or site in missing:
                 continue
             if what == "status" and body.state == "offline":
@@ -399,22 +415,18 @@ class EdgePool:
 
     def await_sites(self, sites: list[str]) -> None:
         """Before a task: wait for the edges of `sites` that are offline (restarting, or their
-        host rebooting), each within what is left of its share of deploy.wait_devices_s."""
-        began = last = time.monotonic()
-        waiting = [s for s in sites if s not in self.online() and self.wait_left[s] > 0]
-        if not waiting:
+        host rebooting), each within what is left of its share of deploy.wait_devices_s
+        (`WaitShares`, as a device's)."""
+        def missing() -> set[str]:
+            return self.shares.waitable(set(sites) - set(self.online()))
+
+        if not missing():
             return
         log.warning("waiting up to %.0f s for the edge aggregators of %s",
-                    max(self.wait_left[s] for s in waiting), ", ".join(waiting))
-        while waiting:
-            self._take(0.5)
-            now = time.monotonic()
-            for s in waiting:
-                self.wait_left[s] -= now - last
-            last = now
-            waiting = [s for s in waiting if s not in self.online() and self.wait_left[s] > 0]
-        log.warning("waited %.1f s for edge aggregators; %d of %d sites online",
-                    time.monotonic() - began, sum(s in self.online() for s in sites), len(sites))
+                    self.shares.most(missing()), ", ".join(sorted(missing())))
+        took = self.shares.wait(missing, lambda: not missing(), self._take)
+        log.warning("waited %.1f s for edge aggregators; %d of %d sites online", took,
+                    sum(s in self.online() for s in sites), len(sites))
 
     def site_rounds(self, round: int, by_site: dict[str, list[int]], plan: ClientPlan,
                     needed: list[str], start: Weights, contract: RoundContract) -> SiteRounds:
