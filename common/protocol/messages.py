@@ -436,7 +436,8 @@ class SiteStatus(Message):
         "data.placement = \"device\", before the run has its roster: each of its devices -> "
         "the clients it announced for run `run_id` (as the device's status says them)."))
     refused: Dict[str, str] = Field(default_factory=dict, max_length=10_000, description=(
-        "data.placement = \"device\": its devices that cannot follow run `run_id`, with why."))
+        "data.placement = \"device\": its devices that cannot follow run `run_id`, each with a "
+        "line saying why."))
 
 
 class RosterClient(ClientSizes):

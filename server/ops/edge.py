@@ -31,7 +31,7 @@ from pydantic import ValidationError
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum
 from fedseq.common.algorithms.plan import plan_from_dict
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.data.placed import ClientData, announcement_problem
+from fedseq.common.data.placed import ClientData
 from fedseq.common.errors import ConfigError, FedseqError, ProtocolError, validation_problem
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.frames import FramePool, unpack_chunk
@@ -131,26 +131,20 @@ class EdgeRun:
         self.book = Ledger(cfg, exp.algorithm, exp.model, exp.data, self.pool, collect_threads=1)
         self.sites = EdgeSites(self.book)
 
-    def announcements(self) -> tuple[dict[str, list[ClientSizes]], dict[str, str]]:
+    def announcements(self) -> tuple[dict[str, list[ClientData]], dict[str, str]]:
         """Before the roster (data.placement = "device"): what each of the site's devices online
-        announced for this run, and those that cannot follow it, with why (an announcement that
-        cannot be true is one). Empty once the run has its roster."""
+        announced for this run, and those that cannot follow it, each with a line saying why
+        (MqttPool.announcement). Empty once the run has its roster."""
         if self.book is not None:
             return {}, {}
-        session = self.pool.session
-        clients: dict[str, list[ClientSizes]] = {}
+        clients: dict[str, list[ClientData]] = {}
         refused: dict[str, str] = {}
         for d in self.devices():
-            report = session.online[d].data
-            if d in session.incompatible:
-                refused[d] = session.incompatible[d]
-            elif report is not None and report.run_id == self.run_id:
-                why = announcement_problem(self.pool.cfg.data, [
-                    ClientData(c.folder, c.train, c.test, tuple(c.counts)) for c in report.clients])
-                if why is None:
-                    clients[d] = list(report.clients)
-                else:
-                    refused[d] = why
+            announced, why = self.pool.announcement(d)
+            if announced is not None:
+                clients[d] = announced
+            elif why is not None:
+                refused[d] = why
         return clients, refused
 
     def devices(self) -> list[str]:
@@ -305,7 +299,9 @@ class EdgeAggregator:
             status.devices = self.run.devices()
             if self.run.book is None:
                 status.run_id = self.run.run_id
-                status.clients, status.refused = self.run.announcements()
+                clients, status.refused = self.run.announcements()
+                status.clients = {d: [ClientSizes(**c.to_dict()) for c in cs]
+                                  for d, cs in clients.items()}
         now = status.encode()
         if now != self.said and self.link.connected.is_set():
             self.link.publish(self.topics.site(self.site, "status"), now, retain=True)

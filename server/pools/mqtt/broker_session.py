@@ -97,9 +97,8 @@ class ServerSession:
         self.inbox = inbox = Inbox(topics, run_id, on_junk=self._clear)
         self.online: dict[str, DeviceStatus] = {}
         self.incompatible: dict[str, str] = {}  # device -> why it cannot run any step of this run
-        # device -> seconds the run may still wait for it (await_devices): each device's share,
-        # deploy.wait_devices_s over the whole run, however often it goes and comes back
-        self.shares = WaitShares(0.0)  # the devices' (await_devices)
+        # each device's share of deploy.wait_devices_s over the whole run (await_devices)
+        self.shares = WaitShares(0.0)
         self._lock = threading.Lock()
         self._retained: dict[str, bytes] = {}
         self._republish_blocks: Callable[[], int] = lambda: 0

@@ -289,9 +289,8 @@ class EdgePool:
                             set(st.devices) - set(st.clients) - set(st.refused))), timeout,
                         self.run_id)
         out: dict[str, list[ClientData]] = {}
-        for d, why in sorted(st.refused.items()):
-            log.warning("site %s: %s cannot follow run %s: %s", name, printable(d, 64),
-                        self.run_id, printable(why, 300))
+        for why in sorted(st.refused.values()):  # the edge's line of each (its device's own)
+            log.warning("site %s: %s", name, printable(why, 300))
         for d, sizes in sorted(st.clients.items()):
             clients = [ClientData(c.folder, c.train, c.test, tuple(c.counts)) for c in sizes]
             wrong = (f"{printable(d, 64)} is not a device of site {name}"

@@ -178,32 +178,21 @@ class MqttPool(AsyncPool):
         cannot follow the run; the clients are numbered by device name, then folder name. A
         device that said nothing, or announced what cannot be true, is left out, in one line."""
         self.session.retain(self.topics.run_config, self.run_config().encode())
-        online, refused = self.session.online, self.session.incompatible
-
-        def told(d: str) -> bool:
-            report = online[d].data if d in online else None
-            return d in refused or (report is not None and report.run_id == self.run_id)
-
+        online = self.session.online
         deadline = time.monotonic() + timeout
-        while any(not told(d) for d in online) and time.monotonic() < deadline:
+        while (any(self.announcement(d) == (None, None) for d in online)
+               and time.monotonic() < deadline):
             self.session.set_aside(self.session.drain(0.5))
         found: dict[str, list[ClientData]] = {}
         for d in sorted(online):
-            if d in refused:
-                log.warning("%s", refused[d])
-            elif not told(d):
+            clients, why = self.announcement(d)
+            if clients is not None:
+                found[d] = clients
+            elif why is not None:
+                log.warning("%s", why)
+            else:
                 log.warning("%s announced no clients within %.0f s (deploy.wait_devices_s): it "
                             "takes no part in run %s", d, timeout, self.run_id)
-            else:
-                report = online[d].data
-                assert report is not None
-                clients = [ClientData(c.folder, c.train, c.test, tuple(c.counts))
-                           for c in report.clients]
-                why = announcement_problem(self.cfg.data, clients)
-                if why is None:
-                    found[d] = clients
-                else:
-                    log.warning("%s cannot follow run %s: %s", d, self.run_id, printable(why, 300))
         if not found:
             raise TransportError(f"no device announced clients for run {self.run_id} (data."
                                  "placement = \"device\": each reads its fedseq-client --data-dir; "
@@ -211,6 +200,22 @@ class MqttPool(AsyncPool):
         self.roster = roster(found)
         self.devices = sorted(found)
         return self.roster
+
+    def announcement(self, device: str) -> tuple[list[ClientData] | None, str | None]:
+        """data.placement = "device": what `device` (online) said of this run: (its clients,
+        None) when it announced clients that can be true (`announcement_problem`), (None, a
+        line saying why) when it cannot follow the run, (None, None) while it has said nothing
+        of it."""
+        if device in self.session.incompatible:  # the device's own line
+            return None, self.session.incompatible[device]
+        report = self.session.online[device].data if device in self.session.online else None
+        if report is None or report.run_id != self.run_id:
+            return None, None
+        clients = [ClientData(c.folder, c.train, c.test, tuple(c.counts)) for c in report.clients]
+        why = announcement_problem(self.cfg.data, clients)
+        if why is not None:
+            return None, f"{device} cannot follow run {self.run_id}: {printable(why, 300)}"
+        return clients, None
 
     def open(self, weights: Weights, personal: tuple[str, ...]) -> None:
         """Publish the run config, the assignment and the current version of every block."""
