@@ -769,6 +769,11 @@ class ExperimentConfig(_Section):
         pinned = getattr(self.seeds, stream)
         return self.seed if pinned is None else pinned
 
+    def with_clients(self, n: int) -> ExperimentConfig:
+        """This config with data.num_clients = n (data.placement = "device": as many clients as
+        the devices announce, or as --devices-data's folders hold)."""
+        return self.model_copy(update={"data": self.data.model_copy(update={"num_clients": n})})
+
     @model_validator(mode="after")
     def _check_driver(self) -> ExperimentConfig:
         t = self.train

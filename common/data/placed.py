@@ -49,6 +49,11 @@ class ClientData:
                 "counts": list(self.counts)}
 
     @classmethod
+    def of(cls, sizes) -> ClientData:
+        """One client as a message holds it (protocol.ClientSizes or RosterClient)."""
+        return cls(sizes.folder, sizes.train, sizes.test, tuple(sizes.counts))
+
+    @classmethod
     def from_dict(cls, d: dict) -> ClientData:
         """An entry from `to_dict`'s JSON."""
         return cls(str(d["folder"]), int(d["train"]), int(d["test"]),

@@ -147,9 +147,7 @@ class MqttTransport(Transport):
             found = self.pool.gather_clients(self.cfg.deploy.wait_devices_s)
             self.announce(f"run {self.run_id}: {len(found)} clients on {len(self.pool.devices)} "
                           f"devices ({', '.join(self.pool.devices)})")
-        cfg = self.cfg.model_copy(update={"data": self.cfg.data.model_copy(
-            update={"num_clients": len(found)})})
-        self.cfg = self.pool.cfg = cfg
+        self.cfg = self.pool.cfg = self.cfg.with_clients(len(found))
         self.pool.roster = found
         return found
 

@@ -322,8 +322,7 @@ class EdgeAggregator:
         try:
             cfg = self._config(rc)
             roster = None if rc.roster is None else [
-                (e.device, ClientData(e.folder, e.train, e.test, tuple(e.counts)))
-                for e in rc.roster]
+                (e.device, ClientData.of(e)) for e in rc.roster]
             if run is not None:
                 run.settle(cfg, roster)
             else:

@@ -108,8 +108,7 @@ def placed_clients(cfg: ExperimentConfig) -> ExperimentConfig:
         return cfg
     from fedseq.common.data.placed import simulated_clients
 
-    n = len(simulated_clients(cfg.data))
-    return cfg.model_copy(update={"data": cfg.data.model_copy(update={"num_clients": n})})
+    return cfg.with_clients(len(simulated_clients(cfg.data)))
 
 
 def _noise_seed(src: Path) -> int | None:

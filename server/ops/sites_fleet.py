@@ -138,8 +138,7 @@ class SitesTransport:
             devices = sorted({dev for dev, _ in found})
             self.announce(f"run {self.run_id}: {len(found)} clients on {len(devices)} devices "
                           f"({', '.join(devices)})")
-        self.cfg = self.cfg.model_copy(update={"data": self.cfg.data.model_copy(
-            update={"num_clients": len(found)})})
+        self.cfg = self.cfg.with_clients(len(found))
         self.pool.use_roster(self.cfg, found)
         return found
 

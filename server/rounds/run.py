@@ -91,8 +91,7 @@ def run_experiment(
         transport.connect(stack, ckpt)
         announced = transport.announced(ckpt) if cfg.data.placement == "device" else None
         if announced is not None:  # the run has the clients its devices hold
-            cfg = cfg.model_copy(update={"data": cfg.data.model_copy(
-                update={"num_clients": len(announced)})})
+            cfg = cfg.with_clients(len(announced))
         exp = load_experiment(cfg, test_images_only=transport.remote, announced=announced)
         pool = transport.open_pool(stack, exp, ckpt)
         run_dir = None

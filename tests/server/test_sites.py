@@ -345,3 +345,28 @@ def test_a_partial_is_checked_before_it_counts(change, why):
         assert got is None
     else:
         assert got is not None and why in got, got
+
+
+def test_an_answer_sent_again_is_not_a_late_update(data_root):
+    """A task sent again after the coordinator's connection was down is answered again: a
+    repeat of an answer the coordinator heard is not counted in `late_updates`; an answer that
+    comes after its task's collection ended (once, however often it is sent) is."""
+    from fedseq.common.protocol.frames import pack_chunk
+    from fedseq.common.protocol.messages import SiteResultHeader
+    from fedseq.server.pools.mqtt.edges import EdgePool
+
+    pool = EdgePool(quick_config(data_root, SITES), "mqtt://127.0.0.1:1", "run-1")
+    topic = pool.topics.site("a", "result")
+
+    def answer(seq: int, chunk: int = 0) -> None:
+        head = SiteResultHeader(run_id="run-1", site="a", seq=seq, chunk=chunk, chunks=2, size=8,
+                                sha256="0" * 64)
+        pool._on_message(topic, pack_chunk(head, b"\0" * 4))
+
+    pool.awaiting = 3
+    answer(3)  # heard while task 3 is collected
+    pool.awaiting = -1
+    answer(3), answer(3, chunk=1)  # sent again after the collection ended
+    assert pool.late == 0
+    answer(4), answer(4), answer(4, chunk=1)  # task 4's answer, after its collection, twice
+    assert pool.late == 1

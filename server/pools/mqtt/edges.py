@@ -112,6 +112,9 @@ class EdgePool:
         self.frames = FramePool(max_frame=1, per_sender=1)  # sized by open()
         self.reference: Weights = {}
         self.late = 0
+        #: site -> the last task whose answer it began to send (a task sent again after this
+        #: connection was down is answered again: the repeat is neither counted nor late)
+        self.heard: dict[str, int] = {}
         #: each site's edge aggregator's share of deploy.wait_devices_s over the whole run
         self.shares = WaitShares(cfg.deploy.wait_devices_s)
         will = ServerStatus(state="offline", run_id=run_id).encode()
@@ -166,8 +169,12 @@ class EdgePool:
                 head, data = unpack_chunk(payload, SiteResultHeader)
                 if head.site != ref.device or head.run_id != self.run_id:
                     return  # another run's, or another site's words on this site's topic
+                again = head.chunk == 0 and self.heard.get(ref.device) == head.seq
+                if head.chunk == 0:
+                    self.heard[ref.device] = head.seq
                 if head.seq != self.awaiting:
-                    self.late += head.chunk == 0  # a task's answer after its collection ended
+                    # a task's answer after its collection ended (an answer sent again is not)
+                    self.late += head.chunk == 0 and not again
                     return
                 frame = self.frames.add(ref.device, head.seq, head, data)
                 if frame is not None:
@@ -292,7 +299,7 @@ class EdgePool:
         for why in sorted(st.refused.values()):  # the edge's line of each (its device's own)
             log.warning("site %s: %s", name, printable(why, 300))
         for d, sizes in sorted(st.clients.items()):
-            clients = [ClientData(c.folder, c.train, c.test, tuple(c.counts)) for c in sizes]
+            clients = [ClientData.of(c) for c in sizes]
             wrong = (f"{printable(d, 64)} is not a device of site {name}"
                      if d not in site.devices else announcement_problem(self.cfg.data, clients))
             if wrong is None:

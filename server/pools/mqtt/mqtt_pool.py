@@ -211,7 +211,7 @@ class MqttPool(AsyncPool):
         report = self.session.online[device].data if device in self.session.online else None
         if report is None or report.run_id != self.run_id:
             return None, None
-        clients = [ClientData(c.folder, c.train, c.test, tuple(c.counts)) for c in report.clients]
+        clients = [ClientData.of(c) for c in report.clients]
         why = announcement_problem(self.cfg.data, clients)
         if why is not None:
             return None, f"{device} cannot follow run {self.run_id}: {printable(why, 300)}"
