@@ -44,8 +44,9 @@ def test_amqtt_deployment_matches_simulation(data_root, tmp_path, one_thread, al
     FedAvg with a paper's training options (a step decay of the learning rate, augmentation
     drawn on the device, per-channel normalization, then every client fine-tuned)."""
     rounds = 3 if algorithm in ("scaffold", "feddyn", "ditto", "moon") else 2
+    own = ("algorithm.ditto.epochs=1",) if algorithm == "ditto" else ()  # 5 by default: 30 s more
     cfg = quick_config(data_root, f"algorithm.name={algorithm}", f"rounds={rounds}",
-                       "train.join_ratio=0.6", "deploy.port=0", *extra)
+                       "train.join_ratio=0.6", "deploy.port=0", *own, *extra)
     dep = run_deployment(cfg, tmp_path / "dep", local_devices=2, client_threads=1, announce=_quiet)
     sim = run_simulation(cfg, out=None)
     assert len(dep.rows) == len(sim.rows) == rounds + bool(extra)  # + the fine-tuning's row

@@ -225,7 +225,8 @@ def test_workers_give_bitwise_the_in_process_run(data_root, one_thread, name, wo
 @pytest.mark.parametrize("personal", [("algorithm.name=fedper",),
                                       ("algorithm.name=fedavg", "model.name=4convnet",
                                        "model.norm=fedbn"),
-                                      ("algorithm.name=feddyn",), ("algorithm.name=ditto",)])
+                                      ("algorithm.name=feddyn",),
+                                      ("algorithm.name=ditto", "algorithm.ditto.epochs=1")])
 def test_a_run_resumes_with_another_number_of_workers(data_root, tmp_path, one_thread, personal):
     """Personal state (FedPer's heads, FedBN's normalization layers, FedDyn's g_k beside the
     server's h, Ditto's own models) survives the checkpoint: a run started on 2 workers and
