@@ -174,6 +174,7 @@ def test_replay_says_whether_the_model_is_the_runs(tmp_path, data_root):
     r = _run("fedseq-sim", "-q", "--set", f"data.root={str(data_root)!r}", "--set",
              "data.fraction=0.03", "--set", "data.num_clients=6", "--set", "rounds=3", "--set",
              "train.local_epochs=1", "--set", "train.threads=1", "--set", "train.mode='async'",
+             "--set", "algorithm.finetune_epochs=1",  # fedseq-anti's default 10: 25 s more
              "--set", "fleet.devices=[{profile='nano'},{profile='orin-nano'}]", "--out", str(run))
     assert r.returncode == 0, r.stderr
     r = _run("fedseq-sim", "--replay", str(run), "--out", str(tmp_path / "again"))
