@@ -173,14 +173,24 @@ def test_a_resumed_fleet_of_sites_keeps_the_clients_it_numbered(tmp_path, one_th
     crash = [sys.executable, str(ROOT / "tests" / "crash_server.py")]
     out = tmp_path / "run"
     local = ["--local-devices", "3", "--client-threads", "1"]
-    r = subprocess.run([*crash, "mid-checkpoint", "start", "-q", *local, "--out", str(out),
-                        *[a for x in sets for a in ("--set", x)]],
-                       capture_output=True, text=True, timeout=400)
+    r = _logged([*crash, "mid-checkpoint", "start", *local, "--out", str(out),
+                 *[a for x in sets for a in ("--set", x)]])
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    r = subprocess.run([*crash, "none", "start", "-q", *local, "--resume", str(out)],
-                       capture_output=True, text=True, timeout=400)
+    r = _logged([*crash, "none", "start", *local, "--resume", str(out)])
     assert r.returncode == 0, r.stderr[-3000:]
     placed_run_is_simulated(out, placed_config(root, *sets))
+
+
+def _logged(command: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
+    """subprocess.run of a coordinator's command; one that does not end fails the test with the
+    end of its log (its rounds' lines, its edges' and devices' warnings)."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as hung:
+        log = hung.stderr or b""
+        text = log.decode(errors="replace") if isinstance(log, bytes) else log
+        pytest.fail(f"{' '.join(command[1:4])} did not end in {timeout:.0f} s; its log ends:\n"
+                    f"{text[-6000:]}")
 
 
 def _site_url(lines: list[str], site: str) -> str:
