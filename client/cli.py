@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -105,20 +104,19 @@ def _serve(s: ClientSettings) -> int:
     except FedseqError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    done = threading.Event()
+    from fedseq.common.stopping import SignalStop
+
+    stopping = SignalStop()  # its handler is re-entrant (a second signal, common/stopping.py)
+    done = stopping.event
     # decoded image folders (data.placement = "device") are cached beside the clients' state
     os.environ.setdefault("FEDSEQ_CACHE", str(Path(s.state_dir) / "cache"))
     try:
         tls = TlsOptions(s.ca_file, s.cert_file, s.key_file, s.verify_hostname)
         daemon = DeviceDaemon(s.device, s.broker, s.data_dir, s.state_dir, s.torch_device,
                               s.topic_root, s.username, password, tls)
-
-        def on_signal(*_: object) -> None:
-            done.set()
-            daemon.link.cancel()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        stopping.then = daemon.link.cancel
+        signal.signal(signal.SIGTERM, stopping.handler)
+        signal.signal(signal.SIGINT, stopping.handler)
         fatal: list[str] = []
 
         def on_fatal(msg: str) -> None:

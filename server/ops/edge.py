@@ -393,11 +393,13 @@ def serve_until_stopped(site: str, upstream: str, broker: str, data_root: Path |
     """fedseq-server edge: serve until SIGTERM (systemd's stop) or Ctrl-C."""
     import signal
 
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    from fedseq.common.stopping import SignalStop
+
+    stop = SignalStop()
+    signal.signal(signal.SIGTERM, stop.handler)
     aggregator = EdgeAggregator(site, upstream, broker, data_root, topic_root, up, down)
     with contextlib.suppress(KeyboardInterrupt):
-        aggregator.serve(stop)
+        aggregator.serve(stop.event)
 
 
 __all__ = ["EdgeAggregator", "EdgeRun", "Login", "serve_until_stopped"]
