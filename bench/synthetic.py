@@ -69,6 +69,7 @@ from fedseq.common.protocol.messages import (
 )
 from fedseq.common.protocol.tensors import encode_tensors
 from fedseq.common.protocol.topics import Topics
+from fedseq.common.stopping import SignalStop
 
 log = logging.getLogger(__name__)
 
@@ -416,8 +417,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     password = args.password_file.read_text().strip() if args.password_file else None
     fleet = Fleet(args.data_dir, args.pace, args.fail_rate, args.seed, args.spread)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop = SignalStop()  # its handler is re-entrant (a second SIGTERM, common/stopping.py)
+    signal.signal(signal.SIGTERM, stop.handler)
     for i in range(args.first, args.first + args.count):
         dev = SyntheticDevice(fleet, device_name(args.prefix, i), args.broker, password,
                               args.topic_root)
@@ -427,10 +428,10 @@ def main(argv: list[str] | None = None) -> None:
 
     def parent_gone() -> None:  # stdin closes when the process that started us ends
         sys.stdin.read()
-        stop.set()
+        stop.event.set()
 
     threading.Thread(target=parent_gone, daemon=True).start()
-    stop.wait()
+    stop.event.wait()
     fleet.stop()
 
 

@@ -83,12 +83,12 @@ def test_an_unfinished_run_says_so(two_runs, tmp_path, data_root):
     part = tmp_path / "part"
     cfg = quick_config(data_root, "algorithm.name=fedavg", *RUN, "seed=1")
 
-    def stop_after_round_1(row):
+    def stop_after_round_0(row):
         if row.round == 0:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_simulation(cfg, part, stop_after_round_1)
+        run_simulation(cfg, part, stop_after_round_0)
     r = _report(str(part), "--out", str(tmp_path / "rep"), "--no-figures")
     assert r.returncode == 0, r.stderr
     md = (tmp_path / "rep" / "summary.md").read_text()
