@@ -321,8 +321,42 @@ def test_the_roll_out_makes_the_guard_password_once_and_strong(tmp_path):
 
     first = value()
     assert value() == first and len(first) == 48
-    secret = tmp_path / "cred" / "fedseq-guard"
+    secret = tmp_path / "cred" / "fedseq-guard-localhost"
     assert secret.read_text().strip() == first
     assert secret.stat().st_mode & 0o077 == 0
     assert read_private_secret(secret, "the guard password", "a test") == first
 
+
+
+def _rendered(tmp_path, hosts: str, role: str, var: str) -> dict[str, str]:
+    """`var` of role `role` (its defaults, as the role sees them) on the hosts of
+    inventory/sites.yml that site.yml applies it to."""
+    r = subprocess.run(
+        ["ansible", hosts, "-i", "inventory/sites.yml", "-e",
+         f"fedseq_credentials_dir={tmp_path / 'cred'}", "-e", f"@roles/{role}/defaults/main.yml",
+         "-m", "ansible.builtin.debug", "-a", f"var={var}"],
+        cwd=ANSIBLE, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "ANSIBLE_NOCOLOR": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    return {m.group(1): json.loads(m.group(2))[var] for m in re.finditer(
+        r"^(\S+) \| SUCCESS => (\{.*?^\})", r.stdout, re.S | re.M)}
+
+
+def test_each_broker_has_its_own_guard_secret_and_no_host_holds_another_brokers(tmp_path):
+    """Hardening VII, finding 3: with one guard password for every broker, a site's host held
+    the coordinator broker's admin secret. Rendered over inventory/sites.yml with the roles'
+    own defaults: the coordinator's broker and the coordinator share one secret, each site's
+    broker and edge another, and the three differ."""
+    broker = _rendered(tmp_path, "broker:site_hosts", "fedseq_broker",
+                       "fedseq_broker_guard_password")
+    coordinator = _rendered(tmp_path, "coordinator", "fedseq_coordinator",
+                            "fedseq_coordinator_guard_password")
+    edge = _rendered(tmp_path, "site_hosts", "fedseq_edge", "fedseq_edge_guard_password")
+    assert set(broker) == {"server", "lab1-gw", "lab2-gw"} and set(edge) == {"lab1-gw", "lab2-gw"}
+    assert coordinator["server"] == broker["server"]
+    for site in ("lab1-gw", "lab2-gw"):
+        assert edge[site] == broker[site] and len(edge[site]) == 48
+        assert broker[site] != broker["server"]
+    assert broker["lab1-gw"] != broker["lab2-gw"]
+    made = sorted(p.name for p in (tmp_path / "cred").iterdir())
+    assert made == ["fedseq-guard-lab1-gw", "fedseq-guard-lab2-gw", "fedseq-guard-server"]
