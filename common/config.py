@@ -143,6 +143,14 @@ class DataConfig(_Section):
     max_rows_per_client: Optional[int] = Field(None, ge=1, json_schema_extra=since(9), description=(
         "placement = \"device\": a client trains on at most this many of its training rows and "
         "scores on at most this many test rows (the first ones its reader gives); None: all."))
+    max_weight_ratio: float = Field(10.0, ge=1, json_schema_extra=COORDINATOR, description=(
+        "placement = \"device\": bounded influence. A device's clients' sizes are its own word "
+        "and weigh its updates, so a device that announces more training rows than this many "
+        "times the median of the other devices' is left out of the run, in one line naming it "
+        "(fedseq-sim --devices-data refuses such a folder). One lying device among n honest "
+        "ones then weighs at most ratio / (ratio + n - 1) of a round they all join "
+        "(docs/security.md); raise it for a fleet whose devices really differ this much, or "
+        "choose an unweighted rule (aggregation.rule = \"median\")."))
     validation: Optional[str] = Field(None, json_schema_extra=COORDINATOR, description=(
         "placement = \"device\": the coordinator's validation set, a file or folder under "
         "data.root (unless absolute) in the layout of a client's test part; the global model's "

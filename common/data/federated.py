@@ -186,6 +186,10 @@ def announced_data(cfg: DataConfig, clients: list, validation: RawDataset | None
     """The coordinator's view of data.placement = "device": every client's announced sizes and
     class counts (`clients`: ClientData in client-id order, common/data/placed.py; `owners`:
     the device announcing each) and the validation rows, the only rows it holds."""
+    from fedseq.common.data.placed import check_influence
+
+    if owners is not None:  # (a fresh roster is within it: the devices beyond were left out)
+        check_influence(cfg, clients, owners, "the run's roster")
     data = placed_data(cfg, {}, 0, validation)
     empty = torch.empty(0, dtype=torch.int64)
     shards = tuple(ClientShard(i, empty, empty, (c.train, c.test),

@@ -17,9 +17,11 @@ count and the round contract read them on the coordinator).
 
 from __future__ import annotations
 
+import logging
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -32,6 +34,7 @@ from fedseq.common.protocol.topics import DEVICE_NAME
 #: the folder name announced for a data folder that is itself one client
 SINGLE = "."
 PARTS = ("train", "test")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -172,6 +175,49 @@ def roster(devices: Dict[str, Sequence[ClientData]]) -> List[Tuple[str, ClientDa
     return [(d, c) for d in sorted(devices) for c in sorted(devices[d], key=lambda c: c.folder)]
 
 
+def influence_refusals(cfg: DataConfig, devices: Mapping[str, Sequence[ClientData]]
+                       ) -> Dict[str, str]:
+    """Bounded influence: the devices whose announced training rows exceed
+    data.max_weight_ratio x the median (the lower one) of the other devices', each with a line
+    saying why. A device's sizes are its own word and weigh its updates; the bound is the
+    others', so no device can raise its own, and one device cannot move the median far."""
+    totals = {d: sum(c.train for c in cs) for d, cs in devices.items()}
+    out: Dict[str, str] = {}
+    for d, n in sorted(totals.items()):
+        others = [m for e, m in totals.items() if e != d]
+        if not others:
+            continue
+        bound = cfg.max_weight_ratio * statistics.median_low(others)
+        if n > bound:
+            out[d] = (f"{d} announced {n} training rows, more than data.max_weight_ratio = "
+                      f"{cfg.max_weight_ratio:g} x the other devices' median "
+                      f"({statistics.median_low(others)}): it is left out (bounded influence; "
+                      "raise data.max_weight_ratio if its data really is that large)")
+    return out
+
+
+def bounded(cfg: DataConfig, devices: Dict[str, List[ClientData]]) -> Dict[str, List[ClientData]]:
+    """The devices whose announcements are within the run's bound on influence
+    (`influence_refusals`); each one left out is logged in its line."""
+    refused = influence_refusals(cfg, devices)
+    for why in refused.values():
+        log.warning("%s", why)
+    return {d: cs for d, cs in devices.items() if d not in refused}
+
+
+def check_influence(cfg: DataConfig, clients: Sequence[ClientData], owners: Sequence[str],
+                    where: str) -> None:
+    """A DatasetError when the clients of `owners` (each client's device) break the bound on
+    influence: a checkpoint's roster on resume, or the folders of fedseq-sim --devices-data
+    (`where` says which)."""
+    devices: Dict[str, List[ClientData]] = {}
+    for d, c in zip(owners, clients):
+        devices.setdefault(d, []).append(c)
+    refused = influence_refusals(cfg, devices)
+    if refused:
+        raise DatasetError(f"{where}: {next(iter(refused.values()))}")
+
+
 def announcement_problem(cfg: DataConfig, clients: Sequence[ClientData]) -> Optional[str]:
     """Why a device's announced clients cannot be true for this run's data config, or None."""
     num_classes = describe_classes(cfg)
@@ -220,5 +266,8 @@ def simulated_data(cfg: DataConfig, only: Optional[List[int]] = None):
                            "folders; start it again instead of resuming it)")
     parts = {i: read_client(cfg, folder) for i, (_, _, folder) in enumerate(clients)
              if only is None or i in only}
+    if only is None:  # (a worker's share was checked whole by the simulation that started it)
+        check_influence(cfg, [announce(parts[i], name) for i, (_, name, _) in enumerate(clients)],
+                        [d for d, _, _ in clients], f"--devices-data {cfg.devices_root}")
     return placed_data(cfg, parts, len(clients), read_validation(cfg) if only is None else None,
                        owners=tuple(d for d, _, _ in clients))

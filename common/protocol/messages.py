@@ -5,9 +5,11 @@ JSON messages carry control; tensor frames (frames.py) carry a JSON header plus 
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Dict, List, Literal, Optional, Tuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, model_validator
+from typing_extensions import Annotated
 
 from fedseq.common.errors import ProtocolError, validation_problem
 
@@ -68,9 +70,45 @@ class PeerVersion(ProtocolError):
         self.version = version
 
 
+#: the largest magnitude of an integer on the wire (2**53: exact as a float64 and a torch int64),
+#: so that nothing allocates, counts or overflows by one; fields bound theirs further
+WIRE_INT = 1 << 53
+#: the most rows one client can announce (a part of data.placement = "device" larger than this
+#: is no device's)
+MAX_ROWS = 1_000_000_000
+#: the validation context of a message parsed from the wire (Message.decode)
+WIRE: Dict[str, bool] = {"wire": True}
+
+
+def _beyond(value: Any) -> Optional[str]:
+    """What in `value` (a field's parsed value, nested in lists, dicts and models) is an
+    integer beyond WIRE_INT or a float that is not finite, or None."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, bool) or v is None or isinstance(v, str):
+            continue
+        if isinstance(v, int):
+            if abs(v) > WIRE_INT:
+                return f"an integer beyond 2**53 ({str(v)[:30]})"
+        elif isinstance(v, float):
+            if not math.isfinite(v):
+                return f"a number that is not finite ({v})"
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, BaseModel):
+            stack.extend(getattr(v, f) for f in type(v).model_fields)
+    return None
+
+
 class Message(BaseModel):
     """Base of every JSON message: unknown fields are refused, and `v` must be this side's
-    protocol version (a peer of another version is rejected loudly, see version_mismatch)."""
+    protocol version (a peer of another version is rejected loudly, see version_mismatch).
+    Every number is bounded: no float that is not finite and no integer beyond 2**53, anywhere
+    in it (a field of a free-form type included)."""
 
     model_config = ConfigDict(extra="forbid")
     v: Literal[9] = 9  # PROTOCOL_VERSION
@@ -78,6 +116,16 @@ class Message(BaseModel):
     #: of the same protocol from before them (which refuses unknown fields) still reads the
     #: message; a field added with a protocol bump needs no entry
     since_current: ClassVar[Tuple[str, ...]] = ()
+
+    @model_validator(mode="after")
+    def _numbers_bounded(self, info: ValidationInfo):
+        if info.context is not WIRE:  # (built here: pydantic writes a NaN as null)
+            return self
+        for name in type(self).model_fields:
+            why = _beyond(getattr(self, name))
+            if why is not None:
+                raise ValueError(f"{name} holds {why}")
+        return self
 
     def encode(self) -> bytes:
         """The message as compact JSON bytes."""
@@ -90,7 +138,7 @@ class Message(BaseModel):
     def decode(cls, payload: bytes):
         """Parse and validate; anything invalid is a one-line ProtocolError."""
         try:
-            return cls.model_validate_json(payload)
+            return cls.model_validate_json(payload, context=WIRE)
         except ValidationError as exc:
             p = validation_problem(exc)
             why = f"invalid {cls.__name__}: {p.where or 'message'}: {p.msg}"
@@ -115,9 +163,12 @@ class ClientSizes(BaseModel):
 
     folder: str = Field(max_length=64, description=(
         "Its folder in the device's data folder (\".\": the data folder is one client)."))
-    train: int = Field(ge=0, description="Its training rows (at most data.max_rows_per_client).")
-    test: int = Field(ge=0, description="Its test rows (at most data.max_rows_per_client).")
-    counts: List[int] = Field(max_length=100_000, description="Its training rows per class.")
+    train: int = Field(ge=0, le=MAX_ROWS, description=(
+        "Its training rows (at most data.max_rows_per_client)."))
+    test: int = Field(ge=0, le=MAX_ROWS, description=(
+        "Its test rows (at most data.max_rows_per_client)."))
+    counts: List[Annotated[int, Field(ge=0, le=MAX_ROWS)]] = Field(
+        max_length=100_000, description="Its training rows per class.")
 
 
 class DataReport(Message):

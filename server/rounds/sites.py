@@ -184,7 +184,7 @@ def check_partial(p: SitePartial, counts: dict[int, tuple[int, int | None]], sit
     for key, d in p.deltas.items():
         ref = contract.reference[key]
         w = expected[key]
-        if abs(p.weights[key] - w) > 1e-9 * max(1.0, w):
+        if not abs(p.weights[key] - w) <= 1e-9 * max(1.0, w):  # (NaN is never within)
             return f"tensor {key}'s weight {p.weights[key]:g} is not its clients' {w:g}"
         if d.dtype != torch.float32 or d.shape != ref.shape:
             return (f"tensor {key} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "

@@ -221,3 +221,32 @@ def test_client_round_carries_normalization_state_by_model_norm(norm, name):
     else:
         assert trained <= set(update.deltas) and set(personal) <= {
             k for k in start if k.split(".")[0] in plan.personal}
+
+
+@server_only
+def test_the_flop_count_of_a_huge_announced_client_takes_one_batch_size_at_a_time():
+    """Hardening VII, finding 4: a client announcing 1e9 rows made the counter build a list of
+    its batches (64 GB); it now counts full batches and the last one by their sizes alone."""
+    from fedseq.common.flops import plan_flops
+
+    _, model, alg, data = _setup("fedavg", "train.batch_size=7")
+    plan = alg.plan(0)
+
+    def flops(rows):
+        return plan_flops(model, plan, *_announced(data, rows))
+
+    assert flops(7 * 10**9 + 5) == 10**9 * flops(7) + flops(5) > 0
+
+
+def _announced(data, n):
+    """(data, its client, a FLOP cache): one announced client of n training rows and `data`'s
+    shapes."""
+    from fedseq.common.data.federated import announced_data
+    from fedseq.common.data.placed import ClientData
+
+    placed = load_config(None, ['data.placement="device"', 'data.dataset="npz"',
+                                f"data.options.shape={list(data.input_shape)}",
+                                f"data.options.classes={data.num_classes}"]).data
+    one = announced_data(placed, [ClientData(".", n, 0, (n,) + (0,) * (data.num_classes - 1))],
+                         None)
+    return one, one.clients[0], {}

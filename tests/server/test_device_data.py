@@ -84,6 +84,35 @@ def test_a_device_without_its_data_folder_says_why_and_the_run_goes_on_without_i
     assert (tmp_path / "run" / "clients.csv").read_text().splitlines()[1].startswith("0,160,40,")
 
 
+@pytest.mark.slow("two daemons over amqtt, one of them refused: ~15 s")
+def test_a_device_announcing_more_than_its_bound_is_left_out_of_the_fleet(tmp_path, one_thread,
+                                                                          caplog):
+    """Hardening VII, finding 1, end to end: local02's folder holds 12 x local01's rows (what a
+    device lying about its sizes would announce, and claim in its updates): the coordinator
+    leaves it out before the roster is built, in one line naming it, and runs local01's client
+    alone; fedseq-sim --devices-data refuses the same folders in the same words."""
+    import shutil
+
+    from fedseq.common.errors import DatasetError
+    from fedseq.server.ops.deployment import run_deployment
+    from fedseq.server.ops.simulation import run_simulation
+
+    root = fmnist_devices(tmp_path / "devices", {"local01": ["."]}, rows=40)
+    big = fmnist_devices(tmp_path / "big", {"local02": ["."]}, rows=480)
+    shutil.move(str(big / "local02"), str(root / "local02"))
+    cfg = placed_config(root, "deploy.min_devices=2", "deploy.wait_devices_s=60")
+    with caplog.at_level(logging.WARNING, logger="fedseq"):
+        res = run_deployment(cfg, tmp_path / "run", local_devices=2, client_threads=1,
+                             announce=lambda m: None)
+    why = [r.getMessage() for r in caplog.records if r.getMessage().startswith("local02 ")]
+    assert why == ["local02 announced 480 training rows, more than data.max_weight_ratio = 10 x "
+                   "the other devices' median (40): it is left out (bounded influence; raise "
+                   "data.max_weight_ratio if its data really is that large)"]
+    assert all(r["reported"] == [0] for r in res.rows if r["phase"] == "train")
+    with pytest.raises(DatasetError, match="local02 announced 480 training rows"):
+        run_simulation(cfg, None)
+
+
 def test_the_round_contract_holds_a_client_to_its_announced_sizes():
     import torch
 

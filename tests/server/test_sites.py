@@ -317,6 +317,8 @@ class _SampleWeights:
     ({"clients": [0, 5]}, "not this round's clients at site a"),
     ({"clients": [0, 0]}, "more than once"),
     ({"weights": {"w": 300.0}}, "weight 300 is not its clients' 30"),
+    ({"weights": {"w": float("nan")}}, "weight nan is not its clients' 30"),  # (passed before)
+    ({"weights": {"w": float("inf")}}, "weight inf is not its clients' 30"),
     ({"counts": {0: (100, None), 1: (20, None)}}, "num_samples=100, but client 0 has 10"),
     ({"counts": {0: (10, 4), 1: (20, None)}}, "effective_samples=4, but this round"),
     ({"deltas": {"w": torch.full((3, 2), 5.0)}}, "moves by 5"),
@@ -370,3 +372,36 @@ def test_an_answer_sent_again_is_not_a_late_update(data_root):
     assert pool.late == 0
     answer(4), answer(4), answer(4, chunk=1)  # task 4's answer, after its collection, twice
     assert pool.late == 1
+
+
+def test_a_sites_invalid_answer_costs_its_own_clients_at_once_and_its_flood_is_its_own(data_root):
+    """Hardening VII, finding 5: a partial whose weight is NaN passed, turned the aggregate NaN
+    and failed every site's round. Every float from the wire is refused when parsed: the site
+    that sent it misses the round at once, with why, and the other site is waited for as
+    before. A site login's messages are charged to its own budget (bytes and CPU of the
+    network thread, as a device login's): its flood is dropped unread, another site's status
+    still arrives."""
+    from fedseq.common.protocol.frames import pack_chunk
+    from fedseq.common.protocol.messages import SiteResultHeader, SiteStatus
+    from fedseq.server.pools.mqtt.edges import EdgePool
+
+    pool = EdgePool(quick_config(data_root, SITES), "mqtt://127.0.0.1:1", "run-1")
+    for site in ("a", "b"):
+        pool.status[site] = SiteStatus(site=site, state="online", devices=["x"])
+    head = SiteResultHeader(run_id="run-1", site="a", seq=3, weights={"w": 1.0}, chunk=0,
+                            chunks=1, size=4, sha256="0" * 64)
+    nan = pack_chunk(head, b"\0" * 4).replace(b'"w":1.0', b'"w":NaN')
+    pool.awaiting = 3
+    pool._on_message(pool.topics.site("a", "result"), nan)
+    answers, missing = pool._collect(3, ["a", "b"], 1.0)
+    assert answers == {}
+    assert missing["a"].startswith("its answer is invalid: invalid SiteResultHeader: ")
+    assert "not finite" in missing["a"] and missing["b"] == "no answer within 1 s"
+
+    flood = SiteStatus(site="b", state="online", devices=["x"] * 500).encode()
+    for _ in range(2000):
+        pool._on_message(pool.topics.site("b", "status"), flood)
+    assert 0 < pool.events.qsize() < 200 and pool.flooded > 1800
+    pool._on_message(pool.topics.site("a", "status"), SiteStatus(site="a", state="offline").encode())
+    events = [pool.events.get_nowait() for _ in range(pool.events.qsize())]
+    assert events[-1][:2] == ("status", "a") and events[-1][2].state == "offline"

@@ -26,7 +26,7 @@ from typing import Any
 
 from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.data.placed import ClientData, announcement_problem, roster
+from fedseq.common.data.placed import ClientData, announcement_problem, bounded, roster
 from fedseq.common.errors import ConfigError, ProtocolError, TransportError
 from fedseq.common.evaluation import EvalReport
 from fedseq.common.models import Weights
@@ -45,6 +45,8 @@ from fedseq.common.protocol.topics import DEVICE_NAME, Topics
 from fedseq.common.registry import REGISTRY
 from fedseq.common.text import printable
 from fedseq.server.pools.mqtt.broker_session import WaitShares
+from fedseq.server.pools.mqtt.budget import Allowance, LoginBudgets, allowance, thread_seconds
+from fedseq.server.pools.mqtt.inbox import STATUS_BYTES
 from fedseq.server.rounds.contract import RoundContract
 from fedseq.server.rounds.pool_api import (
     EvalOutcome,
@@ -126,6 +128,10 @@ class EdgePool:
         self._run: bytes | None = None
         self._task: tuple[str, dict[str, Any], bytes] = ("idle", {}, b"")  # `_send`'s last
         self._wire_seen = (0, 0)
+        #: each site login's bytes and CPU of the network thread (budget.py, as a device's)
+        self.budgets = LoginBudgets()
+        self.flooded = 0  # messages dropped unread: their site spent its budget
+        self._flooding: set[str] = set()
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -158,8 +164,20 @@ class EdgePool:
         ref = self.topics.parse(topic)
         if ref is None or ref.device not in self.sites:
             return
+        site = self.sites[ref.device]
+        if not self.budgets.admit(site.name, len(payload), self._allowance(site)):
+            self.flooded += 1
+            if site.name not in self._flooding:
+                self._flooding.add(site.name)
+                log.warning("dropped messages from site %s unread: its edge aggregator sends "
+                            "more than its site's clients need", site.name)
+            return
+        self._flooding.discard(site.name)
+        began = thread_seconds()
         try:
             if ref.kind == "site_status":
+                if len(payload) > STATUS_BYTES * (1 + len(site.devices)):
+                    raise ProtocolError(f"a status of {len(payload)} bytes")
                 if payload:
                     st = SiteStatus.decode(payload)
                     if st.site != ref.device:
@@ -183,6 +201,15 @@ class EdgePool:
         except ProtocolError as exc:
             log.warning("site %s sent an invalid message on %s: %s", ref.device, topic,
                         printable(exc, 300))
+            if ref.kind == "site_result" and self.awaiting >= 0:  # it costs its own clients
+                self._hand_over(("invalid", ref.device, printable(exc, 200)))
+        finally:
+            self.budgets.spent(site.name, thread_seconds() - began)
+
+    def _allowance(self, site: Site) -> Allowance:
+        """What a site's edge login may spend of the network thread: a device's allowance for
+        its site's clients and devices (statuses, announcements), each answer a whole partial."""
+        return allowance(len(site.clients) + len(site.devices), self.frames.max_frame)
 
     def _hand_over(self, event: tuple[str, str, Any]) -> None:
         """Network thread: queue an event for the coordinator's thread (dropped, with a line,
@@ -273,6 +300,7 @@ class EdgePool:
         found: dict[str, list[ClientData]] = {}
         for name, site in self.sites.items():
             found.update(self._announced(name, site, told(name), timeout))
+        found = bounded(self.cfg.data, found)
         if not found or devices() < minimum_devices:
             raise TransportError(
                 f"{len(found)} devices announced clients for run {self.run_id} at "
@@ -408,6 +436,8 @@ class EdgePool:
                 missing[site] = "its edge aggregator went offline during the step"
             elif what == "result" and body[0].seq == seq:
                 answers[site] = body
+            elif what == "invalid":
+                missing[site] = f"its answer is invalid: {body}"
         self.awaiting = -1
         for s in sites:
             if s not in answers and s not in missing:

@@ -20,7 +20,7 @@ from fedseq.common.algorithms.aggregate import ClientUpdate
 from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.codecs import decode, expected
 from fedseq.common.config import ExperimentConfig
-from fedseq.common.data.placed import ClientData, announcement_problem, roster
+from fedseq.common.data.placed import ClientData, announcement_problem, bounded, roster
 from fedseq.common.errors import ConfigError, TransportError
 from fedseq.common.evaluation import EvalReport
 from fedseq.common.files import HOW_TO_MAKE_A_SECRET, read_private_secret
@@ -197,6 +197,7 @@ class MqttPool(AsyncPool):
             raise TransportError(f"no device announced clients for run {self.run_id} (data."
                                  "placement = \"device\": each reads its fedseq-client --data-dir; "
                                  "the lines above say why)")
+        found = bounded(self.cfg.data, found)
         self.roster = roster(found)
         self.devices = sorted(found)
         return self.roster

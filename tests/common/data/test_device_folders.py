@@ -155,3 +155,48 @@ def test_the_doctor_lists_a_devices_client_folders(tmp_path):
     ok, msg = check_data(load_settings(None, {"device": "d1", "data_dir": tmp_path / "d"},
                                        environ={}))
     assert ok is False and "keep one" in msg, msg
+
+
+def _device(n_train, clients=1):
+    return [ClientData(f"c{i}", n_train, 1, (n_train, 0, 0)) for i in range(clients)]
+
+
+def test_a_device_that_announces_too_many_rows_is_left_out_in_one_line():
+    """Hardening VII, finding 1: a device's sizes are its own word and weigh its updates. One
+    that announces a million times an honest device's rows (class counts scaled to add up) was
+    1.0000 of a FedAvg round; now it is left out by the default bound (10 x the other devices'
+    median), whoever else is in the fleet, and honest differences pass."""
+    from fedseq.common.data.placed import influence_refusals
+
+    cfg = data_cfg()
+    assert cfg.max_weight_ratio == 10
+    attack = {"honest01": _device(300), "liar": _device(300_000_000)}
+    why = influence_refusals(cfg, attack)
+    assert list(why) == ["liar"]
+    assert why["liar"].startswith("liar announced 300000000 training rows, more than "
+                                  "data.max_weight_ratio = 10")
+    # several clients add up; the device's own number never sets its bound
+    fleet = {"a": _device(100), "b": _device(200), "c": _device(300), "d": _device(200, 16)}
+    assert list(influence_refusals(cfg, fleet)) == ["d"]  # 3,200 > 10 x median(100, 200, 300)
+    assert influence_refusals(cfg, {"a": _device(100), "b": _device(1000)}) == {}  # 10x: within
+    assert influence_refusals(cfg, {"alone": _device(10**9)}) == {}  # no other device to outweigh
+    # the operator's choice
+    assert list(influence_refusals(data_cfg("data.max_weight_ratio=1.5"), fleet)) == ["d"]
+    assert influence_refusals(data_cfg("data.max_weight_ratio=2000000"), attack) == {}
+
+
+def test_a_roster_beyond_the_bound_is_refused_on_resume_and_in_a_simulation(tmp_path):
+    """The bound holds where no gathering applies it: a checkpoint's roster (resume; an edge
+    loading its run) and fedseq-sim --devices-data of the same folders."""
+    cfg = data_cfg()
+    clients = [*_device(40), *_device(4000)]
+    with pytest.raises(DatasetError, match="the run's roster: dev-b announced 4000 training rows"):
+        announced_data(cfg, clients, None, ("dev-a", "dev-b"))
+    assert len(announced_data(cfg, clients, None, ("dev-a", "dev-a")).clients) == 2
+    npz_client(tmp_path / "dev-a", 20, 5)
+    npz_client(tmp_path / "dev-b", 201, 5, seed=1)
+    sim = data_cfg(f"data.devices_root={str(tmp_path)!r}", "data.num_clients=2")
+    from fedseq.common.data.placed import simulated_data
+
+    with pytest.raises(DatasetError, match=r"--devices-data .*: dev-b announced 201 training"):
+        simulated_data(sim)

@@ -1,4 +1,5 @@
 import hashlib
+import re
 
 import pytest
 import torch
@@ -199,3 +200,40 @@ def test_fields_added_within_the_protocol_are_left_out_at_their_default():
     placed = Assignment(run_id="r", device="d", clients=[1], folders=["cam-a"])
     assert '"folders":["cam-a"]' in placed.encode().decode() and Assignment.decode(placed.encode()) == placed
     assert all(f in cls.model_fields for cls in Message.__subclasses__() for f in cls.since_current)
+
+
+@pytest.mark.parametrize("payload, words", [
+    # 2**63 announced rows crashed the coordinator before round 0 (torch.tensor overflowed)
+    (b'{"v":9,"device":"d","state":"online","data":{"run_id":"r","clients":[{"folder":".",'
+     b'"train":9223372036854775808,"test":1,"counts":[1]}]}}', "less than or equal to 1000000000"),
+    (b'{"v":9,"device":"d","state":"online","data":{"run_id":"r","clients":[{"folder":".",'
+     b'"train":5,"test":1,"counts":[-4, 9]}]}}', "greater than or equal to 0"),
+    (b'{"v":9,"device":"d","state":"online","temp_c":NaN}', "temp_c holds a number that is not finite"),
+    (b'{"v":9,"device":"d","state":"online","last_round_j":1e999}', "not finite"),
+    (b'{"v":9,"device":"d","state":"online","memory_mb":99999999999999999999}', "beyond 2**53"),
+])
+def test_every_number_from_the_wire_is_finite_and_bounded(payload, words):
+    """Hardening VII, findings 4-5: every float that crosses the wire is refused when it is not
+    finite, and every integer has an upper bound (a client's rows at most MAX_ROWS, anything
+    else 2**53), when the message is parsed, however deep it sits."""
+    from fedseq.common.protocol.messages import DeviceStatus
+
+    with pytest.raises(ProtocolError, match=re.escape(words)):
+        DeviceStatus.decode(payload)
+
+
+def test_numbers_in_free_form_fields_are_bounded_too():
+    """A plan or a secure stage travels as free-form JSON: a NaN in it is refused on parse as
+    in a typed field; a message built here with one still encodes (pydantic writes null)."""
+    from fedseq.common.protocol.messages import DeviceStatus, SiteResultHeader
+
+    step = Step(run_id="r", seq=1, kind="train", round=0, clients=[0], plan={"lr": 0.1})
+    assert Step.decode(step.encode()).plan == {"lr": 0.1}
+    with pytest.raises(ProtocolError, match="plan holds a number that is not finite"):
+        Step.decode(step.encode().replace(b"0.1", b"NaN"))
+    head = SiteResultHeader(run_id="r", site="a", seq=1, weights={"w": 2.0}, chunk=0, chunks=1,
+                            size=0, sha256="0" * 64)
+    with pytest.raises(ProtocolError, match="weights holds a number that is not finite"):
+        SiteResultHeader.decode(head.encode().replace(b"2.0", b"-Infinity"))
+    sent = DeviceStatus(device="d", state="online", temp_c=float("nan")).encode()
+    assert DeviceStatus.decode(sent).temp_c is None
