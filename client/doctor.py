@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional, Tuple
 
 from fedseq.client.settings import ClientSettings
+from fedseq.common.errors import DatasetError
 
 Check = Tuple[Optional[bool], str]  # (ok, or None for a warning; one line: found, and the fix)
 
@@ -100,8 +101,7 @@ def check_data(s: ClientSettings) -> Check:
 def placed_clients(data_dir: Path) -> Optional[Check]:
     """data.placement = "device": the clients in data_dir with their parts (their files are read
     with the run's dataset when a run starts); None where data_dir holds no train part."""
-    from fedseq.common.data.placed import client_folders, part_names
-    from fedseq.common.errors import DatasetError
+    from fedseq.common.data.placed import client_folders
 
     try:
         found = client_folders(data_dir)
@@ -110,12 +110,28 @@ def placed_clients(data_dir: Path) -> Optional[Check]:
             return None
         return False, str(exc).splitlines()[0]
     try:
-        listed = [f"{name} ({', '.join(part_names(folder))})" for name, folder in found]
+        listed = [f"{name} ({', '.join(_opened(folder))})" for name, folder in found]
     except DatasetError as exc:
         return False, str(exc).splitlines()[0]
     return True, (f"{len(found)} client folder(s) for data.placement = \"device\" in {data_dir}: "
-                  f"{'; '.join(listed[:10])}{' ...' if len(listed) > 10 else ''} (read with the "
-                  "run's dataset when a run starts)")
+                  f"{'; '.join(listed[:10])}{' ...' if len(listed) > 10 else ''} (opened; read "
+                  "with the run's dataset when a run starts)")
+
+
+def _opened(folder: Path) -> list[str]:
+    """Each part of a client folder, opened (`probe_part`), with its rows where its layout
+    tells them; a DatasetError for one that cannot be read, or an empty training part."""
+    from fedseq.common.data.generic import probe_part
+    from fedseq.common.data.placed import client_parts
+
+    out = []
+    for name, where in client_parts(folder):
+        rows = probe_part(where)
+        if name == "train" and rows == 0:
+            raise DatasetError(f"{where}: its training part holds no rows")
+        out.append(where.name + ("/" if where.is_dir() else "")
+                   + (f" {rows} rows" if rows >= 0 else ""))
+    return out
 
 
 def check_state_dir(s: ClientSettings) -> Check:

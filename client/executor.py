@@ -77,9 +77,12 @@ class StepExecutor:
         try:
             found = client_folders(Path(run.cfg.data.root))
             rows = {name: read_client(run.cfg.data, folder) for name, folder in found}
-        except FedseqError as exc:
+        except Exception as exc:  # whatever reading fails with, the worker goes on (next run)
+            if not isinstance(exc, FedseqError):
+                log.exception("reading %s", run.cfg.data.root)
+            said = str(exc).splitlines()[0] if str(exc) else ""
             reason = (f"{self.session.device} cannot follow run {run.run_id}: its data folder: "
-                      f"{str(exc).splitlines()[0] if str(exc) else exc}")
+                      f"{said if isinstance(exc, FedseqError) else f'{type(exc).__name__}: {said}'}")
             log.error("%s", reason)
             self.session.report_failure(run.run_id, -1, reason)
             return

@@ -19,6 +19,8 @@ import csv
 import hashlib
 import json
 import os
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -31,6 +33,16 @@ from fedseq.common.errors import ConfigError, DatasetError, validation_problem
 from fedseq.common.files import atomic_write
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+#: an image with more pixels is refused before it is decoded (a 50-megapixel camera's frame
+#: passes; Pillow's own DecompressionBomb limits are 89 and 179 million): a 388 KB PNG can
+#: declare 20000 x 20000 pixels, 1.2 GB decoded
+MAX_IMAGE_PIXELS = 50_000_000
+#: an .npz member that inflates past INFLATION_FLOOR bytes to more than MAX_INFLATION x its
+#: compressed size is refused before it is read (a zip bomb); np.savez stores members as they
+#: are, and np.savez_compressed shrinks real rows 2-10x
+MAX_INFLATION, INFLATION_FLOOR = 100, 64 << 20
+#: characters of one CSV line at most, per column (a float's text is at most ~25)
+CSV_CHARS_PER_COLUMN = 64
 
 
 class _Options(BaseModel):
@@ -136,12 +148,16 @@ class NpzDataset(Dataset):
 
     @staticmethod
     def _read(path: Path, o: NpzOptions) -> Tuple[np.ndarray, np.ndarray]:
+        npz_members(path)
         try:
             with np.load(path, allow_pickle=False) as f:
+                missing = [a for a in (o.x, o.y) if a not in f.files]
+                if missing:
+                    raise DatasetError(f"{path}: no array {missing[0]!r} in it (it has "
+                                       f"{', '.join(map(repr, f.files[:10])) or 'none'}; "
+                                       "data.options.x / .y name them)")
                 x, y = f[o.x], f[o.y]
-        except KeyError as exc:
-            raise DatasetError(f"{path}: no array {exc} (data.options.x / .y name them)") from None
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
             raise DatasetError(f"{path}: not a readable .npz file ({exc})") from None
         if x.dtype.kind not in "biuf" or y.dtype.kind not in "iu":
             raise DatasetError(f"{path}: {o.x} has dtype {x.dtype} and {o.y} {y.dtype}; give numbers "
@@ -179,7 +195,7 @@ class CsvDataset(Dataset):
         ys: List[int] = []
         try:
             with open(path, newline="") as f:
-                reader = csv.reader(f)
+                reader = csv.reader(csv_lines(f, path, o.features + 1))
                 header = next(reader, None)
                 if header is None or o.label not in header:
                     raise DatasetError(f"{path}: no header with a {o.label!r} column "
@@ -269,7 +285,7 @@ def decoded_folder(folder: Path, o: ImageFolderOptions) -> Tuple[np.ndarray, np.
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry: decode again
     try:
-        from PIL import Image, UnidentifiedImageError
+        from PIL import Image
     except ImportError as exc:
         raise DatasetError("the imagefolder dataset decodes images with Pillow: pip install pillow"
                            ) from exc
@@ -278,12 +294,16 @@ def decoded_folder(folder: Path, o: ImageFolderOptions) -> Tuple[np.ndarray, np.
     for i, (path, _) in enumerate(files):
         try:
             with Image.open(path) as im:
+                _within_pixels(path, im.size)
                 im = im.convert("L" if o.channels == 1 else "RGB")
                 if im.size != (w, h):
                     im = im.resize((w, h), getattr(Image, "Resampling", Image).BILINEAR)
                 a = np.asarray(im, dtype=np.uint8)
-        except (OSError, UnidentifiedImageError, ValueError) as exc:
-            raise DatasetError(f"{path}: not a readable image ({exc}); remove or replace it") from None
+        except DatasetError:
+            raise
+        except Exception as exc:  # a decoder meets any file: every failure is this file's
+            raise DatasetError(f"{path}: not a readable image ({type(exc).__name__}: "
+                               f"{str(exc)[:200]}); remove or replace it") from None
         x[i] = a[None] if o.channels == 1 else a.transpose(2, 0, 1)
     y = np.asarray([label for _, label in files], dtype=np.int64)
     try:
@@ -296,6 +316,83 @@ def decoded_folder(folder: Path, o: ImageFolderOptions) -> Tuple[np.ndarray, np.
     except OSError:
         pass  # no cache where it cannot be written: decoded again next time
     return x, y
+
+
+def _within_pixels(path: Path, size: Tuple[int, int]) -> None:
+    if size[0] * size[1] > MAX_IMAGE_PIXELS:
+        raise DatasetError(f"{path}: {size[0]} x {size[1]} pixels, more than the "
+                           f"{MAX_IMAGE_PIXELS:,} an image may have; shrink or remove it")
+
+
+def npz_members(path: Path) -> Dict[str, int]:
+    """The arrays an .npz file holds -> their rows, read from each member's header alone; a
+    DatasetError where it is no zip of .npy arrays or a member would inflate like a zip bomb."""
+    out: Dict[str, int] = {}
+    try:
+        with zipfile.ZipFile(path) as z:
+            for info in z.infolist():
+                if (info.file_size > INFLATION_FLOOR
+                        and info.file_size > MAX_INFLATION * max(1, info.compress_size)):
+                    raise DatasetError(
+                        f"{path}: {info.filename[:60]!r} inflates {info.compress_size:,} bytes "
+                        f"to {info.file_size:,} (a zip bomb?); save the arrays with np.savez")
+                with z.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    shape = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                             else np.lib.format.read_array_header_2_0(f))[0]
+                out[info.filename[:-4] if info.filename.endswith(".npy") else info.filename] = (
+                    shape[0] if shape else 1)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise DatasetError(f"{path}: not a readable .npz file ({exc})") from None
+    return out
+
+
+def csv_lines(f: Any, path: Path, columns: int, first: int = 1):
+    """The lines of an open CSV file from line `first`, each at most CSV_CHARS_PER_COLUMN x
+    `columns` characters (a longer one is a DatasetError before it is split)."""
+    limit = CSV_CHARS_PER_COLUMN * columns + 64
+    for number, line in enumerate(iter(lambda: f.readline(limit + 1), ""), start=first):
+        if len(line) > limit:
+            raise DatasetError(f"{path}, line {number}: longer than {limit:,} characters "
+                               f"({columns} columns); check the file")
+        yield line
+
+
+def probe_part(path: Path) -> int:
+    """The rows of a part in a generic layout (an .npz's first array, a CSV's data lines, an
+    image folder's images), opened without decoding its rows: every image's header within
+    MAX_IMAGE_PIXELS, every .npz member's header; -1 for a layout of a plugin's own. A
+    DatasetError names what cannot be read (fedseq-client doctor)."""
+    if path.is_dir():
+        try:
+            from PIL import Image
+        except ImportError:  # (the imagefolder dataset says so when a run reads it)
+            return -1
+        images = [f for sub in sorted(path.iterdir()) if sub.is_dir()
+                  for f in sorted(sub.iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
+        for f in images:
+            try:
+                with Image.open(f) as im:
+                    _within_pixels(f, im.size)
+            except DatasetError:
+                raise
+            except Exception as exc:
+                raise DatasetError(f"{f}: not a readable image ({type(exc).__name__}: "
+                                   f"{str(exc)[:200]}); remove or replace it") from None
+        return len(images)
+    if path.suffix == ".npz":
+        return next(iter(npz_members(path).values()), 0)
+    if path.suffix == ".csv":
+        try:
+            with open(path, newline="") as f:
+                first = f.readline(1 << 20)
+                if len(first) >= 1 << 20:
+                    raise DatasetError(f"{path}: its header line is longer than 1 MiB")
+                columns = max(1, first.count(","))
+                return sum(1 for line in csv_lines(f, path, columns + 1, 2) if line.strip())
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DatasetError(f"{path}: not a readable CSV file ({exc})") from None
+    return -1
 
 
 NPZ = NpzDataset()

@@ -72,10 +72,24 @@ def _part(folder: Path, name: str) -> Optional[Path]:
     return found[0] if found else None
 
 
-def part_names(folder: Path) -> List[str]:
-    """The names of a client folder's parts (`train/`, `test.npz`...)."""
-    return [p.name + ("/" if p.is_dir() else "") for name in PARTS
-            if (p := _part(folder, name)) is not None]
+def client_parts(folder: Path) -> List[Tuple[str, Path]]:
+    """A client folder's parts, (train, its path) first, then (test, its path) where it has
+    one; each inside the folder, symbolic links resolved (a link out of the data folder is
+    refused: a device reads only what its data folder holds)."""
+    inside = folder.resolve()
+    out: List[Tuple[str, Path]] = []
+    for name in PARTS:
+        where = _part(folder, name)
+        if where is None:
+            if name == "train":
+                raise DatasetError(f"{folder}: no train part (train/, train.npz, train.csv)")
+            continue
+        for path in [where, *(where.rglob("*") if where.is_dir() else ())]:
+            if inside not in path.resolve().parents:
+                raise DatasetError(f"{path}: a link out of its data folder ({path.resolve()}); "
+                                   "copy the file into the folder instead")
+        out.append((name, where))
+    return out
 
 
 def client_folders(root: Path) -> List[Tuple[str, Path]]:
@@ -89,6 +103,10 @@ def client_folders(root: Path) -> List[Tuple[str, Path]]:
         return [(SINGLE, root)]
     out = [(p.name, p) for p in sorted(root.iterdir())
            if p.is_dir() and not p.name.startswith(".") and _part(p, "train") is not None]
+    for _, p in out:
+        if root.resolve() not in p.resolve().parents:
+            raise DatasetError(f"{p}: a link out of the data folder ({p.resolve()}); move the "
+                               "client's folder into it instead")
     if not out:
         raise DatasetError(f"{root}: no train part in it nor in any sub-folder (give train/ and "
                            "test/ for one client, or <client>/train and <client>/test per client)")
@@ -126,14 +144,17 @@ def read_client(cfg: DataConfig, folder: Path) -> RawDataset:
     data.max_rows_per_client."""
     ds = registered_dataset(cfg.dataset)
     parts: List[Tuple[np.ndarray, np.ndarray]] = []
-    for name in PARTS:
-        where = _part(folder, name)
-        if where is None:
-            if name == "train":
-                raise DatasetError(f"{folder}: no train part (train/, train.npz, train.csv)")
-            continue
-        raw = ds.load_part(where, dict(cfg.options))
+    for name, where in client_parts(folder):
+        try:
+            raw = ds.load_part(where, dict(cfg.options))
+        except DatasetError:
+            raise
+        except Exception as exc:  # a plugin's reader, or a library under it: this file's fault
+            raise DatasetError(f"{where}: the {cfg.dataset} dataset could not read it "
+                               f"({type(exc).__name__}: {str(exc)[:200]})") from None
         parts.append(_capped(raw, cfg.max_rows_per_client))
+        if name == "train" and not len(parts[0][1]):
+            raise DatasetError(f"{where}: its training part holds no rows")
     num_classes = describe_classes(cfg)
     images = np.concatenate([x for x, _ in parts])
     labels = np.concatenate([y for _, y in parts]).astype(np.int64)

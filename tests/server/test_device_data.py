@@ -165,3 +165,45 @@ def test_a_resumed_run_keeps_the_clients_it_numbered(tmp_path, mosquitto, one_th
     finally:
         stop_children(devices)
     placed_run_is_simulated(out, placed_config(root, *sets))
+
+
+@pytest.mark.slow("two daemons on Mosquitto, two runs: ~25 s")
+def test_a_device_that_cannot_read_its_data_says_so_at_once_and_reads_it_fixed_next_run(
+        tmp_path, mosquitto, one_thread, caplog):
+    """Hardening VII, finding 8: local02's train.npz is truncated. The daemon's worker used to
+    die on it (zipfile.BadZipFile), the daemon stayed "online" and the coordinator said only,
+    after its wait, that it announced no clients; once the file was fixed the daemon still did
+    nothing. Now the coordinator prints local02's one line at once (within a wait of 300 s),
+    the run goes on with local01, and the same daemon, its file fixed, joins the next run."""
+    import time
+
+    from conftest import device_process, wait_online
+    from fedseq.server.ops.deployment import run_deployment
+    from fedseq.server.pools.processes import stop_children
+
+    port, home, _ = mosquitto
+    root = fmnist_devices(tmp_path / "devices", {"local01": ["."], "local02": ["."]}, rows=80)
+    good = (root / "local02" / "train.npz").read_bytes()
+    (root / "local02" / "train.npz").write_bytes(good[: len(good) // 2])
+    cfg = placed_config(root, "deploy.min_devices=2", "deploy.wait_devices_s=300",
+                        "deploy.username=coordinator",
+                        f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+    devices = [device_process(n, port, home, root / n) for n in ("local01", "local02")]
+    try:
+        for n in ("local01", "local02"):
+            wait_online(port, home, n)
+        began = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger="fedseq"):
+            first = run_deployment(cfg, tmp_path / "one", broker=f"mqtt://127.0.0.1:{port}",
+                                   announce=lambda m: None)
+        took = time.monotonic() - began
+        (root / "local02" / "train.npz").write_bytes(good)
+        second = run_deployment(cfg, tmp_path / "two", broker=f"mqtt://127.0.0.1:{port}",
+                                announce=lambda m: None)
+    finally:
+        stop_children(devices)
+    why = [r.getMessage() for r in caplog.records if "local02 cannot follow run" in r.getMessage()]
+    assert why and "train.npz: not a readable .npz file" in why[0], why
+    assert took < 200  # not the 300 s wait
+    assert all(r["reported"] == [0] for r in first.rows if r["phase"] == "train")
+    assert all(r["reported"] == [0, 1] for r in second.rows if r["phase"] == "train")
