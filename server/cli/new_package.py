@@ -319,15 +319,37 @@ then `fedseq-client --device dev-a --data-dir /path/to/its/data --allow-plugin {
 '''
 
 
+def _taken(name: str, module: str) -> str | None:
+    """Why `name` cannot name a new package here (a Python keyword as its module, an installed
+    distribution, a module Python already finds), or None."""
+    import importlib.metadata
+    import importlib.util
+    import keyword
+
+    if keyword.iskeyword(module) or keyword.issoftkeyword(module):
+        return "is a Python keyword: its module and tests would not parse"
+    try:
+        importlib.metadata.distribution(name)
+        return "is an installed distribution: installing the package would replace it"
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    if name == "fedseq" or importlib.util.find_spec(module) is not None:
+        return f"is a module Python already imports ({module}): the package's would shadow it"
+    return None
+
+
 def new_package(name: str, dest: Path) -> list[Path]:
     """Write package `name` into `dest` (a new or empty folder); the files written."""
-    if not PACKAGE.match(name) or len(name) > 40:
+    if not PACKAGE.fullmatch(name) or len(name) > 40:
         raise ConfigError(f"{name[:60]!r} is not a package name: lower-case letters and digits, "
                           "words joined by '-', at most 40 characters (e.g. labnet)")
+    module = name.replace("-", "_")
+    taken = _taken(name, module)
+    if taken:
+        raise ConfigError(f"{name!r} {taken}; choose another name (e.g. {module}-lab)")
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
         raise ConfigError(f"{dest} is not empty: give a new folder (--dir)")
-    module = name.replace("-", "_")
     files = {
         "pyproject.toml": PYPROJECT, f"src/{module}/__init__.py": MODULE, "config.toml": CONFIG,
         "device-data.toml": DEVICE_CONFIG, f"tests/test_{module}.py": TESTS, "README.md": README,

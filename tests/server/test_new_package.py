@@ -22,6 +22,16 @@ def test_a_bad_name_or_a_used_folder_is_refused_in_one_line(tmp_path):
     for bad in ("Lab Net", "pkg.mod:make", "-x", "a" * 41):
         with pytest.raises(ConfigError, match="is not a package name"):
             new_package(bad, tmp_path / "x")
+    # Hardening VII, finding 10: each of these was accepted and wrote a broken package
+    for bad, words in (("labnet\n", "is not a package name"), ("import", "is a Python keyword"),
+                       ("class", "is a Python keyword"), ("match", "is a Python keyword"),
+                       ("fedseq", "is an installed distribution"),
+                       ("numpy", "is an installed distribution"),
+                       ("json", r"is a module Python already imports \(json\)")):
+        with pytest.raises(ConfigError, match=words) as got:
+            new_package(bad, tmp_path / "x")
+        assert len(str(got.value).splitlines()) == 1
+        assert not (tmp_path / "x").exists()
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "keep.txt").write_text("mine")
     with pytest.raises(ConfigError, match="is not empty"):
