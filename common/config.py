@@ -518,6 +518,11 @@ class DeployConfig(_Section):
         "loopback, the embedded broker refuses anonymous logins unless allow_anonymous is set."))
     allow_anonymous: bool = Field(False, description=(
         "Embedded amqtt beyond loopback: accept logins without a password."))
+    pin_plugin_code: bool = Field(True, json_schema_extra=COORDINATOR, description=(
+        "Pin each plugin the run uses to its code as installed here (a digest of its package's "
+        "source): a device whose installed code differs under the same version, an edited "
+        "`pip install -e` checkout for one, refuses the run in one line naming the plugin. "
+        "false: versions alone are compared."))
     embedded_broker: Literal["amqtt", "mosquitto"] = Field("amqtt", json_schema_extra=COORDINATOR,
                                                            description=(
         "Which embedded broker: amqtt in the coordinator, or mosquitto started for the run from the "

@@ -150,30 +150,43 @@ class Registry:
         """The plugin names this process may use beside the built-ins; None: all installed."""
         return self._allowed
 
-    def pins(self, names: Dict[str, str]) -> Dict[str, str]:
+    def pins(self, names: Dict[str, str], code: bool = True) -> Dict[str, str]:
         """"group/name" -> "distribution==version" of each plugin among a run's names ({group:
-        name}; fedseq's built-ins left out: a device's fedseq version is checked apart): what
-        a device must have installed to follow the run bitwise (RunConfig.plugins)."""
+        name}; fedseq's built-ins left out: a device's fedseq version is checked apart), with
+        " code <digest>" of its installed source (`code_digest`) unless `code` is False
+        (deploy.pin_plugin_code): what a device must have installed to follow the run bitwise
+        (RunConfig.plugins)."""
         out = {}
         for group, name in names.items():
             e = self.entry(group, name)
             if not e.builtin:
-                out[f"{group}/{name}"] = f"{e.distribution}=={e.version}"
+                digest = code_digest(e) if code else None
+                out[f"{group}/{name}"] = (f"{e.distribution}=={e.version}"
+                                          + (f" code {digest}" if digest else ""))
         return out
 
     def pin_problem(self, pins: Dict[str, str]) -> Optional[str]:
         """Why this process cannot follow a run whose plugins are `pins` (`pins`), or None: a
-        name installed here from another distribution or version. A name not installed or not
-        allowed here is the config's validation to say."""
-        for key, want in sorted(pins.items()):
+        name installed here from another distribution or version, or (where the pin has a
+        digest) whose installed code differs from the coordinator's. A name not installed or
+        not allowed here is the config's validation to say."""
+        for key, pin in sorted(pins.items()):
             group, _, name = key.partition("/")
             if group not in GROUPS or not self.has(group, name):
                 continue
             e = self._scan()[group][name]
-            have = f"{e.distribution}=={e.version}"
-            if have != want:
-                return (f"{KINDS[group]} {name!r} is {want} on the coordinator but {e.distribution} "
-                        f"{e.version} here (pip install '{want}' on this device)")
+            want, _, digest = pin.partition(" code ")
+            if f"{e.distribution}=={e.version}" != want:
+                return (f"{KINDS[group]} {name!r} is {printable(want, 100)} on the coordinator "
+                        f"but {e.distribution} {e.version} here (pip install "
+                        f"'{printable(want, 100)}' on this device)")
+            here = code_digest(e) if digest else None
+            if here is not None and here != digest:
+                return (f"{KINDS[group]} {name!r} ({e.distribution} {e.version}) runs other code "
+                        f"here than on the coordinator (its source's digest {here}, the "
+                        f"coordinator's {printable(digest, 20)}): install the same code on both "
+                        "(an edited `pip install -e` checkout counts), or run with "
+                        "deploy.pin_plugin_code = false")
         return None
 
     def used(self, names: Dict[str, str]) -> List[Dict[str, str]]:
@@ -234,6 +247,35 @@ def _installed() -> Dict[str, Any]:
 
 def _is_egg_info(dist: Any) -> bool:
     return str(getattr(dist, "_path", "")).rstrip("/\\").endswith(".egg-info")
+
+
+def code_digest(entry: Entry) -> Optional[str]:
+    """The first 16 hex digits of the SHA-256 of the source an entry's code comes from: every
+    .py file of its top-level package (or its one module), by relative path, as installed here;
+    an editable install's checkout is what counts. Found without importing it; None where its
+    source cannot be found (a compiled module, a zip)."""
+    import hashlib
+    import importlib.util
+    from pathlib import Path
+
+    top = entry.value.partition(":")[0].strip().split(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    roots = [Path(p) for p in (spec.submodule_search_locations or [])]
+    files = sorted((str(f.relative_to(r)), f) for r in roots if r.is_dir()
+                   for f in r.rglob("*.py"))
+    if not roots and spec.origin and spec.origin.endswith(".py"):
+        files = [(Path(spec.origin).name, Path(spec.origin))]
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for rel, path in files:
+        h.update(rel.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _import(entry: Entry) -> Any:

@@ -312,7 +312,9 @@ python -c "import {module}; {module}.write_device_folders('devices')"   # demo f
 fedseq-sim --config device-data.toml --devices-data devices --out runs/{name}-devices
 ```
 
-On a device: `pip install` this package there (the ansible role's fedseq_client_plugin_wheels),
+On a device: `pip install` this package there (the ansible role's fedseq_client_plugin_wheels):
+the same code as the coordinator's, not only the same version (a run pins each plugin's source;
+a device with an edited copy refuses it in one line),
 then `fedseq-client --device dev-a --data-dir /path/to/its/data --allow-plugin {name}-net
 --allow-plugin {name}-data --allow-plugin {name}-avg`; the coordinator:
 `fedseq-server start --config device-data.toml`.

@@ -201,3 +201,28 @@ def test_a_stale_egg_info_in_a_checkout_does_not_hide_the_installed_metadata(sit
     REGISTRY.refresh()
     assert "cnn" in REGISTRY.names("models")
     assert REGISTRY.entry("models", "cnn").version != "0.0.0"
+
+
+def test_a_plugin_is_pinned_to_its_code_and_other_code_under_its_version_is_refused(site):
+    """Hardening VII, finding 9: a device with other code installed under the same plugin
+    version (an edited `pip install -e` checkout) joined and changed the result without a word.
+    A run pins each plugin to a digest of its source (found without importing it); a device
+    whose source differs refuses the run in one line naming the plugin, unless the coordinator
+    runs with deploy.pin_plugin_code = false."""
+    fake_distribution(site, "tiny-lab", "1.2.0", {"fedseq.models": {"tinynet": "tinylab:make"}},
+                      {"tinylab": TINYLAB})
+    REGISTRY.refresh()
+    pins = REGISTRY.pins({"models": "tinynet", "algorithms": "fedavg"})
+    version, _, digest = pins["models/tinynet"].partition(" code ")
+    assert version == "tiny-lab==1.2.0" and len(digest) == 16 and "tinylab" not in sys.modules
+    assert REGISTRY.pin_problem(pins) is None
+    (site / "tinylab.py").write_text((site / "tinylab.py").read_text().replace("width=8", "width=9"))
+    why = REGISTRY.pin_problem(pins)
+    assert why is not None and why.startswith(
+        "model 'tinynet' (tiny-lab 1.2.0) runs other code here than on the coordinator")
+    assert "deploy.pin_plugin_code = false" in why and len(why.splitlines()) == 1
+    unpinned = REGISTRY.pins({"models": "tinynet"}, code=False)
+    assert unpinned == {"models/tinynet": "tiny-lab==1.2.0"}
+    assert REGISTRY.pin_problem(unpinned) is None
+    assert "is tiny-lab==1.1.0 on the coordinator" in REGISTRY.pin_problem(
+        {"models/tinynet": "tiny-lab==1.1.0 code " + digest})

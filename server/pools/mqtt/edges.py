@@ -270,7 +270,8 @@ class EdgePool:
             listed = [RosterClient(device=d, folder=c.folder, train=c.train, test=c.test,
                                    counts=list(c.counts)) for d, c in self.roster]
         self._run = SiteRun(run_id=self.run_id, config=site_config(self.cfg),
-                            plugins=REGISTRY.pins(self.cfg.registered_names()),
+                            plugins=REGISTRY.pins(self.cfg.registered_names(),
+                                               self.cfg.deploy.pin_plugin_code),
                             roster=listed).encode()
         for name in self.sites:
             self.link.publish(self.topics.site(name, "run"), self._run, retain=True)

@@ -170,7 +170,8 @@ class MqttPool(AsyncPool):
         """The run config devices follow: the config less the coordinator's own keys, and the
         installed version of every plugin it uses (a device with another refuses the run)."""
         return RunConfig(run_id=self.run_id, config=self.cfg.for_devices(),
-                         plugins=REGISTRY.pins(self.cfg.registered_names()))
+                         plugins=REGISTRY.pins(self.cfg.registered_names(),
+                                               self.cfg.deploy.pin_plugin_code))
 
     def gather_clients(self, timeout: float) -> list[tuple[str, ClientData]]:
         """data.placement = "device": publish the run config, then wait (at most `timeout` s)
