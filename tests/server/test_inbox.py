@@ -445,3 +445,64 @@ def test_secure_stages_are_taken_only_for_the_round_under_way_and_within_their_s
     box.secure(-1)
     box.on_message(T.secagg("dev01"), stage())
     assert box.queue.empty()
+
+
+def test_an_honest_device_is_never_dropped_at_any_round_pace(monkeypatch):
+    """Hardening VII, finding 7: a lab's small model ran rounds of about 0.1 s, and every honest
+    device was dropped ("it sends more than a device needs"), each drop turning a round into
+    2 s: the budget refilled per second, whatever the run asked. Now each step grants the
+    devices it asks what their answers take (Inbox.expect): 1,000 rounds of 0.05 s, each with
+    three clients' update chunks, evaluations and a status, drop nothing; a device that sends
+    ten times what it is asked is still dropped."""
+    box = Inbox(T, "r1")
+    box.open({0: "dev01", 1: "dev01", 2: "dev01", 3: "dev02"}, 20 << 10)  # a 20 KiB update
+    clock = [1000.0]
+    monkeypatch.setattr(box.budgets, "clock", lambda: clock[0])
+    a = box.allowance("dev01")
+
+    def answer(times: int = 1) -> int:
+        ok = 0
+        for _ in range(times):
+            for _ in range(3):  # an update chunk (the frame and its header) and an evaluation
+                ok += box.budgets.admit("dev01", (20 << 10) + 700, a)
+                box.budgets.spent("dev01", 0.001)
+                ok += box.budgets.admit("dev01", 200, a)
+                box.budgets.spent("dev01", 0.0002)
+            ok += box.budgets.admit("dev01", 400, a)  # a status
+        return ok
+
+    for _ in range(1000):
+        box.expect([0, 1, 2, 3])
+        assert answer() == 7
+        clock[0] += 0.05
+    box.expect([3])  # a step that asks nothing of dev01 grants it nothing
+    assert answer(40) < 40 * 7
+    for _ in range(20):
+        box.expect([0, 1, 2])
+        answer(10)
+        clock[0] += 0.05
+    box.expect([0, 1, 2])
+    assert answer(10) < 10 * 7
+
+
+def test_an_empty_message_is_charged_the_cpu_it_takes(monkeypatch):
+    """Hardening VII, finding 7: empty messages were charged bytes but no CPU time, so an empty
+    flood reached the guard later than one of 7-byte messages. Every message read is charged
+    the network thread's time from its arrival: with bytes unbounded, empties are dropped once
+    the CPU burst is spent, as 7-byte ones are."""
+    monkeypatch.setattr(inbox, "allowance",
+                        lambda clients, update: Allowance(1e18, 1e18, 0.001, 0.0))
+    cpu = [0.0]
+
+    def thread_seconds():
+        cpu[0] += 0.00001  # 10 us between two readings
+        return cpu[0]
+
+    monkeypatch.setattr(inbox, "thread_seconds", thread_seconds)
+    dropped = []
+    for payload in (b"", b"junk!!!"):
+        box = _inbox()
+        for _ in range(1000):
+            box.on_message(T.device_status("dev01"), payload)
+        dropped.append(box.flooded)
+    assert 890 <= dropped[1] <= dropped[0] < 1000, dropped  # (before: no empty one dropped)

@@ -11,6 +11,7 @@ bench/flood.py measures it); what it sends beyond them costs only the MQTT clien
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +32,10 @@ CPU_PER_UPDATE_BYTE = 5e-9
 #: a device may send two whole updates of every client it holds at once (its answers and a resend
 #: of them), and one a client every UPDATE_SPACING_S seconds, sustained (rounds of a fast fleet)
 UPDATES_AT_ONCE, UPDATE_SPACING_S = 2, 1.0
+#: network-thread CPU seconds a step grants the devices it asks (budget.grant): its status and
+#: evaluation messages, and per client its update's header and evaluation (beside the update's
+#: bytes at CPU_PER_UPDATE_BYTE)
+STEP_CPU, STEP_CPU_PER_CLIENT = 0.005, 0.002
 
 
 @dataclass(frozen=True)
@@ -64,25 +69,40 @@ class LoginBudgets:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self._left: dict[str, tuple[float, float, float]] = {}  # login -> (bytes, cpu, when)
+        self._lock = threading.Lock()  # (`grant` comes from the coordinator's thread)
 
     def admit(self, login: str, size: int, a: Allowance) -> bool:
         """Whether `login` may have a message of `size` payload bytes read now; if so, its
         bytes are spent."""
-        now = self.clock()
-        nbytes, cpu, when = self._left.get(login, (a.burst_bytes, a.burst_cpu, now))
-        nbytes = min(a.burst_bytes, nbytes + (now - when) * a.rate_bytes)
-        cpu = min(a.burst_cpu, cpu + (now - when) * a.rate_cpu)
-        cost = size + MESSAGE_BYTES
-        ok = nbytes >= cost and cpu > 0
-        self._left[login] = (nbytes - cost if ok else nbytes, cpu, now)
-        return ok
+        with self._lock:
+            now = self.clock()
+            nbytes, cpu, when = self._left.get(login, (a.burst_bytes, a.burst_cpu, now))
+            nbytes = min(a.burst_bytes, nbytes + (now - when) * a.rate_bytes)
+            cpu = min(a.burst_cpu, cpu + (now - when) * a.rate_cpu)
+            cost = size + MESSAGE_BYTES
+            ok = nbytes >= cost and cpu > 0
+            self._left[login] = (nbytes - cost if ok else nbytes, cpu, now)
+            return ok
+
+    def grant(self, login: str, a: Allowance, nbytes: float, cpu: float) -> None:
+        """`login` is asked for answers that take `nbytes` and `cpu` (a step went out): both
+        are added to what it holds, refilled to now, up to its burst plus the grant. Its
+        budget follows the pace of the run, however fast its rounds."""
+        with self._lock:
+            now = self.clock()
+            have, held, when = self._left.get(login, (a.burst_bytes, a.burst_cpu, now))
+            have = min(a.burst_bytes, have + (now - when) * a.rate_bytes)
+            held = min(a.burst_cpu, held + (now - when) * a.rate_cpu)
+            self._left[login] = (min(a.burst_bytes + nbytes, have + nbytes),
+                                 min(a.burst_cpu + cpu, held + cpu), now)
 
     def spent(self, login: str, seconds: float) -> None:
         """`login`'s message took `seconds` of the thread's CPU (the bucket may go below zero:
         the login then waits until it has refilled)."""
-        left = self._left.get(login)
-        if left is not None:
-            self._left[login] = (left[0], left[1] - seconds, left[2])
+        with self._lock:
+            left = self._left.get(login)
+            if left is not None:
+                self._left[login] = (left[0], left[1] - seconds, left[2])
 
     def known(self, login: str) -> bool:
         """Whether `login` has a budget here."""

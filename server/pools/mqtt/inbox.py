@@ -38,7 +38,10 @@ from fedseq.common.protocol.tensors import decode_tensors
 from fedseq.common.protocol.topics import TopicRef, Topics
 from fedseq.common.text import printable
 from fedseq.server.pools.mqtt.budget import (
+    CPU_PER_UPDATE_BYTE,
     MESSAGE_BYTES,
+    STEP_CPU,
+    STEP_CPU_PER_CLIENT,
     Allowance,
     LoginBudgets,
     allowance,
@@ -352,11 +355,28 @@ class Inbox:
         mine = self._clients[device]
         a = self._allowance.get(mine)
         if a is None:
-            # an update as its chunk messages cost it: data, each chunk's header and overhead
-            wire = self.update_bytes + self.update_chunks * (
-                CHUNK_MESSAGE_BYTES - CHUNK_BYTES + MESSAGE_BYTES)
-            a = self._allowance[mine] = allowance(mine, wire if mine else 0)
+            a = self._allowance[mine] = allowance(mine, self._wire_update() if mine else 0)
         return a
+
+    def expect(self, clients: list[int] | None) -> None:
+        """A step goes out that asks `clients` (None: every client) for an answer: each device
+        holding some of them is granted, on top of its buckets, what those answers take (an
+        update frame and an evaluation a client, at CPU_PER_UPDATE_BYTE, a status and an
+        evaluation's base), so an honest device is never dropped at any round pace."""
+        asked = Counter(self.owner[c] for c in (self.owner if clients is None else clients)
+                        if c in self.owner)
+        for device, n in asked.items():
+            wire = self._wire_update()
+            self.budgets.grant(device, self.allowance(device),
+                               n * (wire + EVAL_BYTES_PER_CLIENT + MESSAGE_BYTES)
+                               + EVAL_BYTES_BASE + STATUS_BYTES + 2 * MESSAGE_BYTES,
+                               n * (wire * CPU_PER_UPDATE_BYTE + STEP_CPU_PER_CLIENT) + STEP_CPU)
+
+    def _wire_update(self) -> int:
+        """An update as its chunk messages cost a device: data, each chunk's header and
+        overhead."""
+        return self.update_bytes + self.update_chunks * (
+            CHUNK_MESSAGE_BYTES - CHUNK_BYTES + MESSAGE_BYTES)
 
     def subscriptions(self) -> list[str]:
         """The topics the coordinator subscribes to: the devices' statuses, descriptions, updates,
@@ -531,7 +551,9 @@ class Inbox:
         with its reason and dropped. A message is read only within its device's budget (bytes
         and this thread's CPU) and its topic's size; then its CPU time is charged. An empty
         message (a retained one cleared) is charged like any other, then ignored: it costs the
-        thread as much as a small one, so a flood of them is dropped and counted alike."""
+        thread as much as a small one, so a flood of them is dropped and counted alike; every
+        message read is charged the thread's CPU from its arrival, an empty one too."""
+        began = thread_seconds()
         ref = self.topics.parse(topic)
         device = ref.device if ref is not None else ""
         if ref is not None and device:
@@ -546,11 +568,9 @@ class Inbox:
                            "and %.0f ms/s)", device, a.burst_bytes / 1024, a.burst_cpu * 1e3,
                            a.rate_bytes / 1024, a.rate_cpu * 1e3)
                 return
-        if not payload:
-            return
-        began = thread_seconds()
         try:
-            self._read(ref, topic, payload)
+            if payload:
+                self._read(ref, topic, payload)
         except FedseqError as exc:
             if ref is not None and ref.kind in ("update", "eval", "secagg"):
                 self.on_junk(topic)

@@ -301,6 +301,8 @@ class MqttPool(AsyncPool):
             self.inbox.secure(-1)  # a secure round's stages end with its step
         self.seq += 1
         step = Step(run_id=self.run_id, seq=self.seq, **fields)
+        if step.kind != "idle":  # what its answers take is granted to the devices it asks
+            self.inbox.expect(step.clients if step.kind in ("train", "async") else None)
         self.session.retain(self.topics.step, step.encode())
         return step
 
