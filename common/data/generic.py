@@ -368,28 +368,28 @@ def probe_part(path: Path) -> int:
             from PIL import Image
         except ImportError:  # (the imagefolder dataset says so when a run reads it)
             return -1
-        images = [f for sub in sorted(path.iterdir()) if sub.is_dir()
-                  for f in sorted(sub.iterdir()) if f.suffix.lower() in IMAGE_SUFFIXES]
-        for f in images:
+        images = [p for sub in sorted(path.iterdir()) if sub.is_dir()
+                  for p in sorted(sub.iterdir()) if p.suffix.lower() in IMAGE_SUFFIXES]
+        for p in images:
             try:
-                with Image.open(f) as im:
-                    _within_pixels(f, im.size)
+                with Image.open(p) as im:
+                    _within_pixels(p, im.size)
             except DatasetError:
                 raise
             except Exception as exc:
-                raise DatasetError(f"{f}: not a readable image ({type(exc).__name__}: "
+                raise DatasetError(f"{p}: not a readable image ({type(exc).__name__}: "
                                    f"{str(exc)[:200]}); remove or replace it") from None
         return len(images)
     if path.suffix == ".npz":
         return next(iter(npz_members(path).values()), 0)
     if path.suffix == ".csv":
         try:
-            with open(path, newline="") as f:
-                first = f.readline(1 << 20)
+            with open(path, newline="") as text:
+                first = text.readline(1 << 20)
                 if len(first) >= 1 << 20:
                     raise DatasetError(f"{path}: its header line is longer than 1 MiB")
                 columns = max(1, first.count(","))
-                return sum(1 for line in csv_lines(f, path, columns + 1, 2) if line.strip())
+                return sum(1 for line in csv_lines(text, path, columns + 1, 2) if line.strip())
         except (OSError, UnicodeDecodeError) as exc:
             raise DatasetError(f"{path}: not a readable CSV file ({exc})") from None
     return -1
