@@ -302,8 +302,7 @@ def decoded_folder(folder: Path, o: ImageFolderOptions) -> Tuple[np.ndarray, np.
         except DatasetError:
             raise
         except Exception as exc:  # a decoder meets any file: every failure is this file's
-            raise DatasetError(f"{path}: not a readable image ({type(exc).__name__}: "
-                               f"{str(exc)[:200]}); remove or replace it") from None
+            raise _unreadable_image(path, exc) from None
         x[i] = a[None] if o.channels == 1 else a.transpose(2, 0, 1)
     y = np.asarray([label for _, label in files], dtype=np.int64)
     try:
@@ -316,6 +315,11 @@ def decoded_folder(folder: Path, o: ImageFolderOptions) -> Tuple[np.ndarray, np.
     except OSError:
         pass  # no cache where it cannot be written: decoded again next time
     return x, y
+
+
+def _unreadable_image(path: Path, exc: Exception) -> DatasetError:
+    return DatasetError(f"{path}: not a readable image ({type(exc).__name__}: {str(exc)[:200]}); "
+                        "remove or replace it")
 
 
 def _within_pixels(path: Path, size: Tuple[int, int]) -> None:
@@ -377,8 +381,7 @@ def probe_part(path: Path) -> int:
             except DatasetError:
                 raise
             except Exception as exc:
-                raise DatasetError(f"{p}: not a readable image ({type(exc).__name__}: "
-                                   f"{str(exc)[:200]}); remove or replace it") from None
+                raise _unreadable_image(p, exc) from None
         return len(images)
     if path.suffix == ".npz":
         return next(iter(npz_members(path).values()), 0)
