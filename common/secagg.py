@@ -81,6 +81,9 @@ TAG_BYTES = 16
 CIPHER_BYTES = NONCE_BYTES + _PLAIN.size + TAG_BYTES
 #: stage 4's answer for a neighbour whose share to this client was unusable (it reveals nothing)
 DISPUTED = "x"
+#: stage 4's entry in which a survivor opens its own seed b (an `opens` setup): checked against
+#: its stage-2 commitment, it unmasks its self-mask without its holders' shares
+OWN = "o"
 #: a masked input's name in a device's update frame (the one tensor a secure update carries:
 #: the ring elements as int32)
 MASKED = "~masked"
@@ -203,6 +206,9 @@ class Setup:
     #: each share travels with its owner's check (share_check); False: a coordinator from
     #: before checks, which neither sends nor reads them
     checked: bool = False
+    #: each survivor opens its own seed b in stage 4 (OWN), so no holder that disputes, lies or
+    #: stays silent can keep a live client's self-mask on; False: a coordinator from before
+    opens: bool = False
 
     @property
     def clients(self) -> List[int]:
@@ -519,7 +525,7 @@ class SecAggClient:
             raise SecAggError(f"client {self.me} is told it did not survive")
         if len(alive) < self.setup.threshold:  # itself among them
             raise SecAggError(f"{len(alive)} surviving neighbours: too few to unmask safely")
-        out = {}
+        out = {self.me: (OWN, int.from_bytes(self.seed, "big"))} if self.setup.opens else {}
         for v, kind in [(v, "b") for v in alive - {self.me}] + [(v, "s") for v in gone]:
             if v in self.disputed:
                 out[v] = (DISPUTED, 0)
@@ -549,6 +555,9 @@ class SecAggServer:
     dropped: Dict[int, str] = field(default_factory=dict)  # client -> at which stage and why
     #: client -> a wrong share it sent in stage 4 (its own masked input still counts)
     blamed: Dict[int, str] = field(default_factory=dict)
+    #: stage 4 of an `opens` setup: survivor -> its own seed b, as it opened it (and its
+    #: commitment bears out)
+    opened: Dict[int, int] = field(default_factory=dict)
 
     def drop(self, client: int, why: str) -> None:
         """Count `client` out of the round's sum, with the first reason given for it."""
@@ -659,7 +668,9 @@ class SecAggServer:
         total = self.total.copy()
         t, n, bits = self.setup.threshold, self.setup.length, self.setup.ring_bits
         for c in self.masked:
-            b = self._recover(c, points["b"].get(c, {}), _opens(self.commitments[c]), "seed")
+            b = self.opened.get(c)
+            if b is None:
+                b = self._recover(c, points["b"].get(c, {}), _opens(self.commitments[c]), "seed")
             if b is None:
                 raise SecAggError(f"client {c}'s self-mask: {_short(points['b'].get(c, {}), t)}; "
                                   "the round's sum cannot be unmasked")
@@ -694,6 +705,9 @@ class SecAggServer:
             alive, gone = asked[c]
             want = {v: "b" for v in alive if v != c}
             want.update({v: "s" for v in gone})
+            if self.setup.opens and isinstance(got, dict) and c in got:
+                got = dict(got)
+                self._open_own(c, got.pop(c))
             try:
                 if not isinstance(got, dict) or set(got) != set(want):
                     raise SecAggError("shares for other clients than asked")
@@ -718,6 +732,17 @@ class SecAggServer:
                     continue
                 points[kind].setdefault(v, {})[_x(c)] = value
         return points
+
+    def _open_own(self, c: int, entry: object) -> None:
+        """A survivor's own seed, opened in stage 4: kept where its commitment bears it out;
+        a survivor that opens another is blamed (its self-mask is then recovered from shares,
+        if t are valid)."""
+        if (isinstance(entry, tuple) and len(entry) == 2 and entry[0] == OWN
+                and isinstance(entry[1], int) and 0 <= entry[1] < PRIME
+                and _opens(self.commitments[c])(entry[1])):
+            self.opened[c] = entry[1]
+        else:
+            self.blamed.setdefault(c, "unmask: the seed it opened is not the one it committed to")
 
     def _recover(self, owner: int, points: Dict[int, int], valid, what: str) -> Optional[int]:
         """`owner`'s secret (`what`) from the revealed shares. Checked shares (each passed its
@@ -755,7 +780,8 @@ def setup_to_dict(setup: Setup, layout: Layout, unweighted: bool) -> Dict[str, A
             "threshold": setup.threshold, "length": setup.length, "scale": setup.scale,
             "clip_range": setup.clip_range, "ring_bits": setup.ring_bits,
             "layout": [[k, n] for k, n in layout], "unweighted": unweighted,
-            **({"checked": True} if setup.checked else {})}
+            **({"checked": True} if setup.checked else {}),
+            **({"opens": True} if setup.opens else {})}
 
 
 def setup_from_dict(raw: object) -> Tuple[Setup, Layout, bool]:
@@ -768,9 +794,10 @@ def setup_from_dict(raw: object) -> Tuple[Setup, Layout, bool]:
         setup = Setup(round=int(raw["round"]), graph=graph, threshold=int(raw["threshold"]),
                       length=int(raw["length"]), scale=float(raw["scale"]),
                       clip_range=float(raw["clip_range"]), ring_bits=int(raw["ring_bits"]),
-                      checked=raw.get("checked", False))
+                      checked=raw.get("checked", False), opens=raw.get("opens", False))
         unweighted = raw["unweighted"]
         assert isinstance(unweighted, bool) and isinstance(setup.checked, bool)
+        assert isinstance(setup.opens, bool)
         assert all(c not in vs and all(v in graph and c in graph[v] for v in vs)
                    for c, vs in graph.items()), "the graph is not symmetric"
         assert setup.threshold >= 1 and setup.scale > 0 and setup.clip_range > 0
@@ -886,7 +913,7 @@ def answer_from_wire(entry: object) -> Dict[int, Tuple[str, int]]:
             if kind == DISPUTED and value == "":
                 out[int(v)] = (kind, 0)
                 continue
-            if kind not in ("b", "s"):
+            if kind not in ("b", "s", OWN):
                 raise ValueError
             out[int(v)] = (kind, int.from_bytes(from_text(value, SHARE_BYTES), "big"))
     except (TypeError, ValueError):

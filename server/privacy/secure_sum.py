@@ -64,7 +64,7 @@ def round_setup(cfg: ExperimentConfig, t: int, clients: list[int], layout: Layou
     return Setup(round=t, graph=graph, threshold=threshold_for(k, s.threshold),
                  length=vector_length(layout),
                  scale=scale_for(len(clients), max_weight, b, bits),
-                 clip_range=b, ring_bits=bits, checked=True)
+                 clip_range=b, ring_bits=bits, checked=True, opens=True)
 
 
 def layout_of(reference: Weights) -> Layout:

@@ -74,13 +74,13 @@ def test_the_encoding_error_is_within_half_a_step_and_the_sum_cannot_wrap(bits):
         S.scale_for(40_000, 1.0, clip, 16)
 
 
-def _round(m=12, n=5000, degree=None, fraction=0.5, seed=0, bits=32, checked=False):
+def _round(m=12, n=5000, degree=None, fraction=0.5, seed=0, bits=32, checked=False, opens=False):
     clients = list(range(3, 3 + m))
     k = S.degree_for(m, degree)
     setup = S.Setup(round=7, graph=S.neighbours(clients, k, seed),
                     threshold=S.threshold_for(k, fraction), length=n,
                     scale=S.scale_for(m, 1.0, 1.0, bits), clip_range=1.0, ring_bits=bits,
-                    checked=checked)
+                    checked=checked, opens=opens)
     rng = np.random.default_rng(seed)
     inputs = {c: S.encode(rng.uniform(-1, 1, n), setup.scale, bits) for c in clients}
     return setup, inputs, {c: S.SecAggClient(c, setup) for c in clients}, S.SecAggServer(setup)
@@ -418,3 +418,61 @@ def test_checks_and_disputes_travel_and_older_forms_still_read():
     raw = S.setup_to_dict(setup, [("w", 1)], False)
     assert S.setup_from_dict(raw)[0].checked
     assert not S.setup_from_dict({k: v for k, v in raw.items() if k != "checked"})[0].checked
+
+
+@pytest.mark.parametrize("how", ["dispute", "silent"])
+def test_holders_that_dispute_or_withhold_every_share_fail_no_round(how):
+    """Hardening VII, finding 6: 3 of a 6-client round (k 5, t 3) answering every stage-4 share
+    as disputed, or not answering, left each honest survivor 2 shares of its seed, below t: the
+    round failed, nobody was blamed, and they could fail every round. Each survivor now opens
+    its own seed (checked against its stage-2 commitment), so 5 rounds of the attack fail none;
+    the attackers' own seeds come from their 3 honest holders. A coordinator from before
+    (`opens` off) fails every one of them."""
+    attackers = [3, 4, 5]
+
+    def tamper(st, c, msg):
+        if st == 4 and c in attackers:
+            return {v: (S.DISPUTED, 0) for v, (kind, _) in msg.items() if kind != S.OWN}
+        return msg
+
+    for opens in (True, False):
+        failed = 0
+        for seed in range(5):
+            setup, inputs, clients, server = _round(m=6, n=50, checked=True, opens=opens,
+                                                    seed=seed)
+            assert (setup.threshold, len(setup.graph[3])) == (3, 5)
+            try:
+                total = _run(setup, inputs, clients, server,
+                             **({"tamper": tamper} if how == "dispute" else {"quiet": attackers}))
+            except S.SecAggError:
+                failed += 1
+                continue
+            assert np.array_equal(total, _plain(inputs, inputs))
+            assert sorted(server.opened) == ([6, 7, 8] if opens else [])
+        assert failed == (0 if opens else 5), (opens, failed)
+
+
+def test_a_survivor_that_opens_another_seed_is_blamed_and_its_shares_unmask_it():
+    """The seed a survivor opens must be the one it committed to: another is refused, its
+    sender blamed, and its self-mask recovered from its holders' shares as before."""
+    setup, inputs, clients, server = _round(m=6, n=50, checked=True, opens=True)
+
+    def tamper(st, c, msg):
+        if st == 4 and c == 3:
+            return {**msg, 3: (S.OWN, (msg[3][1] + 1) % (1 << 256))}
+        return msg
+
+    total = _run(setup, inputs, clients, server, tamper=tamper)
+    assert np.array_equal(total, _plain(inputs, inputs))
+    assert server.blamed == {3: "unmask: the seed it opened is not the one it committed to"}
+    assert 3 not in server.opened and sorted(server.opened) == [4, 5, 6, 7, 8]
+
+
+def test_an_opened_seed_travels_and_a_setup_says_so():
+    layout = [("w", 50)]
+    setup, _, _, _ = _round(m=6, n=S.vector_length(layout), checked=True, opens=True)
+    back, _, _ = S.setup_from_dict(S.setup_to_dict(setup, layout, False))
+    assert back.opens and not S.setup_from_dict(S.setup_to_dict(
+        S.Setup(**{**setup.__dict__, "opens": False}), layout, False))[0].opens
+    answer = {3: (S.OWN, 12345), 4: ("b", 7), 5: (S.DISPUTED, 0)}
+    assert S.answer_from_wire(S.answer_to_wire(answer)) == answer
