@@ -506,3 +506,18 @@ def test_an_empty_message_is_charged_the_cpu_it_takes(monkeypatch):
             box.on_message(T.device_status("dev01"), payload)
         dropped.append(box.flooded)
     assert 890 <= dropped[1] <= dropped[0] < 1000, dropped  # (before: no empty one dropped)
+
+
+def test_a_status_that_cannot_be_read_is_remembered_until_a_readable_one_comes():
+    """Hardening VII, finding 4: 2**63 announced rows made the coordinator crash before round 0.
+    Such a status is refused when parsed; the inbox keeps why, so the run's gathering leaves the
+    device out at once in one line (MqttPool.announcement) instead of waiting it out, and a
+    readable status from it forgets it."""
+    box = _inbox()
+    big = (b'{"v":9,"device":"dev01","state":"online","data":{"run_id":"r1","clients":[{"folder":'
+           b'".","train":9223372036854775808,"test":1,"counts":[1]}]}}')
+    box.on_message(T.device_status("dev01"), big)
+    assert "clients.0.train: Input should be less than or equal to 1000000000" in \
+        box.unreadable["dev01"]
+    box.on_message(T.device_status("dev01"), DeviceStatus(device="dev01", state="online").encode())
+    assert box.unreadable == {}

@@ -302,6 +302,9 @@ class Inbox:
         # clears it in case it was retained).
         self._status: dict[str, DeviceStatus] = {}
         self._present: set[str] = set()  # devices whose latest status says online
+        #: device -> why its latest status could not be read (an announcement out of bounds,
+        #: say): the gathering of a run leaves it out at once with that line
+        self.unreadable: dict[str, str] = {}
         self._lock = threading.Lock()
         self._queued: dict[tuple[str, int, object], int] = {}
         self._held: dict[str, int] = {}  # device -> its events waiting in the queue
@@ -574,6 +577,10 @@ class Inbox:
         except FedseqError as exc:
             if ref is not None and ref.kind in ("update", "eval", "secagg"):
                 self.on_junk(topic)
+            if ref is not None and ref.kind == "device_status":
+                with self._lock:
+                    if device in self.unreadable or len(self.unreadable) < MAX_PRESENT:
+                        self.unreadable[device] = printable(str(exc), 300)
             hint = (f" (it speaks protocol v{exc.version}, this coordinator v{PROTOCOL_VERSION}: "
                     "install the same fedseq version on both sides)"
                     ) if isinstance(exc, PeerVersion) else ""
@@ -593,6 +600,7 @@ class Inbox:
             status = DeviceStatus.decode(payload)
             _same_device(status.device, ref.device)
             with self._lock:  # coalesced: the latest status waits, its event only wakes up
+                self.unreadable.pop(status.device, None)
                 fresh = status.device not in self._status
                 if fresh and not self._room_for(status.device):
                     return  # a name outside the run's fleet (or past MAX_PRESENT): not kept

@@ -210,6 +210,9 @@ class MqttPool(AsyncPool):
         of it."""
         if device in self.session.incompatible:  # the device's own line
             return None, self.session.incompatible[device]
+        unreadable = self.session.inbox.unreadable.get(device)
+        if unreadable is not None:  # (its announcement out of bounds, say)
+            return None, f"{device} cannot follow run {self.run_id}: its status: {unreadable}"
         report = self.session.online[device].data if device in self.session.online else None
         if report is None or report.run_id != self.run_id:
             return None, None
