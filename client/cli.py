@@ -29,8 +29,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", help="this device's name, e.g. jetson01")
     p.add_argument("--broker", help="mqtt://HOST:PORT (default mqtt://127.0.0.1:1883)")
     p.add_argument("--data-dir", type=Path,
-                   help="this device's data root, holding MNIST/raw, FashionMNIST/raw, ... "
-                        "(default: $FEDSEQ_DATA, else ~/.local/share/fedseq/data)")
+                   help="this device's data: the data root of a shared dataset (MNIST/raw, "
+                        "FashionMNIST/raw, ...), or with data.placement = \"device\" its own "
+                        "clients' folder (train.npz/test.npz, train.csv/test.csv or train/ and "
+                        "test/, or one <client>/ folder of them each) (default: $FEDSEQ_DATA, "
+                        "else ~/.local/share/fedseq/data)")
     p.add_argument("--state-dir", type=Path,
                    help="where personal state (personal blocks, residuals) is kept across restarts")
     p.add_argument("--torch-device", choices=["auto", "cpu", "cuda"],

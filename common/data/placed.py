@@ -97,8 +97,10 @@ def client_folders(root: Path) -> List[Tuple[str, Path]]:
     (named ".") where it holds a train part, else each sub-folder that holds one."""
     root = Path(root).expanduser()
     if not root.is_dir():
-        raise DatasetError(f"{root}: no such data folder (fedseq-client --data-dir; it holds "
-                           "train/ and test/, or one <client>/ folder with them per client)")
+        raise DatasetError(f"{root}: no such data folder (fedseq-client --data-dir; fedseq-server "
+                           "start --local-devices N gives its devices data.devices_root/local01 "
+                           "to localNN). It holds a train part (train/, train.npz or train.csv) "
+                           "and a test part, or one <client>/ folder with them per client")
     if _part(root, "train") is not None:
         return [(SINGLE, root)]
     out = [(p.name, p) for p in sorted(root.iterdir())
@@ -108,8 +110,9 @@ def client_folders(root: Path) -> List[Tuple[str, Path]]:
             raise DatasetError(f"{p}: a link out of the data folder ({p.resolve()}); move the "
                                "client's folder into it instead")
     if not out:
-        raise DatasetError(f"{root}: no train part in it nor in any sub-folder (give train/ and "
-                           "test/ for one client, or <client>/train and <client>/test per client)")
+        raise DatasetError(f"{root}: no train part in it nor in any sub-folder (give a train "
+                           "and a test part for one client, train/ and test/, train.npz and "
+                           "test.npz or train.csv and test.csv, or <client>/ folders with them)")
     for name, _ in out:
         if not DEVICE_NAME.fullmatch(name):
             raise DatasetError(f"{root / name}: a client folder's name is letters, digits, _ and "

@@ -903,9 +903,10 @@ def edge(
         help="the site's broker: the file of the flood guard's password")] = None,
     log_level: Annotated[str, typer.Option(help="DEBUG, INFO, WARNING or ERROR")] = "INFO",
 ) -> None:
-    """Run a site's edge aggregator ([hierarchy]): to the coordinator one participant holding
-    the site's clients, to the site's devices their coordinator; it folds their updates and
-    sends one partial aggregate a round (docs/how-to/edge-sites.md). Runs until stopped."""
+    """Run a site's edge aggregator (the config's hierarchy section): to the coordinator one
+    participant holding the site's clients, to the site's devices their coordinator; it folds
+    their updates and sends one partial aggregate a round (docs/how-to/edge-sites.md). Runs
+    until stopped."""
     from fedseq.common.files import read_secret
     from fedseq.common.protocol.link import TlsOptions
     from fedseq.server.ops.edge import Login, serve_until_stopped

@@ -21,10 +21,20 @@ def _check(command: str) -> None:
                  "pip install 'fedseq[server]' (a device needs only fedseq-client)")
 
 
+def _one_config(command: str) -> None:
+    """One experiment file: a second --config would silently replace the first."""
+    given = [a for a in sys.argv[1:] if a in ("--config", "-c") or a.startswith("--config=")]
+    if len(given) > 1:
+        print(f"error: {command}: --config given {len(given)} times; give one experiment file, "
+              "and change its keys with --set KEY=VALUE", file=sys.stderr)
+        sys.exit(2)
+
+
 def sim_main() -> None:
     """The fedseq-sim script: refuses in one line where the coordinator's stack is missing, else
     runs the command."""
     _check("fedseq-sim")
+    _one_config("fedseq-sim")
     from fedseq.server.cli.commands import sim_main as main
 
     main()
@@ -34,6 +44,7 @@ def server_main() -> None:
     """The fedseq-server script: refuses in one line where the coordinator's stack is missing, else
     runs the command."""
     _check("fedseq-server")
+    _one_config("fedseq-server")
     from fedseq.server.cli.commands import server_main as main
 
     main()

@@ -148,8 +148,9 @@ def fleet_cmd(
     link: Annotated[str, typer.Option(
         help="every device's link (a --link profile; the rows do not say)")] = "wifi-good",
 ) -> None:
-    """The deployment's devices as a [fleet] for fedseq-sim: each device's measured training
-    pace (GFLOP/s of its counted updates) as a custom profile, in the deployment's order."""
+    """The deployment's devices as the config's fleet section for fedseq-sim: each device's
+    measured training pace (GFLOP/s of its counted updates) as a custom profile, in the
+    deployment's order."""
     from fedseq.server.report.load import load_run
     from fedseq.server.rounds.virtual_fleet import measured_fleet
 

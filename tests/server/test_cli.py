@@ -261,3 +261,38 @@ def test_local_devices_is_the_flag_and_local_clients_its_deprecated_alias():
     assert old.returncode == 2 and "rounds: Input should be" in old.stderr  # it went on with 2
     assert ("--local-clients is deprecated: it starts devices, not clients; use --local-devices 2"
             in old.stderr)
+
+
+def test_no_help_text_loses_a_bracketed_word_to_rich_markup():
+    """Issue 94, finding 5: `fedseq --help` read "as a  for fedseq-sim": rich took "[fleet]" in
+    a docstring for a style tag and dropped it (and "([hierarchy])" became "()"). No command's
+    or option's help of the three CLIs holds a bare bracketed word."""
+    import re
+
+    import typer
+
+    from fedseq.server.cli.commands import server_app
+    from fedseq.server.cli.tools import app
+
+    tag = re.compile(r"(?<!\\)\[[A-Za-z][\w.\-]*\]")
+    found = []
+
+    def walk(cmd, path):
+        texts = [cmd.help or ""] + [getattr(p, "help", None) or "" for p in cmd.params]
+        found.extend(f"{path}: {m.group()}" for t in texts for m in tag.finditer(t))
+        for name, sub in getattr(cmd, "commands", {}).items():
+            walk(sub, f"{path} {name}")
+
+    for name, typer_app in (("fedseq", app), ("fedseq-server", server_app)):
+        walk(typer.main.get_command(typer_app), name)
+    assert found == []
+
+
+def test_a_second_config_is_refused_not_silently_kept():
+    """Issue 94, finding 5: `--config a.toml --config b.toml` ran b alone, without a word."""
+    r = subprocess.run([sys.executable, "-c", "from fedseq.server.cli.launch import sim_main; "
+                        "sim_main()", "--config", "a.toml", "-c", "b.toml"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("error: fedseq-sim: --config given 2 times; give one experiment "
+                                "file, and change its keys with --set KEY=VALUE")
