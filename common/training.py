@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
@@ -42,8 +43,11 @@ if TYPE_CHECKING:
 # Overconfident heads on skewed clients drive gradients into denormal floats, which made CPU
 # backward passes up to 4x slower (measured in bench/sim_round.py). Flush-to-zero is a per-thread
 # CPU flag that new threads inherit, so it is set when the trainer is imported, before torch
-# starts its worker threads; values below 1e-38 are all it changes.
+# starts its worker threads; values below 1e-38 are all it changes. numpy 2.3 then warns, at
+# its first float limits, that the smallest subnormal is zero: true, and what was asked for.
 torch.set_flush_denormal(True)
+warnings.filterwarnings("ignore", message="The value of the smallest subnormal for",
+                        category=UserWarning)
 
 
 @dataclass

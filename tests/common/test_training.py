@@ -250,3 +250,19 @@ def _announced(data, n):
     one = announced_data(placed, [ClientData(".", n, 0, (n,) + (0,) * (data.num_classes - 1))],
                          None)
     return one, one.clients[0], {}
+
+
+def test_numpys_subnormal_warning_after_flush_to_zero_is_silenced_and_no_other():
+    """Issue 94, finding 6: with numpy 2.3 every command printed 8 lines of "The value of the
+    smallest subnormal for <class 'numpy.float32'> type is zero." once the trainer set
+    flush-to-zero (what it asked for). That warning is filtered where the flag is set; any other
+    UserWarning still shows."""
+    import warnings
+
+    import fedseq.common.training  # noqa: F401  (sets the flag and the filter)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.warn("The value of the smallest subnormal for <class 'numpy.float32'> type is "
+                      "zero.", UserWarning)
+        warnings.warn("something else", UserWarning)
+    assert [str(w.message) for w in seen] == ["something else"]
