@@ -202,7 +202,8 @@ def format_fleet(view: FleetView, url: str, every: bool = False) -> list[str]:
     worst first."""
     s = view.server
     lines = [f"broker {url}: coordinator {s.state if s else 'never seen'}"
-             + (f", run {s.run_id}" if s and s.run_id else "")]
+             + (f", run {s.run_id}" if s and s.run_id and s.state == "online" else "")
+             + (f" (its last run {s.run_id})" if s and s.run_id and s.state != "online" else "")]
     if view.campaign is not None:
         lines.append(format_campaign(view.campaign))
     if view.run is not None:

@@ -634,3 +634,49 @@ def test_a_real_protocol_mismatch_is_reported_by_the_device(tmp_path, data_root)
     st = [s for s in got if s.error][-1]
     assert st.error_run_id == "r-newer" and st.error_seq == -1
     assert f"coordinator speaks v{PROTOCOL_VERSION + 1}" in st.error
+
+
+@pytest.mark.slow("a deployment on Mosquitto, then the broker's retained messages read: ~10 s")
+def test_a_finished_run_leaves_nothing_to_follow_on_the_broker(data_root, tmp_path, mosquitto):
+    """Issue 94, finding 4: a finished run's run config, assignments, step and weights stayed
+    retained, so a daemon started later said it "cannot follow" the finished run, or got its
+    weights while "the current run is none yet", and `fedseq-server status` showed it as
+    current. A run that ends clears what it retained; the devices' statuses and the
+    coordinator's own (offline, naming its last run) are all that is left."""
+    import threading
+
+    import paho.mqtt.client as mqtt
+
+    from fedseq.server.ops.status import format_fleet, read_fleet
+
+    port, home, _ = mosquitto
+    devices = [_device(n, port, home, data_root) for n in ("local01", "local02")]
+    try:
+        cfg = quick_config(data_root, "rounds=1", "deploy.min_devices=2",
+                           "deploy.username=coordinator",
+                           f"deploy.password_file={str(home / 'coordinator.pw')!r}")
+        res = run_deployment(cfg, tmp_path / "run", broker=f"mqtt://127.0.0.1:{port}",
+                             announce=_quiet)
+    finally:
+        stop_children(devices)
+    retained: dict[str, bytes] = {}
+    quiet = threading.Event()
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="retained-reader")
+    client.username_pw_set("coordinator", (home / "coordinator.pw").read_text().strip())
+    client.on_message = lambda c, u, m: retained.__setitem__(m.topic, m.payload) if m.retain else None
+    client.on_connect = lambda c, u, f, rc, p: c.subscribe("fedseq/#", qos=1)
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    quiet.wait(3.0)
+    client.loop_stop()
+    client.disconnect()
+    assert sorted(retained) == ["fedseq/device/local01/info", "fedseq/device/local01/status",
+                                "fedseq/device/local02/info", "fedseq/device/local02/status",
+                                "fedseq/server/status"], sorted(retained)
+    run_id = json.loads(retained["fedseq/server/status"])["run_id"]
+    view = read_fleet(f"mqtt://127.0.0.1:{port}", "fedseq", username="coordinator",
+                      password=(home / "coordinator.pw").read_text().strip())
+    lines = format_fleet(view, f"mqtt://127.0.0.1:{port}")
+    assert lines[0].endswith(f"coordinator offline (its last run {run_id})"), lines[0]
+    assert not any(line.startswith(("run ", "current step")) for line in lines)
+    assert res.rows[-1]["phase"] == "finetune"

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fedseq.common.models import Weights, block_of, in_blocks
+from fedseq.common.protocol.frames import split_frame
 from fedseq.common.protocol.link import Link
 from fedseq.common.protocol.messages import WeightsHeader
 from fedseq.common.protocol.tensors import encode_tensors
@@ -73,6 +74,16 @@ class BlockPublisher:
             lambda i: self.topics.weights(block, i),
             lambda **kw: WeightsHeader(run_id=self.run_id, block=block, version=version, **kw),
             frame, retain=True, digest=digest)
+
+    def clear(self) -> None:
+        """The run is over: remove every block's retained chunks from the broker (a daemon
+        started later must not take a finished run's weights for its current ones)."""
+        with self._lock:
+            frames = dict(self._frames)
+            self._frames.clear()
+        for block, (_, frame, _) in frames.items():
+            for i in range(len(split_frame(frame))):
+                self.link.publish(self.topics.weights(block, i), b"", retain=True)
 
     def state(self) -> dict[str, Any]:
         """The published versions, for the checkpoint."""

@@ -139,6 +139,15 @@ class ServerSession:
             del mine[:-8]
         self.link.publish(topic, payload, retain=True)
 
+    def clear_retained(self) -> None:
+        """The run is over: remove what this session retained (run config, assignments, step)
+        from the broker, so a daemon started later finds no finished run to follow."""
+        with self._lock:
+            topics = list(self._retained)
+            self._retained.clear()
+        for topic in topics:
+            self.link.publish(topic, b"", retain=True)
+
     def _retained_seen(self, topic: str) -> None:
         """Network thread: devices never publish updates or evaluations retained; one that did
         (junk the broker would keep, persist and replay on every subscribe) is removed."""

@@ -373,6 +373,9 @@ class EdgePool:
         try:
             if self._run is not None:
                 self._send("idle", list(self.sites), {}, b"")
+                for name in self.sites:  # the run is over (a resumed one publishes it again)
+                    self.link.publish(self.topics.site(name, "run"), b"", retain=True)
+                self._run = None
             self.link.publish(self.topics.server_status, ServerStatus(
                 state="offline", run_id=self.run_id).encode(), retain=True, wait=True)
         except Exception as exc:  # noqa: BLE001 - closing must not hide the run's own outcome

@@ -285,6 +285,8 @@ class MqttPool(AsyncPool):
                 self.session.link.publish(self.topics.control, Control(
                     run_id=self.run_id, command="abort", reason=abort))
             self._publish_step(kind="idle")
+            self.blocks.clear()  # (a resumed run publishes everything again)
+            self.session.clear_retained()
 
         try:
             self.session.close(goodbye)
