@@ -237,22 +237,29 @@ def check_plugins(s: ClientSettings) -> list[Check]:
     """The installed plugins (not fedseq's built-ins), whether each is allowed here, and every
     allowed name that nothing installed provides."""
     from fedseq.common.errors import FedseqError
-    from fedseq.common.registry import GROUPS, KINDS, REGISTRY
+    from fedseq.common.registry import DEVICE_GROUPS, GROUPS, KINDS, REGISTRY
 
     try:
         entries = [e for g in GROUPS for e in REGISTRY.entries(g) if not e.builtin]
     except FedseqError as exc:
         return [(False, f"plugins: {exc}")]
     allowed = set(s.plugins.allow)
+    before = REGISTRY.allowed
+    REGISTRY.restrict(allowed)  # as the daemon does: its verdicts are this device's
     checks: list[Check] = []
-    for e in entries:
-        if e.name in allowed:
-            checks.append((True, f"plugin {KINDS[e.group]} {e.name!r} ({e.distribution} {e.version}) "
-                                 "installed and allowed"))
-        else:
-            checks.append((None, f"plugin {KINDS[e.group]} {e.name!r} ({e.distribution} {e.version}) "
-                                 f"installed, not allowed: runs that use it are refused here "
-                                 f"(--allow-plugin {e.name} allows it)"))
+    try:
+        for e in entries:
+            what = f"plugin {KINDS[e.group]} {e.name!r} ({e.distribution} {e.version}) installed"
+            if e.group not in DEVICE_GROUPS:
+                checks.append((True, f"{what}: it runs on the coordinator, a device never loads "
+                                     "it (nothing to allow)"))
+            elif REGISTRY.device_refusal(e.group, e.name) is None:
+                checks.append((True, f"{what} and allowed"))
+            else:
+                checks.append((None, f"{what}, not allowed: runs that use it are refused here "
+                                     f"(--allow-plugin {e.name} allows it)"))
+    finally:
+        REGISTRY.restrict(before)
     for name in sorted(allowed - {e.name for e in entries}):
         checks.append((False, f"plugin {name!r} is allowed but no installed package registers it: "
                               "install the lab's package in this device's environment"))

@@ -46,7 +46,7 @@ from fedseq.common.protocol.messages import (
 )
 from fedseq.common.protocol.tensors import decode_tensors, encode_tensors
 from fedseq.common.protocol.topics import Topics
-from fedseq.common.registry import REGISTRY
+from fedseq.common.registry import DEVICE_GROUPS, REGISTRY
 
 if TYPE_CHECKING:
     from fedseq.client.secure import SecureRound
@@ -342,7 +342,7 @@ class DeviceSession:
             reason = f"{self.device} cannot follow run {rc.run_id}: {p.where}: {p.msg}"
             self.report_failure(rc.run_id, -1, reason)  # -1: no step of this run can run here
             raise ProtocolError(reason) from exc
-        why = REGISTRY.pin_problem(rc.plugins)
+        why = REGISTRY.pin_problem(rc.plugins, DEVICE_GROUPS)
         if why is not None:  # another version of the lab's code: not the run's numbers
             reason = f"{self.device} cannot follow run {rc.run_id}: {why}"
             self.report_failure(rc.run_id, -1, reason)

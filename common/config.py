@@ -21,7 +21,7 @@ from pydantic import (
 from fedseq.common.data.catalog import CHANNEL_STATS
 from fedseq.common.data.store import default_data_root
 from fedseq.common.errors import ConfigError, validation_problem
-from fedseq.common.registry import REGISTRY, RegistryError
+from fedseq.common.registry import DEVICE_GROUPS, REGISTRY, RegistryError
 from fedseq.common.text import printable
 
 if TYPE_CHECKING:
@@ -774,7 +774,7 @@ class ExperimentConfig(_Section):
         """The plugins a device must allow to follow the run: its model, dataset and algorithm
         where they are not fedseq's built-ins (the aggregation rule runs on the coordinator)."""
         return sorted({name for group, name in self.registered_names().items()
-                       if group != "aggregators" and not REGISTRY.entry(group, name).builtin})
+                       if group in DEVICE_GROUPS and not REGISTRY.entry(group, name).builtin})
 
     def seed_for(self, stream: str) -> int:
         """The seed of one random stream (SEED_STREAMS): its [seeds] pin, else `seed`. (The

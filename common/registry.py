@@ -39,6 +39,9 @@ KINDS = {"models": "model", "datasets": "dataset", "algorithms": "algorithm",
          "aggregators": "aggregation rule"}
 #: the distribution that provides the built-ins (always allowed on a device)
 BUILTIN = "fedseq"
+#: the groups a device resolves when it follows a run (an aggregation rule runs on the
+#: coordinator and the sites' edges alone: a device neither loads nor needs one)
+DEVICE_GROUPS = ("models", "datasets", "algorithms")
 #: a registered name: what an entry point name may be (no module path, no spaces)
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 
@@ -165,14 +168,16 @@ class Registry:
                                           + (f" code {digest}" if digest else ""))
         return out
 
-    def pin_problem(self, pins: Dict[str, str]) -> Optional[str]:
+    def pin_problem(self, pins: Dict[str, str], groups: Iterable[str] = tuple(GROUPS)
+                    ) -> Optional[str]:
         """Why this process cannot follow a run whose plugins are `pins` (`pins`), or None: a
-        name installed here from another distribution or version, or (where the pin has a
-        digest) whose installed code differs from the coordinator's. A name not installed or
-        not allowed here is the config's validation to say."""
+        name of `groups` (what this process runs: DEVICE_GROUPS on a device) installed here
+        from another distribution or version, or (where the pin has a digest) whose installed
+        code differs from the coordinator's. A name not installed or not allowed here is the
+        config's validation to say."""
         for key, pin in sorted(pins.items()):
             group, _, name = key.partition("/")
-            if group not in GROUPS or not self.has(group, name):
+            if group not in groups or not self.has(group, name):
                 continue
             e = self._scan()[group][name]
             want, _, digest = pin.partition(" code ")
@@ -187,6 +192,19 @@ class Registry:
                         f"coordinator's {printable(digest, 20)}): install the same code on both "
                         "(an edited `pip install -e` checkout counts), or run with "
                         "deploy.pin_plugin_code = false")
+        return None
+
+    def device_refusal(self, group: str, name: str) -> Optional[str]:
+        """Why a device following a run that names `name` in `group` would refuse it (not
+        installed, not allowed here), or None: the lookup its config validation makes, and
+        nothing for a group a device never resolves (`DEVICE_GROUPS`). fedseq-client doctor
+        asks this, so it says what the daemon does."""
+        if group not in DEVICE_GROUPS:
+            return None
+        try:
+            self.entry(group, name)
+        except RegistryError as exc:
+            return str(exc)
         return None
 
     def used(self, names: Dict[str, str]) -> List[Dict[str, str]]:
@@ -303,5 +321,5 @@ def plugin_table() -> List[Dict[str, Any]]:
             for g in GROUPS for e in REGISTRY.entries(g)]
 
 
-__all__ = ["BUILTIN", "Entry", "GROUPS", "KINDS", "REGISTRY", "Registry", "RegistryError",
+__all__ = ["BUILTIN", "DEVICE_GROUPS", "Entry", "GROUPS", "KINDS", "REGISTRY", "Registry", "RegistryError",
            "plugin_table"]

@@ -215,3 +215,37 @@ def test_a_device_that_cannot_follow_the_run_says_why_and_is_excluded_at_once(
         why = row["device_failures"]["local02"]
         assert "local02 cannot follow run" in why and "--allow-plugin" in why, why
         assert row["reported"] and set(row["reporters"].values()) == {"local01"}
+
+
+def test_the_doctor_says_what_the_daemon_does_of_each_plugin(lab_package, tmp_path):
+    """Issue 94, finding 3: doctor warned that runs using the lab's rule "are refused here"
+    unless allowed, while the daemon followed them (a rule runs on the coordinator; a device
+    never loads it). Both now ask the registry's one lookup (`device_refusal`): with nothing
+    allowed, doctor calls the rule nothing to allow and the model refused, and the daemon
+    follows a run with the rule and refuses one with the model; a rule of another version
+    installed here does not stop it either."""
+    from fedseq.client.doctor import check_plugins
+    from fedseq.client.session import DeviceSession
+    from fedseq.client.settings import load_settings
+    from fedseq.common.protocol.messages import RunConfig
+    from fedseq.common.protocol.topics import Topics
+
+    said = {line.split(" (")[0]: ok for ok, line in check_plugins(
+        load_settings(None, {"device": "d1"}, environ={}))}
+    assert said["plugin aggregation rule 'labmean'"] is True
+    assert said["plugin model 'labnet'"] is None
+    runs = []  # (the coordinator's run configs, each pinning the rule at another version)
+    for cfg, follows in ((load_config(None, ["aggregation.rule=labmean"]), True),
+                         (lab_config(), False)):
+        pins = {**REGISTRY.pins(cfg.registered_names()),
+                "aggregators/labmean": "fedseq-labdemo==0.0.1"}
+        runs.append((RunConfig(run_id="r1", config=cfg.for_devices(), plugins=pins), follows))
+    REGISTRY.restrict([])  # the daemon's restriction (nothing allowed)
+    try:
+        for rc, follows in runs:
+            s = DeviceSession("d1", "mqtt://127.0.0.1:1", "cpu", tmp_path)
+            s.announce = lambda: None
+            s.on_message(Topics().run_config, rc.encode())
+            assert (s.run is not None) is follows, s.last_error
+    finally:
+        REGISTRY.restrict(None)
