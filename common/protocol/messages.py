@@ -475,10 +475,14 @@ class SiteResultHeader(Message):
 class SiteStatus(Message):
     """An edge aggregator's presence (retained; its last will says offline)."""
 
-    since_current = ("run_id", "clients", "refused")
+    since_current = ("run_id", "clients", "refused", "error", "error_run_id")
 
     site: str = Field(max_length=64)
     state: Literal["online", "offline"]
+    error: str = Field("", max_length=2000, description=(
+        "Why this edge cannot follow run `error_run_id` (a model, dataset or plugin missing at "
+        "the site, another plugin version): the coordinator names the site and this at once."))
+    error_run_id: Optional[str] = Field(None, max_length=100, description="That run.")
     devices: List[str] = Field(default_factory=list, description="Its devices online.")
     run_id: Optional[str] = Field(None, max_length=100, description=(
         "data.placement = \"device\": the run whose clients `clients` and `refused` tell."))

@@ -235,6 +235,7 @@ class EdgeAggregator:
         self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.frames = FramePool(max_frame=MAX_TASK_BYTES, per_sender=MAX_TASK_BYTES)
         self.run: EdgeRun | None = None
+        self.cannot: tuple[str, str] | None = None  # (run id, why this edge cannot follow it)
         self.said: bytes | None = None
         #: the last task answered, (run id, seq), with its answer: sent again if that task comes
         #: again (the coordinator asks again after its connection was down)
@@ -295,6 +296,8 @@ class EdgeAggregator:
         """Publish this edge's presence and its devices online when they changed (before a
         data.placement = "device" run has its roster, with what they announced)."""
         status = SiteStatus(site=self.site, state="online")
+        if self.cannot is not None:
+            status.error_run_id, status.error = self.cannot
         if self.run is not None:
             status.devices = self.run.devices()
             if self.run.book is None:
@@ -319,6 +322,7 @@ class EdgeAggregator:
             self.run = None
             run.close()
             run = None
+        self.cannot = None
         try:
             cfg = self._config(rc)
             roster = None if rc.roster is None else [
@@ -329,14 +333,19 @@ class EdgeAggregator:
                 self.run = EdgeRun(self.site, cfg, rc.run_id, self.broker, self.down, roster)
         except ValidationError as exc:
             p = validation_problem(exc)
-            log.error("site %s cannot follow run %s: %s: %s", self.site, rc.run_id, p.where, p.msg)
+            self._cannot_follow(rc.run_id, f"{p.where}: {p.msg}")
         except FedseqError as exc:
-            log.error("site %s cannot follow run %s: %s", self.site, rc.run_id,
-                      printable(exc, 500))
+            self._cannot_follow(rc.run_id, printable(exc, 500))
         else:
             if self.run is not None and self.run.book is not None:
                 log.info("site %s joined run %s (%d clients on %s)", self.site, rc.run_id,
                          len(self.run.site.clients), ", ".join(self.run.site.devices))
+
+    def _cannot_follow(self, run_id: str, why: str) -> None:
+        """Say, here and in this edge's status, that it cannot follow run `run_id` and why."""
+        log.error("site %s cannot follow run %s: %s", self.site, run_id, why)
+        self.cannot = (run_id, printable(why, 1000))
+        self._say_status()
 
     def _config(self, rc: SiteRun) -> ExperimentConfig:
         """The run's config as this host runs it: its plugins' versions checked, its data root

@@ -405,3 +405,54 @@ def test_a_sites_invalid_answer_costs_its_own_clients_at_once_and_its_flood_is_i
     pool._on_message(pool.topics.site("a", "status"), SiteStatus(site="a", state="offline").encode())
     events = [pool.events.get_nowait() for _ in range(pool.events.qsize())]
     assert events[-1][:2] == ("status", "a") and events[-1][2].state == "offline"
+
+
+def test_an_edge_that_cannot_follow_the_run_is_named_at_once(data_root, caplog):
+    """Issue 94, finding 5: an edge aggregator that could not follow a run (a dataset missing
+    at the site) left the coordinator waiting out deploy.wait_devices_s, then saying "0 devices
+    online at 2 of 2 sites ... start each site's broker". The edge says why in its status; the
+    coordinator names the site and its reason at once, goes on with the other site, and fails
+    at once, with every site's reason, where none can follow."""
+    import time
+
+    import pytest
+
+    from fedseq.common.errors import TransportError
+    from fedseq.common.protocol.messages import SiteStatus
+    from fedseq.server.pools.mqtt.edges import EdgePool
+
+    pool = EdgePool(quick_config(data_root, SITES, "deploy.wait_devices_s=300"),
+                    "mqtt://127.0.0.1:1", "run-1")
+    pool._publish_run = lambda gathering=False: None
+    why = "data.dataset: no FashionMNIST under /var/lib/fedseq-edge/data"
+    pool.status["a"] = SiteStatus(site="a", state="online", error=why, error_run_id="run-1")
+    pool.status["b"] = SiteStatus(site="b", state="online", devices=["d2"])
+    began = time.monotonic()
+    with caplog.at_level("WARNING"):
+        assert pool.wait_for_sites(1, 300) == ["d2"]
+    assert time.monotonic() - began < 10
+    assert f"site a cannot follow run run-1: {why}" in caplog.text
+    pool.status["b"] = SiteStatus(site="b", state="online", error="another",
+                                  error_run_id="run-1")
+    with pytest.raises(TransportError, match="no site can follow run run-1: site a cannot "
+                                             "follow run run-1: data.dataset"):
+        pool.wait_for_sites(1, 300)
+    assert SiteStatus.decode(pool.status["a"].encode()).error == why
+
+
+def test_an_edge_says_in_its_status_why_it_cannot_follow_a_run(data_root, tmp_path):
+    """The edge's side of the test above: a run naming a model not installed at the site is
+    refused in the edge's status (error, error_run_id), as well as in its log."""
+    from fedseq.common.protocol.messages import SiteRun, SiteStatus
+    from fedseq.server.ops.edge import EdgeAggregator
+    from fedseq.server.pools.mqtt.edges import site_config
+
+    edge = EdgeAggregator("a", "mqtt://127.0.0.1:1", "mqtt://127.0.0.1:1", data_root)
+    said: list[bytes] = []
+    edge.link.connected.set()
+    edge.link.publish = lambda topic, payload, **kw: said.append(payload)
+    cfg = site_config(quick_config(data_root, SITES))
+    cfg["model"]["name"] = "not-installed-here"
+    edge._join(SiteRun(run_id="run-9", config=cfg))
+    st = SiteStatus.decode(said[-1])
+    assert st.error_run_id == "run-9" and "not-installed-here" in st.error

@@ -132,6 +132,7 @@ class EdgePool:
         self.budgets = LoginBudgets()
         self.flooded = 0  # messages dropped unread: their site spent its budget
         self._flooding: set[str] = set()
+        self._named: set[str] = set()  # sites whose refusal of the run was logged
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
@@ -230,8 +231,27 @@ class EdgePool:
         return ev
 
     def online(self) -> dict[str, list[str]]:
-        """The sites whose edge aggregator is online -> their devices online."""
-        return {s: list(st.devices) for s, st in self.status.items() if st.state == "online"}
+        """The sites whose edge aggregator is online and follows the run -> their devices
+        online."""
+        return {s: list(st.devices) for s, st in self.status.items()
+                if st.state == "online" and s not in self.refusing()}
+
+    def refusing(self) -> dict[str, str]:
+        """The sites whose edge aggregator said it cannot follow this run -> its line."""
+        return {s: f"site {s} cannot follow run {self.run_id}: {printable(st.error, 500)}"
+                for s, st in self.status.items()
+                if st.state == "online" and st.error and st.error_run_id == self.run_id}
+
+    def _refused_sites(self) -> None:
+        """Each site that cannot follow the run named once, in its line; a TransportError
+        where none of them can."""
+        said = self.refusing()
+        for s in sorted(set(said) - self._named):
+            log.warning("%s", said[s])
+        self._named |= set(said)
+        if said and set(said) >= set(self.sites):
+            raise TransportError("no site can follow run " + self.run_id + ": "
+                                 + "; ".join(said[s] for s in sorted(said)))
 
     def wait_for_sites(self, minimum_devices: int, timeout: float) -> list[str]:
         """The devices online at every site once each site's edge aggregator is online with at
@@ -245,8 +265,10 @@ class EdgePool:
             return sorted(d for ds in self.online().values() for d in ds)
 
         while time.monotonic() < deadline:
-            up = self.online()
-            if all(up.get(s) for s in self.sites) and len(devices()) >= minimum_devices:
+            self._refused_sites()
+            up, refusing = self.online(), self.refusing()
+            if (all(up.get(s) or s in refusing for s in self.sites)
+                    and len(devices()) >= minimum_devices):
                 return devices()
             self._take(min(0.5, deadline - time.monotonic()))
         up = self.online()
@@ -289,15 +311,18 @@ class EdgePool:
 
         def told(site: str) -> bool:
             st = self.status.get(site)
-            return (st is not None and st.state == "online" and st.run_id == self.run_id
-                    and all(d in st.clients or d in st.refused for d in st.devices))
+            return site in self.refusing() or (
+                st is not None and st.state == "online" and st.run_id == self.run_id
+                and all(d in st.clients or d in st.refused for d in st.devices))
 
         def devices() -> int:
             return sum(len(ds) for ds in self.online().values())
 
         while time.monotonic() < deadline and not (
                 all(told(s) for s in self.sites) and devices() >= minimum_devices):
+            self._refused_sites()
             self._take(min(0.5, deadline - time.monotonic()))
+        self._refused_sites()
         found: dict[str, list[ClientData]] = {}
         for name, site in self.sites.items():
             found.update(self._announced(name, site, told(name), timeout))
@@ -315,6 +340,8 @@ class EdgePool:
         """What site `name`'s status says its devices announced that can be true, each left
         out with a line saying why."""
         st = self.status.get(name)
+        if name in self.refusing():  # (its own line is logged)
+            return {}
         if st is None or st.state != "online" or st.run_id != self.run_id:
             log.warning("site %s said no clients within %.0f s (deploy.wait_devices_s): its "
                         "devices take no part in run %s", name, timeout, self.run_id)
