@@ -61,6 +61,7 @@ class RunSummary:
 
     run: str
     algorithm: str
+    rule: str  # the aggregation rule (aggregation.rule; "mean" for runs before it was recorded)
     dataset: str
     model: str
     wire: str | None  # the wire codecs, up/down (None: float32 both ways)
@@ -86,7 +87,9 @@ class RunSummary:
 
     def row(self) -> dict[str, Any]:
         """The table row: summary.md's and summary.csv's columns by their display names."""
-        out: dict[str, Any] = {"run": self.run, "algorithm": self.algorithm,
+        # another rule is another method: its name beside the algorithm's (never a paper's row)
+        shown = self.algorithm if self.rule == "mean" else f"{self.algorithm}+{self.rule}"
+        out: dict[str, Any] = {"run": self.run, "algorithm": shown,
                                "dataset": self.dataset, "model": self.model, "wire": self.wire,
                                "rounds": self.rounds, "of": self.of, "finetuned": self.finetuned,
                                "state": self.state, "device": self.device}
@@ -123,6 +126,7 @@ def summarize(run: Run) -> RunSummary:
     tuned = [r.energy_j for r in run.rows if r.phase == "finetune" and r.energy_j is not None]
     return RunSummary(
         run=run.label, algorithm=run.algorithm,
+        rule=str(run.config.get("aggregation", {}).get("rule", "mean")),
         dataset=run.config.get("data", {}).get("dataset", "?"),
         model=_model_label(run.config.get("model", {})),
         wire=_wire_label(run.config.get("wire", {})),

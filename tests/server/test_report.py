@@ -300,3 +300,22 @@ def test_runs_under_a_wire_codec_say_which(two_runs, tmp_path, data_root):
     assert [x["wire"] for x in rows] == ["", "int8/fp16"]
     assert float(rows[1]["MB moved"]) < 0.4 * float(rows[0]["MB moved"])
     assert "| wire |" in (out / "summary.md").read_text()
+
+
+def test_a_run_with_another_aggregation_rule_says_which(two_runs, tmp_path):
+    """Issue 94, finding 1: two FedAvg runs with different rules were both "fedavg" in the
+    report. A rule other than the mean is named beside the algorithm (and so is never compared
+    with a paper's FedAvg row)."""
+    import shutil
+
+    other = tmp_path / "fedavg-median"
+    shutil.copytree(two_runs / "fedavg", other)
+    config = other / "config.toml"
+    text = config.read_text()
+    assert 'rule = "mean"' in text
+    config.write_text(text.replace('rule = "mean"', 'rule = "median"'))
+    r = _report(str(two_runs / "fedavg"), str(other), "--out", str(tmp_path / "rep"), "--no-figures")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader((tmp_path / "rep" / "summary.csv").open()))
+    assert [(x["run"], x["algorithm"]) for x in rows] == [("fedavg", "fedavg"),
+                                                         ("fedavg-median", "fedavg+median")]
