@@ -169,9 +169,14 @@ def _md_cell(row: dict[str, Any], key: str) -> str:
 def _notes(rows: list[dict[str, Any]], shown: list[str], groups: list[Any], runs: list[Run],
            ref: dict[str, Any] | None, beside: dict[str, str]) -> list[str]:
     """summary.md's notes under its table: what the columns mean, and what to mind."""
+    placed = [r.config.get("data", {}).get("placement") == "device" for r in runs]
+    on = ("the coordinator's data.validation (data.placement = \"device\"; none without it)"
+          if all(placed) else "all clients' test rows" + (
+              " (data.placement = \"device\": on the coordinator's data.validation)"
+              if any(placed) else ""))
     notes = [
         "",
-        "G: global model on all clients' test rows; P: each client's personalized model after "
+        f"G: global model on {on}; P: each client's personalized model after "
         "aggregation (after fine-tuning for FedBABU/FedSeq/local); L: each client's most recent "
         "locally trained model (stale for clients not selected lately); Lr: the fresh local "
         "models of each round's trainers only (FedReG section 5 admits both readings of its "
@@ -186,8 +191,7 @@ def _notes(rows: list[dict[str, Any]], shown: list[str], groups: list[Any], runs
     ]
     if "F best" in shown:
         notes.append("F (data.placement = \"device\"): the global model on each client's own "
-                     "test rows, scored on the devices and pooled; G is then the global model on "
-                     "the coordinator's data.validation (none without it).")
+                     "test rows, scored on the devices and pooled.")
     if any(r["state"] != "finished" for r in rows):
         notes.append("rounds: a row not finished says so (\"45 of 100, interrupted\"); its final "
                      "and last10 are those of its last row, and a \"mixed\" group averages runs "

@@ -33,6 +33,9 @@ def test_a_simulation_reads_each_devices_folder_and_scores_where_the_rows_are(tm
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| G final | F best | F last10 | F final |" in md
     assert "F (data.placement = \"device\"): the global model on each client's own" in md
+    # issue 94, finding 1: G's note said "all clients' test rows" for device placement too
+    assert "G: global model on the coordinator's data.validation" in md
+    assert "all clients' test rows" not in md
 
 
 def test_without_a_validation_set_the_federated_score_is_the_measure(tmp_path, one_thread):
