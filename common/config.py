@@ -420,7 +420,9 @@ class AggregationConfig(_Section):
     clip_norm: Optional[float] = Field(None, gt=0, description="clipped-mean: an absolute L2 bound.")
     clip_factor: float = Field(2.0, gt=0, description="clipped-mean: bound = factor x median norm.")
     trim_ratio: float = Field(0.1, gt=0, lt=0.5, description="trimmed-mean: ceil(ratio x n) cut per end.")
-    outlier_factor: float = Field(5.0, gt=1, description="Log updates with a norm > factor x the median.")
+    outlier_factor: float = Field(5.0, gt=1, description=(
+        "Log updates with a norm > factor x the median of the round's other updates (rounds of "
+        "at least five updates)."))
     max_abs_delta: Union[float, Literal["auto"]] = Field("auto", description=(
         "Refuse an update with a larger element; auto: 10 x the largest parameter magnitude of the "
         "global model at that round, at least 1. Running statistics have bounds of their own "

@@ -410,3 +410,17 @@ def test_the_drivers_share_the_ledger_and_subclass_nothing():
         assert cls.__bases__ == (Driver,), cls
     for cls in (VirtualArrivals, LoggedArrivals, MqttArrivals):
         assert cls.__bases__ == (Arrivals,), cls
+
+
+def test_an_outlier_is_named_against_the_others_median_in_rounds_of_five_or_more():
+    """Issue 94, finding 6: the outlier warning fired on honest non-IID devices in 12 of a lab's
+    30 rounds (three devices: the median was one client's own norm). The rule: a norm above
+    outlier_factor x the median of the round's other norms, in rounds of at least five updates."""
+    from fedseq.server.rounds.ledger import OUTLIER_MIN_UPDATES, outliers
+
+    assert OUTLIER_MIN_UPDATES == 5
+    assert outliers({0: 1.0, 1: 6.0, 2: 40.0}, 5.0) == ([], 0.0)  # three honest non-IID clients
+    assert outliers({0: 1.0, 1: 1.2, 2: 0.9, 3: 1.1, 4: 6.0}, 5.0)[0] == [4]
+    assert outliers({0: 1.0, 1: 1.2, 2: 0.9, 3: 1.1, 4: 5.0}, 5.0)[0] == []  # 5 <= 5 x 1.05
+    many = {c: 1.0 for c in range(8)} | {8: 50.0, 9: 60.0}  # two at once still named
+    assert outliers(many, 5.0) == ([8, 9], 1.0)
