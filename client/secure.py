@@ -25,11 +25,11 @@ from fedseq.common.secagg import (
     answer_to_wire,
     client_vector,
     keys_from_wire,
+    keys_to_wire,
     relay_from_wire,
     setup_from_dict,
     shares_to_wire,
     to_signed,
-    to_text,
 )
 
 log = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class SecureRound:
 
     def keys(self) -> Dict[int, Any]:
         """Stage 1: each client's two public keys."""
-        return {c: [to_text(k) for k in p.advertise()] for c, p in self.parties.items()}
+        return {c: keys_to_wire(p.advertise()) for c, p in self.parties.items()}
 
     def share(self, items: Mapping[int, object]) -> Dict[int, Any]:
         """Stage 2: the neighbours' keys in; each client's encrypted shares, commitment and (a

@@ -17,10 +17,15 @@ reconstruct a secret and fewer say nothing. The stages, each a message each way:
 3. masked input: it receives the shares addressed to it (with their owners' checks) and sends
    its update, in fixed point in the ring Z_2^32 (Z_2^16 under wire.up = "int8": 2 bytes a
    value), plus its self-mask and +/- one mask per neighbour that shared. A share that does not
-   decrypt or fails its owner's check is disputed: it is never revealed, and blames no one.
+   decrypt or fails its owner's check is disputed: it is never revealed.
 4. unmasking: told who sent a masked input and who dropped after sharing, it sends, per
    neighbour, the share of b (a survivor) or of s (dropped), never both, or "x" for a disputed
-   one.
+   one; and (`Setup.opens`) its own seed b, which its commitment must bear out.
+
+Disputes are judged where the setup is `paired`: a client advertises a channel key per
+neighbour, and a disputed share's "x" carries that pair's private key. The coordinator decrypts
+the one share with it and blames the holder (the share is sound) or the owner (it is not); the
+key shows only what that pair exchanged, one share of each secret each, below t.
 
 Checked shares make a junk share cost its sender, not the round: the coordinator checks each
 revealed share against its owner's check, so a share that fails it, from a holder that had the
@@ -58,6 +63,7 @@ from typing import (
     Sequence,
     Set,
     Tuple,
+    Union,
 )
 
 import numpy as np
@@ -209,6 +215,11 @@ class Setup:
     #: each survivor opens its own seed b in stage 4 (OWN), so no holder that disputes, lies or
     #: stays silent can keep a live client's self-mask on; False: a coordinator from before
     opens: bool = False
+    #: a channel key per pair of neighbours (stage 1 advertises one per neighbour): a holder
+    #: that disputes a share reveals that pair's private key in stage 4, and the coordinator,
+    #: decrypting that one share, blames whichever of the two lied; False: one channel key per
+    #: client (a coordinator from before), and a dispute blames nobody
+    paired: bool = False
 
     @property
     def clients(self) -> List[int]:
@@ -401,6 +412,25 @@ def _as_keys(entry) -> Tuple[bytes, bytes]:
     return bytes(entry[0]), bytes(entry[1])
 
 
+#: stage 1's keys as a client advertises them: (its channel key, or one per neighbour, its mask key)
+Advertised = Tuple[Union[bytes, Dict[int, bytes]], bytes]
+
+
+def _as_advertised(entry: object, neighbours: Sequence[int]) -> Advertised:
+    """Stage 1's keys from a client: two distinct 32-byte keys, or (a paired setup) a channel
+    key for each of its neighbours, exactly, and its mask key, all distinct."""
+    if isinstance(entry, (tuple, list)) and len(entry) == 2 and isinstance(entry[0], dict):
+        channels, s = entry
+        keys = list(channels.values()) + [s]
+        if (set(channels) != set(neighbours) or not all(
+                isinstance(k, bytes) and len(k) == KEY_BYTES for k in keys)
+                or len(set(keys)) != len(keys)):
+            raise SecAggError("public keys must be a distinct 32-byte X25519 channel key for "
+                              "each neighbour and a mask key")
+        return {int(v): bytes(k) for v, k in channels.items()}, bytes(s)
+    return _as_keys(entry)
+
+
 def _opens(commitment: bytes):
     """Whether a reconstructed seed is the one a client committed to (SHA-256)."""
     return lambda secret: secret < 1 << 256 and hashlib.sha256(
@@ -421,6 +451,8 @@ class SecAggClient:
             raise SecAggError(f"client {me} is not in secure round {setup.round}")
         self.me, self.setup = me, setup
         self.c_private, self.c_public = _new_key()
+        #: a paired setup: neighbour -> (private, public) channel key of that pair alone
+        self.channels = {v: _new_key() for v in setup.graph[me]} if setup.paired else {}
         self.s_private, self.s_public = _new_key()
         self.seed = secrets.token_bytes(KEY_BYTES)  # b: the self-mask's seed
         self.keys: Dict[int, Tuple[bytes, bytes]] = {}
@@ -429,9 +461,15 @@ class SecAggClient:
         self.disputed: Dict[int, str] = {}  # neighbour -> why its share to me is unusable
         self.revealed: Dict[int, str] = {}
 
-    def advertise(self) -> Tuple[bytes, bytes]:
-        """Stage 1: (c, s) public keys."""
+    def advertise(self) -> Advertised:
+        """Stage 1: (c, s) public keys; a paired setup: (neighbour -> its pair's c, s)."""
+        if self.channels:
+            return {v: public for v, (_, public) in self.channels.items()}, self.s_public
         return self.c_public, self.s_public
+
+    def _channel(self, v: int) -> bytes:
+        """The private key of this client's channel with neighbour v."""
+        return self.channels[v][0] if self.channels else self.c_private
 
     def share_keys(self, keys: Mapping[int, Tuple[bytes, bytes]]
                    ) -> Tuple[Dict[int, bytes], bytes, Optional[Checks]]:
@@ -455,7 +493,7 @@ class SecAggClient:
 
         out = {}
         for v in sorted(self.keys):
-            key = _agree(self.c_private, self.keys[v][0], b"channel")
+            key = _agree(self._channel(v), self.keys[v][0], b"channel")
             nonce = secrets.token_bytes(NONCE_BYTES)
             plain = _PLAIN.pack(self.me, v, _bytes(b_shares[_x(v)]), _bytes(s_shares[_x(v)]))
             out[v] = nonce + ChaCha20Poly1305(key).encrypt(
@@ -482,7 +520,7 @@ class SecAggClient:
             if v not in self.keys or not isinstance(blob, bytes) or len(blob) != CIPHER_BYTES:
                 raise SecAggError(f"a share from {v}, not a neighbour that advertised keys, or "
                                   f"not {CIPHER_BYTES} bytes")
-            key = _agree(self.c_private, self.keys[v][0], b"channel")
+            key = _agree(self._channel(v), self.keys[v][0], b"channel")
             try:
                 plain = ChaCha20Poly1305(key).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:],
                                                       _aad(self.setup.round, v, self.me))
@@ -527,8 +565,9 @@ class SecAggClient:
             raise SecAggError(f"{len(alive)} surviving neighbours: too few to unmask safely")
         out = {self.me: (OWN, int.from_bytes(self.seed, "big"))} if self.setup.opens else {}
         for v, kind in [(v, "b") for v in alive - {self.me}] + [(v, "s") for v in gone]:
-            if v in self.disputed:
-                out[v] = (DISPUTED, 0)
+            if v in self.disputed:  # (a paired setup: the pair's key shows who lied)
+                out[v] = (DISPUTED, int.from_bytes(self.channels[v][0], "big")
+                          if self.channels else 0)
                 continue
             if self.revealed.setdefault(v, kind) != kind:
                 raise SecAggError(f"both secrets of client {v} asked for")
@@ -544,7 +583,7 @@ class SecAggServer:
     sum of the masked inputs it accepted and nothing else of any one client's."""
 
     setup: Setup
-    keys: Dict[int, Tuple[bytes, bytes]] = field(default_factory=dict)  # stage 1
+    keys: Dict[int, Advertised] = field(default_factory=dict)  # stage 1
     commitments: Dict[int, bytes] = field(default_factory=dict)  # stage 2: SHA-256 of b
     #: stage 2, a checked setup: owner -> holder -> (check of its share of b, of s); an owner
     #: that sent none (an older device) is missing
@@ -570,12 +609,12 @@ class SecAggServer:
             if c not in self.setup.graph:
                 continue
             try:
-                self.keys[c] = _as_keys(entry)
+                self.keys[c] = _as_advertised(entry, self.setup.graph[c])
             except SecAggError as exc:
                 self.drop(c, f"advertise: {exc}")
         seen: Dict[bytes, int] = {}
-        for c, pair in sorted(self.keys.items()):
-            for k in pair:
+        for c, (channel, s) in sorted(self.keys.items()):
+            for k in [*(channel.values() if isinstance(channel, dict) else [channel]), s]:
                 if k in seen:
                     self.drop(c, f"advertise: a public key client {seen[k]} advertised too")
                 seen.setdefault(k, c)
@@ -583,8 +622,13 @@ class SecAggServer:
             if c not in self.keys:
                 self.drop(c, "advertise: no public keys")
         self.keys = {c: k for c, k in self.keys.items() if c not in self.dropped}
-        return {c: {v: self.keys[v] for v in self.setup.graph[c] if v in self.keys}
-                for c in self.keys}
+        return {c: {v: (self.channel_key(v, c), self.keys[v][1])
+                    for v in self.setup.graph[c] if v in self.keys} for c in self.keys}
+
+    def channel_key(self, owner: int, peer: int) -> bytes:
+        """The public key of `owner`'s channel with `peer`, as `owner` advertised it."""
+        channel = self.keys[owner][0]
+        return channel[peer] if isinstance(channel, dict) else channel
 
     def shared(self, sent: Mapping[int, object]) -> Dict[int, Dict[int, bytes]]:
         """Stage 2's messages in ((receiver -> blob, commitment, receiver -> checks or None) per
@@ -720,7 +764,10 @@ class SecAggServer:
                 self.blamed.setdefault(c, f"unmask: {exc}")
                 continue
             for v, (kind, value) in got.items():
-                if kind == DISPUTED:  # its owner's share was unusable: nobody is proven bad
+                if kind == DISPUTED:  # a paired setup: the pair's key shows who lied
+                    share = self._judged(c, v, value, want[v])
+                    if share is not None:
+                        points[want[v]].setdefault(v, {})[_x(c)] = share
                     continue
                 check = self.checks.get(v, {}).get(c)
                 if check is not None and share_check(
@@ -732,6 +779,48 @@ class SecAggServer:
                     continue
                 points[kind].setdefault(v, {})[_x(c)] = value
         return points
+
+    def _judged(self, holder: int, owner: int, key: int, kind: str) -> Optional[int]:
+        """A dispute of `owner`'s share by `holder`: with a paired setup, `key` is the private
+        key of their channel. The share is decrypted with it: one that decrypts, names them and
+        passes its owner's check proves the dispute false (the holder is blamed, and its share
+        counts); one that does not proves the owner's share junk (the owner is blamed). A key
+        that is not the holder's advertised one, or none from a holder that advertised paired
+        keys, blames the holder. Without paired keys (an older device): nobody is proven bad."""
+        from cryptography.exceptions import InvalidTag
+        from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+        if not isinstance(self.keys.get(holder, (b"",))[0], dict):
+            return None
+        if not 0 < key < 1 << 256 or public_of(key.to_bytes(KEY_BYTES, "big")) != \
+                self.channel_key(holder, owner):
+            self.blamed.setdefault(holder, f"unmask: its dispute of client {owner}'s share "
+                                           "does not reveal the key of their channel")
+            return None
+        blob = self.routed.get(holder, {}).get(owner)
+        if blob is None:
+            return None
+        try:
+            channel = _agree(key.to_bytes(KEY_BYTES, "big"), self.channel_key(owner, holder),
+                             b"channel")
+            plain = ChaCha20Poly1305(channel).decrypt(blob[:NONCE_BYTES], blob[NONCE_BYTES:],
+                                                      _aad(self.setup.round, owner, holder))
+            sender, receiver, b_raw, s_raw = _PLAIN.unpack(plain)
+            b, s = int.from_bytes(b_raw, "big"), int.from_bytes(s_raw, "big")
+            check = self.checks.get(owner, {}).get(holder)
+            sound = ((sender, receiver) == (owner, holder) and b < PRIME and s < PRIME and (
+                check is None or check == (share_check("b", self.setup.round, owner, holder, b),
+                                           share_check("s", self.setup.round, owner, holder, s))))
+        except (InvalidTag, SecAggError, struct.error):
+            sound = False
+        if not sound:
+            self.blamed.setdefault(owner, f"share keys: its share to client {holder} does not "
+                                          "decrypt or fails its own check (shown with their "
+                                          "channel's key)")
+            return None
+        self.blamed.setdefault(holder, f"unmask: it disputed client {owner}'s share, which "
+                                       "decrypts and passes its check")
+        return b if kind == "b" else s
 
     def _open_own(self, c: int, entry: object) -> None:
         """A survivor's own seed, opened in stage 4: kept where its commitment bears it out;
@@ -781,7 +870,8 @@ def setup_to_dict(setup: Setup, layout: Layout, unweighted: bool) -> Dict[str, A
             "clip_range": setup.clip_range, "ring_bits": setup.ring_bits,
             "layout": [[k, n] for k, n in layout], "unweighted": unweighted,
             **({"checked": True} if setup.checked else {}),
-            **({"opens": True} if setup.opens else {})}
+            **({"opens": True} if setup.opens else {}),
+            **({"paired": True} if setup.paired else {})}
 
 
 def setup_from_dict(raw: object) -> Tuple[Setup, Layout, bool]:
@@ -794,10 +884,11 @@ def setup_from_dict(raw: object) -> Tuple[Setup, Layout, bool]:
         setup = Setup(round=int(raw["round"]), graph=graph, threshold=int(raw["threshold"]),
                       length=int(raw["length"]), scale=float(raw["scale"]),
                       clip_range=float(raw["clip_range"]), ring_bits=int(raw["ring_bits"]),
-                      checked=raw.get("checked", False), opens=raw.get("opens", False))
+                      checked=raw.get("checked", False), opens=raw.get("opens", False),
+                      paired=raw.get("paired", False))
         unweighted = raw["unweighted"]
         assert isinstance(unweighted, bool) and isinstance(setup.checked, bool)
-        assert isinstance(setup.opens, bool)
+        assert isinstance(setup.opens, bool) and isinstance(setup.paired, bool)
         assert all(c not in vs and all(v in graph and c in graph[v] for v in vs)
                    for c, vs in graph.items()), "the graph is not symmetric"
         assert setup.threshold >= 1 and setup.scale > 0 and setup.clip_range > 0
@@ -827,10 +918,23 @@ def from_text(text: object, size: int) -> bytes:
     return blob
 
 
-def keys_from_wire(entry: object) -> Tuple[bytes, bytes]:
-    """Stage 1's (c, s) public keys from their wire form."""
+def keys_to_wire(keys: Advertised) -> List[Any]:
+    """Stage 1's keys as they travel: [c, s], or [{neighbour: c}, s] (paired)."""
+    channel, s = keys
+    return [{str(v): to_text(k) for v, k in channel.items()} if isinstance(channel, dict)
+            else to_text(channel), to_text(s)]
+
+
+def keys_from_wire(entry: object) -> Advertised:
+    """Stage 1's keys from their wire form: (c, s), or ({neighbour: c}, s) (paired)."""
     if not isinstance(entry, list) or len(entry) != 2:
         raise SecAggError("public keys: expected two base64 keys")
+    if isinstance(entry[0], dict):
+        try:
+            channels = {int(v): from_text(k, KEY_BYTES) for v, k in entry[0].items()}
+        except ValueError:
+            raise SecAggError("public keys: a neighbour that is not a client") from None
+        return channels, from_text(entry[1], KEY_BYTES)
     return from_text(entry[0], KEY_BYTES), from_text(entry[1], KEY_BYTES)
 
 
@@ -910,20 +1014,22 @@ def answer_from_wire(entry: object) -> Dict[int, Tuple[str, int]]:
     try:
         for v, pair in entry.items():
             kind, value = pair
-            if kind == DISPUTED and value == "":
-                out[int(v)] = (kind, 0)
+            if kind == DISPUTED:  # its pair's channel key in a paired setup, else nothing
+                out[int(v)] = (kind, int.from_bytes(from_text(value, KEY_BYTES), "big")
+                               if value != "" else 0)
                 continue
             if kind not in ("b", "s", OWN):
                 raise ValueError
             out[int(v)] = (kind, int.from_bytes(from_text(value, SHARE_BYTES), "big"))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, SecAggError):
         raise SecAggError("unmask: expected {neighbour: [\"b\" or \"s\", share] or "
-                          "[\"x\", \"\"]}") from None
+                          "[\"x\", \"\" or its channel's key]}") from None
     return out
 
 
 def answer_to_wire(answer: Mapping[int, Tuple[str, int]]) -> Dict[str, List[str]]:
     """A holder's unmask answer as JSON: owner -> [kind, the share in base64], the share empty where
     the holder disputes it."""
-    return {str(v): [kind, "" if kind == DISPUTED else to_text(_bytes(value))]
+    return {str(v): [kind, ("" if not value else to_text(value.to_bytes(KEY_BYTES, "big")))
+                     if kind == DISPUTED else to_text(_bytes(value))]
             for v, (kind, value) in answer.items()}

@@ -64,7 +64,8 @@ def round_setup(cfg: ExperimentConfig, t: int, clients: list[int], layout: Layou
     return Setup(round=t, graph=graph, threshold=threshold_for(k, s.threshold),
                  length=vector_length(layout),
                  scale=scale_for(len(clients), max_weight, b, bits),
-                 clip_range=b, ring_bits=bits, checked=True, opens=True)
+                 clip_range=b, ring_bits=bits, checked=True, opens=True,
+                 paired=True)
 
 
 def layout_of(reference: Weights) -> Layout:
@@ -99,8 +100,8 @@ class SecureSum(Aggregator):
         setup = self.setup
         self.clients = {c: SecAggClient(c, setup) for c in setup.clients}
         advertised = {c: x.advertise() for c, x in self.clients.items()}
-        for c in self.clients:
-            self.wire[c] += 2 * KEY_BYTES
+        for c, (channel, _) in advertised.items():  # (a channel key a neighbour when paired)
+            self.wire[c] += (1 + (len(channel) if isinstance(channel, dict) else 1)) * KEY_BYTES
         keys = self.server.advertised(advertised)
         sent = {}
         for c, theirs in keys.items():

@@ -74,13 +74,14 @@ def test_the_encoding_error_is_within_half_a_step_and_the_sum_cannot_wrap(bits):
         S.scale_for(40_000, 1.0, clip, 16)
 
 
-def _round(m=12, n=5000, degree=None, fraction=0.5, seed=0, bits=32, checked=False, opens=False):
+def _round(m=12, n=5000, degree=None, fraction=0.5, seed=0, bits=32, checked=False, opens=False,
+           paired=False):
     clients = list(range(3, 3 + m))
     k = S.degree_for(m, degree)
     setup = S.Setup(round=7, graph=S.neighbours(clients, k, seed),
                     threshold=S.threshold_for(k, fraction), length=n,
                     scale=S.scale_for(m, 1.0, 1.0, bits), clip_range=1.0, ring_bits=bits,
-                    checked=checked, opens=opens)
+                    checked=checked, opens=opens, paired=paired)
     rng = np.random.default_rng(seed)
     inputs = {c: S.encode(rng.uniform(-1, 1, n), setup.scale, bits) for c in clients}
     return setup, inputs, {c: S.SecAggClient(c, setup) for c in clients}, S.SecAggServer(setup)
@@ -476,3 +477,71 @@ def test_an_opened_seed_travels_and_a_setup_says_so():
         S.Setup(**{**setup.__dict__, "opens": False}), layout, False))[0].opens
     answer = {3: (S.OWN, 12345), 4: ("b", 7), 5: (S.DISPUTED, 0)}
     assert S.answer_from_wire(S.answer_to_wire(answer)) == answer
+
+
+def _false_disputes(attackers, clients, reveal=True):
+    """Stage 4 from `attackers`: every share asked for disputed, with (`reveal`) or without the
+    pair's channel key a paired setup asks for."""
+    def tamper(st, c, msg):
+        if st != 4 or c not in attackers:
+            return msg
+        return {v: (S.DISPUTED, int.from_bytes(clients[c].channels[v][0], "big") if reveal else 0)
+                for v, (kind, _) in msg.items() if kind != S.OWN}
+    return tamper
+
+
+@pytest.mark.parametrize("reveal", [True, False])
+def test_false_disputes_are_blamed_on_their_senders_and_fail_no_round(reveal):
+    """Hardening VII, finding 6: disputes blamed nobody. With a channel key per pair of
+    neighbours, a holder that disputes reveals that pair's key; the coordinator decrypts that
+    one share, which passes its owner's check: the dispute was false, its sender is blamed
+    (and excluded by the run), and the share counts. A dispute without the key is blamed too.
+    3 of 6 clients disputing every share for 5 rounds: no round fails, and they are blamed in
+    each."""
+    attackers = [3, 4, 5]
+    for seed in range(5):
+        setup, inputs, clients, server = _round(m=6, n=50, checked=True, opens=True,
+                                                paired=True, seed=seed)
+        total = _run(setup, inputs, clients, server,
+                     tamper=_false_disputes(attackers, clients, reveal))
+        assert np.array_equal(total, _plain(inputs, inputs))
+        assert sorted(server.blamed) == attackers
+        words = "which decrypts and passes its check" if reveal else "does not reveal the key"
+        assert all(words in server.blamed[a] for a in attackers), server.blamed
+
+
+@pytest.mark.parametrize("how", ["junk", "frame"])
+def test_a_dispute_shown_with_its_key_blames_an_owner_whose_share_is_junk(how):
+    """The other side: an owner whose share to one holder does not decrypt, or fails the check
+    it sent itself (to frame the holder). The holder disputes in stage 3 and shows the pair's
+    key in stage 4: the owner is blamed, never the holder, and the sum is right."""
+    setup, inputs, clients, server = _round(checked=True, opens=True, paired=True)
+    owner = 5
+    holder = setup.graph[owner][0]
+
+    def tamper(st, c, msg):
+        if st == 2 and c == owner:
+            blobs, commitment, checks = msg
+            if how == "junk":
+                return {**blobs, holder: b"\0" * S.CIPHER_BYTES}, commitment, checks
+            return blobs, commitment, {**checks, holder: (b"\1" * 32, b"\1" * 32)}
+        return msg
+
+    total = _run(setup, inputs, clients, server, tamper=tamper)
+    assert np.array_equal(total, _plain(inputs, inputs))
+    assert owner in clients[holder].disputed
+    assert list(server.blamed) == [owner], server.blamed
+    assert "does not decrypt or fails its own check" in server.blamed[owner]
+
+
+def test_paired_keys_travel_and_an_unpaired_client_still_takes_part():
+    """Stage 1's paired form on the wire, and a client of an older fedseq (one channel key)
+    in a paired round: its shares work, and its disputes blame nobody, as before."""
+    keys = ({4: b"\1" * 32, 9: b"\2" * 32}, b"\3" * 32)
+    assert S.keys_from_wire(json.loads(json.dumps(S.keys_to_wire(keys)))) == keys
+    assert S.keys_from_wire(S.keys_to_wire((b"\1" * 32, b"\3" * 32))) == (b"\1" * 32, b"\3" * 32)
+    setup, inputs, clients, server = _round(m=6, n=50, checked=True, opens=True, paired=True)
+    older = S.SecAggClient(3, S.Setup(**{**setup.__dict__, "paired": False}))
+    clients[3] = older
+    total = _run(setup, inputs, clients, server, tamper=_false_disputes([], clients))
+    assert np.array_equal(total, _plain(inputs, inputs)) and server.blamed == {}
