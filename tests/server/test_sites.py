@@ -379,8 +379,8 @@ def test_a_sites_invalid_answer_costs_its_own_clients_at_once_and_its_flood_is_i
     and failed every site's round. Every float from the wire is refused when parsed: the site
     that sent it misses the round at once, with why, and the other site is waited for as
     before. A site login's messages are charged to its own budget (bytes and CPU of the
-    network thread, as a device login's): its flood is dropped unread, another site's status
-    still arrives."""
+    network thread, as a device login's): its flood is dropped unread, each drop told to the
+    broker's flood guard, and another site's status still arrives."""
     from fedseq.common.protocol.frames import pack_chunk
     from fedseq.common.protocol.messages import SiteResultHeader, SiteStatus
     from fedseq.server.pools.mqtt.edges import EdgePool
@@ -398,10 +398,13 @@ def test_a_sites_invalid_answer_costs_its_own_clients_at_once_and_its_flood_is_i
     assert missing["a"].startswith("its answer is invalid: invalid SiteResultHeader: ")
     assert "not finite" in missing["a"] and missing["b"] == "no answer within 1 s"
 
+    disabled: list[str] = []
+    pool.guard = type("Guard", (), {"dropped": staticmethod(disabled.append)})()
     flood = SiteStatus(site="b", state="online", devices=["x"] * 500).encode()
     for _ in range(2000):
         pool._on_message(pool.topics.site("b", "status"), flood)
     assert 0 < pool.events.qsize() < 200 and pool.flooded > 1800
+    assert disabled == ["b"] * pool.flooded  # each drop told to the flood guard, as a device's
     pool._on_message(pool.topics.site("a", "status"), SiteStatus(site="a", state="offline").encode())
     events = [pool.events.get_nowait() for _ in range(pool.events.qsize())]
     assert events[-1][:2] == ("status", "a") and events[-1][2].state == "offline"

@@ -46,6 +46,7 @@ from fedseq.common.registry import REGISTRY
 from fedseq.common.text import printable
 from fedseq.server.pools.mqtt.broker_session import WaitShares
 from fedseq.server.pools.mqtt.budget import Allowance, LoginBudgets, allowance, thread_seconds
+from fedseq.server.pools.mqtt.guard import FloodGuard, guard_password
 from fedseq.server.pools.mqtt.inbox import STATUS_BYTES
 from fedseq.server.rounds.contract import RoundContract
 from fedseq.server.rounds.pool_api import (
@@ -133,11 +134,19 @@ class EdgePool:
         self.flooded = 0  # messages dropped unread: their site spent its budget
         self._flooding: set[str] = set()
         self._named: set[str] = set()  # sites whose refusal of the run was logged
+        #: the coordinator broker's flood guard (deploy.guard_username): a site login that keeps
+        #: flooding past its budget is disabled at the broker, as a device login is
+        self.guard = FloodGuard(url, cfg.deploy.guard_username,
+                                guard_password(cfg.deploy.guard_password_file), tls
+                                ) if cfg.deploy.guard_username else None
 
     # -- set-up ----------------------------------------------------------------------------
     def start(self) -> None:
-        """Connect to the coordinator's broker (three attempts)."""
+        """Connect to the coordinator's broker (three attempts), then the flood guard where
+        one is configured."""
         self.link.start(attempts=3)
+        if self.guard is not None:
+            self.guard.start()
 
     def __enter__(self) -> EdgePool:
         self.start()
@@ -168,6 +177,8 @@ class EdgePool:
         site = self.sites[ref.device]
         if not self.budgets.admit(site.name, len(payload), self._allowance(site)):
             self.flooded += 1
+            if self.guard is not None:
+                self.guard.dropped(site.name)  # (a site's login is its name)
             if site.name not in self._flooding:
                 self._flooding.add(site.name)
                 log.warning("dropped messages from site %s unread: its edge aggregator sends "
@@ -409,6 +420,8 @@ class EdgePool:
             log.warning("closing the sites' run: %s", exc)
         finally:
             self.link.stop()
+            if self.guard is not None:
+                self.guard.stop()
 
     def wire_bytes(self) -> tuple[int, int]:
         """Payload bytes (sent, received) on this connection since the last call."""

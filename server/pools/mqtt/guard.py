@@ -23,8 +23,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from fedseq.common.errors import FedseqError
+from fedseq.common.errors import ConfigError, FedseqError
+from fedseq.common.files import HOW_TO_MAKE_A_SECRET, read_private_secret
 from fedseq.common.protocol.link import Link, TlsOptions, session_id
 from fedseq.common.text import printable
 
@@ -38,6 +40,17 @@ COOLDOWN_S, MAX_COOLDOWN_S = 60.0, 3600.0
 #: the plugin's control topics (Mosquitto 2.0)
 CONTROL = "$CONTROL/dynamic-security/v1"
 MARK = "fedseq guard: disabled for flooding"
+
+
+def guard_password(path: Path | None) -> str:
+    """The flood guard's password (deploy.guard_password_file): its login administers the
+    broker's logins, so its file is held to the cluster secret's checks (readable by its owner
+    alone, at least 32 characters of 8 distinct ones); a one-line ConfigError otherwise."""
+    if path is None:
+        raise ConfigError("deploy.guard_username needs deploy.guard_password_file, the file of its "
+                          f"password ({HOW_TO_MAKE_A_SECRET}; docs/security.md)")
+    return read_private_secret(path, f"deploy.guard_password_file {path}",
+                               "it can be guessed, and its login administers the broker")
 
 
 class FloodGuard:

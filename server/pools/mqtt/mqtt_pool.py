@@ -10,7 +10,6 @@ import logging
 import time
 import uuid
 from collections.abc import Collection
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,9 +20,8 @@ from fedseq.common.algorithms.plan import ClientPlan, plan_to_dict
 from fedseq.common.codecs import decode, expected
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.placed import ClientData, announcement_problem, bounded, roster
-from fedseq.common.errors import ConfigError, TransportError
+from fedseq.common.errors import TransportError
 from fedseq.common.evaluation import EvalReport
-from fedseq.common.files import HOW_TO_MAKE_A_SECRET, read_private_secret
 from fedseq.common.models import Weights, block_of, in_blocks
 from fedseq.common.protocol.link import TlsOptions
 from fedseq.common.protocol.messages import Assignment, Control, DeviceStatus, RunConfig, Step
@@ -40,7 +38,7 @@ from fedseq.server.pools.mqtt.collect import (
     collect_scores,
     collect_updates,
 )
-from fedseq.server.pools.mqtt.guard import FloodGuard
+from fedseq.server.pools.mqtt.guard import FloodGuard, guard_password
 from fedseq.server.pools.mqtt.inbox import UpdateArrived
 from fedseq.server.pools.mqtt.secure_relay import SecureStages
 from fedseq.server.privacy.secure_sum import SecureSum
@@ -71,17 +69,6 @@ def warn_other_versions(online: dict[str, DeviceStatus]) -> None:
             log.warning("%s runs fedseq %s, this coordinator %s: results may differ; install the "
                         "same version everywhere", printable(d, 80), printable(theirs, 100),
                         __version__)
-
-
-def guard_password(path: Path | None) -> str:
-    """The flood guard's password (deploy.guard_password_file): its login administers the
-    broker's logins, so its file is held to the cluster secret's checks (readable by its owner
-    alone, at least 32 characters of 8 distinct ones); a one-line ConfigError otherwise."""
-    if path is None:
-        raise ConfigError("deploy.guard_username needs deploy.guard_password_file, the file of its "
-                          f"password ({HOW_TO_MAKE_A_SECRET}; docs/security.md)")
-    return read_private_secret(path, f"deploy.guard_password_file {path}",
-                               "it can be guessed, and its login administers the broker")
 
 
 def fleet_run_id(state: PoolState | None) -> str:
