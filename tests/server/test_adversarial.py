@@ -913,6 +913,8 @@ def test_a_login_flooding_tiny_messages_is_disabled_at_the_broker(data_root, tmp
     port, home, _ = mosquitto
     names = ["local01", "local02", "local03"]
     daemons = {n: device_process(n, port, home, data_root) for n in names}
+    for n in names:  # the run's own wait is 5 s: not a daemon's start-up under load
+        wait_online(port, home, n)
     flood: list[subprocess.Popen] = []
     reads: list[float] = []
     began: list[float] = []

@@ -322,7 +322,8 @@ def test_a_client_whose_shares_are_proven_bad_is_left_out_of_the_rest_of_the_run
 
     def junk(self, survivors, dropped):
         out = honest(self, survivors, dropped)
-        return {v: (k, (x + 1) % S.PRIME) for v, (k, x) in out.items()} if self.me == 1 else out
+        return {v: (k, (x + 1) % S.PRIME if k != S.OWN else x)  # (its own seed: as it is)
+                for v, (k, x) in out.items()} if self.me == 1 else out
 
     monkeypatch.setattr(S.SecAggClient, "unmask", junk)
     cfg = quick_config(data_root, "secagg.enabled=true", "rounds=3", "train.join_ratio=1.0")

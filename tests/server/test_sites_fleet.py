@@ -447,9 +447,12 @@ def test_a_site_on_mosquitto_bridged_to_the_coordinators(data_root, tmp_path, on
             'hierarchy.sites={a=["local01","local02"]}', *tiers.login)
     try:
         cfg = quick_config(data_root, *over)
-        dep = run_deployment(cfg, tmp_path / "dep", broker=tiers.url, announce=lambda m: None)
+        shown: list[str] = []  # fedseq-server status while the run is on (its first round)
+        dep = run_deployment(cfg, tmp_path / "dep", broker=tiers.url, announce=lambda m: None,
+                             on_round=lambda rec: shown or shown.extend(format_fleet(read_fleet(
+                                 tiers.url, "fedseq", "coordinator", "c-pw"), "here")))
         up = _retained(top_port, "c-pw", "fedseq/#")
-        shown = format_fleet(read_fleet(tiers.url, "fedseq", "coordinator", "c-pw"), "here")
+        after_run = format_fleet(read_fleet(tiers.url, "fedseq", "coordinator", "c-pw"), "here")
         # the site's login tries what the ACL denies it: another site's result, a status of a
         # device not its own
         c = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="site-a-tries")
@@ -474,6 +477,9 @@ def test_a_site_on_mosquitto_bridged_to_the_coordinators(data_root, tmp_path, on
     # fedseq-server status on the coordinator's broker: the site, and every device by site
     assert any(x.startswith("site a: edge aggregator online") for x in shown), shown
     assert sum(x.startswith(("local01 (a) ", "local02 (a) ")) for x in shown) == 2, shown
+    # once the run is over nothing of it is retained (issue 94, finding 4): no run is current
+    assert after_run[0].startswith("broker here: coordinator offline (its last run ")
+    assert "fedseq/site/a/run" not in up and not any(x.startswith("run ") for x in after_run)
     assert not {"fedseq/site/b/result", "fedseq/site/b/status",
                 "fedseq/device/local03/status"} & set(after)
 
