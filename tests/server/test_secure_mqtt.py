@@ -32,9 +32,9 @@ from fedseq.common.secagg import (
     MASKED,
     SecAggClient,
     keys_from_wire,
+    keys_to_wire,
     setup_from_dict,
     shares_to_wire,
-    to_text,
 )
 from fedseq.server.ops.deployment import run_deployment, stop_children
 
@@ -86,7 +86,7 @@ class FaultyDevice:
             self.seq, self.round = step.seq, step.round
             setup, self.layout, _ = setup_from_dict(step.secagg)
             self.parties = {c: SecAggClient(c, setup) for c in (3, 5)}
-            keys = {c: [to_text(k) for k in p.advertise()] for c, p in self.parties.items()}
+            keys = {c: keys_to_wire(p.advertise()) for c, p in self.parties.items()}
             keys[1] = ["junk", "junk"]
             self._send("keys", keys)
 
@@ -207,7 +207,7 @@ class SilentDevice(FaultyDevice):
             self.seq = step.seq
             setup, _, _ = setup_from_dict(step.secagg)
             mine = [c for c in (1, 3, 5) if c in setup.graph]
-            self._send("keys", {c: [to_text(k) for k in SecAggClient(c, setup).advertise()]
+            self._send("keys", {c: keys_to_wire(SecAggClient(c, setup).advertise())
                                 for c in mine})
             self.done.set()
 
