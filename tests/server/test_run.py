@@ -99,6 +99,8 @@ def test_a_fleet_pool_ended_by_an_error_tells_its_devices_why():
 
     def on_message(client, userdata, msg):
         got.append((msg.topic, msg.payload))
+        if not msg.payload:  # the run's retained step cleared after its idle one
+            return
         if msg.topic == t.step and Step.decode(msg.payload).kind == "idle":
             idle.set()
 
