@@ -105,8 +105,9 @@ def client_folders(root: Path) -> List[Tuple[str, Path]]:
         return [(SINGLE, root)]
     out = [(p.name, p) for p in sorted(root.iterdir())
            if p.is_dir() and not p.name.startswith(".") and _part(p, "train") is not None]
+    inside = root.resolve()
     for _, p in out:
-        if root.resolve() not in p.resolve().parents:
+        if inside not in p.resolve().parents:
             raise DatasetError(f"{p}: a link out of the data folder ({p.resolve()}); move the "
                                "client's folder into it instead")
     if not out:
@@ -211,11 +212,11 @@ def influence_refusals(cfg: DataConfig, devices: Mapping[str, Sequence[ClientDat
         others = [m for e, m in totals.items() if e != d]
         if not others:
             continue
-        bound = cfg.max_weight_ratio * statistics.median_low(others)
-        if n > bound:
+        median = statistics.median_low(others)
+        if n > cfg.max_weight_ratio * median:
             out[d] = (f"{d} announced {n} training rows, more than data.max_weight_ratio = "
                       f"{cfg.max_weight_ratio:g} x the other devices' median "
-                      f"({statistics.median_low(others)}): it is left out (bounded influence; "
+                      f"({median}): it is left out (bounded influence; "
                       "raise data.max_weight_ratio if its data really is that large)")
     return out
 

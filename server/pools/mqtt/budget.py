@@ -75,10 +75,7 @@ class LoginBudgets:
         """Whether `login` may have a message of `size` payload bytes read now; if so, its
         bytes are spent."""
         with self._lock:
-            now = self.clock()
-            nbytes, cpu, when = self._left.get(login, (a.burst_bytes, a.burst_cpu, now))
-            nbytes = min(a.burst_bytes, nbytes + (now - when) * a.rate_bytes)
-            cpu = min(a.burst_cpu, cpu + (now - when) * a.rate_cpu)
+            nbytes, cpu, now = self._refilled(login, a)
             cost = size + MESSAGE_BYTES
             ok = nbytes >= cost and cpu > 0
             self._left[login] = (nbytes - cost if ok else nbytes, cpu, now)
@@ -89,12 +86,17 @@ class LoginBudgets:
         are added to what it holds, refilled to now, up to its burst plus the grant. Its
         budget follows the pace of the run, however fast its rounds."""
         with self._lock:
-            now = self.clock()
-            have, held, when = self._left.get(login, (a.burst_bytes, a.burst_cpu, now))
-            have = min(a.burst_bytes, have + (now - when) * a.rate_bytes)
-            held = min(a.burst_cpu, held + (now - when) * a.rate_cpu)
+            have, held, now = self._refilled(login, a)
             self._left[login] = (min(a.burst_bytes + nbytes, have + nbytes),
                                  min(a.burst_cpu + cpu, held + cpu), now)
+
+    def _refilled(self, login: str, a: Allowance) -> tuple[float, float, float]:
+        """(bytes, cpu) `login` holds now, its buckets refilled since it was last charged, and
+        now (under the lock)."""
+        now = self.clock()
+        nbytes, cpu, when = self._left.get(login, (a.burst_bytes, a.burst_cpu, now))
+        return (min(a.burst_bytes, nbytes + (now - when) * a.rate_bytes),
+                min(a.burst_cpu, cpu + (now - when) * a.rate_cpu), now)
 
     def spent(self, login: str, seconds: float) -> None:
         """`login`'s message took `seconds` of the thread's CPU (the bucket may go below zero:

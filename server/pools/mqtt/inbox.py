@@ -368,8 +368,8 @@ class Inbox:
         evaluation's base), so an honest device is never dropped at any round pace."""
         asked = Counter(self.owner[c] for c in (self.owner if clients is None else clients)
                         if c in self.owner)
+        wire = self._wire_update()
         for device, n in asked.items():
-            wire = self._wire_update()
             self.budgets.grant(device, self.allowance(device),
                                n * (wire + EVAL_BYTES_PER_CLIENT + MESSAGE_BYTES)
                                + EVAL_BYTES_BASE + STATUS_BYTES + 2 * MESSAGE_BYTES,
