@@ -55,6 +55,9 @@ class Setting(BaseModel):
     model_config = ConfigDict(extra="forbid")
     set: list[str] = Field(default_factory=list, description=(
         "Overrides of this setting, as --set takes them: [\"data.alpha=0.5\"]."))
+    algorithms: list[str] = Field(default_factory=list, description=(
+        "The algorithms this setting runs, in place of the campaign's (an arm that is one "
+        "algorithm: [\"fedseq-anti\"]); empty: the campaign's."))
 
 
 class CampaignFile(BaseModel):
@@ -136,13 +139,16 @@ def load_campaign(path: Path, extra: list[str] | None = None) -> tuple[CampaignF
     algorithms = spec.algorithms or [first.algorithm.name]
     if len(set(algorithms)) != len(algorithms):
         raise ConfigError(f"{path}: algorithms {algorithms} names one twice; give each once")
-    settings: list[tuple[str | None, list[str]]] = (
-        [(name, s.set) for name, s in spec.settings.items()] or [(None, [])])
-    axes = {"setting": list(range(len(settings))), "algorithm": algorithms, "seed": seeds}
+    settings: list[tuple[str | None, list[str], list[str]]] = (
+        [(name, s.set, s.algorithms) for name, s in spec.settings.items()] or [(None, [], [])])
+    every = list(dict.fromkeys(algorithms + [a for _, _, own in settings for a in own]))
+    axes = {"setting": list(range(len(settings))), "algorithm": every, "seed": seeds}
     runs = []
     for combo in itertools.product(*(axes[a] for a in spec.order)):
         at = dict(zip(spec.order, combo, strict=True))
-        name, overrides = settings[at["setting"]]
+        name, overrides, own = settings[at["setting"]]
+        if at["algorithm"] not in (own or algorithms):
+            continue
         alg, seed = at["algorithm"], at["seed"]
         where = f"{path} (setting {name})" if name else str(path)
         try:

@@ -252,3 +252,17 @@ def test_a_campaign_recorded_before_a_key_existed_continues(tmp_path, data_root)
     _, other = load_campaign(file, ["train.lr=0.5"])
     with pytest.raises(ConfigError, match="changed run"):
         Campaign(out, other, file).open(lambda m: None)
+
+
+def test_a_setting_that_names_its_algorithms_runs_only_those(tmp_path, data_root):
+    """An arm that is one algorithm (Results V's campaign): a setting's own `algorithms` replace
+    the campaign's for that setting alone, in the grid's order."""
+    file = _campaign(tmp_path, data_root, 'algorithms = ["fedavg"]\norder = ["seed", "setting", '
+                     '"algorithm"]\nseeds = "0,1"\n[settings.base]\nset = []\n[settings.anti]\n'
+                     'algorithms = ["fedseq-anti", "fedavg"]\nset = ["train.local_epochs=2"]\n')
+    _, runs = load_campaign(file)
+    assert [r.folder for r in runs] == [
+        "base/fedavg/seed-0", "anti/fedavg/seed-0", "anti/fedseq-anti/seed-0",
+        "base/fedavg/seed-1", "anti/fedavg/seed-1", "anti/fedseq-anti/seed-1"]
+    assert {r.cfg.algorithm.name for r in runs if r.setting == "anti"} == {"fedavg", "fedseq-anti"}
+    assert all(r.cfg.train.local_epochs == 2 for r in runs if r.setting == "anti")
