@@ -17,7 +17,7 @@ import time
 import torch
 
 from fedseq.common.algorithms.aggregate import ClientUpdate
-from fedseq.common.algorithms.robust import make_aggregator
+from fedseq.common.algorithms.robust import build_rule
 from fedseq.common.config import AggregationConfig
 from fedseq.common.data.federated import ClientShard, FederatedData
 from fedseq.common.models import build_model, get_blocks
@@ -52,7 +52,7 @@ def main() -> None:
              for i in range(len(parts))]
     times: dict[str, list[float]] = {"reassemble+sha256": [], "decode": [], "validate": [],
                                      "aggregate": []}
-    agg = make_aggregator(AggregationConfig(rule=args.rule))
+    agg = build_rule(AggregationConfig(rule=args.rule)).round()
     pool = FramePool(max_frame=len(frame) + 4096, per_sender=4 * len(frame))
     for i in range(args.updates):
         t0 = time.perf_counter()

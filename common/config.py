@@ -417,6 +417,10 @@ class AggregationConfig(_Section):
         "trimmed-mean, median, krum: robust rules (docs/security.md); or one an installed package "
         "registers (entry point group fedseq.aggregators). Coordinator only: a device needs no "
         "rule installed."))
+    options: Dict[str, Any] = Field(default_factory=dict, json_schema_extra=COORDINATOR,
+                                    description=(
+        "[aggregation.options]: the rule's own options, validated by its `options_model` "
+        "(a plugin rule's; the built-in rules take none: their keys are the ones here)."))
     clip_norm: Optional[float] = Field(None, gt=0, description="clipped-mean: an absolute L2 bound.")
     clip_factor: float = Field(2.0, gt=0, description="clipped-mean: bound = factor x median norm.")
     trim_ratio: float = Field(0.1, gt=0, lt=0.5, description="trimmed-mean: ceil(ratio x n) cut per end.")
@@ -435,6 +439,21 @@ class AggregationConfig(_Section):
     @classmethod
     def _rule_registered(cls, v: str, info: ValidationInfo) -> str:
         return _registered_name("aggregators", v) if _check_registries(info) else v
+
+    @model_validator(mode="after")
+    def _options_fit(self, info: ValidationInfo) -> AggregationConfig:
+        """[aggregation.options] as the rule's own schema reads them, so a bad option fails with
+        the config (a plugin rule's code is imported for it; a built-in's only to refuse
+        options)."""
+        if _check_registries(info) and (self.options or not REGISTRY.entry(
+                "aggregators", self.rule).builtin):
+            from fedseq.common.algorithms.robust import rule_options
+
+            try:
+                rule_options(self, REGISTRY.load("aggregators", self.rule))
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return self
 
     @model_validator(mode="after")
     def _mean_bounds_nothing(self) -> AggregationConfig:

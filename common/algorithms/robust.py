@@ -32,13 +32,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Protocol, Tuple
+from typing import Any, Callable, Dict, Protocol, Tuple
 
 import torch
+from pydantic import ValidationError
 
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum, in_dtype, update_norm
 from fedseq.common.config import AggregationConfig
-from fedseq.common.errors import AggregationError
+from fedseq.common.errors import AggregationError, ConfigError, validation_problem
 from fedseq.common.models import Weights, block_of
 
 
@@ -267,8 +268,75 @@ class Krum(_PerDeviceVotes):
         return set(self._moved)
 
 
-# The built-in rules as entry points of the group fedseq.aggregators (common/registry.py): a
-# rule is a callable (AggregationConfig) -> Aggregator, registered as a plugin's rule is.
+class Rule:
+    """An aggregation rule as a run holds it: built once at the run's start from
+    [aggregation] (its own options from [aggregation.options], validated by `options_model`),
+    kept across rounds, and asked by `round()` for a fresh Aggregator each round, site round or
+    asynchronous server step. A rule with state (server momentum, a running statistic) keeps it
+    on itself, updates it in its aggregators' `apply` (after any check that refuses the round),
+    and gives it to the checkpoint as tensors (`state`, `load_state`): a resumed run is then
+    bitwise the uninterrupted one. A registered rule is a subclass of this, or a plain callable
+    (AggregationConfig) -> Aggregator, which is a rule without options or state."""
+
+    #: a pydantic model of [aggregation.options]; None: the rule takes no options
+    options_model: Any = None
+
+    def __init__(self, cfg: AggregationConfig, options: Any = None) -> None:
+        self.cfg, self.options = cfg, options
+
+    def round(self) -> Aggregator:
+        """A fresh aggregator for one round."""
+        raise NotImplementedError
+
+    def state(self) -> Weights:
+        """The rule's state as tensors, for the checkpoint (empty: it keeps none)."""
+        return {}
+
+    def load_state(self, state: Weights) -> None:
+        """Continue from `state()`'s tensors (resume)."""
+
+
+class _Stateless(Rule):
+    """A registered callable (AggregationConfig) -> Aggregator: called afresh every round."""
+
+    def __init__(self, cfg: AggregationConfig, factory: Callable[[AggregationConfig], Aggregator]):
+        super().__init__(cfg)
+        self.factory = factory
+
+    def round(self) -> Aggregator:
+        return self.factory(self.cfg)
+
+
+def rule_options(cfg: AggregationConfig, rule: Any) -> Any:
+    """[aggregation.options] as the registered `rule` reads them; ConfigError in one line."""
+    model = getattr(rule, "options_model", None) if isinstance(rule, type) and \
+        issubclass(rule, Rule) else None
+    if model is None:
+        if cfg.options:
+            raise ConfigError(f"aggregation.options {sorted(cfg.options)}: the rule {cfg.rule} "
+                              "takes no options; remove [aggregation.options]")
+        return None
+    try:
+        return model.model_validate(cfg.options)
+    except ValidationError as exc:
+        p = validation_problem(exc)
+        raise ConfigError(f"aggregation.options{'.' + p.where if p.where else ''} (rule "
+                          f"{cfg.rule}): {p.msg}{p.more}") from None
+
+
+def build_rule(cfg: AggregationConfig) -> Rule:
+    """The configured rule (aggregation.rule, from the registry), built once for a run."""
+    from fedseq.common.registry import REGISTRY
+
+    rule = REGISTRY.load("aggregators", cfg.rule)
+    options = rule_options(cfg, rule)
+    if isinstance(rule, type) and issubclass(rule, Rule):
+        return rule(cfg, options)
+    return _Stateless(cfg, rule)
+
+
+# The built-in rules as entry points of the group fedseq.aggregators (common/registry.py): each a
+# callable (AggregationConfig) -> Aggregator, a rule without options or state.
 def mean(cfg: AggregationConfig) -> Aggregator:
     """Exact weighted FedAvg, streamed (the parity-tested default; no bound at all)."""
     return WeightedDeltaSum()
@@ -294,12 +362,5 @@ def krum(cfg: AggregationConfig) -> Aggregator:
     return Krum(cfg.byzantine())
 
 
-def make_aggregator(cfg: AggregationConfig) -> Aggregator:
-    """The configured rule (aggregation.rule), from the registry."""
-    from fedseq.common.registry import REGISTRY
-
-    return REGISTRY.load("aggregators", cfg.rule)(cfg)
-
-
-__all__ = ["Aggregator", "ClippedMean", "CoordinateWise", "DeviceVotes", "Krum", "make_aggregator",
+__all__ = ["Aggregator", "ClippedMean", "CoordinateWise", "DeviceVotes", "Krum", "Rule", "build_rule",
            "update_norm"]

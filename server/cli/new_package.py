@@ -1,13 +1,14 @@
 """`fedseq new NAME`: a lab's own pip-installable package of fedseq plugins, ready to edit.
 
-It holds a model (a plain torch module), a dataset (synthetic rows, so its tests need no files,
-and a reader of the files a device holds), an algorithm with a server step and a client hook, a
-config.toml that runs them on the data root's Fashion-MNIST (`fedseq-sim --config config.toml`),
-a device-data.toml that runs them on data left on the devices (data.placement = "device";
-simulated with `fedseq-sim --devices-data`), tests that pass with `python -m pytest` inside it,
-and a README saying how to install, test, run and deploy it. The entry points
-(groups fedseq.models, fedseq.datasets, fedseq.algorithms) register NAME-net, NAME-data and
-NAME-avg; a device allows them with --allow-plugin.
+It holds a model (a plain torch module), a dataset (synthetic rows, so its tests need no files, and
+a reader of the files a device holds), an algorithm with a server step and a client hook, an
+aggregation rule with options and state (server momentum), a config.toml that runs them on the data
+root's Fashion-MNIST (`fedseq-sim --config config.toml`), a device-data.toml that runs them on data
+left on the devices (data.placement = "device"; simulated with `fedseq-sim --devices-data`), tests
+that pass with `python -m pytest` inside it, and a README saying how to install, test, run and
+deploy it. The entry points (groups fedseq.models, fedseq.datasets, fedseq.algorithms,
+fedseq.aggregators) register NAME-net, NAME-data, NAME-avg and NAME-rule; a device allows the first
+three with --allow-plugin (a rule runs on the coordinator alone).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ build-backend = "setuptools.build_meta"
 [project]
 name = "{name}"
 version = "0.1.0"
-description = "{name}: fedseq plugins (a model, a dataset and an algorithm)"
+description = "{name}: fedseq plugins (a model, a dataset, an algorithm and an aggregation rule)"
 requires-python = ">=3.8"
 dependencies = ["fedseq", "torch>=1.12", "numpy>=1.21", "pydantic>=2.5"]
 
@@ -43,6 +44,9 @@ test = ["fedseq[server]", "pytest>=8"]
 
 [project.entry-points."fedseq.algorithms"]
 {name}-avg = "{module}:ScaledAvg"
+
+[project.entry-points."fedseq.aggregators"]
+{name}-rule = "{module}:MomentumRule"
 
 [tool.setuptools.packages.find]
 where = ["src"]
@@ -62,7 +66,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from fedseq.common.algorithms.aggregate import ServerStep
+from fedseq.common.algorithms.aggregate import ServerStep, WeightedDeltaSum
+from fedseq.common.algorithms.robust import Rule
 from fedseq.common.algorithms.base import Algorithm
 from fedseq.common.algorithms.hooks import ClientSide
 from fedseq.common.config import AlgorithmParams
@@ -194,6 +199,63 @@ class ScaledAvg(Algorithm):
         for k in moved:
             new[k] = global_weights[k] + scale * (mean[k] - global_weights[k])
         return ServerStep(new, frozenset(moved))
+
+
+# -- an aggregation rule (coordinator only): built once a run, options from [aggregation.options],
+# state kept across rounds and checkpointed. Each round gets a fresh aggregator from `round()`:
+# `add` folds one checked update (its deltas, a weight per block: the algorithm's, by default the
+# client's training rows), `apply` returns the new global tensors, `moved` the tensors it changed.
+class MomentumOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    beta: float = Field(0.5, ge=0, lt=1)  # the momentum of the rounds' mean deltas
+
+
+class MomentumRound:
+    """One round: the weighted mean streams in; `apply` moves the model by the momentum."""
+
+    def __init__(self, rule):
+        self.rule, self.mean = rule, WeightedDeltaSum()
+
+    def add(self, deltas, weight_of, client, device=None):
+        self.mean.add(deltas, weight_of, client, device)
+
+    def count(self):
+        return self.mean.count()
+
+    def clients_added(self):
+        return self.mean.clients_added()
+
+    def apply(self, global_weights):
+        new = self.mean.apply(global_weights)  # a refused round raises here, state untouched
+        m, beta = self.rule.momentum, self.rule.options.beta
+        for k in self.mean.moved():
+            if global_weights[k].is_floating_point():  # counters move as the mean moves them
+                m[k] = new[k] - global_weights[k] + (beta * m[k] if k in m else 0)
+                new[k] = global_weights[k] + m[k]
+        return new
+
+    def moved(self):
+        return self.mean.moved()
+
+
+class MomentumRule(Rule):
+    """The round's weighted mean, then server momentum on it."""
+
+    options_model = MomentumOptions
+
+    def __init__(self, cfg, options):
+        super().__init__(cfg, options)
+        self.momentum: Dict[str, torch.Tensor] = {{}}
+
+    def round(self):
+        return MomentumRound(self)
+
+    def state(self):  # checkpointed after every round; a resumed run is bitwise
+        return dict(self.momentum)
+
+    def load_state(self, state):
+        self.momentum = dict(state)
 '''
 
 CONFIG = '''\
@@ -215,6 +277,12 @@ name = "{name}-avg"
 [algorithm.{name}-avg]
 lam = 0.0001
 scale = 1.0
+
+[aggregation]
+rule = "{name}-rule"         # or a built-in: mean, median, ... (`fedseq plugins`)
+
+[aggregation.options]
+beta = 0.5
 
 [train]
 join_ratio = 0.5
@@ -263,7 +331,7 @@ def config(*extra):
 
 def test_fedseq_finds_the_plugins():
     for group, name in (("models", "{name}-net"), ("datasets", "{name}-data"),
-                        ("algorithms", "{name}-avg")):
+                        ("algorithms", "{name}-avg"), ("aggregators", "{name}-rule")):
         assert REGISTRY.entry(group, name).distribution == "{name}"
 
 
@@ -289,13 +357,22 @@ def test_a_unit_step_is_fedavg():
     ours = run_simulation(config("algorithm.{name}-avg.scale=1.0"), None).global_weights
     plain = run_simulation(config("algorithm.name=fedavg"), None).global_weights
     assert all(torch.allclose(ours[k], plain[k], atol=1e-6) for k in plain)
+
+
+def test_the_rule_without_momentum_is_the_mean_and_with_it_learns():
+    rule = ("aggregation.rule={name}-rule", "aggregation.options.beta=0")
+    ours = run_simulation(config(*rule), None).global_weights
+    plain = run_simulation(config(), None).global_weights
+    assert all(torch.allclose(ours[k], plain[k], atol=1e-5) for k in plain)
+    rows = run_simulation(config("aggregation.rule={name}-rule"), None).rows
+    assert rows[-1]["global_acc"] > 0.5
 '''
 
 README = '''\
 # {name}
 
-fedseq plugins: the model `{name}-net`, the dataset `{name}-data` and the algorithm `{name}-avg`
-(docs: "Your own model, data and algorithm").
+fedseq plugins: the model `{name}-net`, the dataset `{name}-data`, the algorithm `{name}-avg` and
+the aggregation rule `{name}-rule` (docs: "Your own model, data and algorithm").
 
 ```bash
 pip install -e ".[test]"                     # beside fedseq

@@ -61,7 +61,9 @@ class RunSummary:
 
     run: str
     algorithm: str
-    rule: str  # the aggregation rule (aggregation.rule; "mean" for runs before it was recorded)
+    #: the aggregation rule with its options, "median" or "labmomentum(beta=0.9)" ("mean" for runs
+    #: before it was recorded)
+    rule: str
     dataset: str
     model: str
     wire: str | None  # the wire codecs, up/down (None: float32 both ways)
@@ -108,6 +110,13 @@ class RunSummary:
         return out
 
 
+def _rule_label(agg: dict[str, Any]) -> str:
+    """aggregation.rule, with its [aggregation.options] where it has any."""
+    options = agg.get("options") or {}
+    said = ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+    return str(agg.get("rule", "mean")) + (f"({said})" if said else "")
+
+
 def summarize(run: Run) -> RunSummary:
     """A run's final, best and last-10-rounds G, F, P, L and Lr (%), the per-client spread of the
     final personalized accuracy, rounds, bytes, FLOPs, time, energy."""
@@ -126,7 +135,7 @@ def summarize(run: Run) -> RunSummary:
     tuned = [r.energy_j for r in run.rows if r.phase == "finetune" and r.energy_j is not None]
     return RunSummary(
         run=run.label, algorithm=run.algorithm,
-        rule=str(run.config.get("aggregation", {}).get("rule", "mean")),
+        rule=_rule_label(run.config.get("aggregation", {})),
         dataset=run.config.get("data", {}).get("dataset", "?"),
         model=_model_label(run.config.get("model", {})),
         wire=_wire_label(run.config.get("wire", {})),

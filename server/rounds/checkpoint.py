@@ -2,12 +2,13 @@
 atomically after every round (`checkpoint.safetensors` in the run directory).
 
 Tensors: the global weights (`global/<key>`), the in-process pool's personal blocks
-(`personal/<client>/<key>`) and the algorithm's server state (`server/<name>`: a server
-optimizer's moments). JSON metadata: the next round, block versions, the simulated byte
-accounting, the last evaluation, and the MQTT pool's state (run id, step sequence, published block
-versions, assignment). Randomness needs no state: every stream derives from (seed, purpose, round,
-client), so a resumed run is bitwise the uninterrupted one; the one secret among the seeds, the
-coordinator's noise seed under [privacy], is kept here (the only file that has it).
+(`personal/<client>/<key>`), the algorithm's server state (`server/<name>`: a server optimizer's
+moments) and the aggregation rule's state (`rule/<name>`). JSON metadata: the next round, block
+versions, the simulated byte accounting, the last evaluation, and the MQTT pool's state (run id,
+step sequence, published block versions, assignment). Randomness needs no state: every stream
+derives from (seed, purpose, round, client), so a resumed run is bitwise the uninterrupted one; the
+one secret among the seeds, the coordinator's noise seed under [privacy], is kept here (the only
+file that has it).
 """
 
 from __future__ import annotations
@@ -100,14 +101,15 @@ class LoopState:
 @dataclass
 class Checkpoint:
     """A run after its last complete round: the next round, the global weights, the round loop's
-    state, the pool's (its JSON bookkeeping and the personal blocks an in-process pool holds)
-    and the algorithm's server state."""
+    state, the pool's (its JSON bookkeeping and the personal blocks an in-process pool holds),
+    the algorithm's server state and the aggregation rule's."""
 
     next_round: int
     global_weights: Weights
     loop: LoopState
     pool: PoolState = field(default_factory=PoolState)
     server: Weights = field(default_factory=dict)
+    rule: Weights = field(default_factory=dict)
 
 
 def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
@@ -116,6 +118,7 @@ def save_checkpoint(run_dir: Path, ckpt: Checkpoint) -> None:
     for c, weights in ckpt.pool.personal.items():
         tensors.update({f"personal/{c}/{k}": v for k, v in weights.items()})
     tensors.update({f"server/{k}": v for k, v in ckpt.server.items()})
+    tensors.update({f"rule/{k}": v for k, v in ckpt.rule.items()})
     state = ckpt.loop.to_json()
     if ckpt.pool.state is not None:
         state["pool"] = ckpt.pool.state
@@ -144,5 +147,6 @@ def load_checkpoint(run_dir: Path) -> Checkpoint:
         if k.startswith("personal/"):
             _, c, name = k.split("/", 2)
             personal.setdefault(int(c), {})[name] = v
-    server = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("server/")}
-    return Checkpoint(next_round, glob, loop, PoolState(meta.get("pool"), personal), server)
+    server, rule = ({k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(f"{part}/")}
+                    for part in ("server", "rule"))
+    return Checkpoint(next_round, glob, loop, PoolState(meta.get("pool"), personal), server, rule)

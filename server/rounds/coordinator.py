@@ -397,7 +397,8 @@ class Coordinator:
         book = self.book
         return Checkpoint(next_round, book.global_weights,
                           book.loop_state(row, self.driver.state()),
-                          self.driver.pool_state(self.pool.snapshot()), self.alg.server_state())
+                          self.driver.pool_state(self.pool.snapshot()), self.alg.server_state(),
+                          book.rule.state())
 
     def _restore(self, ckpt: Checkpoint) -> int:
         """Continue after the checkpoint's last complete round; returns the next round."""

@@ -26,7 +26,7 @@ import torch
 from fedseq.common.algorithms import Algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost, WeightedDeltaSum
 from fedseq.common.algorithms.plan import ClientPlan, ordered_union
-from fedseq.common.algorithms.robust import Aggregator, make_aggregator, update_norm
+from fedseq.common.algorithms.robust import Aggregator, build_rule, update_norm
 from fedseq.common.codecs import Codec, encode, expected
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.data.federated import FederatedData
@@ -166,6 +166,8 @@ class Ledger:
         self.collect_threads = collect_threads
         self.global_weights = get_blocks(model, model.spec.blocks)
         algorithm.prepare([c.num_train for c in data.clients])
+        #: the aggregation rule, built once: its options read, its state kept across rounds
+        self.rule = build_rule(cfg.aggregation)
         #: [privacy]: the clip norm of the next round (adaptive clipping moves it)
         self.clip = cfg.privacy.clip_norm
         #: [privacy]: the seed of the coordinator's noise (the updates' sum and adaptive
@@ -387,7 +389,7 @@ class Ledger:
             inner = NoisedSum(self.clip, update_noise(self.cfg), expected_clients(self.cfg),
                               self.noise_seed, t)
         else:
-            inner = make_aggregator(self.cfg.aggregation)
+            inner = self.rule.round()
         if self.cfg.secagg.enabled and clients:
             assert offered is not None and isinstance(inner, WeightedDeltaSum)
             layout = layout_of(offered)
@@ -637,4 +639,5 @@ class Ledger:
         self.excluded = dict(loop.excluded)
         self.pool.restore(ckpt.pool)
         self.alg.load_server_state(ckpt.server)
+        self.rule.load_state(ckpt.rule)
         self.broadcast()  # as checkpointed: its versions are the checkpoint's

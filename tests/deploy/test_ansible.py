@@ -79,8 +79,8 @@ def test_client_role_installs_a_working_client(tmp_path, data_root):
          "from fedseq.client.settings import load_settings; "
          "[print(ok, line) for ok, line in check_plugins(load_settings(sys.argv[1], {}))]",
          str(config)], capture_output=True, text=True, timeout=120, check=True).stdout
-    assert "True plugin model 'labnet' (fedseq-labdemo 0.3.0) installed and allowed" in seen, seen
-    assert "None plugin algorithm 'fedavg-l2' (fedseq-labdemo 0.3.0) installed, not allowed" in seen
+    assert "True plugin model 'labnet' (fedseq-labdemo 0.4.0) installed and allowed" in seen, seen
+    assert "None plugin algorithm 'fedavg-l2' (fedseq-labdemo 0.4.0) installed, not allowed" in seen
     assert (prefix / "var/lib/fedseq/data/FashionMNIST/raw/train-images-idx3-ubyte.gz").exists()
     proc = subprocess.Popen([str(client), "--config", str(config)])
     try:

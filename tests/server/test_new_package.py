@@ -51,13 +51,15 @@ def test_fedseq_new_writes_a_package_whose_tests_pass_and_whose_config_runs(tmp_
     env = {**os.environ, "PYTHONPATH": str(site), "FEDSEQ_DATA": str(data_root)}
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
                            cwd=pkg, env=env, capture_output=True, text=True, timeout=600)
-    assert tests.returncode == 0 and "4 passed" in tests.stdout, tests.stdout[-2000:]
+    assert tests.returncode == 0 and "5 passed" in tests.stdout, tests.stdout[-2000:]
     run = subprocess.run([str(BIN / "fedseq-sim"), "--config", "config.toml", "--set", "rounds=2",
                           "--out", str(tmp_path / "run")], cwd=pkg, env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "acme-vision-avg on fmnist (acme-vision-net)" in run.stdout + run.stderr
     assert '"distribution": "acme-vision"' in (tmp_path / "run" / "plugins.json").read_text()
+    assert '"acme-vision-rule"' in (tmp_path / "run" / "plugins.json").read_text()
+    assert "beta = 0.5" in (tmp_path / "run" / "config.toml").read_text()
     # the README's device-data route, as written: demo folders, then the simulated fleet
     subprocess.run([sys.executable, "-c", "import acme_vision; acme_vision.write_device_folders("
                     f"{str(tmp_path / 'devices')!r})"], env=env, check=True, timeout=120)

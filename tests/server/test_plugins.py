@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import same_run, server_only
+from conftest import same_run, server_only, without_seconds
 from fedseq.common.algorithms import ALGORITHMS
 from fedseq.common.config import load_config
 from fedseq.common.registry import REGISTRY
@@ -63,10 +64,10 @@ def test_a_labs_package_runs_in_simulation_and_the_run_records_it(lab_package, t
     assert res.rows[0]["uploaded_blocks"] == ["body1", "body2", "head"]
     used = {u["group"]: u for u in json.loads((tmp_path / "run" / "plugins.json").read_text())}
     assert {g: (u["name"], u["distribution"], u["version"]) for g, u in used.items()} == {
-        "models": ("labnet", "fedseq-labdemo", "0.3.0"),
-        "datasets": ("blobs", "fedseq-labdemo", "0.3.0"),
-        "algorithms": ("fedavg-l2", "fedseq-labdemo", "0.3.0"),
-        "aggregators": ("labmean", "fedseq-labdemo", "0.3.0")}
+        "models": ("labnet", "fedseq-labdemo", "0.4.0"),
+        "datasets": ("blobs", "fedseq-labdemo", "0.4.0"),
+        "algorithms": ("fedavg-l2", "fedseq-labdemo", "0.4.0"),
+        "aggregators": ("labmean", "fedseq-labdemo", "0.4.0")}
 
 
 def test_the_plugins_own_parameters_and_hook_count(lab_package, one_thread):
@@ -84,6 +85,53 @@ def test_the_plugins_own_parameters_and_hook_count(lab_package, one_thread):
 
 
 @pytest.mark.slow("two torch.distributed workers beside the in-process run: ~5 s")
+def test_a_rules_options_are_its_own_and_checked_with_the_config(lab_package):
+    """[aggregation.options] is validated by the rule's own options_model, in one line naming the
+    rule; a rule without options (a plain callable, a built-in) refuses any."""
+    from fedseq.common.errors import ConfigError
+
+    assert lab_config("aggregation.rule=labmomentum",
+                      "aggregation.options.beta=0.5").aggregation.options == {"beta": 0.5}
+    for bad, says in ((["aggregation.rule=labmomentum", "aggregation.options.beta=2"],
+                       "aggregation.options.beta (rule labmomentum): "),
+                      (["aggregation.rule=labmomentum", "aggregation.options.iters=5"],
+                       "aggregation.options.iters (rule labmomentum): "),
+                      (["aggregation.options.iters=5"], "the rule labmean takes no options"),
+                      (["aggregation.rule=median", "aggregation.options.iters=5"],
+                       "the rule median takes no options")):
+        with pytest.raises(ConfigError, match=re.escape(says)) as err:
+            lab_config(*bad)
+        assert "\n" not in str(err.value)
+
+
+def test_a_rule_keeps_state_across_rounds_and_resumes_bitwise(lab_package, tmp_path, one_thread):
+    """A rule with state (server momentum) is built once: its momentum moves later rounds (beta 0
+    is the mean rule's run within float rounding, beta 0.9 is not), the run directory records its
+    options, and a run paused after round 2 resumes from the checkpointed momentum bitwise."""
+    from fedseq.server.ops.simulation import run_simulation
+    from fedseq.server.rounds.checkpoint import load_checkpoint
+    from fedseq.server.rounds.coordinator import RunPaused
+
+    def run(rule, *opts, out=None, **kw):
+        return run_simulation(lab_config("rounds=4", f"aggregation.rule={rule}", *opts), out, **kw)
+
+    mean, still = run("labmean"), run("labmomentum", "aggregation.options.beta=0")
+    gap = max((mean.global_weights[k] - v).abs().max().item()
+              for k, v in still.global_weights.items() if v.is_floating_point())
+    assert gap < 1e-5  # g + (mean - g): the mean within float rounding
+    whole = run("labmomentum", "aggregation.options.beta=0.9")
+    assert max((mean.global_weights[k] - v).abs().max().item()
+               for k, v in whole.global_weights.items() if v.is_floating_point()) > 100 * gap
+    with pytest.raises(RunPaused):
+        run("labmomentum", "aggregation.options.beta=0.9", out=tmp_path / "run", pause_after=2)
+    assert load_checkpoint(tmp_path / "run").rule  # the momentum, as tensors
+    assert "[aggregation.options]\nbeta = 0.9" in (tmp_path / "run" / "config.toml").read_text()
+    resumed = run("labmomentum", "aggregation.options.beta=0.9", out=tmp_path / "run",
+                  mode="resume")
+    assert all(torch.equal(resumed.global_weights[k], v) for k, v in whole.global_weights.items())
+    assert without_seconds(resumed.rows) == without_seconds(whole.rows[2:])
+
+
 def test_workers_find_the_plugins_through_installed_metadata_bitwise(lab_package, one_thread):
     from fedseq.server.ops.simulation import run_simulation
 
@@ -112,8 +160,9 @@ def test_fedseq_plugins_lists_every_name_with_its_distribution(lab_package):
     rows = json.loads(out.stdout)
     ours = {(r["group"], r["name"]): r for r in rows if r["distribution"] == "fedseq-labdemo"}
     assert set(ours) == {("models", "labnet"), ("datasets", "blobs"),
-                         ("algorithms", "fedavg-l2"), ("aggregators", "labmean")}
-    assert all(r["version"] == "0.3.0" and not r["builtin"] for r in ours.values())
+                         ("algorithms", "fedavg-l2"), ("aggregators", "labmean"),
+                         ("aggregators", "labmomentum")}
+    assert all(r["version"] == "0.4.0" and not r["builtin"] for r in ours.values())
     assert {r["group"] for r in rows if r["builtin"]} == {"models", "datasets", "algorithms",
                                                           "aggregators"}
 

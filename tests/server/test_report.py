@@ -319,3 +319,11 @@ def test_a_run_with_another_aggregation_rule_says_which(two_runs, tmp_path):
     rows = list(csv.DictReader((tmp_path / "rep" / "summary.csv").open()))
     assert [(x["run"], x["algorithm"]) for x in rows] == [("fedavg", "fedavg"),
                                                          ("fedavg-median", "fedavg+median")]
+    # a rule's options are part of its name: the same rule with other options is another method
+    assert "[aggregation.options]\n" in text  # recorded, empty: the mean takes none
+    config.write_text(text.replace('rule = "mean"', 'rule = "median"')
+                      .replace("[aggregation.options]\n", "[aggregation.options]\niters = 8\n"))
+    r = _report(str(other), "--out", str(tmp_path / "rep2"), "--no-figures")
+    assert r.returncode == 0, r.stderr
+    rows = list(csv.DictReader((tmp_path / "rep2" / "summary.csv").open()))
+    assert [x["algorithm"] for x in rows] == ["fedavg+median(iters=8)"]

@@ -167,7 +167,7 @@ def test_a_device_inflating_its_statistics_for_100_rounds(factor):
     one device moves). The run ends with finite weights; the far one is refused every round,
     with the reason, and the one within the bound is refused once its variances would pass
     STAT_CAP."""
-    from fedseq.common.algorithms.robust import make_aggregator
+    from fedseq.common.algorithms.robust import build_rule
     from fedseq.common.config import AggregationConfig
 
     data = synthetic_data()
@@ -177,7 +177,7 @@ def test_a_device_inflating_its_statistics_for_100_rounds(factor):
     for t in range(100):
         contract = round_contract(t, [0, 1, 2], ("conv1",), g, data, None,
                                   AggregationConfig().delta_bound(parameter_scale(g)))
-        agg = make_aggregator(AggregationConfig())
+        agg = build_rule(AggregationConfig()).round()
         var = g["conv1.1.running_var"]
         for client in range(3):
             honest = 0.5 * (4.0 - var)  # the variance its data has is 4
@@ -202,12 +202,12 @@ def test_a_device_inflating_its_statistics_for_100_rounds(factor):
 @pytest.mark.parametrize("rule", ["mean", "median"])
 def test_every_rule_checks_finiteness_in_the_models_dtype(rule):
     """A float64 aggregate can be finite and overflow float32: every rule refuses the round."""
-    from fedseq.common.algorithms.robust import make_aggregator
+    from fedseq.common.algorithms.robust import build_rule
     from fedseq.common.config import AggregationConfig
     from fedseq.common.errors import AggregationError
 
     g = {"w": torch.full((3,), 3e38)}
-    agg = make_aggregator(AggregationConfig(rule=rule, byzantine_devices=0 if rule == "mean" else 1))
+    agg = build_rule(AggregationConfig(rule=rule, byzantine_devices=0 if rule == "mean" else 1)).round()
     for c in range(3):
         agg.add({"w": torch.full((3,), 3e38)}, {"w": 1.0}, c, f"d{c}")
     with pytest.raises(AggregationError, match="NaN or Inf in torch.float32"):

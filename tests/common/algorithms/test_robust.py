@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum
-from fedseq.common.algorithms.robust import ClippedMean, CoordinateWise, make_aggregator, update_norm
+from fedseq.common.algorithms.robust import ClippedMean, CoordinateWise, build_rule, update_norm
 from fedseq.common.config import AggregationConfig
 
 G = {"a.w": torch.zeros(4), "b.w": torch.zeros(2, 2)}
@@ -80,7 +80,7 @@ def test_clipping_leaves_small_updates_exact():
 
 @pytest.mark.parametrize("rule", ["median", "trimmed-mean"])
 def test_coordinate_wise_rules_stay_in_the_honest_range(rule):
-    agg = make_aggregator(AggregationConfig(rule=rule, trim_ratio=0.2))
+    agg = build_rule(AggregationConfig(rule=rule, trim_ratio=0.2)).round()
     dirty = _run(agg, HONEST + [EVIL])
     for k in G:
         stack = torch.stack([d[k] for d in HONEST])
@@ -102,7 +102,7 @@ def test_median_and_trimmed_mean_by_hand():
 
 
 def test_mean_rule_is_the_exact_weighted_sum():
-    assert isinstance(make_aggregator(AggregationConfig()), WeightedDeltaSum)
+    assert isinstance(build_rule(AggregationConfig()).round(), WeightedDeltaSum)
 
 
 def _by_device(agg, updates):
@@ -137,7 +137,7 @@ def test_one_login_with_two_clients_breaks_per_client_trimming_but_not_per_devic
 @pytest.mark.parametrize("rule", ["median", "trimmed-mean"])
 def test_f_byzantine_devices_stay_bounded(rule):
     """f = 2 bad devices among 5 (2f+1), each holding several clients."""
-    agg = make_aggregator(AggregationConfig(rule=rule, byzantine_devices=2))
+    agg = build_rule(AggregationConfig(rule=rule, byzantine_devices=2)).round()
     ups = [("h1", HONEST[0]), ("h2", HONEST[1]), ("h3", HONEST[2])]
     ups += [("x", EVIL)] * 3 + [("y", {k: -v for k, v in EVIL.items()})] * 2
     assert _in_honest_range(_by_device(agg, ups), HONEST[:3])
@@ -148,7 +148,7 @@ def test_a_round_below_the_rules_quorum_is_refused(rule):
     """Only the attacker (or too few devices) reported: the round fails, nothing is applied."""
     from fedseq.common.errors import AggregationError
 
-    agg = make_aggregator(AggregationConfig(rule=rule))  # f = 1: three devices needed
+    agg = build_rule(AggregationConfig(rule=rule)).round()  # f = 1: three devices needed
     with pytest.raises(AggregationError, match="2 devices reported.*needs at least 3"):
         _by_device(agg, [("evil", EVIL), ("evil", EVIL), ("h1", HONEST[0])])
 
@@ -183,7 +183,7 @@ def test_byzantine_devices_needs_a_robust_rule():
 def test_krum_applies_an_honest_vote_whole_and_ignores_the_attacker():
     """Krum (Blanchard et al. 2017): with n = 5 >= 2f + 3 votes, the one whose n - f - 2 nearest
     are closest is applied unchanged; the attacker's far-away vote is never it."""
-    agg = make_aggregator(AggregationConfig(rule="krum"))
+    agg = build_rule(AggregationConfig(rule="krum")).round()
     out = _run(agg, HONEST + [EVIL])
     assert agg.chosen in range(len(HONEST))
     assert all(torch.equal(out[k], G[k] + HONEST[agg.chosen][k]) for k in G)
@@ -198,6 +198,6 @@ def test_krum_applies_an_honest_vote_whole_and_ignores_the_attacker():
 def test_krum_needs_2f_plus_3_devices():
     from fedseq.common.errors import AggregationError
 
-    agg = make_aggregator(AggregationConfig(rule="krum"))  # f = 1: five devices
+    agg = build_rule(AggregationConfig(rule="krum")).round()  # f = 1: five devices
     with pytest.raises(AggregationError, match="4 devices reported; the krum rule .* at least 5"):
         _run(agg, HONEST)

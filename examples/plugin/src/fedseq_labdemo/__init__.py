@@ -13,6 +13,7 @@ from torch import nn
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum
 from fedseq.common.algorithms.base import Algorithm
 from fedseq.common.algorithms.hooks import ClientSide
+from fedseq.common.algorithms.robust import Rule
 from fedseq.common.config import AlgorithmParams
 from fedseq.common.data.datasets import Dataset
 from fedseq.common.data.readers import RawDataset
@@ -101,3 +102,59 @@ class FedAvgL2(Algorithm):
 # -- an aggregation rule: (AggregationConfig) -> Aggregator; here FedAvg's own weighted mean
 def lab_mean(cfg) -> WeightedDeltaSum:
     return WeightedDeltaSum()
+
+
+# -- a rule with options and state: the round's weighted mean, then server momentum on it
+# (FedAvgM's server step as a rule: m = beta x m + mean delta; the model moves by m). Built once
+# for the run; its momentum is its state, checkpointed and resumed.
+class MomentumOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    beta: float = Field(0.9, ge=0, lt=1, description="The momentum of the rounds' mean deltas.")
+
+
+class _MomentumRound:
+    """One round of LabMomentum: the mean streams in; `apply` moves the model by the momentum."""
+
+    def __init__(self, rule: LabMomentum):
+        self.rule, self.mean = rule, WeightedDeltaSum()
+
+    def add(self, deltas, weight_of, client, device=None):
+        self.mean.add(deltas, weight_of, client, device)
+
+    def count(self):
+        return self.mean.count()
+
+    def clients_added(self):
+        return self.mean.clients_added()
+
+    def apply(self, global_weights):
+        new = self.mean.apply(global_weights)  # raises (round refused) before any state changes
+        m, beta = self.rule.momentum, self.rule.options.beta
+        for k in self.mean.moved():
+            if not global_weights[k].is_floating_point():
+                continue  # counters (BatchNorm's) move as the mean moves them
+            step = new[k] - global_weights[k]
+            m[k] = step if k not in m else beta * m[k] + step
+            new[k] = global_weights[k] + m[k]
+        return new
+
+    def moved(self):
+        return self.mean.moved()
+
+
+class LabMomentum(Rule):
+    options_model = MomentumOptions
+
+    def __init__(self, cfg, options):
+        super().__init__(cfg, options)
+        self.momentum: Dict[str, torch.Tensor] = {}
+
+    def round(self):
+        return _MomentumRound(self)
+
+    def state(self):
+        return dict(self.momentum)
+
+    def load_state(self, state):
+        self.momentum = dict(state)
