@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, TypeVar, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Literal, Optional, Tuple, TypeVar, Union
 
 from pydantic import (
     BaseModel,
@@ -128,11 +129,19 @@ class DataConfig(_Section):
         "dirichlet: redraw the partition until every client has this many rows."))
     fraction: float = Field(1.0, gt=0, le=1, description=(
         "Use a seed-chosen subset of the dataset of this size (quick runs)."))
-    normalize: Literal["half", "channel"] = Field("half", description=(
-        "How pixels become model inputs: half ((x - 0.5) / 0.5 per channel, to [-1, 1]: PFLlib's "
-        "transform) or channel ((x - mean_c) / std_c with each channel's fixed statistics, as "
-        "FedBABU's code normalizes; common/data/catalog.py's CHANNEL_STATS: mnist, fmnist, "
-        "cifar10, cifar100, tiny-imagenet)."))
+    normalize: Literal["half", "channel", "stats"] = Field("half", description=(
+        "How rows become model inputs. Pixels (uint8): half ((x - 0.5) / 0.5 per channel, to "
+        "[-1, 1]: PFLlib's transform) or channel ((x - mean_c) / std_c with each channel's fixed "
+        "statistics, as FedBABU's code normalizes; common/data/catalog.py's CHANNEL_STATS: "
+        "mnist, fmnist, cifar10, cifar100, tiny-imagenet). Float rows (sensor series, tabular "
+        "rows, a plugin's own) are used as they are, unless stats: (x - mean) / std with "
+        "data.mean and data.std, per channel (per feature for tabular rows), in the rows' own "
+        "units (pixels: [0, 1]); `fedseq data stats` computes them from the run's training "
+        "rows."))
+    mean: List[float] = Field(default_factory=list, json_schema_extra=since(9), description=(
+        "data.normalize = \"stats\": each channel's mean (each feature's, for tabular rows)."))
+    std: List[float] = Field(default_factory=list, json_schema_extra=since(9), description=(
+        "data.normalize = \"stats\": each channel's standard deviation, > 0."))
 
     placement: Literal["shared", "device"] = Field("shared", json_schema_extra=since(9), description=(
         "Where the rows come from: shared (every process derives the same partition of the "
@@ -196,7 +205,25 @@ class DataConfig(_Section):
         if self.normalize == "channel" and self.dataset not in CHANNEL_STATS:
             raise ValueError(f"data.normalize = \"channel\" has no statistics for {self.dataset} "
                              f"(it has {', '.join(CHANNEL_STATS)}); use data.normalize = \"half\"")
+        if (self.mean or self.std) and self.normalize != "stats":
+            raise ValueError("data.mean and data.std are for data.normalize = \"stats\"; set it, "
+                             "or remove them")
+        if self.normalize == "stats":
+            if not self.mean or len(self.mean) != len(self.std):
+                raise ValueError(f"data.normalize = \"stats\" needs data.mean and data.std of one "
+                                 f"length each (got {len(self.mean)} and {len(self.std)}); "
+                                 "`fedseq data stats --config FILE` prints them")
+            if not all(math.isfinite(m) for m in self.mean) or \
+                    not all(math.isfinite(d) and d > 0 for d in self.std):
+                raise ValueError("data.mean must be finite and data.std finite and > 0")
         return self
+
+    def stats(self) -> Optional[Tuple[Tuple[float, ...], Tuple[float, ...]]]:
+        """(mean, std) that turn rows into model inputs, or None: data.normalize's "channel"
+        statistics of the catalog dataset, or "stats"' own."""
+        if self.normalize == "stats":
+            return tuple(self.mean), tuple(self.std)
+        return CHANNEL_STATS[self.dataset] if self.normalize == "channel" else None
 
 
 class ModelConfig(_Section):

@@ -10,7 +10,6 @@ import numpy as np
 import torch
 
 from fedseq.common.config import DataConfig
-from fedseq.common.data.catalog import CHANNEL_STATS
 from fedseq.common.data.datasets import dataset as registered_dataset
 from fedseq.common.data.partition import (
     classes_partition,
@@ -67,8 +66,9 @@ class FederatedData:
     num_classes: int
     clients: tuple[ClientShard, ...]
     pos: torch.Tensor | None = None  # int64 (N,)
-    # data.normalize = "channel": each channel's (mean, std) in [0, 1] pixel units; None: the
-    # [-1, 1] scaling
+    # data.normalize = "channel" or "stats": each channel's (mean, std) (each feature's, for
+    # tabular rows), in [0, 1] pixel units or float rows' own; None: the [-1, 1] scaling of
+    # pixels, float rows as they are
     channel_stats: tuple[tuple[float, ...], tuple[float, ...]] | None = None
     #: data.validation's rows (data.placement = "device"): the global model's score; None: the
     #: union of the clients' test rows is
@@ -77,17 +77,25 @@ class FederatedData:
     #: clients are its devices', server/rounds/sites.py); None: clients are dealt to devices
     owners: tuple[str, ...] | None = None
 
+    def __post_init__(self) -> None:
+        if self.channel_stats is not None:
+            self.pixel_stats()  # a mean of another length than the rows' channels: said now
+
     @functools.cached_property
     def _pixel_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.x.shape[1]
+        c, h, w = self.x.shape[1:]
         mean, std = self.channel_stats or ((0.5,) * c, (0.5,) * c)
-        return (torch.tensor(mean, dtype=torch.float32, device=self.x.device).view(-1, 1, 1),
-                torch.tensor(std, dtype=torch.float32, device=self.x.device).view(-1, 1, 1))
+        if len(mean) != c and not (c == h == 1 and len(mean) == w):
+            raise DatasetError(f"data.mean has {len(mean)} values; the rows have {c} channels"
+                               + (f" ({w} features)" if c == h == 1 else "") + ": give one each")
+        shape = (1, 1, -1) if len(mean) != c else (-1, 1, 1)  # tabular rows: per feature
+        return (torch.tensor(mean, dtype=torch.float32, device=self.x.device).view(shape),
+                torch.tensor(std, dtype=torch.float32, device=self.x.device).view(shape))
 
     def pixel_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, std) per channel, shaped (C, 1, 1), on the images' device, that turn [0, 1]
-        pixels into model inputs: 0.5 and 0.5 for the [-1, 1] scaling. Made once (`images`
-        reads them for every batch)."""
+        """(mean, std) per channel, shaped (C, 1, 1) (per feature of a tabular row: (1, 1, F)),
+        on the images' device, that turn [0, 1] pixels or float rows into model inputs: 0.5 and
+        0.5 for pixels' [-1, 1] scaling. Made once (`images` reads them for every batch)."""
         return self._pixel_stats
 
     @property
@@ -107,7 +115,10 @@ class FederatedData:
             rows = at.to(self.x.device)
         x = self.x[rows]
         if x.is_floating_point():
-            return x
+            if self.channel_stats is None:
+                return x
+            mean, std = self.pixel_stats()
+            return (x - mean).div_(std)
         if self.channel_stats is None:
             return x.float().div_(127.5).sub_(1.0)
         mean, std = self.pixel_stats()
@@ -176,7 +187,7 @@ def placed_data(cfg: DataConfig, parts: dict[int, RawDataset], num_clients: int,
                                   torch.arange(at + r.num_train, at + n)))
         at += n
     rows = None if validation is None else torch.arange(at, at + len(validation.labels))
-    stats = CHANNEL_STATS[cfg.dataset] if cfg.normalize == "channel" else None
+    stats = cfg.stats()
     return FederatedData(_images_tensor(x), torch.from_numpy(y.astype(np.int64)), num_classes,
                          tuple(shards), channel_stats=stats, validation=rows, owners=owners)
 
@@ -225,7 +236,7 @@ def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None,
     shards = tuple(ClientShard(c, torch.from_numpy(tr), torch.from_numpy(te))
                    for c, (tr, te) in enumerate(splits))
     y = torch.from_numpy(labels)
-    stats = CHANNEL_STATS[cfg.dataset] if cfg.normalize == "channel" else None
+    stats = cfg.stats()
     if not lean:
         images = raw.images if keep is None else raw.images[keep]
         return FederatedData(_images_tensor(images), y, num_classes, shards, channel_stats=stats)
@@ -236,3 +247,22 @@ def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None,
     pos = torch.full((len(labels),), -1, dtype=torch.int64)
     pos[torch.from_numpy(rows)] = torch.arange(len(rows))
     return FederatedData(_images_tensor(images), y, num_classes, shards, pos, stats)
+
+
+def training_stats(cfg: DataConfig, seed: int) -> tuple[list[float], list[float], int, str]:
+    """data.normalize = "stats"' numbers from the run's training rows (every client's, as the run
+    splits them; with data.placement = "device" the simulated devices' folders): each channel's
+    mean and standard deviation, or each feature's for tabular rows (one channel, height 1), in
+    the rows' own units (pixels in [0, 1]); a constant one's deviation is 1. Also the rows counted
+    and what a value is per ("channel" or "feature")."""
+    data = load_federated(cfg.model_copy(update={"normalize": "half", "mean": [], "std": []}),
+                          seed)
+    rows = torch.cat([c.train for c in data.clients])
+    x = data.x[rows].double()
+    if not data.x.is_floating_point():
+        x = x / 255.0
+    per = "feature" if x.shape[1] == x.shape[2] == 1 else "channel"
+    dims = (0, 1, 2) if per == "feature" else (0, 2, 3)
+    mean, std = x.mean(dim=dims), x.std(dim=dims, unbiased=False)
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    return mean.tolist(), std.tolist(), len(rows), per

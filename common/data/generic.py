@@ -72,8 +72,26 @@ class _Options(BaseModel):
         return p if p.is_absolute() else Path(root) / p
 
 
+def as_chw(shape: Tuple[int, ...]) -> Tuple[int, int, int]:
+    """One row's shape as fedseq holds it, (channels, height, width): a tabular row (F,) is
+    (1, 1, F), a sensor series (C, L) is (C, 1, L), an image (C, H, W) is itself."""
+    return (1, 1, shape[0]) if len(shape) == 1 else (
+        (shape[0], 1, shape[1]) if len(shape) == 2 else tuple(shape))  # type: ignore[return-value]
+
+
 class NpzOptions(_Options):
-    shape: Tuple[int, int, int] = Field(description="(channels, height, width) of one row of `x`.")
+    shape: Tuple[int, ...] = Field(description=(
+        "The shape of one row of `x`: (features,) for tabular rows, (channels, length) for a "
+        "sensor series, (channels, height, width) for an image. A model gets (N, 1, 1, F), "
+        "(N, C, 1, L) or (N, C, H, W): `x.flatten(2)` gives a series' (N, C, L)."))
+
+    @field_validator("shape")
+    @classmethod
+    def _one_to_three_sizes(cls, v: Tuple[int, ...]) -> Tuple[int, ...]:
+        if not 1 <= len(v) <= 3 or any(d < 1 for d in v):
+            raise ValueError(f"{list(v)}: give [features], [channels, length] or [channels, "
+                             "height, width], each >= 1")
+        return v
     x: str = Field("x", description="The array of inputs.")
     y: str = Field("y", description="The array of integer labels.")
 
@@ -135,7 +153,7 @@ class NpzDataset(Dataset):
 
     def describe(self, options: Dict[str, Any]) -> Tuple[Tuple[int, int, int], int]:
         o = _options(NpzOptions, "npz", options)
-        return tuple(o.shape), o.num_classes  # type: ignore[return-value]
+        return as_chw(o.shape), o.num_classes
 
     def load(self, root: Path, options: Dict[str, Any], rows: Optional[np.ndarray] = None
              ) -> RawDataset:
@@ -166,6 +184,7 @@ class NpzDataset(Dataset):
             raise DatasetError(f"{path}: {o.x} is {x.shape} and {o.y} {y.shape}; want (N, "
                                f"{', '.join(map(str, o.shape))}) and (N,)")
         _labels_in_range(path, y, o.num_classes)
+        x = x.reshape(len(x), *as_chw(o.shape))
         return (x if x.dtype == np.uint8 else x.astype(np.float32)), y
 
 

@@ -7,8 +7,9 @@ root's Fashion-MNIST (`fedseq-sim --config config.toml`), a device-data.toml tha
 left on the devices (data.placement = "device"; simulated with `fedseq-sim --devices-data`), tests
 that pass with `python -m pytest` inside it, and a README saying how to install, test, run and
 deploy it. The entry points (groups fedseq.models, fedseq.datasets, fedseq.algorithms,
-fedseq.aggregators) register NAME-net, NAME-data, NAME-avg and NAME-rule; a device allows the first
-three with --allow-plugin (a rule runs on the coordinator alone).
+fedseq.aggregators) register NAME-net (and NAME-net1d, for sensor series), NAME-data, NAME-avg and
+NAME-rule; a device allows the models, dataset and algorithm with --allow-plugin (a rule runs on
+the coordinator alone).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ test = ["fedseq[server]", "pytest>=8"]
 
 [project.entry-points."fedseq.models"]
 {name}-net = "{module}:make_model"
+{name}-net1d = "{module}:make_model_1d"
 
 [project.entry-points."fedseq.datasets"]
 {name}-data = "{module}:DATA"
@@ -94,6 +96,28 @@ def make_model(input_shape, num_classes: int, hidden: int = 64) -> nn.Module:
     """(input shape, classes, **[model.options]) -> the model."""
     c, h, w = input_shape
     return Net(c, h, w, num_classes, hidden)
+
+
+# -- a 1-D model for sensor series: npz rows of (C, L) reach a model as (N, C, 1, L); it reads any
+# (N, C, H, L) as C x H channels of length L
+class Net1d(nn.Module):
+    def __init__(self, channels: int, length: int, classes: int, hidden: int):
+        super().__init__()
+        self.conv = nn.Conv1d(channels, 16, 5, padding=2)
+        self.body = nn.Linear(16 * max(1, length // 2), hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1, 2)  # (N, C x H, L)
+        x = torch.relu(self.conv(x))
+        x = torch.max_pool1d(x, 2) if x.shape[-1] > 1 else x
+        return self.head(torch.relu(self.body(x.flatten(1))))
+
+
+def make_model_1d(input_shape, num_classes: int, hidden: int = 64) -> nn.Module:
+    """(input shape, classes, **[model.options]) -> the 1-D model."""
+    c, h, length = input_shape
+    return Net1d(c * h, length, num_classes, hidden)
 
 
 # -- the dataset: describes itself without files; loads pooled rows from the data root (`load`:
@@ -330,8 +354,9 @@ def config(*extra):
 
 
 def test_fedseq_finds_the_plugins():
-    for group, name in (("models", "{name}-net"), ("datasets", "{name}-data"),
-                        ("algorithms", "{name}-avg"), ("aggregators", "{name}-rule")):
+    for group, name in (("models", "{name}-net"), ("models", "{name}-net1d"),
+                        ("datasets", "{name}-data"), ("algorithms", "{name}-avg"),
+                        ("aggregators", "{name}-rule")):
         assert REGISTRY.entry(group, name).distribution == "{name}"
 
 
@@ -359,6 +384,11 @@ def test_a_unit_step_is_fedavg():
     assert all(torch.allclose(ours[k], plain[k], atol=1e-6) for k in plain)
 
 
+def test_the_1d_model_learns():
+    rows = run_simulation(config("model.name={name}-net1d"), None).rows
+    assert rows[-1]["global_acc"] > 0.5
+
+
 def test_the_rule_without_momentum_is_the_mean_and_with_it_learns():
     rule = ("aggregation.rule={name}-rule", "aggregation.options.beta=0")
     ours = run_simulation(config(*rule), None).global_weights
@@ -371,8 +401,9 @@ def test_the_rule_without_momentum_is_the_mean_and_with_it_learns():
 README = '''\
 # {name}
 
-fedseq plugins: the model `{name}-net`, the dataset `{name}-data`, the algorithm `{name}-avg` and
-the aggregation rule `{name}-rule` (docs: "Your own model, data and algorithm").
+fedseq plugins: the model `{name}-net` (and `{name}-net1d`, a 1-D model for sensor series), the
+dataset `{name}-data`, the algorithm `{name}-avg` and the aggregation rule `{name}-rule` (docs:
+"Your own model, data and algorithm").
 
 ```bash
 pip install -e ".[test]"                     # beside fedseq

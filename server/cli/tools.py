@@ -22,8 +22,8 @@ from fedseq.server.cli.commands import EPILOG, VersionOpt
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, epilog=EPILOG)
 data_app = typer.Typer(add_completion=False, no_args_is_help=True,
-                       help="Datasets: download (or copy from a folder with --from), verify, where "
-                            "they live.")
+                       help="Datasets: download (or copy from a folder with --from), verify, the "
+                            "training rows' statistics, where they live.")
 app.add_typer(data_app, name="data")
 
 
@@ -106,6 +106,36 @@ def verify(datasets: DatasetsArg, root: RootOpt = None) -> None:
             print(f"{name}: ok under {target}")
     if bad:
         raise typer.Exit(1)
+
+
+@data_app.command()
+def stats(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Experiment TOML file.")
+                      ] = None,
+    set_: Annotated[list[str] | None, typer.Option(
+        "--set", "-s", help="Override: dotted.key=value (TOML value), repeatable.")] = None,
+    devices_data: Annotated[Path | None, typer.Option(
+        help="Data on the devices: the simulated devices' folders (as fedseq-sim's)")] = None,
+) -> None:
+    """Print data.normalize = "stats"' mean and std from the run's training rows (each channel's,
+    or each tabular feature's), as keys of the config's [data] table (append them to a config
+    whose last table is [data]): every process of the run then normalizes with the same numbers."""
+    import json
+
+    from fedseq.common.config import load_config
+    from fedseq.common.data.federated import training_stats
+
+    if devices_data is not None:
+        set_ = [*(set_ or []), 'data.placement="device"',
+                f"data.devices_root={json.dumps(str(devices_data.expanduser().resolve()))}"]
+    try:
+        cfg = load_config(config, set_ or [])
+        mean, std, rows, per = training_stats(cfg.data, cfg.seed_for("data"))
+    except FedseqError as exc:
+        _fail(exc)
+    print(f"# [data] keys: per {per}, from the {rows} training rows of {cfg.data.dataset} over "
+          f"{cfg.data.num_clients} clients\nnormalize = \"stats\"\nmean = {json.dumps(mean)}\n"
+          f"std = {json.dumps(std)}")
 
 
 @data_app.command()

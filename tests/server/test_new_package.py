@@ -51,7 +51,7 @@ def test_fedseq_new_writes_a_package_whose_tests_pass_and_whose_config_runs(tmp_
     env = {**os.environ, "PYTHONPATH": str(site), "FEDSEQ_DATA": str(data_root)}
     tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
                            cwd=pkg, env=env, capture_output=True, text=True, timeout=600)
-    assert tests.returncode == 0 and "5 passed" in tests.stdout, tests.stdout[-2000:]
+    assert tests.returncode == 0 and "6 passed" in tests.stdout, tests.stdout[-2000:]
     run = subprocess.run([str(BIN / "fedseq-sim"), "--config", "config.toml", "--set", "rounds=2",
                           "--out", str(tmp_path / "run")], cwd=pkg, env=env, capture_output=True,
                          text=True, timeout=600)

@@ -131,3 +131,43 @@ def test_the_options_are_checked_with_the_config_before_any_file(tmp_path):
     cfg = load_config(None, ["data.dataset=csv", "data.options.path='s.csv'",
                              "data.options.classes=['a','b']", "data.options.features=7"])
     assert dataset("csv").describe(cfg.data.options) == ((1, 1, 7), 2)
+
+
+def test_npz_takes_tabular_rows_and_sensor_series_as_they_are(tmp_path):
+    """Issue 94, finding 2: (N, F) tabular rows and (N, C, L) sensor series are first class;
+    fedseq holds them as (N, 1, 1, F) and (N, C, 1, L), a shape of the wrong rank is one line."""
+    rng = np.random.default_rng(0)
+    _npz(tmp_path / "tab.npz", rng.random((12, 5)), rng.integers(0, 2, 12))
+    _npz(tmp_path / "series.npz", rng.random((12, 3, 50)).astype(np.float16), rng.integers(0, 2, 12))
+    tab = {"path": "tab.npz", "classes": 2, "shape": [5]}
+    series = {"path": "series.npz", "classes": 2, "shape": [3, 50]}
+    assert dataset("npz").describe(tab) == ((1, 1, 5), 2)
+    assert dataset("npz").describe(series) == ((3, 1, 50), 2)
+    raw = dataset("npz").load(tmp_path, tab)
+    assert raw.images.shape == (12, 1, 1, 5) and raw.images.dtype == np.float32
+    loaded = dataset("npz").load(tmp_path, series)
+    assert loaded.images.shape == (12, 3, 1, 50)
+    np.testing.assert_array_equal(loaded.images[:, :, 0, :], np.load(tmp_path / "series.npz")["x"])
+    with pytest.raises(DatasetError, match=r"series.npz: x is \(12, 3, 50\) and y \(12,\); want "
+                                           r"\(N, 50, 3\)"):
+        dataset("npz").load(tmp_path, {**series, "shape": [50, 3]})
+    for bad in ([], [1, 2, 3, 4], [0, 5]):
+        with pytest.raises(ConfigError, match=r"data.options.shape \(npz\)"):
+            dataset("npz").describe({**series, "shape": bad})
+
+
+def test_normalize_stats_needs_its_numbers(tmp_path):
+    """data.normalize = "stats": a mean and a std of one length, finite, std > 0; the numbers
+    without the choice are refused, each in one line."""
+    ok = load_config(None, ["data.normalize='stats'", "data.mean=[1.0, 2.0]", "data.std=[0.5, 3]"])
+    assert ok.data.stats() == ((1.0, 2.0), (0.5, 3.0))
+    assert load_config(None, []).data.stats() is None
+    for bad, says in ((["data.normalize='stats'"], "needs data.mean and data.std"),
+                      (["data.normalize='stats'", "data.mean=[1.0]", "data.std=[1, 2]"],
+                       "of one length"),
+                      (["data.normalize='stats'", "data.mean=[1.0]", "data.std=[0]"], "> 0"),
+                      (["data.normalize='stats'", "data.mean=[nan]", "data.std=[1]"], "finite"),
+                      (["data.mean=[1.0]", "data.std=[1]"], "for data.normalize = \"stats\"")):
+        with pytest.raises(ConfigError, match=re.escape(says)) as err:
+            load_config(None, bad)
+        assert "\n" not in str(err.value)
