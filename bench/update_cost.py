@@ -66,7 +66,7 @@ def main() -> None:
             inbox.on_message(topics.update(f"d{c}"), payload)
         ev = inbox.next_event(0)
         t1 = time.perf_counter()
-        assert ev is not None and contract.check(ev.update) is None
+        assert ev is not None and contract.admit(ev.update) is None
         t2 = time.perf_counter()
         acc.add(ev.update.deltas, weights, c)
         t3 = time.perf_counter()

@@ -214,7 +214,7 @@ class BufferedAsync(Driver):
         contract = book.contract(version, clients, v.plan, v.offered, v.bound)
 
         def check(update: ClientUpdate) -> Rejection | None:
-            reason = contract.check(update)
+            reason = contract.admit(update)
             if reason is not None and update.client in waiting:
                 waiting[update.client].rejection = reason
             return reason

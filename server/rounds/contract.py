@@ -1,9 +1,12 @@
-"""What a valid client update of one round looks like, checked before anything counts.
+"""What a valid contribution to one round looks like, checked before anything counts: the one
+admission point of a fold (`RoundContract.admit`).
 
-The coordinator knows each client's training-set size from the partition (and, for FedReG, the
-exact number of original rows in its rebalanced set), which tensors the round's plan uploads, and
-their dtypes and shapes; an update that disagrees with any of it is rejected with a reason and
-never touches the model or displaces a valid update.
+A contribution is a client's update (a synchronous round's, an asynchronous step's, a replayed
+one) or a site's partial aggregate ([hierarchy]). The coordinator knows each client's
+training-set size from the partition (and, for FedReG, the exact number of original rows in its
+rebalanced set), which tensors the round's plan uploads, and their dtypes and shapes; a
+contribution that disagrees with any of it, or whose weight is not what those sizes give, is
+rejected with a typed reason and never touches the model or displaces a valid one.
 """
 
 from __future__ import annotations
@@ -76,10 +79,21 @@ def _masked_problem(update: ClientUpdate, length: int, ring_bits: int) -> Reject
     return None
 
 
+@dataclass
+class SitePartial:
+    """What a site hands the coordinator after its k site rounds: its model's change since the
+    global model (float32) and its total weight per tensor, for the clients it folded."""
+
+    deltas: Weights
+    weights: dict[str, float]
+    clients: list[int]
+    site: str = ""  # the site that sent it
+
+
 @dataclass(frozen=True)
 class RoundContract:
     """What a valid update of one round looks like (built by round_contract from what the
-    coordinator knows); `check` says why an update is rejected."""
+    coordinator knows); `admit` says why an update or a site's partial is rejected."""
 
     round: int
     selected: frozenset[int]
@@ -97,12 +111,15 @@ class RoundContract:
     #: values are the secure sum's to check, once unmasked), in a ring of `ring_bits`
     masked: int | None = None
     ring_bits: int = 32
+    #: a client's update's weight per block (the algorithm's `aggregation_weights`); None: one
+    #: per client (DP-FedAvg's sum)
+    weigh: Callable[[ClientUpdate], dict[str, float]] | None = None
 
     def __post_init__(self) -> None:
         if not self.form:
             object.__setattr__(self, "form", expected(self.reference, self.codec))
 
-    def check(self, update: ClientUpdate) -> Rejection | None:
+    def _update_problem(self, update: ClientUpdate) -> Rejection | None:
         """Why `update` must be rejected (a code and its particulars), or None: whose it is, then
         its tensors' names and shapes, its encoding (decoded here, once: what the round folds
         in), its values, its norm."""
@@ -111,6 +128,64 @@ class RoundContract:
             return _masked_problem(update, self.masked, self.ring_bits)
         return (problem or self._form_problem(update) or self._decoded_problem(update)
                 or self._value_problem(update) or self._clip_problem(update))
+
+    def admit(self, item: ClientUpdate | SitePartial, site: frozenset[int] = frozenset(),
+              counts: dict[int, tuple[int, int | None]] | None = None, k: int = 1
+              ) -> Rejection | None:
+        """Why `item` cannot count in this round's fold, or None: a client's update (`check`),
+        or a site's partial after its `k` site rounds, held to the clients of `site` and the
+        (num_samples, effective_samples) it `counts` for each client it claims."""
+        if isinstance(item, ClientUpdate):
+            return self._update_problem(item)
+        return self._partial_problem(item, site, counts or {}, k)
+
+    def _partial_problem(self, p: SitePartial, site: frozenset[int],
+                         counts: dict[int, tuple[int, int | None]], k: int) -> Rejection | None:
+        """A site's claimed clients must be the round's and the site's, once each, with the
+        sample counts the coordinator knows; each tensor's weight the one their counts give, so
+        that a site cannot weigh itself up; its tensors the round's uploaded ones in float32,
+        each within k x the round's bound (k site rounds), a statistic within its own rules.
+        DP-FedAvg's clip is applied when it is folded (NoisedSum.add_partial)."""
+        claimed = p.clients
+        if len(set(claimed)) != len(claimed) or set(claimed) != set(counts):
+            return Rejection("not-selected", "it names a client more than once, or its clients "
+                                             "and their counts differ")
+        foreign = sorted(set(claimed) - (self.selected & site))
+        if foreign:
+            return Rejection("not-selected", f"it claims client(s) "
+                             f"{', '.join(map(str, foreign[:10]))} that are not this round's "
+                             f"clients at site {p.site}")
+        expected: dict[str, float] = {}
+        for c in claimed:
+            n, eff = counts[c]
+            wrong = self.samples_problem(c, n, eff)
+            if wrong is None and self.effective_samples is None and eff is not None:
+                wrong = Rejection("wrong-samples",
+                                  f"effective_samples={eff}, but this round has no rebalanced sets")
+            if wrong is not None:
+                return Rejection(wrong.code, f"its sample counts are not the coordinator's: {wrong}")
+            per_block = None if self.weigh is None else self.weigh(
+                ClientUpdate(c, self.round, p.deltas, n, eff))
+            for key in p.deltas:
+                expected[key] = expected.get(key, 0.0) + (
+                    1.0 if per_block is None else per_block[block_of(key)])
+        extra = sorted(set(p.deltas) - set(self.reference))
+        if extra or set(p.deltas) != set(p.weights):
+            return Rejection("wrong-tensors", "its tensors are not the round's uploaded ones "
+                             f"({', '.join(extra[:5]) or 'weights and deltas differ'})")
+        for key, d in p.deltas.items():
+            w, ref = expected[key], self.reference[key]
+            if not abs(p.weights[key] - w) <= 1e-9 * max(1.0, w):  # (NaN is never within)
+                return Rejection("wrong-samples",
+                                 f"tensor {key}'s weight {p.weights[key]:g} is not its clients' {w:g}")
+            if d.dtype != torch.float32 or d.shape != ref.shape:
+                return Rejection("wrong-shape", f"tensor {key} is "
+                                 f"{str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
+                                 f"expected float32{list(ref.shape)}")
+            problem = self._tensor_problem(key, d, k)
+            if problem is not None:
+                return problem
+        return None
 
     def _identity_problem(self, update: ClientUpdate) -> Rejection | None:
         """The round, the client, its sample counts, its training, its local score."""
@@ -186,26 +261,30 @@ class RoundContract:
 
     def _value_problem(self, update: ClientUpdate) -> Rejection | None:
         """Every element within its tensor's bound, finite; statistics within theirs."""
-        for k, ref in self.reference.items():
-            d = update.deltas[k]
-            if is_statistic(k):
-                # (a mean of statistics within these bounds stays within them: the rules hold
-                # elementwise on convex sets)
-                reason = statistic_problem(k, ref, d) if d.numel() else None
-                if reason is not None:
-                    return reason
-                continue
-            if d.is_sparse:  # a top-k update's entries sent (its other entries are zeros)
-                d = d.coalesce().values()
-            biggest = largest_magnitude(d)
-            bound = self.bounds.get(k, self.max_abs_delta)
-            if not biggest <= bound:
-                if not torch.isfinite(d).all():
-                    return Rejection("non-finite", f"tensor {k} contains NaN or Inf")
-                return Rejection("too-large", (
-                    f"tensor {k} has an element of magnitude {biggest:.3g} > the round's bound "
-                    f"{bound:.3g} (aggregation.max_abs_delta; auto = 10 x the "
-                    "model's largest parameter)"))
+        for k in self.reference:
+            problem = self._tensor_problem(k, update.deltas[k])
+            if problem is not None:
+                return problem
+        return None
+
+    def _tensor_problem(self, k: str, d: torch.Tensor, scale: int = 1) -> Rejection | None:
+        """Tensor k of a contribution (a change of `scale` rounds' worth): finite, every element
+        within scale x its bound; a running statistic within its own rules."""
+        if is_statistic(k):
+            # (a mean of statistics within these bounds stays within them: the rules hold
+            # elementwise on convex sets)
+            return statistic_problem(k, self.reference[k], d) if d.numel() else None
+        if d.is_sparse:  # a top-k update's entries sent (its other entries are zeros)
+            d = d.coalesce().values()
+        biggest = largest_magnitude(d)
+        bound = self.bounds.get(k, self.max_abs_delta)
+        if not biggest <= scale * bound:
+            if not torch.isfinite(d).all():
+                return Rejection("non-finite", f"tensor {k} contains NaN or Inf")
+            return Rejection("too-large", (
+                f"tensor {k} has an element of magnitude {biggest:.3g} > "
+                f"{f'{scale} x ' if scale != 1 else ''}the round's bound {bound:.3g} "
+                "(aggregation.max_abs_delta; auto = 10 x the model's largest parameter)"))
         return None
 
     def _clip_problem(self, update: ClientUpdate) -> Rejection | None:
@@ -244,14 +323,17 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
                    data: FederatedData, effective_of: Callable[[torch.Tensor], int | None] | None,
                    max_abs_delta: float, personal_keys: frozenset[str] = frozenset(),
                    bound_of: Callable[[str, float], float] | None = None,
-                   codec: Codec | None = None, clip: float | None = None) -> RoundContract:
+                   codec: Codec | None = None, clip: float | None = None,
+                   weigh: Callable[[ClientUpdate], dict[str, float]] | None = None
+                   ) -> RoundContract:
     """The contract of one round, from the plan and what the coordinator knows of the clients.
     `global_weights`: what the clients were offered (the algorithm's broadcast included);
     `personal_keys`: tensors of the uploaded blocks that stay with the clients (FedBN's
     normalization layers, `BlockModel.personal_keys`), so no update may carry them;
     `bound_of(tensor, max_abs_delta)`: a tensor's own bound where the algorithm gives one
     (Algorithm.upload_bound); `codec`: the updates' wire codec (None: as they are); `clip`:
-    [privacy]'s bound on a decoded update's L2 norm (None: none); `effective_of(counts)`: the
+    [privacy]'s bound on a decoded update's L2 norm (None: none); `weigh`: an update's weight
+    per block (None: one per client); `effective_of(counts)`: the
     effective_samples a client with these class counts must report (Algorithm.effective_samples:
     FedReG's; None for every client, or no function: none is checked)."""
     reference = {k: v for k, v in global_weights.items()
@@ -267,7 +349,7 @@ def round_contract(round: int, selected: list[int], upload: tuple[str, ...], glo
     bounds = {} if bound_of is None else {
         k: b for k in reference if (b := bound_of(k, max_abs_delta)) != max_abs_delta}
     return RoundContract(round, frozenset(selected), reference, samples, effective, max_abs_delta,
-                         tests, bounds, codec or Codec(), clip)
+                         tests, bounds, codec or Codec(), clip, weigh=weigh)
 
 
 def score_problem(data: FederatedData, client: int, correct: int, total: int) -> str | None:

@@ -138,7 +138,7 @@ class RoundUpdates:
         update: the contract's verdict, every refusal logged and kept in `rejected`."""
         def check_with(contract: RoundContract) -> UpdateCheck:
             def check(update: ClientUpdate) -> Rejection | None:
-                reason = contract.check(update)
+                reason = contract.admit(update)
                 if reason is not None:
                     log.warning("round %d: rejected update of client %d: %s", t, update.client,
                                 reason)
@@ -376,7 +376,8 @@ class Ledger:
         `plan`, given what they were `offered` and the bound on their deltas."""
         return round_contract(t, clients, plan.upload, offered, self.data,
                               self.alg.effective_samples, bound, self.model.personal_keys(),
-                              self.alg.upload_bound, self.up, plan.clip)
+                              self.alg.upload_bound, self.up, plan.clip,
+                              None if self.cfg.privacy.client_level else self.alg.aggregation_weights)
 
     def updates(self, t: int, clients: list[int] | None = None,
                 offered: Weights | None = None) -> RoundUpdates:

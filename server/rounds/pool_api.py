@@ -179,7 +179,7 @@ class SiteAggregators(Protocol):
         """Have each site run its k site rounds of global round `round` over its selected
         clients (`by_site`) from the global model `start` (`needed`: the blocks its clients
         receive; `contract`: the round's bound on a delta and clip norm), and hand back what
-        each site answered; the round loop checks every partial (sites.py `check_partial`)."""
+        each site answered; the round loop admits every partial (the round contract's `admit`)."""
         ...
 
 

@@ -29,16 +29,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fedseq.common.algorithms import Algorithm
 from fedseq.common.algorithms.aggregate import ClientUpdate, WeightedDeltaSum
 from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig
 from fedseq.common.errors import AggregationError, ConfigError
-from fedseq.common.models import Weights, block_of, in_blocks, is_statistic
+from fedseq.common.models import Weights, in_blocks
 from fedseq.common.protocol.messages import SiteResultHeader
 from fedseq.common.text import printable
 from fedseq.server.privacy.secure_sum import SecureSum
-from fedseq.server.rounds.contract import RoundContract, secure_stages, statistic_problem
+from fedseq.server.rounds.contract import RoundContract, SitePartial, secure_stages
 from fedseq.server.rounds.links import LinkProfile, parse_profile
 from fedseq.server.rounds.pool_api import RoundOutcome, SiteAggregators, UpdateCheck
 from fedseq.server.rounds.records import Rejection
@@ -112,17 +111,6 @@ def deal(cfg: ExperimentConfig, owners: tuple[str, ...] | None = None) -> dict[s
     return out
 
 
-@dataclass
-class SitePartial:
-    """What a site hands the coordinator after its k site rounds: its model's change since the
-    global model (float32) and its total weight per tensor, for the clients it folded."""
-
-    deltas: Weights
-    weights: dict[str, float]
-    clients: list[int]
-    site: str = ""  # the site that sent it
-
-
 def partial_of(acc: WeightedDeltaSum, before: Weights, start: Weights, site: str = ""
                ) -> SitePartial:
     """A site's partial after its last site round: `acc` that round's aggregate, `before` the
@@ -141,66 +129,6 @@ def partial_of(acc: WeightedDeltaSum, before: Weights, start: Weights, site: str
         deltas[k] = mean.to(torch.float32)
         weights[k] = w
     return SitePartial(deltas, weights, acc.clients_added(), site)
-
-
-def check_partial(p: SitePartial, counts: dict[int, tuple[int, int | None]], site: Site,
-                  contract: RoundContract, alg: Algorithm, k: int, unit_weights: bool
-                  ) -> str | None:
-    """Why a partial an edge aggregator sent for `site` cannot count (None: it can), before
-    anything of it is folded. `counts`: each client it claims -> the (num_samples,
-    effective_samples) it says it folded with. The claimed clients must be the round's and the
-    site's, once each, with the sample counts the coordinator knows; each tensor's weight must
-    be the one their counts give (the algorithm's per-block weights, or 1 per client under
-    DP-FedAvg: `unit_weights`), so a site cannot weigh itself up; its tensors must be the round's
-    uploaded ones in float32, and each change within k x the round's bound on a delta (k site
-    rounds); a statistic within its own rules. DP-FedAvg's clip is applied when it is folded
-    (NoisedSum.add_partial)."""
-    claimed = p.clients
-    if len(set(claimed)) != len(claimed) or set(claimed) != set(counts):
-        return "it names a client more than once, or its clients and their counts differ"
-    foreign = sorted(set(claimed) - (contract.selected & site.clients))
-    if foreign:
-        return (f"it claims client(s) {', '.join(map(str, foreign[:10]))} that are not this "
-                f"round's clients at site {site.name}")
-    for c in claimed:
-        n, eff = counts[c]
-        wrong: object = contract.samples_problem(c, n, eff)
-        if wrong is None and contract.effective_samples is None and eff is not None:
-            wrong = f"effective_samples={eff}, but this round has no rebalanced sets"
-        if wrong is not None:
-            return f"its sample counts are not the coordinator's: {wrong}"
-    extra = sorted(set(p.deltas) - set(contract.reference))
-    if extra or set(p.deltas) != set(p.weights):
-        return ("its tensors are not the round's uploaded ones "
-                f"({', '.join(extra[:5]) or 'weights and deltas differ'})")
-    expected: dict[str, float] = {}
-    for c in claimed:
-        n, eff = counts[c]
-        per_block = alg.aggregation_weights(
-            ClientUpdate(c, contract.round, p.deltas, n, eff)) if not unit_weights else None
-        for key in p.deltas:
-            expected[key] = expected.get(key, 0.0) + (
-                1.0 if per_block is None else per_block[block_of(key)])
-    for key, d in p.deltas.items():
-        ref = contract.reference[key]
-        w = expected[key]
-        if not abs(p.weights[key] - w) <= 1e-9 * max(1.0, w):  # (NaN is never within)
-            return f"tensor {key}'s weight {p.weights[key]:g} is not its clients' {w:g}"
-        if d.dtype != torch.float32 or d.shape != ref.shape:
-            return (f"tensor {key} is {str(d.dtype).removeprefix('torch.')}{list(d.shape)}, "
-                    f"expected float32{list(ref.shape)}")
-        if not bool(torch.isfinite(d).all()):
-            return f"tensor {key} contains NaN or Inf"
-        if is_statistic(key):
-            problem = statistic_problem(key, ref, d)
-            if problem is not None:
-                return problem.text
-            continue
-        bound = k * contract.bounds.get(key, contract.max_abs_delta)
-        top = float(d.abs().max()) if d.numel() else 0.0
-        if top > bound:
-            return f"tensor {key} moves by {top:.3g}, more than {k} x the round's bound {bound / k:g}"
-    return None
 
 
 class EdgeSites:
@@ -237,7 +165,7 @@ class EdgeSites:
               checker: Callable[[RoundContract], UpdateCheck]) -> None:
         """Every site's k site rounds of global round t, their partials folded into `got`: run
         here over the run's pool, or on a fleet by each site's edge aggregator (the pool's
-        `SiteAggregators`). Every partial passes `check_partial` first; one that does not costs
+        `SiteAggregators`). Every partial passes the contract's `admit` first; one that does not costs
         its site's clients the round, recorded with why."""
         book = self.book
         start = book.offered()
@@ -249,9 +177,8 @@ class EdgeSites:
                 book.sent(in_blocks(start, needed)))]
         partials = []
         for p, samples, head in made:
-            why = check_partial(p, {c: samples[c] for c in p.clients if c in samples},
-                                self.sites_by_name[p.site], contract, book.alg, self.k,
-                                book.cfg.privacy.client_level)
+            why = contract.admit(p, self.sites_by_name[p.site].clients,
+                                 {c: samples[c] for c in p.clients if c in samples}, self.k)
             if why is not None:
                 log.warning("round %d: site %s's partial is refused: %s", t, p.site, why)
                 got.outcome.device_failures[f"site {p.site}"] = f"its partial was refused: {why}"
@@ -456,5 +383,5 @@ def merge_outcome(into: RoundOutcome, step: RoundOutcome) -> None:
         into.deadline_s = max(into.deadline_s or 0.0, step.deadline_s)
 
 
-__all__ = ["EDGE_STRIDE", "EdgeSites", "Site", "SitePartial", "assign_clients", "check_partial",
-           "deal", "edge_key", "merge_outcome", "partial_of", "site_tree"]
+__all__ = ["EDGE_STRIDE", "EdgeSites", "Site", "SitePartial", "assign_clients", "deal", "edge_key",
+           "merge_outcome", "partial_of", "site_tree"]

@@ -132,7 +132,7 @@ def test_the_contract_decodes_a_valid_compressed_update():
                  "fc.bias": torch.tensor([0.5, -0.5])}
         wire, _ = encode(delta, codec)
         up = _update(dict(wire))
-        assert _contract(codec).check(up) is None, codec
+        assert _contract(codec).admit(up) is None, codec
         assert set(up.deltas) == {"fc.weight", "fc.bias"}
         assert all(v.dtype == torch.float32 for v in up.deltas.values())
         assert up.upload_bytes is not None and up.upload_bytes > 0
@@ -159,7 +159,7 @@ def test_the_contract_refuses_a_malformed_topk_update_before_decoding(spoil, cod
     wire, _ = encode({"fc.weight": torch.ones(2, 3), "fc.bias": torch.ones(2)}, Codec("topk", 0.5))
     wire = dict(wire)
     spoil(wire)
-    got = _contract(Codec("topk", topk=0.5)).check(_update(wire))
+    got = _contract(Codec("topk", topk=0.5)).admit(_update(wire))
     assert got is not None and got.code == code and words in got.text, got
 
 
@@ -172,7 +172,7 @@ def test_the_contract_refuses_int8_scales_it_cannot_trust(scale, words):
     wire, _ = encode({"fc.weight": torch.ones(2, 3), "fc.bias": torch.ones(2)}, Codec("int8"))
     wire = dict(wire)
     wire["fc.weight@scale"] = torch.tensor([scale, 0.01])
-    got = _contract(Codec("int8")).check(_update(wire))
+    got = _contract(Codec("int8")).admit(_update(wire))
     assert got is not None and got.code == "bad-encoding" and words in got.text, got
 
 
@@ -180,7 +180,7 @@ def test_the_contract_refuses_int8_scales_it_cannot_trust(scale, words):
 def test_a_half_precision_overflow_is_refused_as_non_finite():
     wire, _ = encode({"fc.weight": torch.full((2, 3), 1e5), "fc.bias": torch.ones(2)},
                      Codec("fp16"))  # fp16 tops out at 65504: inf
-    got = _contract(Codec("fp16"), bound=1e6).check(_update(dict(wire)))
+    got = _contract(Codec("fp16"), bound=1e6).admit(_update(dict(wire)))
     assert got is not None and got.code == "non-finite"
 
 
@@ -235,11 +235,11 @@ def test_the_contract_bounds_a_sparse_topk_update_by_its_entries():
     wire, _ = encode({"fc.weight": torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.25, 3.0]]),
                       "fc.bias": torch.tensor([0.5, -0.5])}, Codec("topk", topk=0.5))
     up = _update(dict(wire))
-    assert _contract(Codec("topk", topk=0.5)).check(up) is None
+    assert _contract(Codec("topk", topk=0.5)).admit(up) is None
     assert up.deltas["fc.weight"].is_sparse
     for value, code in ((1e6, "too-large"), (math.nan, "non-finite"), (-math.inf, "non-finite")):
         spoilt = dict(wire)
         spoilt["fc.weight@val"] = spoilt["fc.weight@val"].clone()
         spoilt["fc.weight@val"][1] = value
-        reason = _contract(Codec("topk", topk=0.5)).check(_update(spoilt))
+        reason = _contract(Codec("topk", topk=0.5)).admit(_update(spoilt))
         assert reason is not None and reason.code == code, (value, reason)

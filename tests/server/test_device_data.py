@@ -130,9 +130,9 @@ def test_the_round_contract_holds_a_client_to_its_announced_sizes():
     w = {"fc.weight": torch.zeros(2, 4)}
     contract = round_contract(0, [0], ("fc",), w, data, None, 1.0)
     honest = ClientUpdate(client=0, round=0, num_samples=94, deltas={"fc.weight": torch.zeros(2, 4)})
-    assert contract.check(honest) is None
+    assert contract.admit(honest) is None
     lying = ClientUpdate(client=0, round=0, num_samples=225, deltas={"fc.weight": torch.zeros(2, 4)})
-    assert "client 0 has 94 training rows" in contract.check(lying).text
+    assert "client 0 has 94 training rows" in contract.admit(lying).text
 
 
 @pytest.mark.slow("a placed-data deployment SIGKILLed after round 1's aggregate, then resumed: ~12 s")

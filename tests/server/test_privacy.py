@@ -90,8 +90,8 @@ def test_a_client_clips_its_upload_and_the_contract_refuses_an_unclipped_one(dat
                               0, 0)
     assert update_norm(raw.deltas) > 0.5
     contract = round_contract(0, [1], plan.upload, start, data, None, 1e9, clip=0.5)
-    assert contract.check(update) is None
-    refused = contract.check(ClientUpdate(1, 0, raw.deltas, len(data.clients[1].train)))
+    assert contract.admit(update) is None
+    refused = contract.admit(ClientUpdate(1, 0, raw.deltas, len(data.clients[1].train)))
     assert refused is not None and refused.code == "over-clip"
     assert "privacy.clip_norm" in refused.text and "\n" not in refused.text
 

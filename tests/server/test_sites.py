@@ -321,7 +321,8 @@ class _SampleWeights:
     ({"weights": {"w": float("inf")}}, "weight inf is not its clients' 30"),
     ({"counts": {0: (100, None), 1: (20, None)}}, "num_samples=100, but client 0 has 10"),
     ({"counts": {0: (10, 4), 1: (20, None)}}, "effective_samples=4, but this round"),
-    ({"deltas": {"w": torch.full((3, 2), 5.0)}}, "moves by 5"),
+    ({"deltas": {"w": torch.full((3, 2), 5.0)}}, "magnitude 5 > the round's bound 1"),
+    ({"deltas": {"w": torch.full((3, 2), 5.0)}, "k": 2}, "magnitude 5 > 2 x the round's bound 1"),
     ({"deltas": {"w": torch.full((3, 2), 5.0)}, "k": 5}, None),
     ({"deltas": {"w": torch.zeros(3, 2, dtype=torch.float64)}}, "expected float32[3, 2]"),
     ({"deltas": {"w": torch.zeros(2, 3)}}, "expected float32[3, 2]"),
@@ -333,20 +334,21 @@ def test_a_partial_is_checked_before_it_counts(change, why):
     """What an edge aggregator claims is held to what the coordinator knows: its clients (the
     round's, its site's, once each), their sample counts, each tensor's weight recomputed from
     them, the tensors' names, dtypes and shapes, and their size within k x the round's bound."""
-    from fedseq.server.rounds.contract import RoundContract
-    from fedseq.server.rounds.sites import Site, SitePartial, check_partial
+    from fedseq.server.rounds.contract import RoundContract, SitePartial
+    from fedseq.server.rounds.sites import Site
 
     contract = RoundContract(0, frozenset({0, 1, 2}), {"w": torch.zeros(3, 2)},
-                             {0: 10, 1: 20, 2: 5}, None, 1.0)
+                             {0: 10, 1: 20, 2: 5}, None, 1.0,
+                             weigh=_SampleWeights.aggregation_weights)
     site = Site("a", ("d0", "d1"), frozenset({0, 1, 5}))
     p = SitePartial(change.get("deltas", {"w": torch.full((3, 2), 0.1)}),
                     change.get("weights", {"w": 30.0}), change.get("clients", [0, 1]), "a")
     counts = change.get("counts", {c: ({0: 10, 1: 20, 2: 5, 5: 7}[c], None) for c in p.clients})
-    got = check_partial(p, counts, site, contract, _SampleWeights(), change.get("k", 1), False)
+    got = contract.admit(p, site.clients, counts, change.get("k", 1))
     if why is None:
         assert got is None
     else:
-        assert got is not None and why in got, got
+        assert got is not None and why in str(got), got
 
 
 def test_an_answer_sent_again_is_not_a_late_update(data_root):

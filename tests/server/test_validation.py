@@ -33,10 +33,10 @@ def _good(data, client=0):
 
 def test_valid_update_passes():
     data, c = _contract()
-    assert c.check(_good(data)) is None
+    assert c.admit(_good(data)) is None
     u = _good(data)
     u.local_score = (1, len(data.clients[0].test))
-    assert c.check(u) is None
+    assert c.admit(u) is None
 
 
 @pytest.mark.parametrize("mutate, words, code", [
@@ -66,7 +66,7 @@ def test_invalid_updates_are_rejected(mutate, words, code):
     data, c = _contract()
     u = _good(data)
     mutate(u)
-    reason = c.check(u)
+    reason = c.admit(u)
     assert reason is not None and words in reason.text and reason.code == code, reason
 
 
@@ -86,9 +86,9 @@ def test_fedreg_effective_count_must_be_exact():
     data, c = _contract(threshold=30.0)
     u = _good(data)
     u.effective_samples = c.effective_samples[0]
-    assert c.check(u) is None
+    assert c.admit(u) is None
     u.effective_samples += 1
-    assert "effective_samples" in str(c.check(u))
+    assert "effective_samples" in str(c.admit(u))
 
 
 def test_the_reason_names_the_same_tensor_whatever_the_frame_order():
@@ -96,7 +96,7 @@ def test_the_reason_names_the_same_tensor_whatever_the_frame_order():
     first offending tensor is the model's first, either way."""
     data, c = _contract()
     bad = {"conv1.weight": torch.full((2, 1, 3, 3), float("nan")), "conv1.bias": torch.full((2,), 1e30)}
-    reasons = {str(c.check(ClientUpdate(0, 3, dict(order), len(data.clients[0].train))))
+    reasons = {str(c.admit(ClientUpdate(0, 3, dict(order), len(data.clients[0].train))))
                for order in (bad.items(), sorted(bad.items()))}
     assert reasons == {"tensor conv1.weight contains NaN or Inf"}
 
@@ -107,7 +107,7 @@ def test_a_refusal_stays_short_whatever_the_frame_carried():
     data, c = _contract()
     u = _good(data)
     u.deltas.update({f"x{i:06d}\n" + "y" * 200: torch.zeros(0) for i in range(100_000)})
-    reason = str(c.check(u))
+    reason = str(c.admit(u))
     assert "not uploadable" in reason and "(+99995 more)" in reason
     assert len(reason) < 600 and "\n" not in reason, len(reason)
 
@@ -122,15 +122,15 @@ def test_normalization_state_in_the_contract():
     running = round_contract(3, [0], ("conv1",), w, data, None, max_abs_delta=100.0)
     n = len(data.clients[0].train)
     ok = {k: torch.full_like(v, -0.5) for k, v in w.items()}
-    assert running.check(ClientUpdate(0, 3, ok, n)) is None
+    assert running.admit(ClientUpdate(0, 3, ok, n)) is None
     bad = {**ok, "conv1.1.running_var": torch.tensor([-0.5, -1.5])}
-    reason = running.check(ClientUpdate(0, 3, bad, n))
+    reason = running.admit(ClientUpdate(0, 3, bad, n))
     assert reason is not None and reason.code == "bad-statistic"
     assert reason.text == "tensor conv1.1.running_var would make a running variance negative (-0.5)"
     fedbn = round_contract(3, [0], ("conv1",), w, data, None, max_abs_delta=100.0,
                            personal_keys=frozenset(k for k in w if k.startswith("conv1.1.")))
-    assert "not uploadable" in str(fedbn.check(ClientUpdate(0, 3, ok, n)))
-    assert fedbn.check(ClientUpdate(0, 3, {"conv1.0.weight": ok["conv1.0.weight"]}, n)) is None
+    assert "not uploadable" in str(fedbn.admit(ClientUpdate(0, 3, ok, n)))
+    assert fedbn.admit(ClientUpdate(0, 3, {"conv1.0.weight": ok["conv1.0.weight"]}, n)) is None
 
 
 def test_running_statistics_have_bounds_of_their_own():
@@ -146,7 +146,7 @@ def test_running_statistics_have_bounds_of_their_own():
     zero = {k: torch.zeros_like(v) for k, v in w.items()}
 
     def check(**stats):
-        return str(c.check(ClientUpdate(0, 3, {**zero, **{f"conv1.1.{k}": torch.tensor(v)
+        return str(c.admit(ClientUpdate(0, 3, {**zero, **{f"conv1.1.{k}": torch.tensor(v)
                                                           for k, v in stats.items()}}, n)))
 
     assert check(running_var=[48.0, 0.0], running_mean=[30.0, -30.0]) == "None"  # > 5: allowed
@@ -157,7 +157,7 @@ def test_running_statistics_have_bounds_of_their_own():
     assert parameter_scale(inflated) == parameter_scale(w) == 1.0
     big = round_contract(3, [0], ("conv1",), inflated, data, None, max_abs_delta=5.0)
     var = torch.full((2,), 1e30 * (STAT_GROWTH - 1))  # within the growth, past the cap
-    assert "or 1e+06" in str(big.check(ClientUpdate(0, 3, {**zero, "conv1.1.running_var": var}, n)))
+    assert "or 1e+06" in str(big.admit(ClientUpdate(0, 3, {**zero, "conv1.1.running_var": var}, n)))
 
 
 @pytest.mark.parametrize("factor", [1e3, STAT_GROWTH * 0.999])
@@ -184,7 +184,7 @@ def test_a_device_inflating_its_statistics_for_100_rounds(factor):
             d = {"conv1.0.weight": torch.full_like(g["conv1.0.weight"], 0.01),
                  "conv1.1.running_var": honest if client else var * factor - var}
             u = ClientUpdate(client, t, d, n[client], device=f"d{client}")
-            reason = contract.check(u)
+            reason = contract.admit(u)
             if reason is not None:
                 assert client == 0 and "running variance" in reason.text, reason
                 refused.append(t)

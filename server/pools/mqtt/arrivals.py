@@ -157,7 +157,7 @@ class MqttArrivals(Arrivals):
                 "too-stale", f"trained on the model of step {update.round}, {t - update.round} "
                 f"steps ago > train.max_staleness={self.book.cfg.train.max_staleness}")
         contract = self.book.contract(update.round, [update.client], v.plan, v.offered, v.bound)
-        return update.round, contract.check(update)
+        return update.round, contract.admit(update)
 
     def arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
         """As the devices send them, until the buffer is full; each landed flight is replaced

@@ -6,7 +6,7 @@ server/ops/edge.py). The coordinator's broker carries only what crosses between 
 to fold as the coordinator would), the coordinator's tasks (`task`: a train step's k site rounds,
 an evaluation, a fine-tuning, the end of the run; the frame holds the global model), the edge's
 answers (`result`: one partial aggregate per round, or its clients' scores) and its presence
-(`status`, retained, last will). The round loop checks every partial (sites.py `check_partial`)
+(`status`, retained, last will). The round loop admits every partial (the round contract's `admit`)
 before it is folded; a site whose edge is offline or silent past the deadline costs its clients
 that round, recorded with why.
 
