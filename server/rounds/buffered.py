@@ -229,6 +229,24 @@ class BufferedAsync(Driver):
             if f.update is None and f.rejection is None:
                 f.rejection = Rejection("diverged", "no update came back")
 
+    def admit(self, update: ClientUpdate, dispatched_on: int, t: int
+              ) -> tuple[int, Rejection | None]:
+        """An update that came back from a fleet at step t (the async policy, here, not in the
+        pool): (the version it is counted on, why it is refused or None). It must name a version
+        between its dispatch's and the current step, one still kept, and pass that version's
+        round contract."""
+        if not dispatched_on <= update.round <= t:
+            return dispatched_on, Rejection(
+                "bad-version", f"trained on the model of step {update.round}, but dispatched on "
+                f"step {dispatched_on} before step {t}")
+        v = self.versions.get(update.round)
+        if v is None:  # older than any update may be folded
+            return update.round, Rejection(
+                "too-stale", f"trained on the model of step {update.round}, {t - update.round} "
+                f"steps ago > train.max_staleness={self.book.cfg.train.max_staleness}")
+        contract = self.book.contract(update.round, [update.client], v.plan, v.offered, v.bound)
+        return update.round, contract.admit(update)
+
     # -- one server step -------------------------------------------------------------------
     def run_round(self, t: int) -> RoundRecord:
         """Fold step t's arrivals (each discounted by its staleness; the stale beyond the bound

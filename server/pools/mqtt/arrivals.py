@@ -17,7 +17,7 @@ from fedseq.server.pools.mqtt.inbox import UpdateArrived
 from fedseq.server.rounds.buffered import Arrivals, BufferedAsync, Flight
 from fedseq.server.rounds.ledger import RoundUpdates
 from fedseq.server.rounds.pool_api import AsyncPool
-from fedseq.server.rounds.records import Rejection, RoundRecord
+from fedseq.server.rounds.records import RoundRecord
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class MqttArrivals(Arrivals):
             self.pool.release(ev)
             return None
         update = self.pool.take(ev)
-        version, rejection = self._check(update, f.version, t)
+        version, rejection = self.driver.admit(update, f.version, t)
         # Refused and landed: an update too stale, or its own device saying it diverged. Any
         # other refusal, as in a round, displaces no valid update: the flight waits for its
         # client's valid answer (or its device going, or its deadline), and the refusal goes into
@@ -142,22 +142,6 @@ class MqttArrivals(Arrivals):
             f.update = update
         d.trained_on[c] = max(d.trained_on.get(c, f.version), f.version)
         return f
-
-    def _check(self, update: Any, dispatched_on: int, t: int) -> tuple[int, Rejection | None]:
-        """(the version the update is counted on, why it is refused or None): it must name a
-        version between its dispatch's and the current step, one still kept, and pass that
-        version's round contract."""
-        if not dispatched_on <= update.round <= t:
-            return dispatched_on, Rejection(
-                "bad-version", f"trained on the model of step {update.round}, but dispatched on "
-                f"step {dispatched_on} before step {t}")
-        v = self.driver.versions.get(update.round)
-        if v is None:  # older than any update may be folded
-            return update.round, Rejection(
-                "too-stale", f"trained on the model of step {update.round}, {t - update.round} "
-                f"steps ago > train.max_staleness={self.book.cfg.train.max_staleness}")
-        contract = self.book.contract(update.round, [update.client], v.plan, v.offered, v.bound)
-        return update.round, contract.admit(update)
 
     def arrivals(self, t: int, got: RoundUpdates) -> Iterator[Flight]:
         """As the devices send them, until the buffer is full; each landed flight is replaced
