@@ -149,7 +149,7 @@ def replay(src: Path, out: Path | None, overrides: list[str] | None = None, work
 
     def driver(book: Ledger) -> BufferedAsync:
         if noise_seed is not None:  # the run's secret noise: replayed bitwise
-            book.noise_seed = noise_seed
+            book.privacy.noise_seed = noise_seed
         return BufferedAsync(book, functools.partial(LoggedArrivals, log=log))
 
     result = run_simulation(cfg, out, on_round, mode, info, workers=workers, driver=driver)

@@ -41,15 +41,20 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import secrets
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from fedseq.common.algorithms.aggregate import WeightedDeltaSum, in_dtype, update_norm
+from fedseq.common.algorithms.plan import ClientPlan
 from fedseq.common.config import ExperimentConfig
+from fedseq.common.data.federated import FederatedData
 from fedseq.common.errors import AggregationError, ConfigError
+from fedseq.common.flops import plan_steps
 from fedseq.common.models import Weights
 from fedseq.common.seeding import numpy_rng, torch_rng
 
@@ -279,3 +284,63 @@ class NoisedSum(WeightedDeltaSum):
         """Every tensor some client sent: each gets noise, whatever its weights."""
         return set(self.sums)
 
+
+
+class PrivacyAccount:
+    """A run's privacy, one part of the round beside the aggregation: the clip norm of the next
+    round (adaptive clipping moves it), the secret seed of the coordinator's noise, each client's
+    DP-SGD steps (record level) and the epsilon they add up to; checkpointed with the round loop.
+    Without [privacy] it holds nothing and says None."""
+
+    def __init__(self, cfg: ExperimentConfig, data: FederatedData, site_rounds: int):
+        self.cfg, self.data, self.site_rounds = cfg, data, site_rounds
+        self.sizes = {c.client: c.num_train for c in data.clients}
+        #: the clip norm of the next round
+        self.clip = cfg.privacy.clip_norm
+        #: the seed of the coordinator's noise (the updates' sum and adaptive clipping's count):
+        #: a secret drawn from the OS for each run and kept in its checkpoint alone, never in a
+        #: config a device gets, so that no device can regenerate the noise and subtract it from
+        #: a released model; `[seeds] noise` pins it (reproducible noise for a simulation, known
+        #: to whoever reads the config: docs/explanation/privacy.md)
+        self.noise_seed = (cfg.seeds.noise if cfg.seeds.noise is not None
+                           else secrets.randbits(63))
+        #: level = "record": each client's DP-SGD steps so far
+        self.record_steps: dict[int, int] = {}
+        self._budget: dict[int, float | None] = {}  # over_budget's answer for one round
+
+    def epsilon(self, rounds: int) -> float | None:
+        """Epsilon after `rounds` rounds at privacy.delta (record level: the largest of the
+        clients' so far); None without [privacy]."""
+        p = self.cfg.privacy
+        if p.record_level:
+            return record_epsilon(self.cfg, self.record_steps, self.sizes)
+        return epsilon(sampling_rate(self.cfg), p.noise_multiplier, rounds, p.delta) \
+            if p.enabled else None
+
+    def over_budget(self, t: int, steps_of: Callable[[], dict[int, int]]) -> float | None:
+        """Level = "record" with privacy.target_epsilon: the epsilon round t would take a client
+        to where that passes the budget (the round must not run), None where it may run (and
+        past the last round). `steps_of()`: the DP-SGD steps round t gives each of its selected
+        clients (only theirs move, so only theirs are computed)."""
+        p = self.cfg.privacy
+        if not p.record_level or p.target_epsilon is None or t >= self.cfg.rounds:
+            return None
+        if t not in self._budget:
+            steps = {c: self.record_steps.get(c, 0) + self.site_rounds * n
+                     for c, n in steps_of().items()}
+            reached = record_epsilon(self.cfg, steps, {c: self.sizes[c] for c in steps})
+            self._budget = {t: reached if reached > p.target_epsilon else None}
+        return self._budget[t]
+
+    def spent(self, client: int, plan: ClientPlan) -> None:
+        """Level = "record": `client` trained `plan` in each of the round's site rounds (its
+        epsilon counts its steps whether or not its update counts: the coordinator saw it)."""
+        if plan.record_dp is not None:
+            steps = self.site_rounds * plan_steps(plan, self.data, self.data.clients[client])
+            self.record_steps[client] = self.record_steps.get(client, 0) + steps
+
+    def stepped(self, within: int, t: int) -> None:
+        """After round t counted: adaptive clipping moves the clip norm by the noised count of
+        the updates that were `within` it."""
+        if self.cfg.privacy.client_level and self.cfg.privacy.adaptive:
+            self.clip = next_clip(self.cfg, self.clip, within, t, self.noise_seed)

@@ -290,7 +290,7 @@ class BufferedAsync(Driver):
         if cfg.privacy.client_level:
             self.arrived_this_step.add(f.client)
         plan = book.alg.plan(f.version)
-        book.spent(f.client, plan)
+        book.privacy.spent(f.client, plan)
         staleness = f.staleness(t)
         if f.rejection is None and cfg.train.max_staleness is not None \
                 and staleness > cfg.train.max_staleness:

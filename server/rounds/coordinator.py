@@ -108,7 +108,7 @@ class Rounds(Driver):
         if trainers:  # Poisson sampling ([privacy]) may draw nobody: nothing to dispatch
             self._send_and_collect(t, trainers, plan, needed, enough, contract, relay, got)
         for c in trainers:  # [privacy] level = "record": their DP-SGD steps count
-            book.spent(c, plan)
+            book.privacy.spent(c, plan)
         self._no_device_can_train(selected, got.reported, got.outcome)
         # 4. aggregate: the server step, where the round has its quorum (the noise is added and
         #    the secure sum unmasked here)
@@ -383,7 +383,7 @@ class Coordinator:
             diverged=dict(sorted(ft.diverged.items())),
         )
         if self.cfg.privacy.enabled:  # fine-tuning sends nothing back: the rounds' budget
-            rec.epsilon = book.epsilon(self.cfg.rounds)
+            rec.epsilon = book.privacy.epsilon(self.cfg.rounds)
         if rec.diverged:
             log.warning("fine-tuning diverged (NaN or Inf loss) for clients %s: their scores "
                         "are their diverged models' (lower train.lr to avoid it)",

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -38,12 +37,9 @@ from fedseq.common.protocol.tensors import frame_size
 from fedseq.common.seeding import numpy_rng
 from fedseq.server.privacy.dp import (
     NoisedSum,
-    epsilon,
+    PrivacyAccount,
     expected_clients,
-    next_clip,
     poisson_clients,
-    record_epsilon,
-    sampling_rate,
     update_noise,
 )
 from fedseq.server.privacy.secure_sum import SecureSum, layout_of, round_setup
@@ -168,15 +164,10 @@ class Ledger:
         algorithm.prepare([c.num_train for c in data.clients])
         #: the aggregation rule, built once: its options read, its state kept across rounds
         self.rule = build_rule(cfg.aggregation)
-        #: [privacy]: the clip norm of the next round (adaptive clipping moves it)
-        self.clip = cfg.privacy.clip_norm
-        #: [privacy]: the seed of the coordinator's noise (the updates' sum and adaptive
-        #: clipping's count): a secret drawn from the OS for each run and kept in its checkpoint
-        #: alone, never in a config a device gets, so that no device can regenerate the noise and
-        #: subtract it from a released model; `[seeds] noise` pins it (reproducible noise for a
-        #: simulation, known to whoever reads the config: docs/explanation/privacy.md)
-        self.noise_seed = (cfg.seeds.noise if cfg.seeds.noise is not None
-                           else secrets.randbits(63))
+        #: [privacy]: the clip norm, the noise's secret seed, the clients' steps, epsilon
+        h = cfg.hierarchy  # a client trains once in each of a round's site rounds
+        self.site_rounds = h.edge_rounds if h and h.edge_aggregation else 1
+        self.privacy = PrivacyAccount(cfg, data, self.site_rounds)
         # Block versions: version 0 of every block is the seed-derived initial model. bytes_down
         # counts a block for a client when the client does not hold its current version; a client
         # holds nothing before its first round (-1): a deployment does send version 0.
@@ -204,12 +195,6 @@ class Ledger:
         self.fleet = VirtualFleet(cfg) if cfg.fleet else None
         #: the virtual clock: seconds since the run's start
         self.clock = 0.0
-        #: [privacy] level = "record": each client's DP-SGD steps so far
-        self.record_steps: dict[int, int] = {}
-        #: how often a selected client trains in a round: [hierarchy]'s site rounds, else once
-        h = cfg.hierarchy
-        self.site_rounds = h.edge_rounds if h and h.edge_aggregation else 1
-        self._budget: dict[int, float | None] = {}  # over_budget's answer for one round
         #: [secagg]: clients left out of every later round, with why: a device of theirs sent
         #: shares proven bad (Ledger.exclude)
         self.excluded: dict[int, str] = {}
@@ -252,8 +237,8 @@ class Ledger:
         plan = self.alg.plan(t)
         if self.up.name != "none":
             plan = dataclasses.replace(plan, codec=self.up.spec)
-        if plan.clip is not None and plan.clip != self.clip:  # adaptive clipping's current C
-            plan = dataclasses.replace(plan, clip=self.clip)
+        if plan.clip is not None and plan.clip != self.privacy.clip:  # adaptive clipping's C
+            plan = dataclasses.replace(plan, clip=self.privacy.clip)
         needed = [b for b in ordered_union((self.model.spec.base, plan.uses))
                   if b not in plan.personal] + list(dict.fromkeys(map(block_of, self.extra)))
         return plan, needed
@@ -387,8 +372,8 @@ class Ledger:
         round contract's reference, the tensors a masked input carries)."""
         inner: Aggregator
         if self.cfg.privacy.client_level:
-            inner = NoisedSum(self.clip, update_noise(self.cfg), expected_clients(self.cfg),
-                              self.noise_seed, t)
+            inner = NoisedSum(self.privacy.clip, update_noise(self.cfg),
+                              expected_clients(self.cfg), self.privacy.noise_seed, t)
         else:
             inner = self.rule.round()
         if self.cfg.secagg.enabled and clients:
@@ -476,8 +461,7 @@ class Ledger:
         self.global_weights = step.weights
         self.broadcast()
         self.local_scores.update(got.local_scores)
-        if self.cfg.privacy.client_level and self.cfg.privacy.adaptive:
-            self.clip = next_clip(self.cfg, self.clip, got.within, t, self.noise_seed)
+        self.privacy.stepped(got.within, t)
         return None
 
     # -- evaluation and the row -------------------------------------------------------------
@@ -529,41 +513,13 @@ class Ledger:
         model on its own test rows; a client that has not trained yet holds what it was sent."""
         return pooled_accuracy(self.local_scores.get(c, r) for c, r in report.per_client.items())
 
-    def epsilon(self, rounds: int) -> float | None:
-        """[privacy]: epsilon after `rounds` rounds at privacy.delta (record level: the largest
-        of the clients' so far); None without it."""
-        p = self.cfg.privacy
-        if p.record_level:
-            return record_epsilon(self.cfg, self.record_steps,
-                                  {c.client: c.num_train for c in self.data.clients})
-        return (epsilon(sampling_rate(self.cfg), p.noise_multiplier, rounds, p.delta)
-                if p.enabled else None)
-
     def over_budget(self, t: int) -> float | None:
         """[privacy] level = "record" with privacy.target_epsilon: the epsilon round t would take
-        a client to where that passes the budget (the round must not run), None where it may
-        run (and past the last round). Only the selected clients' epsilons move, so only
-        theirs are computed."""
-        p = self.cfg.privacy
-        if not p.record_level or p.target_epsilon is None or t >= self.cfg.rounds:
-            return None
-        if t not in self._budget:
+        a client to where that passes the budget (PrivacyAccount.over_budget), else None."""
+        def steps() -> dict[int, int]:
             plan, _ = self.plan(t)
-            clients = self.select(t)
-            steps = {c: self.record_steps.get(c, 0) + self.site_rounds * plan_steps(
-                plan, self.data, self.data.clients[c]) for c in clients}
-            reached = record_epsilon(self.cfg, steps,
-                                     {c: self.data.clients[c].num_train for c in clients})
-            self._budget = {t: reached if reached > p.target_epsilon else None}
-        return self._budget[t]
-
-    def spent(self, client: int, plan: ClientPlan) -> None:
-        """[privacy] level = "record": `client` trained `plan` in each of the round's site rounds
-        (its steps count in its epsilon, whether or not its update counts: the coordinator saw
-        it)."""
-        if plan.record_dp is not None:
-            steps = self.site_rounds * plan_steps(plan, self.data, self.data.clients[client])
-            self.record_steps[client] = self.record_steps.get(client, 0) + steps
+            return {c: plan_steps(plan, self.data, self.data.clients[c]) for c in self.select(t)}
+        return self.privacy.over_budget(t, steps)
 
     def row(self, t: int, plan: ClientPlan, got: RoundUpdates, refused: str | None,
             clients: list[int], trainers: list[int], bytes_down: int, start: float
@@ -608,7 +564,7 @@ class Ledger:
         if excluded:
             rec.excluded = excluded
         if self.cfg.privacy.enabled:
-            rec.epsilon = self.epsilon(t + 1)
+            rec.epsilon = self.privacy.epsilon(t + 1)
             if self.cfg.privacy.adaptive:
                 rec.clip_norm = plan.clip
         return rec
@@ -618,9 +574,9 @@ class Ledger:
         """What a checkpoint keeps of the ledger (`driver`: the driver's own state)."""
         return LoopState(self.version, self.client_version, self.local_scores, self.last_report,
                          row, self.clock, driver,
-                         self.clip if self.cfg.privacy.adaptive else None,
-                         dict(self.record_steps),
-                         self.noise_seed if self.cfg.privacy.client_level else None,
+                         self.privacy.clip if self.cfg.privacy.adaptive else None,
+                         dict(self.privacy.record_steps),
+                         self.privacy.noise_seed if self.cfg.privacy.client_level else None,
                          dict(self.excluded))
 
     def restore(self, ckpt: Checkpoint) -> None:
@@ -633,10 +589,10 @@ class Ledger:
         self.local_scores, self.last_report = loop.local_scores, loop.last_report
         self.clock = loop.clock
         if loop.clip is not None:  # adaptive clipping's clip norm as it was
-            self.clip = loop.clip
-        self.record_steps = dict(loop.record_steps)
+            self.privacy.clip = loop.clip
+        self.privacy.record_steps = dict(loop.record_steps)
         if loop.noise_seed is not None:  # the run's secret noise seed: a resume is bitwise
-            self.noise_seed = loop.noise_seed
+            self.privacy.noise_seed = loop.noise_seed
         self.excluded = dict(loop.excluded)
         self.pool.restore(ckpt.pool)
         self.alg.load_server_state(ckpt.server)
