@@ -77,10 +77,6 @@ class FederatedData:
     #: clients are its devices', server/rounds/sites.py); None: clients are dealt to devices
     owners: tuple[str, ...] | None = None
 
-    def __post_init__(self) -> None:
-        if self.channel_stats is not None:
-            self.pixel_stats()  # a mean of another length than the rows' channels: said now
-
     @functools.cached_property
     def _pixel_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         c, h, w = self.x.shape[1:]
@@ -151,6 +147,14 @@ def _images_tensor(images: np.ndarray) -> torch.Tensor:
     return x.as_strided(x.shape, (c * h * w, 1, w, 1)) if c == 1 else x.contiguous()
 
 
+def _checked(data: FederatedData) -> FederatedData:
+    """`data`, its normalization's statistics checked against its rows' shape now (a mean of
+    another length than the channels is one DatasetError line before any training)."""
+    if data.channel_stats is not None:
+        data.pixel_stats()
+    return data
+
+
 def client_indices(labels: np.ndarray, cfg: DataConfig, seed: int) -> list[np.ndarray]:
     """All clients' sample indices (train and test merged, as in PFLlib) for this config."""
     if cfg.partition == "dirichlet":
@@ -188,8 +192,9 @@ def placed_data(cfg: DataConfig, parts: dict[int, RawDataset], num_clients: int,
         at += n
     rows = None if validation is None else torch.arange(at, at + len(validation.labels))
     stats = cfg.stats()
-    return FederatedData(_images_tensor(x), torch.from_numpy(y.astype(np.int64)), num_classes,
-                         tuple(shards), channel_stats=stats, validation=rows, owners=owners)
+    return _checked(FederatedData(_images_tensor(x), torch.from_numpy(y.astype(np.int64)),
+                                  num_classes, tuple(shards), channel_stats=stats, validation=rows,
+                                  owners=owners))
 
 
 def announced_data(cfg: DataConfig, clients: list, validation: RawDataset | None,
@@ -239,14 +244,15 @@ def load_federated(cfg: DataConfig, seed: int, only: list[int] | None = None,
     stats = cfg.stats()
     if not lean:
         images = raw.images if keep is None else raw.images[keep]
-        return FederatedData(_images_tensor(images), y, num_classes, shards, channel_stats=stats)
+        return _checked(FederatedData(_images_tensor(images), y, num_classes, shards,
+                                      channel_stats=stats))
     wanted = [te for _, te in splits] if only is None else [
         r for c in sorted(set(only)) for r in splits[c]]
     rows = np.unique(np.concatenate(wanted)) if wanted else np.empty(0, np.int64)
     images = _read(cfg, rows=rows if keep is None else keep[rows]).images
     pos = torch.full((len(labels),), -1, dtype=torch.int64)
     pos[torch.from_numpy(rows)] = torch.arange(len(rows))
-    return FederatedData(_images_tensor(images), y, num_classes, shards, pos, stats)
+    return _checked(FederatedData(_images_tensor(images), y, num_classes, shards, pos, stats))
 
 
 def training_stats(cfg: DataConfig, seed: int) -> tuple[list[float], list[float], int, str]:

@@ -118,8 +118,9 @@ def stats(
         help="Data on the devices: the simulated devices' folders (as fedseq-sim's)")] = None,
 ) -> None:
     """Print data.normalize = "stats"' mean and std from the run's training rows (each channel's,
-    or each tabular feature's), as keys of the config's [data] table (append them to a config
-    whose last table is [data]): every process of the run then normalizes with the same numbers."""
+    or each tabular feature's), as keys of the config's data table (append them to a config
+    whose last table is that one): every process of the run then normalizes with the same
+    numbers."""
     import json
 
     from fedseq.common.config import load_config
