@@ -8,7 +8,6 @@ abort) and stops early instead of finishing work nobody will collect.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -151,14 +150,8 @@ class StepExecutor:
         if update.diverged_at is not None:  # refused by the coordinator; blocks kept as they were
             log.warning("round %d: client %d's training diverged (NaN or Inf loss at batch %d)",
                         step.round, c, update.diverged_at)
-        meta = dict(run_id=run.run_id, seq=seq, round=step.round, client=c,
-                    device=self.session.device, num_samples=update.num_samples,
-                    effective_samples=update.effective_samples,
-                    train_seconds=update.train_seconds,
-                    local_correct=update.local_score[0] if update.local_score else None,
-                    local_total=update.local_score[1] if update.local_score else None,
-                    diverged_at=update.diverged_at, under_clip=update.under_clip,
-                    **dataclasses.asdict(cost))
+        meta = dict(run_id=run.run_id, seq=seq, device=self.session.device,
+                    **UpdateHeader.fields_of(update, cost))
         deltas = update.deltas
         if secure is not None:
             deltas = self._masked(run, step, secure, update)

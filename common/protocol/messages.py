@@ -394,6 +394,36 @@ class UpdateHeader(Message):
     size: int = Field(ge=0, description="Bytes of the whole frame.")
     sha256: str = Field(description="The whole frame's SHA-256 (hex).")
 
+    # The one conversion each way between a client's update and this header: the device says
+    # its ClientUpdate and DeviceCost with `fields_of`; the coordinator reads them back with
+    # `to_update` (the cost as it accepted it: only plausible figures, server/pools/mqtt/inbox.py)
+    @staticmethod
+    def fields_of(update: Any, cost: Any = None) -> Dict[str, Any]:
+        """The header fields that say `update` (a ClientUpdate) and its `cost` (a DeviceCost, or
+        None); the frame's run, step, device and chunk fields are the sender's."""
+        import dataclasses
+
+        score = update.local_score
+        return dict(round=update.round, client=update.client, num_samples=update.num_samples,
+                    effective_samples=update.effective_samples,
+                    train_seconds=update.train_seconds,
+                    local_correct=score[0] if score else None,
+                    local_total=score[1] if score else None,
+                    diverged_at=update.diverged_at, under_clip=update.under_clip,
+                    **(dataclasses.asdict(cost) if cost is not None else {}))
+
+    def to_update(self, deltas: Any, device: str, cost: Any = None) -> Any:
+        """The ClientUpdate this header says, with its `deltas`, the `device` whose login sent
+        it and its `cost` as the coordinator accepted it."""
+        from fedseq.common.algorithms.aggregate import ClientUpdate
+
+        score = None if self.local_correct is None or self.local_total is None else (
+            self.local_correct, self.local_total)
+        return ClientUpdate(client=self.client, round=self.round, deltas=deltas,
+                            num_samples=self.num_samples, effective_samples=self.effective_samples,
+                            train_seconds=self.train_seconds, local_score=score, device=device,
+                            cost=cost, diverged_at=self.diverged_at, under_clip=self.under_clip)
+
 
 class SiteTaskHeader(Message):
     """Header of one chunk of a site task ([hierarchy] on a fleet): the coordinator asks the edge

@@ -698,13 +698,7 @@ class Inbox:
         held, spooled = self.spool.hold(frame)
         if spooled is not None:  # (decoded all the same: a malformed frame is refused now)
             deltas = {}
-        update = ClientUpdate(client=head.client, round=head.round, deltas=deltas,
-                              num_samples=head.num_samples, effective_samples=head.effective_samples,
-                              train_seconds=head.train_seconds,
-                              local_score=None if head.local_correct is None or head.local_total is
-                              None else (head.local_correct, head.local_total), device=device,
-                              cost=device_cost(head), diverged_at=head.diverged_at,
-                              under_clip=head.under_clip)
+        update = head.to_update(deltas, device, device_cost(head))
         event = UpdateArrived(device, head.seq, update, held, spooled)
         if not self._put(event, ("update", head.seq, head.client), UPDATES_PER_CLIENT):
             self.release(event)

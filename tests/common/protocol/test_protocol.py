@@ -237,3 +237,24 @@ def test_numbers_in_free_form_fields_are_bounded_too():
         SiteResultHeader.decode(head.encode().replace(b"2.0", b"-Infinity"))
     sent = DeviceStatus(device="d", state="online", temp_c=float("nan")).encode()
     assert DeviceStatus.decode(sent).temp_c is None
+
+
+def test_an_update_and_its_header_convert_one_way_each_and_back():
+    """Issue 93, a typed wire: the device says its ClientUpdate and DeviceCost in the header with
+    `fields_of`, the coordinator reads the same update back with `to_update`; every field
+    survives the wire's JSON."""
+    from fedseq.common.algorithms.aggregate import ClientUpdate, DeviceCost
+
+    cost = DeviceCost(energy_j=1.5, energy_w=3.0, energy_rails={"gpu": 0.5}, energy_source="ina",
+                      max_temp_c=51.0, throttled=False, gpu_load=0.25, mem_available_mb=900)
+    sent = ClientUpdate(3, 7, {}, 120, effective_samples=96, train_seconds=2.5,
+                        local_score=(30, 40), diverged_at=None, under_clip=True)
+    head = UpdateHeader(run_id="r", seq=9, device="jetson01", chunk=0, chunks=1, size=0,
+                        sha256="0" * 64, **UpdateHeader.fields_of(sent, cost))
+    back = UpdateHeader.decode(head.encode()).to_update({}, "jetson01", cost)
+    assert back == ClientUpdate(3, 7, {}, 120, effective_samples=96, train_seconds=2.5,
+                                local_score=(30, 40), device="jetson01", cost=cost,
+                                under_clip=True)
+    bare = UpdateHeader(run_id="r", seq=9, device="d", chunk=0, chunks=1, size=0, sha256="0" * 64,
+                        **UpdateHeader.fields_of(ClientUpdate(0, 1, {}, 5)))
+    assert bare.to_update({}, "d").local_score is None and bare.energy_j is None
