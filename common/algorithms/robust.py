@@ -307,10 +307,14 @@ class _Stateless(Rule):
         return self.factory(self.cfg)
 
 
+def _is_rule_class(rule: Any) -> bool:
+    """Whether a registered rule is a `Rule` subclass (else a plain callable)."""
+    return isinstance(rule, type) and issubclass(rule, Rule)
+
+
 def rule_options(cfg: AggregationConfig, rule: Any) -> Any:
     """[aggregation.options] as the registered `rule` reads them; ConfigError in one line."""
-    model = getattr(rule, "options_model", None) if isinstance(rule, type) and \
-        issubclass(rule, Rule) else None
+    model = rule.options_model if _is_rule_class(rule) else None
     if model is None:
         if cfg.options:
             raise ConfigError(f"aggregation.options {sorted(cfg.options)}: the rule {cfg.rule} "
@@ -330,7 +334,7 @@ def build_rule(cfg: AggregationConfig) -> Rule:
 
     rule = REGISTRY.load("aggregators", cfg.rule)
     options = rule_options(cfg, rule)
-    if isinstance(rule, type) and issubclass(rule, Rule):
+    if _is_rule_class(rule):
         return rule(cfg, options)
     return _Stateless(cfg, rule)
 

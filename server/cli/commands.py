@@ -172,6 +172,15 @@ EPILOG = ("Documentation: the site built from docs/ (install the docs extra, run
           "configuration key.")
 
 
+def with_devices_data(overrides: list[str] | None, devices_data: Path | None) -> list[str]:
+    """`overrides` and, with --devices-data DIR, the two that read the simulated devices' folders
+    (data.placement = "device", data.devices_root = DIR): fedseq-sim's and `fedseq data stats`'."""
+    if devices_data is None:
+        return list(overrides or [])
+    return [*(overrides or []), 'data.placement="device"',
+            f"data.devices_root={json.dumps(str(devices_data.expanduser().resolve()))}"]
+
+
 def page(path: str) -> str:
     """How a help text names a page of the site: its title and its address there."""
     return f'docs: "{PAGES[path]}", {path.removesuffix(".md")}/'
@@ -280,9 +289,7 @@ def sim(
         _finetune_again(finetune_from, set_ or [], out, quiet,
                         config is not None or resume is not None or seeds is not None or overwrite)
         return
-    if devices_data is not None:
-        set_ = [*(set_ or []), 'data.placement="device"',
-                f"data.devices_root={json.dumps(str(devices_data.expanduser().resolve()))}"]
+    set_ = with_devices_data(set_, devices_data)
     cfg, out, mode, info = _start(config, set_, out, resume, overwrite)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and mode == "new" \
             and (out / "checkpoint.safetensors").exists():

@@ -125,12 +125,10 @@ def stats(
 
     from fedseq.common.config import load_config
     from fedseq.common.data.federated import training_stats
+    from fedseq.server.cli.commands import with_devices_data
 
-    if devices_data is not None:
-        set_ = [*(set_ or []), 'data.placement="device"',
-                f"data.devices_root={json.dumps(str(devices_data.expanduser().resolve()))}"]
     try:
-        cfg = load_config(config, set_ or [])
+        cfg = load_config(config, with_devices_data(set_, devices_data))
         mean, std, rows, per = training_stats(cfg.data, cfg.seed_for("data"))
     except FedseqError as exc:
         _fail(exc)

@@ -132,9 +132,10 @@ class RoundContract:
     def admit(self, item: ClientUpdate | SitePartial, site: frozenset[int] = frozenset(),
               counts: dict[int, tuple[int, int | None]] | None = None, k: int = 1
               ) -> Rejection | None:
-        """Why `item` cannot count in this round's fold, or None: a client's update (`check`),
-        or a site's partial after its `k` site rounds, held to the clients of `site` and the
-        (num_samples, effective_samples) it `counts` for each client it claims."""
+        """Why `item` cannot count in this round's fold, or None: a client's update (its
+        identity, form, encoding, values and clip), or a site's partial after its `k` site
+        rounds, held to the clients of `site` and the (num_samples, effective_samples) it
+        `counts` for each client it claims."""
         if isinstance(item, ClientUpdate):
             return self._update_problem(item)
         return self._partial_problem(item, site, counts or {}, k)
